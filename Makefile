@@ -1,0 +1,41 @@
+# One command sets up a fresh machine and runs the tests: `make test`.
+# torch is pinned to 2.13.0 here because that release is a CPU build; an unpinned torch pulls a CUDA build of
+# several GB. The code itself supports torch >= 2.6.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_CPU ?= torch==2.13.0
+APT_PACKAGES := openssh-server openssh-client tmux rsync git
+
+.PHONY: test test-fast lint system-deps venv demo clean
+
+system-deps:
+	@missing=""; \
+	for p in sshd:openssh-server ssh:openssh-client tmux:tmux rsync:rsync git:git; do \
+	  cmd=$${p%%:*}; pkg=$${p##*:}; \
+	  command -v $$cmd >/dev/null 2>&1 || [ -x /usr/sbin/$$cmd ] || missing="$$missing $$pkg"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_CPU)"
+	$(PY) -m pip install -q -e ".[trainer,dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+lint: venv
+	$(VENV)/bin/ruff check dflashctl trainer tests bench
+
+test: system-deps venv lint
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+test-fast: venv
+	$(VENV)/bin/pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

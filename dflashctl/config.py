@@ -1,0 +1,221 @@
+"""Hosts: where they are defined, how they are typed, and how a host named on the command line is resolved.
+
+Hosts come from, in order of precedence:
+  1. `dflashctl.yaml` at the project's root (`hosts:` mapping),
+  2. the user's `~/.config/dflashctl/hosts.yaml` (path overridable with $DFLASHCTL_HOSTS), same format,
+  3. the built-in `local` host,
+  4. a destination given directly: `user@host`, `ssh://[user@]host[:port]`, or an alias from ~/.ssh/config.
+Every error names the file and the key, and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dflashctl.errors import ConfigError
+
+PROJECT_FILE = "dflashctl.yaml"
+USER_HOSTS_ENV = "DFLASHCTL_HOSTS"
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+CONTAINER_SPEC = re.compile(r"^(pct:[0-9]+|docker:[A-Za-z0-9][A-Za-z0-9_.-]*)$")
+# Top-level keys a hosts file may hold; dflashctl.yaml is read with the same rules.
+PROJECT_KEYS = {"hosts"}
+HOSTNAME = re.compile(r"^[A-Za-z0-9_.:-]+$")  # names, IPv4 and bare IPv6 literals; nothing a shell would read
+
+
+class HostConfig(BaseModel):
+    """One remote (or the local machine): how to reach it and where its files live."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field("", description="the host's name in the config, or the destination as given")
+    ssh: str | None = Field(None, description="ssh destination: ~/.ssh/config alias, host or user@host; none = local")
+    port: int | None = Field(None, ge=1, le=65535, description="ssh port; default from ~/.ssh/config, else 22")
+    user: str | None = Field(None, description="ssh user; default from ~/.ssh/config or the destination")
+    identity_file: str | None = Field(None, description="private key; default from ~/.ssh/config and the agent")
+    container: str | None = Field(None, description="run commands inside `pct:<ctid>` or `docker:<name>`")
+    workdir: str = Field("~/dflashctl", description="remote root for code/ and runs/; `~/` is the remote home")
+    python: str = Field("python3", description="the remote Python that runs the trainer and the probe")
+    gpu_query: Literal["container", "host"] = Field(
+        "container", description="where nvidia-smi/NVML run: inside the container or on its host (Proxmox)"
+    )
+    connect_timeout: float = Field(10.0, gt=0, le=300, description="seconds to wait for the ssh handshake")
+
+    @field_validator("container")
+    @classmethod
+    def _container(cls, value: str | None) -> str | None:
+        if value is not None and not CONTAINER_SPEC.match(value):
+            raise ValueError("expected `pct:<ctid>` (digits) or `docker:<name>` ([A-Za-z0-9_.-])")
+        return value
+
+    @field_validator("ssh")
+    @classmethod
+    def _ssh(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        user, _, host = value.rpartition("@")
+        if (user and not SAFE_NAME.match(user)) or not HOSTNAME.match(host):
+            raise ValueError("expected an ssh destination `host` or `user@host` with no shell characters")
+        return value
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, value: str | None) -> str | None:
+        if value is not None and not SAFE_NAME.match(value):
+            raise ValueError("expected a user name of [A-Za-z0-9._-]")
+        return value
+
+    @field_validator("workdir", "python")
+    @classmethod
+    def _no_control_chars(cls, value: str) -> str:
+        if not value or any(ord(c) < 32 for c in value):
+            raise ValueError("must be non-empty and hold no control characters")
+        return value
+
+    @property
+    def is_local(self) -> bool:
+        return self.ssh is None
+
+    @property
+    def container_kind(self) -> str | None:
+        return self.container.split(":", 1)[0] if self.container else None
+
+    @property
+    def container_id(self) -> str | None:
+        return self.container.split(":", 1)[1] if self.container else None
+
+
+LOCAL = HostConfig(name="local")
+
+
+class HostsFile(BaseModel):
+    """The `hosts:` part of dflashctl.yaml or the user's hosts.yaml."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hosts: dict[str, HostConfig] = Field(default_factory=dict)
+
+
+def format_validation_error(source: str, err: ValidationError, prefix: str = "") -> ConfigError:
+    """One line naming the file and the dotted key of every problem pydantic found."""
+    parts = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        parts.append(f"{key}: {msg}" if key else msg)
+    return ConfigError(source, None, "; ".join(parts))
+
+
+def load_yaml(path: Path) -> Any:
+    """Parse a YAML file; a syntax error becomes a ConfigError with the line number."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(str(path), None, f"cannot read: {e.strerror}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(where, None, f"malformed YAML: {problem}") from None
+
+
+def load_hosts_file(path: Path) -> dict[str, HostConfig]:
+    data = load_yaml(path)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), None, "expected a mapping with a `hosts:` key")
+    unknown = sorted(str(k) for k in set(data) - PROJECT_KEYS)
+    if unknown:
+        raise ConfigError(str(path), unknown[0], "unknown key")
+    raw = data.get("hosts") or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(str(path), "hosts", "expected a mapping of host name to host settings")
+    for name in raw:
+        if not isinstance(name, str) or not SAFE_NAME.match(name):
+            raise ConfigError(str(path), f"hosts.{name}", "host names may hold only [A-Za-z0-9._-]")
+        if name == "local":
+            raise ConfigError(str(path), "hosts.local", "`local` is built in and cannot be redefined")
+    try:
+        parsed = HostsFile.model_validate({"hosts": raw})
+    except ValidationError as e:
+        raise format_validation_error(str(path), e) from None
+    return {name: host.model_copy(update={"name": name}) for name, host in parsed.hosts.items()}
+
+
+def find_project_root(start: Path | None = None) -> Path:
+    """The nearest directory holding dflashctl.yaml or .git, else the start directory."""
+    here = (start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / PROJECT_FILE).is_file() or (d / ".git").exists():
+            return d
+    return here
+
+
+def user_hosts_path() -> Path:
+    override = os.environ.get(USER_HOSTS_ENV)
+    if override:
+        return Path(override).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "dflashctl" / "hosts.yaml"
+
+
+def known_hosts(project_root: Path | None = None) -> dict[str, HostConfig]:
+    """All named hosts: the user's file first, the project's file overriding it by name."""
+    hosts: dict[str, HostConfig] = {}
+    user_file = user_hosts_path()
+    if user_file.is_file():
+        hosts.update(load_hosts_file(user_file))
+    project_file = find_project_root(project_root) / PROJECT_FILE
+    if project_file.is_file():
+        hosts.update(load_hosts_file(project_file))
+    return hosts
+
+
+def parse_destination(spec: str) -> HostConfig:
+    """A host given directly: `user@host`, `ssh://[user@]host[:port]`, or a bare ssh alias."""
+    port: int | None = None
+    dest = spec
+    if spec.startswith("ssh://"):
+        rest = spec[len("ssh://") :].rstrip("/")
+        m = re.match(r"^(?:(?P<user>[^@]+)@)?(?P<host>\[[^\]]+\]|[^:]+)(?::(?P<port>[0-9]+))?$", rest)
+        if not m:
+            raise ConfigError("command line", "host", f"cannot parse {spec!r}: expected ssh://[user@]host[:port]")
+        host = m["host"].strip("[]")
+        dest = f"{m['user']}@{host}" if m["user"] else host
+        port = int(m["port"]) if m["port"] else None
+    try:
+        return HostConfig(name=spec, ssh=dest, port=port)
+    except ValidationError as e:
+        raise format_validation_error("command line", e, prefix="host") from None
+
+
+def resolve_host(spec: str, project_root: Path | None = None, workdir: str | None = None) -> HostConfig:
+    """Turn what the user typed into a HostConfig; `workdir` overrides the host's own."""
+    if not spec or any(ord(c) < 32 for c in spec):
+        raise ConfigError("command line", "host", "empty or holds control characters")
+    named = known_hosts(project_root)
+    if spec in named:
+        host = named[spec]
+    elif spec == "local":
+        host = LOCAL
+    else:
+        host = parse_destination(spec)
+    if workdir is not None:
+        try:
+            host = HostConfig.model_validate({**host.model_dump(), "workdir": workdir})
+        except ValidationError:
+            raise ConfigError("command line", "--workdir", "must be non-empty with no control characters") from None
+    return host

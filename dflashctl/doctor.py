@@ -1,0 +1,140 @@
+"""doctor: can this host run our jobs? One remote command gathers the facts; each becomes a check with a verdict."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+from dflashctl.errors import DflashError
+from dflashctl.transport import WORKDIR_PRELUDE, Runner
+
+MIN_FREE_GIB = 20.0  # checkpoints of an 8B-target drafter run are a few GiB each; keep room for several
+MAX_CLOCK_OFFSET_S = 5.0  # heartbeat ages and stall timers compare remote timestamps with ours
+GPU_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"]
+
+# Prints key=value lines; each probe tolerates the tool being absent. $1 is the workdir, $2 the Python.
+FACTS_SCRIPT = (
+    WORKDIR_PRELUDE
+    + r"""py="$1"
+echo "python=$("$py" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null)"
+echo "torch=$("$py" -c 'import torch as t; c = t.cuda
+print(t.__version__, t.version.cuda, c.is_available(), c.device_count())' 2>/dev/null)"
+echo "tmux=$(tmux -V 2>/dev/null)"
+echo "rsync=$(rsync --version 2>/dev/null | head -n 1)"
+d="$wd"; while [ ! -d "$d" ] && [ "$d" != / ]; do d=$(dirname -- "$d"); done
+echo "disk=$(df -Pk -- "$d" 2>/dev/null | awk 'NR==2 {print $4}') $d"
+echo "time=$(date +%s.%N)"
+"""
+)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "ok" | "warn" | "fail"
+    detail: str
+    required: bool = False
+
+
+@dataclass
+class DoctorReport:
+    host: str
+    checks: list[Check]
+
+    @property
+    def ok(self) -> bool:
+        return not any(c.status == "fail" and c.required for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {"host": self.host, "ok": self.ok, "checks": [asdict(c) for c in self.checks]}
+
+
+def parse_facts(text: str) -> dict[str, str]:
+    facts: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            facts[key.strip()] = value.strip()
+    return facts
+
+
+def parse_gpu_csv(text: str) -> list[dict]:
+    """`nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits` -> [{index, name, memory_mib}]."""
+    gpus = []
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 3 and parts[0].isdigit():
+            gpus.append({"index": int(parts[0]), "name": parts[1], "memory_mib": int(float(parts[2]))})
+    return gpus
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(".")[:2] if x.isdigit())
+
+
+def run_doctor(runner: Runner) -> DoctorReport:
+    host = runner.host
+    checks: list[Check] = []
+    t0 = time.time()
+    try:
+        res = runner.run_script(FACTS_SCRIPT, host.workdir, host.python, timeout=120)
+    except DflashError as e:
+        return DoctorReport(host.name, [Check("reachable", "fail", str(e), required=True)])
+    t1 = time.time()
+    where = "local" if host.is_local else f"ssh {host.ssh}"
+    checks.append(Check("reachable", "ok", where, required=True))
+    if host.container:
+        ok = res.returncode == 0
+        detail = host.container if ok else (res.err.strip().splitlines() or ["exec failed"])[-1]
+        checks.append(Check("container exec", "ok" if ok else "fail", detail, required=True))
+        if not ok:
+            return DoctorReport(host.name, checks)
+    elif res.returncode != 0:
+        checks.append(Check("shell", "fail", (res.err.strip().splitlines() or ["bash failed"])[-1], required=True))
+        return DoctorReport(host.name, checks)
+    facts = parse_facts(res.out)
+
+    py = facts.get("python", "")
+    if not py:
+        checks.append(Check("python", "fail", f"{host.python} not found", required=True))
+    elif _version_tuple(py) < (3, 8):
+        checks.append(Check("python", "fail", f"{host.python} is {py}; need >= 3.8", required=True))
+    else:
+        checks.append(Check("python", "ok", f"{host.python} {py}", required=True))
+
+    torch_fact = facts.get("torch", "").split()
+    if len(torch_fact) == 4:
+        version, cuda, available, count = torch_fact
+        status = "ok" if available == "True" else "warn"
+        checks.append(Check("torch", status, f"{version} (CUDA {cuda}, available={available}, devices={count})"))
+    else:
+        checks.append(Check("torch", "warn", "not importable: the bundled trainer cannot run (command: jobs can)"))
+
+    gpu_res = runner.run(GPU_QUERY, on_host=host.gpu_query == "host", timeout=60)
+    gpus = parse_gpu_csv(gpu_res.out) if gpu_res.returncode == 0 else []
+    if gpus:
+        names = ", ".join(f"{g['index']}: {g['name']} {g['memory_mib'] / 1024:.0f} GiB" for g in gpus)
+        checks.append(Check("gpus", "ok", f"{len(gpus)} ({names})"))
+    else:
+        checks.append(Check("gpus", "warn", "nvidia-smi found no GPU (CPU-only jobs still run)"))
+
+    tmux = facts.get("tmux", "")
+    checks.append(Check("tmux", "ok" if tmux else "fail", tmux or "not installed: jobs run in tmux", required=True))
+    rsync = facts.get("rsync", "")
+    checks.append(Check("rsync", "ok" if rsync else "warn", rsync or "not installed (deploy streams tar instead)"))
+
+    disk = facts.get("disk", "").split(maxsplit=1)
+    if disk and disk[0].isdigit():
+        free_gib = int(disk[0]) / (1 << 20)
+        status = "ok" if free_gib >= MIN_FREE_GIB else "warn"
+        checks.append(Check("disk", status, f"{free_gib:.1f} GiB free at {disk[1] if len(disk) > 1 else '?'}"))
+    else:
+        checks.append(Check("disk", "warn", "df gave no reading"))
+
+    try:
+        offset = float(facts.get("time", "")) - (t0 + t1) / 2
+        status = "ok" if abs(offset) <= MAX_CLOCK_OFFSET_S + (t1 - t0) / 2 else "warn"
+        checks.append(Check("clock", status, f"offset {offset:+.2f} s (round trip {t1 - t0:.2f} s)"))
+    except ValueError:
+        checks.append(Check("clock", "warn", "remote date gave no reading"))
+    return DoctorReport(host.name, checks)

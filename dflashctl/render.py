@@ -1,0 +1,43 @@
+"""Output: results on stdout (tables for people, compact JSON for scripts), everything else on stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def print_json(obj: object) -> None:
+    sys.stdout.write(json.dumps(obj, separators=(",", ":"), default=str) + "\n")
+    sys.stdout.flush()
+
+
+@contextmanager
+def byte_progress(label: str, enabled: bool = True) -> Iterator[Callable[[int], Callable[[int], None]]]:
+    """A factory: given a total size, returns the tick function for a progress bar on stderr.
+
+    The bar appears only on a terminal and only for transfers worth showing (over 1 MiB).
+    """
+    show = enabled and err.is_terminal
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=err,
+        transient=True,
+        disable=not show,
+    ) as bar:
+
+        def start(total: int) -> Callable[[int], None]:
+            task = bar.add_task(label, total=total, visible=total > (1 << 20))
+            return lambda n: bar.advance(task, n)
+
+        yield start

@@ -1,0 +1,357 @@
+"""Run a command on a host: one interface, a local and an ssh runner, each optionally inside a container.
+
+Commands are argument lists. Each layer quotes them once: the container prefix (`pct exec CTID --`,
+`docker exec -i NAME`) is prepended as arguments, and the ssh runner joins the whole list with shlex for the remote
+login shell. Shell features are asked for explicitly with `run_script`, which passes the script to `bash -c` and the
+values as positional arguments, so no value is ever pasted into a script.
+"""
+
+from __future__ import annotations
+
+import getpass
+import shlex
+import subprocess
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import paramiko
+
+from dflashctl.config import HostConfig
+from dflashctl.errors import HostKeyError, RemoteCommandError, UnreachableError
+
+Progress = Callable[[int], None]
+CHUNK = 256 * 1024
+
+# ssh client settings, one reason each.
+SSH_KEEPALIVE_S = 15  # NAT boxes and Proxmox firewalls drop idle TCP after a few minutes; watch polls are sparse
+MAX_OUTPUT_CAPTURED = 1 << 30  # a runaway command must not take all our memory
+
+
+@dataclass
+class Result:
+    """What a finished remote command gave back. `returncode` is the remote process's own exit status."""
+
+    argv: list[str]
+    returncode: int
+    stdout: bytes
+    stderr: bytes
+
+    @property
+    def out(self) -> str:
+        return self.stdout.decode("utf-8", "replace")
+
+    @property
+    def err(self) -> str:
+        return self.stderr.decode("utf-8", "replace")
+
+    def check(self, what: str) -> Result:
+        if self.returncode != 0:
+            detail = self.err.strip().splitlines()[-1:] or [f"exit status {self.returncode}"]
+            raise RemoteCommandError(f"{what} failed (exit {self.returncode}): {detail[0]}")
+        return self
+
+
+# Prepended to remote scripts that take the workdir as $1: expands a leading `~/` to the remote $HOME (values
+# passed as arguments are never tilde-expanded by a shell) and exports it as $wd.
+WORKDIR_PRELUDE = 'wd="$1"; case "$wd" in "~") wd="$HOME";; "~/"*) wd="$HOME/${wd#"~/"}";; esac; shift; '
+
+
+def container_prefix(host: HostConfig) -> list[str]:
+    """The arguments that run a command inside the host's container, or nothing."""
+    if host.container_kind == "pct":
+        return ["pct", "exec", str(host.container_id), "--"]
+    if host.container_kind == "docker":
+        return ["docker", "exec", "-i", str(host.container_id)]
+    return []
+
+
+def _chunks(stdin: bytes | BinaryIO | None) -> list[bytes] | BinaryIO | None:
+    if isinstance(stdin, bytes):
+        return [stdin[i : i + CHUNK] for i in range(0, len(stdin), CHUNK)]
+    return stdin
+
+
+def _feed(write: Callable[[bytes], object], close: Callable[[], object], stdin, progress: Progress | None) -> None:
+    """Stream stdin to the command in chunks, reporting bytes sent, then close its input."""
+    try:
+        source = _chunks(stdin)
+        if source is not None:
+            it = source if isinstance(source, list) else iter(lambda: source.read(CHUNK), b"")
+            for chunk in it:
+                write(chunk)
+                if progress:
+                    progress(len(chunk))
+    except (BrokenPipeError, OSError):
+        pass  # the command exited without reading all of it; its exit status says why
+    finally:
+        try:
+            close()
+        except OSError:
+            pass
+
+
+class Runner(ABC):
+    """Runs argument lists on one host. One connection per runner; `close()` when done."""
+
+    def __init__(self, host: HostConfig) -> None:
+        self.host = host
+        self.commands_run = 0
+
+    def command_for(self, argv: Sequence[str], on_host: bool = False) -> list[str]:
+        """The full argument list as executed on the host: container prefix (unless on_host) + argv."""
+        prefix = [] if on_host else container_prefix(self.host)
+        return [*prefix, *argv]
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | BinaryIO | None = None,
+        on_host: bool = False,
+        timeout: float | None = None,
+        progress: Progress | None = None,
+    ) -> Result:
+        """Run argv (inside the container unless on_host) and wait for it. Never raises on a non-zero exit."""
+        full = self.command_for(argv, on_host)
+        self.commands_run += 1
+        return self._exec(full, stdin, timeout, progress)
+
+    def run_script(self, script: str, *args: str, **kwargs) -> Result:
+        """Run a bash script with args as $1..$N: the script is constant, the values never enter it as text."""
+        return self.run(["bash", "--noprofile", "--norc", "-c", script, "dflashctl", *args], **kwargs)
+
+    def describe(self, argv: Sequence[str], on_host: bool = False) -> str:
+        """What `run` would execute, as one printable line (for --dry-run)."""
+        return shlex.join(self.command_for(argv, on_host))
+
+    @abstractmethod
+    def _exec(self, argv: list[str], stdin, timeout: float | None, progress: Progress | None) -> Result: ...
+
+    def check_connection(self) -> None:
+        """Raise UnreachableError/HostKeyError if the host (and its container) cannot run a command."""
+        self.run(["true"]).check("running `true` on the host")
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LocalRunner(Runner):
+    """This machine, through subprocess: no shell unless the command asks for one."""
+
+    def _exec(self, argv, stdin, timeout, progress) -> Result:
+        try:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        except FileNotFoundError as e:
+            return Result(argv, 127, b"", f"{e.filename}: command not found\n".encode())
+        out, err = bytearray(), bytearray()
+        readers = [
+            threading.Thread(target=lambda: out.extend(proc.stdout.read()), daemon=True),
+            threading.Thread(target=lambda: err.extend(proc.stderr.read()), daemon=True),
+        ]
+        for t in readers:
+            t.start()
+        if stdin is not None:
+            _feed(proc.stdin.write, proc.stdin.close, stdin, progress)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for t in readers:
+            t.join()
+        return Result(argv, proc.returncode, bytes(out), bytes(err))
+
+
+class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
+    """ssh's StrictHostKeyChecking=accept-new: record an unknown key; a changed key still fails (paramiko)."""
+
+    def __init__(self, known_hosts_file: Path) -> None:
+        self.path = known_hosts_file
+
+    def missing_host_key(self, client, hostname, key) -> None:
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+
+
+class _RefuseUnknownPolicy(paramiko.MissingHostKeyPolicy):
+    def missing_host_key(self, client, hostname, key) -> None:
+        raise HostKeyError(
+            f"host key of {hostname} is not in known_hosts ({key.get_name()} "
+            f"{key.get_fingerprint().hex()}); check it, then run again with --accept-new-host-key to record it"
+        )
+
+
+@dataclass
+class SshTarget:
+    """A destination with ~/.ssh/config applied: what paramiko needs to connect."""
+
+    hostname: str
+    port: int
+    user: str
+    key_filenames: list[str]
+    proxy_jump: str | None
+    known_hosts: Path
+
+
+def ssh_config_path() -> Path:
+    return Path.home() / ".ssh" / "config"
+
+
+def resolve_ssh_target(host: HostConfig) -> SshTarget:
+    """Apply ~/.ssh/config (HostName, Port, User, IdentityFile, ProxyJump, UserKnownHostsFile) to a destination."""
+    assert host.ssh is not None
+    user_in_dest, _, alias = host.ssh.rpartition("@")
+    cfg = paramiko.SSHConfig()
+    path = ssh_config_path()
+    if path.is_file():
+        cfg = paramiko.SSHConfig.from_path(str(path))
+    opts = cfg.lookup(alias)
+    known = opts.get("userknownhostsfile", "~/.ssh/known_hosts").split()[0]
+    keys = [host.identity_file] if host.identity_file else list(opts.get("identityfile", []))
+    return SshTarget(
+        hostname=opts.get("hostname", alias),
+        port=host.port or int(opts.get("port", 22)),
+        user=host.user or user_in_dest or opts.get("user") or getpass.getuser(),
+        key_filenames=[str(Path(k).expanduser()) for k in keys if Path(k).expanduser().is_file()],
+        proxy_jump=opts.get("proxyjump"),
+        known_hosts=Path(known).expanduser(),
+    )
+
+
+class SshRunner(Runner):
+    """A remote host over ssh (paramiko): one connection per runner, kept alive, host keys verified."""
+
+    connections_opened = 0  # counted across runners: benchmarks report connections per CLI command
+
+    def __init__(self, host: HostConfig, accept_new_host_key: bool = False) -> None:
+        super().__init__(host)
+        self.accept_new_host_key = accept_new_host_key
+        self._client: paramiko.SSHClient | None = None
+        self._jump: SshRunner | None = None
+
+    def _connect(self) -> paramiko.SSHClient:
+        if self._client is not None:
+            return self._client
+        target = resolve_ssh_target(self.host)
+        where = f"{self.host.name or self.host.ssh} ({target.user}@{target.hostname}:{target.port})"
+        client = paramiko.SSHClient()
+        if target.known_hosts.is_file():
+            client.load_host_keys(str(target.known_hosts))
+        client.set_missing_host_key_policy(
+            _AcceptNewPolicy(target.known_hosts) if self.accept_new_host_key else _RefuseUnknownPolicy()
+        )
+        sock = None
+        timeout = self.host.connect_timeout
+        try:
+            if target.proxy_jump:
+                jump_host = HostConfig(name=target.proxy_jump, ssh=target.proxy_jump, connect_timeout=timeout)
+                self._jump = SshRunner(jump_host, self.accept_new_host_key)
+                jt = self._jump._connect().get_transport()
+                sock = jt.open_channel("direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0))
+            client.connect(
+                target.hostname,
+                port=target.port,
+                username=target.user,
+                key_filename=target.key_filenames or None,
+                timeout=timeout,
+                banner_timeout=timeout,
+                auth_timeout=timeout,
+                channel_timeout=timeout,
+                sock=sock,
+            )
+        except HostKeyError:
+            raise
+        except paramiko.BadHostKeyException as e:
+            raise HostKeyError(
+                f"host key of {where} has CHANGED (got {e.key.get_name()} {e.key.get_fingerprint().hex()}): "
+                f"refusing to connect; if the host was reinstalled, remove its line from {target.known_hosts}"
+            ) from None
+        except paramiko.AuthenticationException as e:
+            raise UnreachableError(f"{where}: authentication failed: {e}") from None
+        except TimeoutError:
+            raise UnreachableError(f"{where}: no answer within {timeout:g} s") from None
+        except (OSError, paramiko.SSHException) as e:
+            reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            raise UnreachableError(f"{where}: cannot connect: {reason}") from None
+        transport = client.get_transport()
+        assert transport is not None
+        transport.set_keepalive(SSH_KEEPALIVE_S)
+        SshRunner.connections_opened += 1
+        self._client = client
+        return client
+
+    def check_connection(self) -> None:
+        self._connect()
+        super().check_connection()
+
+    def _exec(self, argv, stdin, timeout, progress) -> Result:
+        client = self._connect()
+        transport = client.get_transport()
+        if transport is None or not transport.is_active():
+            raise UnreachableError(f"{self.host.name}: connection lost")
+        try:
+            chan = transport.open_session(timeout=self.host.connect_timeout)
+            chan.settimeout(timeout)
+            chan.exec_command(shlex.join(argv))
+        except (paramiko.SSHException, OSError) as e:
+            raise UnreachableError(f"{self.host.name}: connection lost: {e}") from None
+        out, err = bytearray(), bytearray()
+
+        def drain(recv, sink: bytearray) -> None:
+            try:
+                while True:
+                    data = recv(CHUNK)
+                    if not data:
+                        return
+                    if len(sink) < MAX_OUTPUT_CAPTURED:
+                        sink.extend(data)
+            except TimeoutError:
+                return
+
+        readers = [
+            threading.Thread(target=drain, args=(chan.recv, out), daemon=True),
+            threading.Thread(target=drain, args=(chan.recv_stderr, err), daemon=True),
+        ]
+        for t in readers:
+            t.start()
+        _feed(chan.sendall, chan.shutdown_write, stdin, progress)
+        for t in readers:
+            t.join()
+        if not chan.status_event.wait(timeout):
+            chan.close()
+            return Result(argv, 124, bytes(out), bytes(err) + b"dflashctl: remote command timed out\n")
+        code = chan.recv_exit_status()
+        chan.close()
+        return Result(argv, code, bytes(out), bytes(err))
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._jump is not None:
+            self._jump.close()
+            self._jump = None
+
+
+def open_runner(host: HostConfig, accept_new_host_key: bool = False) -> Runner:
+    """The runner for a host. Connecting is lazy: nothing touches the network until the first command."""
+    if host.is_local:
+        return LocalRunner(host)
+    return SshRunner(host, accept_new_host_key)
