@@ -1,0 +1,171 @@
+"""Shared fixtures: a real OpenSSH server on a loopback port, a client home that trusts it, and the CLI."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+FAKES = TESTS / "fakes"
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                if s.recv(4).startswith(b"SSH"):
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"sshd did not come up on port {port}")
+
+
+@dataclass
+class SshServer:
+    """A running sshd: its port, host public key, the user key that logs in, and the dirs it serves."""
+
+    port: int
+    dir: Path
+    host_pubkey: str  # "ssh-ed25519 AAAA..."
+    user_key: Path
+    pct_root: Path
+    proc: subprocess.Popen | None = None
+    config: Path | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [SSHD, "-D", "-e", "-f", str(self.config)], stdout=subprocess.DEVNULL, stderr=open(self.dir / "log", "ab")
+        )
+        wait_for_port(self.port)
+
+    def stop(self) -> None:
+        if self.proc:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+def _keygen(path: Path) -> None:
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory) -> SshServer:
+    if not Path(SSHD).exists():
+        pytest.fail("sshd is not installed: `make test` installs openssh-server")
+    d = tmp_path_factory.mktemp("sshd")
+    _keygen(d / "host_key")
+    _keygen(d / "user_key")
+    pct_root = d / "containers"
+    pct_root.mkdir()
+    # The remote's PATH puts the fake pct and nvidia-smi first; sshd sets it from authorized_keys.
+    env = f'PATH={FAKES}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin,FAKE_PCT_ROOT={pct_root}'
+    env_opts = ",".join(f'environment="{kv}"' for kv in env.split(","))
+    (d / "authorized_keys").write_text(f"{env_opts} {(d / 'user_key.pub').read_text()}")
+    os.chmod(d / "authorized_keys", 0o600)
+    port = free_port()
+    config = d / "sshd_config"
+    config.write_text(
+        "\n".join(
+            [
+                f"Port {port}",
+                "ListenAddress 127.0.0.1",
+                f"HostKey {d / 'host_key'}",
+                f"AuthorizedKeysFile {d / 'authorized_keys'}",
+                f"PidFile {d / 'sshd.pid'}",
+                "PermitRootLogin yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "StrictModes no",
+                "PermitUserEnvironment yes",
+                "MaxSessions 50",
+                "MaxStartups 50",
+                "LogLevel ERROR",
+                "Subsystem sftp internal-sftp",
+            ]
+        )
+        + "\n"
+    )
+    Path("/run/sshd").mkdir(parents=True, exist_ok=True)
+    host_pubkey = " ".join((d / "host_key.pub").read_text().split()[:2])
+    server = SshServer(port, d, host_pubkey, d / "user_key", pct_root, config=config)
+    server.start()
+    yield server
+    server.stop()
+
+
+@dataclass
+class Client:
+    """A client side: HOME with ~/.ssh/config (alias `testbox`), known_hosts, and a hosts.yaml."""
+
+    home: Path
+    known_hosts: Path
+    hosts_file: Path
+    project: Path
+
+    def write_hosts(self, text: str) -> None:
+        self.hosts_file.write_text(text)
+
+
+@pytest.fixture
+def client(tmp_path, monkeypatch, sshd) -> Client:
+    home = tmp_path / "home"
+    ssh_dir = home / ".ssh"
+    ssh_dir.mkdir(parents=True)
+    known = ssh_dir / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{sshd.port} {sshd.host_pubkey}\n")
+    (ssh_dir / "config").write_text(
+        f"Host testbox\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User root\n  IdentityFile {sshd.user_key}\n"
+    )
+    hosts = home / ".config" / "dflashctl" / "hosts.yaml"
+    hosts.parent.mkdir(parents=True)
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("DFLASHCTL_HOSTS", raising=False)
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    monkeypatch.chdir(project)
+    return Client(home, known, hosts, project)
+
+
+@dataclass
+class CliResult:
+    code: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 120) -> CliResult:
+    """Run the real `dflashctl` entry point in a fresh interpreter, as a user would."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflashctl", *args],
+        cwd=cwd,
+        env={**os.environ, **(env or {}), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return CliResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.fixture
+def cli():
+    return run_cli

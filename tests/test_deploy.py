@@ -1,0 +1,102 @@
+"""deploy end to end through the real CLI: over the sshd, over sshd + fake pct, and to `local`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def make_project(root: Path) -> None:
+    (root / "pkg").mkdir()
+    (root / "pkg" / "a.py").write_text("A = 1\n")
+    (root / "pkg" / "b.py").write_text("B = 2\n")
+    (root / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (root / "run.sh").chmod(0o755)
+    (root / "odd name $(x) 'q'.txt").write_text("odd\n")
+    (root / ".gitignore").write_text("secret.env\n*.log\n")
+    (root / "secret.env").write_text("TOKEN=1\n")
+    (root / "train.log").write_text("noise\n")
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    subprocess.run(["git", "-C", str(root), "add", "pkg", "run.sh", ".gitignore"], check=True)
+    (root / "untracked.py").write_text("U = 3\n")  # untracked, not ignored: travels
+
+
+def remote_tree(code: Path) -> dict[str, str]:
+    return {
+        p.relative_to(code).as_posix(): p.read_text()
+        for p in sorted(code.rglob("*"))
+        if p.is_file() and p.name != ".dflashctl-manifest.json"
+    }
+
+
+@pytest.fixture(params=["ssh", "ssh+pct", "local"])
+def target(request, client, sshd, tmp_path):
+    """(host argument, workdir argument, where the code lands on disk)."""
+    if request.param == "ssh":
+        return "testbox", str(tmp_path / "remote"), tmp_path / "remote" / "code"
+    if request.param == "ssh+pct":
+        client.write_hosts("hosts:\n  box:\n    ssh: testbox\n    container: pct:201\n    workdir: wd\n")
+        return "box", "wd", sshd.pct_root / "ct201" / "wd" / "code"
+    return "local", str(tmp_path / "local-remote"), tmp_path / "local-remote" / "code"
+
+
+def deploy(cli, host, workdir, *extra):
+    res = cli("deploy", host, "--workdir", workdir, "--json", *extra)
+    assert res.code == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_deploy_cycle(cli, client, target):
+    host, workdir, code = target
+    root = client.project
+    make_project(root)
+
+    dry = deploy(cli, host, workdir, "--dry-run")
+    assert dry["dry_run"] and dry["files_sent"] == 6 and not code.exists()
+
+    first = deploy(cli, host, workdir)
+    expected = {".gitignore", "pkg/a.py", "pkg/b.py", "run.sh", "untracked.py", "odd name $(x) 'q'.txt"}
+    assert set(remote_tree(code)) == expected
+    assert first["files_sent"] == 6 and first["bytes_sent"] > 0 and first["version"] == dry["version"]
+    assert (code / "run.sh").stat().st_mode & 0o111, "the executable bit travels"
+
+    again = deploy(cli, host, workdir)
+    assert (again["files_sent"], again["files_deleted"], again["bytes_sent"]) == (0, 0, 0)
+    assert again["remote_commands"] == 1 and again["version"] == first["version"]
+
+    (root / "pkg" / "a.py").write_text("A = 10\n")
+    one = deploy(cli, host, workdir)
+    assert one["sent"] == ["pkg/a.py"] and remote_tree(code)["pkg/a.py"] == "A = 10\n"
+    assert one["version"] != first["version"]
+
+    (root / "pkg" / "b.py").unlink()
+    (root / "secret.env").write_text("TOKEN=2\n")  # ignored: never sent
+    before = remote_tree(code)
+    dry = deploy(cli, host, workdir, "--dry-run")
+    assert dry["deleted"] == ["pkg/b.py"] and dry["sent"] == [] and remote_tree(code) == before
+    gone = deploy(cli, host, workdir)
+    assert gone["deleted"] == ["pkg/b.py"] and "pkg/b.py" not in remote_tree(code)
+    assert "secret.env" not in remote_tree(code) and "train.log" not in remote_tree(code)
+
+
+def test_deploy_outside_git_skips_junk(cli, client, tmp_path):
+    root = client.project
+    (root / "m.py").write_text("x = 1\n")
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"\0")
+    (root / ".venv" / "bin").mkdir(parents=True)
+    (root / ".venv" / "bin" / "python").write_text("")
+    report = deploy(cli, "local", str(tmp_path / "wd"))
+    assert report["sent"] == ["m.py"]
+
+
+def test_deploy_human_output(cli, client, tmp_path):
+    (client.project / "m.py").write_text("x = 1\n")
+    res = cli("deploy", "local", "--workdir", str(tmp_path / "wd"))
+    assert res.code == 0
+    assert "local: sent 1 files" in res.stdout and "version" in res.stdout

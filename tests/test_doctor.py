@@ -1,0 +1,45 @@
+"""doctor over the real sshd, with the fake nvidia-smi answering from recorded H200 output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflashctl.doctor import parse_gpu_csv
+
+FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-smi"
+
+
+def test_parse_recorded_gpu_csv():
+    line = (FIXTURES / "h200-query-gpu-loaded.csv").read_text().split(", ")
+    assert parse_gpu_csv(f"{line[0]}, {line[2]}, {line[4]}\n") == [
+        {"index": 0, "name": "NVIDIA H200", "memory_mib": 143771}
+    ]
+    assert parse_gpu_csv("No devices were found\n") == []
+
+
+def checks_of(stdout: str) -> dict:
+    return {c["name"]: c for c in json.loads(stdout)["checks"]}
+
+
+def test_doctor_over_ssh_in_container(cli, client, sshd):
+    client.write_hosts("hosts:\n  box:\n    ssh: testbox\n    container: pct:202\n    gpu_query: host\n")
+    res = cli("doctor", "box", "--json")
+    assert res.code == 0, res.stderr
+    checks = checks_of(res.stdout)
+    assert checks["container exec"]["status"] == "ok"
+    assert checks["python"]["status"] == "ok" and checks["tmux"]["status"] == "ok"
+    assert checks["gpus"]["status"] == "ok" and "NVIDIA H200 140 GiB" in checks["gpus"]["detail"]
+    assert checks["clock"]["status"] == "ok"
+
+
+def test_doctor_fails_when_container_is_missing(cli, client):
+    client.write_hosts("hosts:\n  box:\n    ssh: testbox\n    container: docker:nosuch\n")
+    res = cli("doctor", "box", "--json")
+    checks = checks_of(res.stdout)
+    assert res.code == 1 and checks["container exec"]["status"] == "fail"
+
+
+def test_doctor_table_for_people(cli, client):
+    res = cli("doctor", "testbox")
+    assert res.code == 0 and "tmux" in res.stdout and "reachable" in res.stdout
