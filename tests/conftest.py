@@ -65,48 +65,48 @@ def _keygen(path: Path) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
 
 
-@pytest.fixture(scope="session")
-def sshd(tmp_path_factory) -> SshServer:
-    if not Path(SSHD).exists():
-        pytest.fail("sshd is not installed: `make test` installs openssh-server")
-    d = tmp_path_factory.mktemp("sshd")
+def start_sshd(d: Path) -> SshServer:
+    """Generate keys and a config under d and start sshd on a free loopback port (used by tests and bench/)."""
     _keygen(d / "host_key")
     _keygen(d / "user_key")
     pct_root = d / "containers"
     pct_root.mkdir()
     # The remote's PATH puts the fake pct and nvidia-smi first; sshd sets it from authorized_keys.
-    env = f'PATH={FAKES}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin,FAKE_PCT_ROOT={pct_root}'
-    env_opts = ",".join(f'environment="{kv}"' for kv in env.split(","))
+    env = [f"PATH={FAKES}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", f"FAKE_PCT_ROOT={pct_root}"]
+    env_opts = ",".join(f'environment="{kv}"' for kv in env)
     (d / "authorized_keys").write_text(f"{env_opts} {(d / 'user_key.pub').read_text()}")
     os.chmod(d / "authorized_keys", 0o600)
     port = free_port()
     config = d / "sshd_config"
-    config.write_text(
-        "\n".join(
-            [
-                f"Port {port}",
-                "ListenAddress 127.0.0.1",
-                f"HostKey {d / 'host_key'}",
-                f"AuthorizedKeysFile {d / 'authorized_keys'}",
-                f"PidFile {d / 'sshd.pid'}",
-                "PermitRootLogin yes",
-                "PasswordAuthentication no",
-                "KbdInteractiveAuthentication no",
-                "UsePAM no",
-                "StrictModes no",
-                "PermitUserEnvironment yes",
-                "MaxSessions 50",
-                "MaxStartups 50",
-                "LogLevel ERROR",
-                "Subsystem sftp internal-sftp",
-            ]
-        )
-        + "\n"
-    )
+    settings = [
+        f"Port {port}",
+        "ListenAddress 127.0.0.1",
+        f"HostKey {d / 'host_key'}",
+        f"AuthorizedKeysFile {d / 'authorized_keys'}",
+        f"PidFile {d / 'sshd.pid'}",
+        "PermitRootLogin yes",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "StrictModes no",
+        "PermitUserEnvironment yes",
+        "MaxSessions 50",
+        "MaxStartups 50",
+        "LogLevel ERROR",
+    ]
+    config.write_text("\n".join(settings) + "\n")
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)
     host_pubkey = " ".join((d / "host_key.pub").read_text().split()[:2])
     server = SshServer(port, d, host_pubkey, d / "user_key", pct_root, config=config)
     server.start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory) -> SshServer:
+    if not Path(SSHD).exists():
+        pytest.fail("sshd is not installed: `make test` installs openssh-server")
+    server = start_sshd(tmp_path_factory.mktemp("sshd"))
     yield server
     server.stop()
 

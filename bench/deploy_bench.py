@@ -1,0 +1,120 @@
+"""Deploy against plain `rsync -a` over the same loopback sshd: no-change and one-file-change, ssh connections used.
+
+    .venv/bin/python bench/deploy_bench.py [--files 2000] [--mb 50] [--repeat 5]
+
+Prints a table (median seconds of --repeat runs) and appends nothing: copy the table into docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflashctl.config import HostConfig  # noqa: E402
+from dflashctl.sync import deploy  # noqa: E402
+from dflashctl.transport import SshRunner  # noqa: E402
+from tests.conftest import start_sshd  # noqa: E402
+
+
+def make_tree(root: Path, files: int, total_mb: int) -> None:
+    size = total_mb * (1 << 20) // files
+    for i in range(files):
+        p = root / f"d{i % 40:02d}" / f"f{i:05d}.bin"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(os.urandom(size))
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+
+
+def timed(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--files", type=int, default=2000)
+    ap.add_argument("--mb", type=int, default=50)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="deploy-bench-"))
+    (work / "sshd").mkdir()
+    server = start_sshd(work / "sshd")
+    home = work / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "known_hosts").write_text(f"[127.0.0.1]:{server.port} {server.host_pubkey}\n")
+    os.environ["HOME"] = str(home)
+    src = work / "src"
+    make_tree(src, args.files, args.mb)
+    host = HostConfig(name="bench", ssh="root@127.0.0.1", port=server.port, identity_file=str(server.user_key))
+    ssh_cmd = (
+        f"ssh -p {server.port} -i {server.user_key} -o UserKnownHostsFile={home}/.ssh/known_hosts "
+        "-o BatchMode=yes -o StrictHostKeyChecking=yes"
+    )
+
+    def ours():
+        before = SshRunner.connections_opened
+        with SshRunner(host) as r:
+            rep = deploy(r, src, str(work / "dst-ours"))
+        return rep, SshRunner.connections_opened - before
+
+    def rsync():
+        subprocess.run(
+            ["rsync", "-a", "--delete", "-e", ssh_cmd, f"{src}/", f"root@127.0.0.1:{work}/dst-rsync/"], check=True
+        )
+
+    try:
+        t0 = time.perf_counter()
+        first, conns = ours()
+        first_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rsync()
+        rsync_first_s = time.perf_counter() - t0
+        nochange_ours = timed(lambda: ours(), args.repeat)
+        nochange_rsync = timed(rsync, args.repeat)
+        counter = iter(range(10**6))
+
+        def touch_one():
+            (src / "d00" / "f00000.bin").write_bytes(os.urandom(1024) + str(next(counter)).encode())
+
+        def one_ours():
+            touch_one()
+            rep, _ = ours()
+            assert rep.files_sent == 1
+
+        def one_rsync():
+            touch_one()
+            rsync()
+
+        one_change_ours = timed(one_ours, args.repeat)
+        one_change_rsync = timed(one_rsync, args.repeat)
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    py = platform.python_version()
+    print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores; python {py}")
+    print(f"tree: {args.files} files, {args.mb} MB; median of {args.repeat}; ssh connections per deploy: {conns}")
+    print("| case | dflashctl deploy (s) | rsync -a over ssh (s) |")
+    print("| --- | --- | --- |")
+    print(f"| first deploy (everything) | {first_s:.3f} | {rsync_first_s:.3f} |")
+    print(f"| no change | {nochange_ours:.3f} | {nochange_rsync:.3f} |")
+    print(f"| one file changed | {one_change_ours:.3f} | {one_change_rsync:.3f} |")
+    print(f"first deploy sent {first.files_sent} files, {first.bytes_sent / 1e6:.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
