@@ -1,0 +1,1 @@
+"""The bundled DFlash drafter trainer. Imports nothing from dflashctl: the two meet through files."""

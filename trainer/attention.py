@@ -1,0 +1,101 @@
+"""Attention backends for the drafter: compiled flex_attention behind a guard, and a dense masked reference.
+
+Both take q_BHQD [B, H, Q, D] and k_BGKD / v_BGKD [B, G, KV, D] (G = key/value heads, H % G == 0) and one mask
+definition (trainer.mask.make_mask_mod).
+
+The guard: eager flex_attention materialises the full score matrix (the "dense fallback": 72 GiB at seq 3072 with
+512 anchors, 288 GiB at ~49K tokens). The flex call sits in a small compiled function whose first statement raises
+DenseFallbackError when it is not being traced by Dynamo. Under compilation the check folds away; if the function ever
+runs eagerly (compile disabled, recompile limit hit, frame skipped) it raises before allocating anything.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from trainer.errors import ConfigError, DenseFallbackError
+from trainer.mask import dense_mask, dense_score_gib, make_mask_mod
+
+
+def _likely_cause() -> str:
+    if os.environ.get("TORCH_COMPILE_DISABLE") or torch._dynamo.config.disable:
+        return "torch.compile is disabled (TORCH_COMPILE_DISABLE is set)"
+    return (
+        "Dynamo hit its recompile limit or skipped the frame (a shape outside the preflight buckets, or too many "
+        "distinct shapes); check the recompile events in metrics.jsonl"
+    )
+
+
+def _fallback_message(q: torch.Tensor, k: torch.Tensor) -> str:
+    B, H, Q, _ = q.shape
+    KV = k.shape[2]
+    gib = dense_score_gib(B, H, Q, KV)
+    return (
+        f"flex_attention was about to run eagerly; the dense fallback would allocate {gib:.2f} GiB for one fp32 "
+        f"score matrix (B={B} x H={H} x Q={Q} x KV={KV} x 4 bytes). Cause: {_likely_cause()}. Refusing to run."
+    )
+
+
+def _guarded_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    if not torch.compiler.is_compiling():
+        raise DenseFallbackError(_fallback_message(q, k))
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# Compiled once, at module level. dynamic=False: shapes are bucketed, and the preflight compiles every bucket.
+guarded_flex = torch.compile(_guarded_flex, dynamic=False, fullgraph=True)
+compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)
+
+
+class FlexBackend:
+    """Compiled, guarded flex_attention with a block-sparse mask built by a compiled create_block_mask."""
+
+    name = "flex"
+
+    def build_mask(self, anchors, anchor_valid, seq_len: int, block_size: int, num_heads: int) -> BlockMask:
+        B, A = anchors.shape
+        mod = make_mask_mod(anchors, anchor_valid, seq_len, block_size)
+        q_len, kv_len = A * block_size, seq_len + A * block_size
+        return compiled_create_block_mask(mod, B, None, q_len, kv_len, device=anchors.device)
+
+    def __call__(self, q_BHQD, k_BGKD, v_BGKD, mask: BlockMask) -> torch.Tensor:
+        return guarded_flex(q_BHQD, k_BGKD, v_BGKD, mask)
+
+
+class DenseBackend:
+    """The masked reference: explicit softmax over a materialised mask. Refused above a size cap."""
+
+    name = "dense"
+
+    def __init__(self, max_gib: float, source: str = "<config>") -> None:
+        self.max_gib = max_gib
+        self.source = source
+
+    def build_mask(self, anchors, anchor_valid, seq_len: int, block_size: int, num_heads: int) -> torch.Tensor:
+        B, A = anchors.shape
+        gib = dense_score_gib(B, num_heads, A * block_size, seq_len + A * block_size)
+        if gib > self.max_gib:
+            raise ConfigError(
+                self.source,
+                "attention.dense_max_gib",
+                f"the dense reference would allocate {gib:.2f} GiB per score matrix at seq {seq_len} with {A} "
+                f"anchors, above the cap of {self.max_gib:g} GiB; use backend: flex on a GPU",
+            )
+        return dense_mask(anchors, anchor_valid, seq_len, block_size)  # [B, 1, Q, KV]
+
+    def __call__(self, q_BHQD, k_BGKD, v_BGKD, mask: torch.Tensor) -> torch.Tensor:
+        H, G = q_BHQD.shape[1], k_BGKD.shape[1]
+        k_BHKD = k_BGKD.repeat_interleave(H // G, dim=1)  # [B, H, KV, D]
+        v_BHKD = v_BGKD.repeat_interleave(H // G, dim=1)  # [B, H, KV, D]
+        scale = q_BHQD.shape[-1] ** -0.5
+        scores = (q_BHQD.float() @ k_BHKD.float().transpose(-1, -2)) * scale  # [B, H, Q, KV]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # every row sees at least its own block: no NaN
+        return (probs @ v_BHKD.float()).to(q_BHQD.dtype)  # [B, H, Q, D]
+
+
+def make_backend(name: str, dense_max_gib: float, source: str = "<config>"):
+    return FlexBackend() if name == "flex" else DenseBackend(dense_max_gib, source)

@@ -1,0 +1,181 @@
+"""The trainer's configuration: typed dataclasses, loadable from YAML, unknown keys rejected with file and key."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from trainer.errors import ConfigError
+
+
+@dataclass
+class TargetConfig:
+    path: str | None = None  # local directory of a Hugging Face causal LM (config.json + weights)
+    random_preset: str | None = None  # instead of path: a named random-weight target ("qwen3-8b", "tiny-qwen3")
+    layer_ids: list[int] | None = None  # target layers whose outputs feed the drafter; None = spread (DESIGN 5)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 5  # drafter decoder layers (paper: 5)
+    hidden_size: int | None = None  # None = the target's
+    intermediate_size: int | None = None  # MLP width; None = the target's
+    num_heads: int | None = None  # query heads; None = the target's
+    num_kv_heads: int | None = None  # key/value heads; None = the target's
+    head_dim: int | None = None  # None = the target's
+    block_size: int = 16  # tokens per drafted block: the anchor token then block_size - 1 mask tokens
+    mask_token_id: int | None = None  # token that fills blocks; None = the tokenizer's pad/eos id, else 0
+    activation_checkpointing: bool = False  # recompute each drafter layer in backward (use_reentrant=False)
+
+
+@dataclass
+class AttentionConfig:
+    backend: Literal["flex", "dense"] = "flex"  # flex: compiled and guarded (CUDA); dense: masked reference
+    dense_max_gib: float = 4.0  # dense refuses when one fp32 score matrix would exceed this many GiB
+    recompile_limit: int = 8  # Dynamo's per-function limit; hitting it is an error, never an eager fallback
+
+
+@dataclass
+class DataConfig:
+    path: str | None = None  # JSONL of {"input_ids": [...], "loss_mask": [...]} (tokenised); None = synthetic
+    anchors_per_seq: int = 512  # blocks sampled per sequence (paper: 512), resampled every epoch
+    seq_buckets: list[int] = field(default_factory=lambda: [1024, 2048, 3072])  # padded lengths, multiples of 128
+    batch_size: int = 1  # sequences per step per process
+    synthetic_samples: int = 64  # with no path: random sequences made from the seed
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4  # peak AdamW learning rate (paper)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_ratio: float = 0.04  # fraction of steps of linear warmup before the cosine decay
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    grad_clip: float = 1.0  # max global grad norm
+    gamma: float = 7.0  # loss weight exp(-(k - 1) / gamma) at block position k (paper: 7 for block 16)
+
+
+@dataclass
+class TrainConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    steps: int = 100  # optimiser steps in the run
+    seed: int = 0
+    device: str = "auto"  # "auto" = cuda if available else cpu
+    log_every: int = 1  # steps between progress lines
+
+
+def _check_type(value: Any, tp: Any, source: str, key: str) -> Any:
+    """Validate (and lightly coerce) one value against a dataclass field type; raise ConfigError naming the key."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(source, key, f"expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, source, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check_type(value, a, source, key)
+            except ConfigError:
+                pass
+        raise ConfigError(source, key, f"expected {tp}, got {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(source, key, f"expected one of {', '.join(map(str, typing.get_args(tp)))}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(source, key, f"expected a list, got {type(value).__name__}")
+        (inner,) = typing.get_args(tp)
+        return [_check_type(v, inner, source, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        inner = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(inner):
+            raise ConfigError(source, key, f"expected a list of {len(inner)} values")
+        return tuple(
+            _check_type(v, t, source, f"{key}[{i}]") for i, (v, t) in enumerate(zip(value, inner, strict=True))
+        )
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is str and isinstance(value, str):
+        return value
+    raise ConfigError(source, key, f"expected {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+def _build(cls: type, data: dict, source: str, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in data:
+        if k not in names:
+            raise ConfigError(source, f"{prefix}{k}", "unknown key")
+    kwargs = {k: _check_type(v, hints[k], source, f"{prefix}{k}") for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def validate(cfg: TrainConfig, source: str) -> TrainConfig:
+    """Cross-field checks that the types alone cannot express."""
+    d = cfg.drafter
+    if d.block_size < 2:
+        raise ConfigError(source, "drafter.block_size", "must be at least 2")
+    if d.num_layers < 1:
+        raise ConfigError(source, "drafter.num_layers", "must be at least 1")
+    if cfg.data.anchors_per_seq < 1:
+        raise ConfigError(source, "data.anchors_per_seq", "must be at least 1")
+    if not cfg.data.seq_buckets or sorted(set(cfg.data.seq_buckets)) != cfg.data.seq_buckets:
+        raise ConfigError(source, "data.seq_buckets", "must be a non-empty, strictly increasing list")
+    for i, b in enumerate(cfg.data.seq_buckets):
+        if b % 128:
+            raise ConfigError(source, f"data.seq_buckets[{i}]", f"{b} is not a multiple of 128 (flex block size)")
+    if (cfg.data.anchors_per_seq * d.block_size) % 128:
+        raise ConfigError(
+            source, "data.anchors_per_seq", "anchors_per_seq x block_size must be a multiple of 128 (flex block size)"
+        )
+    if (cfg.target.path is None) == (cfg.target.random_preset is None):
+        raise ConfigError(source, "target", "set exactly one of `path` and `random_preset`")
+    if cfg.steps < 1:
+        raise ConfigError(source, "steps", "must be at least 1")
+    if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):
+        raise ConfigError(source, "device", "expected auto, cpu, cuda or cuda:N")
+    return cfg
+
+
+def from_dict(data: dict, source: str = "<config>") -> TrainConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(source, None, "expected a mapping at the top level")
+    return validate(_build(TrainConfig, data, source), source)
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(str(path), None, f"cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(where, None, f"malformed YAML: {getattr(e, 'problem', e)}") from None
+    return from_dict(data or {}, str(path))
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)

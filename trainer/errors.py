@@ -1,0 +1,31 @@
+"""Errors with the exit codes that dflashctl (and any other tool) reads from the process status.
+
+0 finished, 1 crash, 2 config error, 3 dense fallback refused
+"""
+
+from __future__ import annotations
+
+EXIT_FINISHED = 0
+EXIT_CRASH = 1
+EXIT_CONFIG = 2
+EXIT_DENSE_FALLBACK = 3
+
+
+class ConfigError(Exception):
+    """A bad config value; the message names the file and the key."""
+
+    exit_code = EXIT_CONFIG
+
+    def __init__(self, source: str, key: str | None, message: str) -> None:
+        where = f"{source}: {key}" if key else source
+        super().__init__(f"{where}: {message}")
+
+
+class DenseFallbackError(RuntimeError):
+    """flex_attention was about to run eagerly, which materialises the full score matrix.
+
+    Raised by the guard before any large allocation. It is never retried: the cause (recompile limit hit, compile
+    disabled, a skipped frame) would repeat.
+    """
+
+    exit_code = EXIT_DENSE_FALLBACK

@@ -1,0 +1,152 @@
+"""Anchors, block inputs, labels and the attention mask: one definition for both attention backends.
+
+Layout of one attention call (per sequence b of a batch of B, bucket length S, A anchors, block size bs):
+
+    queries  Q_LEN  = A * bs          block j occupies query rows [j*bs, (j+1)*bs)
+    keys     KV_LEN = S + A * bs      [0, S): target context positions; [S + j*bs, S + (j+1)*bs): block j's tokens
+
+Block j's queries see the context strictly before its anchor and every token of their own block; nothing of other
+blocks. Padding blocks (fewer anchors than A) see only their own block, and nothing sees them; their loss weight is 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BlockBatch:
+    """Everything the drafter and the loss need for one batch, padded to a bucket."""
+
+    input_ids: torch.Tensor  # [B, S] target tokens (padded with 0 past each length)
+    anchors: torch.Tensor  # [B, A] anchor positions (0 for padding blocks)
+    anchor_valid: torch.Tensor  # [B, A] bool: a real anchor, not padding
+    block_ids: torch.Tensor  # [B, A*bs] the anchor's token, then mask tokens
+    block_pos: torch.Tensor  # [B, A*bs] position of each block token: anchor + k
+    labels: torch.Tensor  # [B, A*bs] token at anchor + k (k >= 1), 0 where unused
+    weights: torch.Tensor  # [B, A*bs] float: exp(-(k-1)/gamma) * response mask at anchor + k, 0 where unused
+    block_size: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+    def to(self, device: torch.device) -> BlockBatch:
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return BlockBatch(**moved)
+
+
+def sample_anchors(loss_mask: torch.Tensor, length: int, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """Sorted anchor positions among response positions p with p + 1 < length (so block position 1 has a label)."""
+    candidates = torch.nonzero(loss_mask[: max(length - 1, 0)].bool(), as_tuple=False).flatten()
+    if candidates.numel() <= num_anchors:
+        return candidates
+    pick = torch.randperm(candidates.numel(), generator=generator)[:num_anchors]
+    return candidates[pick].sort().values
+
+
+def anchor_generator(seed: int, epoch: int, sample_index: int) -> torch.Generator:
+    """Reproducible anchors: the same seed, epoch and sample always give the same blocks, on every rank."""
+    g = torch.Generator()
+    g.manual_seed((seed * 1_000_003 + epoch) * 1_000_033 + sample_index)
+    return g
+
+
+def build_blocks(
+    sequences: list[tuple[torch.Tensor, torch.Tensor]],
+    seq_len: int,
+    num_anchors: int,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float,
+    anchors: list[torch.Tensor],
+) -> BlockBatch:
+    """Pad sequences to seq_len and lay out their blocks. `sequences` holds (input_ids [L], loss_mask [L])."""
+    B, A, bs = len(sequences), num_anchors, block_size
+    input_ids = torch.zeros(B, seq_len, dtype=torch.long)
+    resp = torch.zeros(B, seq_len, dtype=torch.bool)
+    anchor_pos = torch.zeros(B, A, dtype=torch.long)
+    valid = torch.zeros(B, A, dtype=torch.bool)
+    lengths = torch.zeros(B, dtype=torch.long)
+    for b, ((ids, lm), anc) in enumerate(zip(sequences, anchors, strict=True)):
+        L = ids.numel()
+        assert seq_len >= L, f"sequence of {L} tokens does not fit bucket {seq_len}"
+        input_ids[b, :L] = ids
+        resp[b, :L] = lm.bool()
+        lengths[b] = L
+        n = min(anc.numel(), A)
+        anchor_pos[b, :n] = anc[:n]
+        valid[b, :n] = True
+
+    k = torch.arange(bs)  # [bs]
+    pos = anchor_pos[:, :, None] + k[None, None, :]  # [B, A, bs]
+    in_seq = (pos < lengths[:, None, None]) & valid[:, :, None]  # [B, A, bs]
+    safe = pos.clamp(max=seq_len - 1)
+    tokens_at = torch.gather(input_ids, 1, safe.flatten(1)).view(B, A, bs)  # [B, A, bs]
+    resp_at = torch.gather(resp, 1, safe.flatten(1)).view(B, A, bs)  # [B, A, bs]
+
+    block_ids = torch.full((B, A, bs), mask_token_id, dtype=torch.long)
+    block_ids[:, :, 0] = tokens_at[:, :, 0]
+    decay = torch.exp(-(k.float() - 1).clamp(min=0) / gamma)  # [bs]
+    decay[0] = 0.0  # block position 0 is the anchor itself: given, not predicted
+    weights = decay[None, None, :] * (in_seq & resp_at).float()  # [B, A, bs]
+    labels = torch.where(weights > 0, tokens_at, torch.zeros_like(tokens_at))
+    return BlockBatch(
+        input_ids=input_ids,
+        anchors=anchor_pos,
+        anchor_valid=valid,
+        block_ids=block_ids.view(B, A * bs),
+        block_pos=pos.view(B, A * bs),
+        labels=labels.view(B, A * bs),
+        weights=weights.view(B, A * bs),
+        block_size=bs,
+    )
+
+
+def make_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: int, block_size: int):
+    """The mask as a flex `mask_mod(b, h, q_idx, kv_idx) -> bool`.
+
+    Written with tensor ops only, so the same function serves flex (scalar indices under vmap) and the dense reference
+    (broadcast index tensors).
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = q_idx // block_size
+        anchor = anchors[b, blk]
+        is_ctx = kv_idx < seq_len
+        sees_ctx = is_ctx & (kv_idx < anchor) & anchor_valid[b, blk]
+        own_block = (~is_ctx) & ((kv_idx - seq_len) // block_size == blk)
+        return sees_ctx | own_block
+
+    return mask_mod
+
+
+def dense_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """The same mask materialised: [B, 1, Q_LEN, KV_LEN] bool. For the dense reference and tests only."""
+    B, A = anchors.shape
+    q_len, kv_len = A * block_size, seq_len + A * block_size
+    dev = anchors.device
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    q = torch.arange(q_len, device=dev).view(1, 1, q_len, 1)
+    kv = torch.arange(kv_len, device=dev).view(1, 1, 1, kv_len)
+    return make_mask_mod(anchors, anchor_valid, seq_len, block_size)(b, None, q, kv)  # [B, 1, Q, KV]
+
+
+def dense_score_gib(batch: int, heads: int, q_len: int, kv_len: int) -> float:
+    """Size of one fp32 attention score matrix: what an eager (dense) attention allocates at least."""
+    return batch * heads * q_len * kv_len * 4 / 2**30
+
+
+def bucket_for(length: int, buckets: list[int]) -> int | None:
+    """The smallest bucket that holds `length`, or None when it is longer than the largest."""
+    for b in buckets:
+        if length <= b:
+            return b
+    return None
+
+
+def round_up(x: int, multiple: int) -> int:
+    return int(math.ceil(x / multiple) * multiple)

@@ -1,0 +1,138 @@
+"""The frozen target model: load any Hugging Face causal LM, capture the hidden states of chosen layers.
+
+Only the layers the drafter needs are run: a forward hook on the last needed layer stops the forward pass, so
+neither later layers nor the LM head run, and no other layer's output is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.config import TargetConfig
+from trainer.errors import ConfigError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def qwen3_8b_config() -> dict:
+    """Qwen3-8B's shape (random weights are fine for speed measurements)."""
+    return dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def tiny_qwen3_config() -> dict:
+    """A few-MB Qwen3 for CPU tests and the demo."""
+    return dict(
+        model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        initializer_range=0.3,  # a trained LM head is far from the 0.02 init: make logits of a normed state matter
+    )  # fmt: skip
+
+
+RANDOM_PRESETS = {"qwen3-8b": qwen3_8b_config, "tiny-qwen3": tiny_qwen3_config}
+
+
+def default_layer_ids(num_target_layers: int, num_drafter_layers: int) -> list[int]:
+    """Spread evenly from the second to the third-to-last layer (Qwen3-8B, 36 layers, 5: 1, 9, 17, 25, 33)."""
+    lo, hi = 1, num_target_layers - 3
+    if num_drafter_layers == 1:
+        return [lo]
+    return [round(lo + i * (hi - lo) / (num_drafter_layers - 1)) for i in range(num_drafter_layers)]
+
+
+class _StopForward(Exception):
+    pass
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ConfigError("<target>", "target", f"{type(model).__name__} has no .model.layers (not a decoder LM?)")
+    return layers
+
+
+@dataclass
+class Target:
+    """A frozen causal LM plus which layers feed the drafter."""
+
+    model: nn.Module
+    layer_ids: list[int]
+
+    def __post_init__(self) -> None:
+        self.model.requires_grad_(False)
+        self.model.eval()
+        self.layers = _decoder_layers(self.model)
+        self.embed: nn.Module = self.model.get_input_embeddings()
+        self.lm_head: nn.Module = self.model.get_output_embeddings()
+        self.config = self.model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @torch.no_grad()
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, S] token ids -> [B, S, len(layer_ids) * hidden] outputs of the chosen layers, concatenated."""
+        captured: dict[int, torch.Tensor] = {}
+        last = max(self.layer_ids)
+
+        def hook(index: int):
+            def fn(_module, _args, output):
+                captured[index] = output[0] if isinstance(output, tuple) else output
+                if index == last:
+                    raise _StopForward
+
+            return fn
+
+        handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.layer_ids]
+        try:
+            self.model.model(input_ids=input_ids, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # [B, S, n * hidden]
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full forward for verification during evaluation: [B, S] -> [B, S, vocab]."""
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def build_model(cfg: TargetConfig, device: torch.device) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = DTYPES[cfg.dtype]
+    if cfg.random_preset is not None:
+        if cfg.random_preset not in RANDOM_PRESETS:
+            known = ", ".join(RANDOM_PRESETS)
+            raise ConfigError("<config>", "target.random_preset", f"unknown preset {cfg.random_preset!r} ({known})")
+        kwargs = RANDOM_PRESETS[cfg.random_preset]()
+        hf_config = AutoConfig.for_model(**kwargs)
+        with torch.device(device):
+            torch.manual_seed(0)  # the same random target on every rank and every run
+            return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    try:
+        return AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype, local_files_only=True).to(device)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError("<config>", "target.path", f"cannot load a causal LM from {cfg.path}: {first}") from None
+
+
+def load_target(cfg: TargetConfig, num_drafter_layers: int, device: torch.device) -> Target:
+    model = build_model(cfg, device)
+    n_layers = int(model.config.num_hidden_layers)
+    layer_ids = cfg.layer_ids or default_layer_ids(n_layers, num_drafter_layers)
+    bad = [i for i in layer_ids if not 0 <= i < n_layers]
+    if bad:
+        raise ConfigError("<config>", "target.layer_ids", f"{bad} out of range for a {n_layers}-layer target")
+    return Target(model, sorted(layer_ids))
