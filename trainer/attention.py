@@ -20,8 +20,8 @@ from trainer.errors import ConfigError, DenseFallbackError
 from trainer.mask import dense_mask, dense_score_gib, make_mask_mod
 
 
-def _likely_cause() -> str:
-    if os.environ.get("TORCH_COMPILE_DISABLE") or torch._dynamo.config.disable:
+def _likely_cause(limit_hit: bool = False) -> str:
+    if not limit_hit and os.environ.get("TORCH_COMPILE_DISABLE") or torch._dynamo.config.disable:
         return "torch.compile is disabled (TORCH_COMPILE_DISABLE is set)"
     return (
         "Dynamo hit its recompile limit or skipped the frame (a shape outside the preflight buckets, or too many "
@@ -29,37 +29,64 @@ def _likely_cause() -> str:
     )
 
 
-def _fallback_message(q: torch.Tensor, k: torch.Tensor) -> str:
-    B, H, Q, _ = q.shape
-    KV = k.shape[2]
+def _fallback_message(B: int, H: int, Q: int, KV: int, limit_hit: bool = False) -> str:
     gib = dense_score_gib(B, H, Q, KV)
     return (
         f"flex_attention was about to run eagerly; the dense fallback would allocate {gib:.2f} GiB for one fp32 "
-        f"score matrix (B={B} x H={H} x Q={Q} x KV={KV} x 4 bytes). Cause: {_likely_cause()}. Refusing to run."
+        f"score matrix (B={B} x H={H} x Q={Q} x KV={KV} x 4 bytes). Cause: {_likely_cause(limit_hit)}. Refusing to run."
     )
 
 
 def _guarded_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
     if not torch.compiler.is_compiling():
-        raise DenseFallbackError(_fallback_message(q, k))
+        B, H, Q, _ = q.shape
+        raise DenseFallbackError(_fallback_message(B, H, Q, k.shape[2]))
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _guarded_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: int, block_size: int, heads: int):
+    """create_block_mask under the same guard: run eagerly it evaluates the mask over all Q x KV pairs (about 1 GiB
+    of temporaries at seq 8192), so an eager run is refused before it starts, like the attention itself."""
+    B, A = anchors.shape
+    q_len, kv_len = A * block_size, seq_len + A * block_size
+    if not torch.compiler.is_compiling():
+        raise DenseFallbackError(_fallback_message(B, heads, q_len, kv_len))
+    mod = make_mask_mod(anchors, anchor_valid, seq_len, block_size)
+    return create_block_mask(mod, B, None, q_len, kv_len, device=anchors.device)
+
+
 # Compiled once, at module level. dynamic=False: shapes are bucketed, and the preflight compiles every bucket.
-guarded_flex = torch.compile(_guarded_flex, dynamic=False, fullgraph=True)
-compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)
+_compiled_flex = torch.compile(_guarded_flex, dynamic=False, fullgraph=True)
+_compiled_block_mask = torch.compile(_guarded_block_mask, dynamic=False, fullgraph=True)
+# With fullgraph=True, recent torch raises this at the recompile limit instead of running the frame eagerly (older
+# torch runs it eagerly, and the guard raises). Either way the user sees DenseFallbackError.
+_LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
+
+
+def guarded_flex(q, k, v, block_mask):
+    try:
+        return _compiled_flex(q, k, v, block_mask)
+    except _LIMIT_HIT as e:
+        B, H, Q, _ = q.shape
+        raise DenseFallbackError(_fallback_message(B, H, Q, k.shape[2], limit_hit=True)) from e
+
+
+def guarded_block_mask(anchors, anchor_valid, seq_len: int, block_size: int, heads: int):
+    try:
+        return _compiled_block_mask(anchors, anchor_valid, seq_len, block_size, heads)
+    except _LIMIT_HIT as e:
+        B, A = anchors.shape
+        q_len = A * block_size
+        raise DenseFallbackError(_fallback_message(B, heads, q_len, seq_len + q_len, limit_hit=True)) from e
 
 
 class FlexBackend:
-    """Compiled, guarded flex_attention with a block-sparse mask built by a compiled create_block_mask."""
+    """Compiled, guarded flex_attention with a block-sparse mask built by a compiled, guarded create_block_mask."""
 
     name = "flex"
 
     def build_mask(self, anchors, anchor_valid, seq_len: int, block_size: int, num_heads: int) -> BlockMask:
-        B, A = anchors.shape
-        mod = make_mask_mod(anchors, anchor_valid, seq_len, block_size)
-        q_len, kv_len = A * block_size, seq_len + A * block_size
-        return compiled_create_block_mask(mod, B, None, q_len, kv_len, device=anchors.device)
+        return guarded_block_mask(anchors, anchor_valid, seq_len, block_size, num_heads)
 
     def __call__(self, q_BHQD, k_BGKD, v_BGKD, mask: BlockMask) -> torch.Tensor:
         return guarded_flex(q_BHQD, k_BGKD, v_BGKD, mask)

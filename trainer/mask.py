@@ -89,7 +89,7 @@ def build_blocks(
     resp_at = torch.gather(resp, 1, safe.flatten(1)).view(B, A, bs)  # [B, A, bs]
 
     block_ids = torch.full((B, A, bs), mask_token_id, dtype=torch.long)
-    block_ids[:, :, 0] = tokens_at[:, :, 0]
+    block_ids[:, :, 0] = torch.where(valid, tokens_at[:, :, 0], mask_token_id)  # padding blocks: mask tokens only
     decay = torch.exp(-(k.float() - 1).clamp(min=0) / gamma)  # [bs]
     decay[0] = 0.0  # block position 0 is the anchor itself: given, not predicted
     weights = decay[None, None, :] * (in_seq & resp_at).float()  # [B, A, bs]

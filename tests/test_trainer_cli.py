@@ -1,0 +1,55 @@
+"""`python -m trainer.train`: config errors are one line with file and key, exit status 2; a tiny run finishes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+BASE = """
+target: {random_preset: tiny-qwen3, dtype: float32}
+drafter: {num_layers: 1, block_size: 8}
+data: {anchors_per_seq: 16, seq_buckets: [128], synthetic_samples: 4}
+device: cpu
+steps: 2
+"""
+
+
+def run_trainer(tmp_path, text: str):
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(text)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "--config", str(cfg)], capture_output=True, text=True, timeout=300
+    )
+    return proc, str(cfg)
+
+
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ("attention: {backend: dense}\noptim: {learning_rate: 1}\n", "optim.learning_rate: unknown key"),
+        ("attention: {backend: flex}\n", "attention.backend: flex has no backward on the CPU"),
+        ("attention: {backend: dense, dense_max_gib: 0.0001}\n", "attention.dense_max_gib"),
+        ("attention: {backend: sparse}\n", "attention.backend: expected one of flex, dense"),
+        ("attention: {backend: dense}\nsteps: many\n", "steps: expected int"),
+        ("attention: {backend: dense}\ndata: {seq_buckets: [100]}\n", "data.seq_buckets[0]"),
+    ],
+)
+def test_config_errors_are_one_line_exit_2(tmp_path, extra, key):
+    proc, path = run_trainer(tmp_path, BASE + extra)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert path in lines[0] and key in lines[0]
+
+
+def test_malformed_yaml(tmp_path):
+    proc, path = run_trainer(tmp_path, "target: [unclosed\n")
+    assert proc.returncode == 2 and f"{path}:" in proc.stderr and "malformed YAML" in proc.stderr
+
+
+def test_tiny_dense_run_finishes(tmp_path):
+    proc, _ = run_trainer(tmp_path, BASE + "attention: {backend: dense}\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "step 2/2" in proc.stdout and "finished: 2 steps" in proc.stdout

@@ -1,0 +1,121 @@
+"""Compiled flex_attention on the CPU (forward): equal to the dense reference, zero recompiles after preflight,
+and the guard that refuses to run eagerly. Compiles once per shape for the whole module."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from trainer.attention import DenseBackend, FlexBackend
+from trainer.compile_policy import graphs_compiled, unfreeze_compiles
+from trainer.config import from_dict
+from trainer.data import make_dataset
+from trainer.loop import build, forward_loss, make_batch, preflight
+from trainer.mask import sample_anchors
+
+pytestmark = pytest.mark.slow
+
+
+def random_case(seq_len: int, anchors: int, block: int, B: int = 2, H: int = 4, G: int = 2, D: int = 16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q_len, kv_len = anchors * block, seq_len + anchors * block
+    q = torch.randn(B, H, q_len, D, generator=g)
+    k = torch.randn(B, G, kv_len, D, generator=g)
+    v = torch.randn(B, G, kv_len, D, generator=g)
+    lm = torch.ones(seq_len, dtype=torch.long)
+    anc = torch.zeros(B, anchors, dtype=torch.long)
+    valid = torch.zeros(B, anchors, dtype=torch.bool)
+    for b in range(B):
+        a = sample_anchors(lm, seq_len - 7 * b, anchors - 3 * b, g)  # second sequence: shorter, padding blocks
+        anc[b, : a.numel()] = a
+        valid[b, : a.numel()] = True
+    return q, k, v, anc, valid
+
+
+@pytest.mark.parametrize("seq_len, anchors, block", [(128, 8, 16), (256, 16, 8)])
+def test_flex_equals_dense_reference(seq_len, anchors, block):
+    q, k, v, anc, valid = random_case(seq_len, anchors, block)
+    flex, dense = FlexBackend(), DenseBackend(max_gib=1.0)
+    out_flex = flex(q, k, v, flex.build_mask(anc, valid, seq_len, block, q.shape[1]))
+    out_dense = dense(q, k, v, dense.build_mask(anc, valid, seq_len, block, q.shape[1]))
+    assert out_flex.shape == out_dense.shape == q.shape
+    assert (out_flex - out_dense).abs().max().item() < 1e-5
+
+
+def test_zero_recompiles_after_preflight():
+    cfg = from_dict(
+        {
+            "target": {"random_preset": "tiny-qwen3", "dtype": "float32"},
+            "drafter": {"num_layers": 1, "block_size": 8},
+            "attention": {"backend": "flex"},
+            "data": {"anchors_per_seq": 16, "seq_buckets": [128, 256], "batch_size": 1, "synthetic_samples": 12},
+            "device": "cpu",
+        }
+    )
+    parts = build(cfg, for_training=False)  # the CPU has no flex backward: evaluation path
+    try:
+        report = preflight(parts, backward=False)
+        assert report.frozen and report.buckets == [128, 256]
+        baseline = graphs_compiled()
+        ds = make_dataset(cfg.data, 256, 8, 0)
+        lengths = set()
+        with torch.no_grad():
+            for i, (ids, _) in enumerate(ds.samples):
+                bucket = 128 if ids.numel() <= 128 else 256
+                lengths.add(ids.numel())
+                loss_sum, w_sum, _ = forward_loss(parts, make_batch(parts, ds, bucket, [i], epoch=0))
+                assert torch.isfinite(loss_sum) and w_sum > 0
+        assert len(lengths) >= 4  # really varied lengths
+        assert graphs_compiled() - baseline == 0
+    finally:
+        unfreeze_compiles()
+
+
+GUARD_SCRIPT = textwrap.dedent(
+    """
+    import resource, sys, torch
+    from trainer.attention import FlexBackend
+    from trainer.compile_policy import apply_compile_policy
+    from trainer.errors import DenseFallbackError
+    mode = sys.argv[1]
+    flex = FlexBackend()
+
+    def call(seq_len, anchors, heads=4):
+        B, G, D, block = 1, 2, 16, 16
+        q = torch.randn(B, heads, anchors * block, D)
+        k = torch.randn(B, G, seq_len + anchors * block, D)
+        anc = torch.arange(anchors).view(1, -1) * 2
+        valid = torch.ones(1, anchors, dtype=torch.bool)
+        return flex(q, k, k, flex.build_mask(anc, valid, seq_len, block, heads))
+
+    if mode == "limit":
+        apply_compile_policy(1)
+        call(128, 8)  # compiles
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        call(8192, 512)  # Q = 8192, KV = 16384: the dense fallback would take 2 GiB
+    except DenseFallbackError as e:
+        grew_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        print("RAISED", round(grew_mib), e)
+        sys.exit(0)
+    print("NO ERROR")
+    sys.exit(1)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["disabled", "limit"])
+def test_guard_refuses_eager_flex(mode, tmp_path):
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1"} if mode == "disabled" else dict(os.environ)
+    env.pop("TORCH_COMPILE_DISABLE", None) if mode == "limit" else None
+    proc = subprocess.run([sys.executable, "-c", GUARD_SCRIPT, mode], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _, grew_mib, message = proc.stdout.strip().split(" ", 2)
+    assert "2.00 GiB" in message
+    assert ("disabled" in message) if mode == "disabled" else ("recompile limit" in message)
+    assert int(grew_mib) < 256  # nothing near the 2 GiB score matrix was allocated
