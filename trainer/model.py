@@ -70,7 +70,8 @@ class DrafterAttention(nn.Module):
         cos = torch.cat([rope_ctx[0], rope_q[0]], dim=1)  # [B, S+Q, 1, D]
         sin = torch.cat([rope_ctx[1], rope_q[1]], dim=1)
         k = apply_rope(k, cos, sin)
-        q_BHQD, k_BGKD, v_BGKD = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        dt = v.dtype  # under autocast the norms may return fp32 while the projections give bf16: one dtype for flex
+        q_BHQD, k_BGKD, v_BGKD = q.to(dt).transpose(1, 2), k.to(dt).transpose(1, 2), v.transpose(1, 2)
         out_BHQD = backend(q_BHQD, k_BGKD, v_BGKD, mask)  # [B, H, Q, D]
         out = out_BHQD.transpose(1, 2).reshape(B, Q, H * D)  # [B, Q, H*D]
         return self.o_proj(out)
