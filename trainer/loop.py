@@ -53,7 +53,7 @@ def build(cfg: TrainConfig, source: str = "<config>", for_training: bool = True)
     if for_training:
         check_backend_supports_training(cfg, device, source)
     apply_compile_policy(cfg.attention.recompile_limit)
-    target = load_target(cfg.target, cfg.drafter.num_layers, device)
+    target = load_target(cfg.target, cfg.drafter.num_layers, device, source)
     d = cfg.drafter
     if d.hidden_size is not None and d.hidden_size != target.hidden_size:
         raise ConfigError(

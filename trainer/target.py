@@ -108,14 +108,14 @@ class Target:
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
-def build_model(cfg: TargetConfig, device: torch.device) -> nn.Module:
+def build_model(cfg: TargetConfig, device: torch.device, source: str = "<config>") -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = DTYPES[cfg.dtype]
     if cfg.random_preset is not None:
         if cfg.random_preset not in RANDOM_PRESETS:
             known = ", ".join(RANDOM_PRESETS)
-            raise ConfigError("<config>", "target.random_preset", f"unknown preset {cfg.random_preset!r} ({known})")
+            raise ConfigError(source, "target.random_preset", f"unknown preset {cfg.random_preset!r} ({known})")
         kwargs = RANDOM_PRESETS[cfg.random_preset]()
         hf_config = AutoConfig.for_model(**kwargs)
         with torch.device(device):
@@ -125,14 +125,14 @@ def build_model(cfg: TargetConfig, device: torch.device) -> nn.Module:
         return AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype, local_files_only=True).to(device)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError("<config>", "target.path", f"cannot load a causal LM from {cfg.path}: {first}") from None
+        raise ConfigError(source, "target.path", f"cannot load a causal LM from {cfg.path}: {first}") from None
 
 
-def load_target(cfg: TargetConfig, num_drafter_layers: int, device: torch.device) -> Target:
-    model = build_model(cfg, device)
+def load_target(cfg: TargetConfig, num_drafter_layers: int, device: torch.device, source: str = "<config>") -> Target:
+    model = build_model(cfg, device, source)
     n_layers = int(model.config.num_hidden_layers)
     layer_ids = cfg.layer_ids or default_layer_ids(n_layers, num_drafter_layers)
     bad = [i for i in layer_ids if not 0 <= i < n_layers]
     if bad:
-        raise ConfigError("<config>", "target.layer_ids", f"{bad} out of range for a {n_layers}-layer target")
+        raise ConfigError(source, "target.layer_ids", f"{bad} out of range for a {n_layers}-layer target")
     return Target(model, sorted(layer_ids))
