@@ -70,3 +70,15 @@ def test_loss_falls_on_a_tiny_fixed_dataset():
     first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
     assert last < 0.5 * first, (first, last)
     assert sum(result.accs[-5:]) / 5 > 0.2  # chance is 1/16 within the alphabet
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    grads = []
+    for ckpt in (False, True):
+        cfg = from_dict({**TINY, "steps": 1, "drafter": {**TINY["drafter"], "activation_checkpointing": ckpt}})
+        parts = build(cfg)
+        ds = make_dataset(cfg.data, 256, 8, 0)
+        loss_sum, w_sum, _ = forward_loss(parts, make_batch(parts, ds, 128, [0, 1], 0))
+        (loss_sum / w_sum).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in parts.drafter.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
