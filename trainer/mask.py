@@ -11,7 +11,6 @@ blocks. Padding blocks (fewer anchors than A) see only their own block, and noth
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -146,7 +145,3 @@ def bucket_for(length: int, buckets: list[int]) -> int | None:
         if length <= b:
             return b
     return None
-
-
-def round_up(x: int, multiple: int) -> int:
-    return int(math.ceil(x / multiple) * multiple)
