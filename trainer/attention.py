@@ -21,7 +21,7 @@ from trainer.mask import dense_mask, dense_score_gib, make_mask_mod
 
 
 def _likely_cause(limit_hit: bool = False) -> str:
-    if not limit_hit and os.environ.get("TORCH_COMPILE_DISABLE") or torch._dynamo.config.disable:
+    if not limit_hit and (os.environ.get("TORCH_COMPILE_DISABLE") or torch._dynamo.config.disable):
         return "torch.compile is disabled (TORCH_COMPILE_DISABLE is set)"
     return (
         "Dynamo hit its recompile limit or skipped the frame (a shape outside the preflight buckets, or too many "
