@@ -192,12 +192,6 @@ def read_remote_state(runner: Runner, workdir: str) -> tuple[str, Manifest]:
     return first.strip(), parse_remote_manifest(rest)
 
 
-def remote_code_version(runner: Runner, workdir: str) -> tuple[str, str | None]:
-    """(absolute workdir, version of the deployed code or None when nothing is deployed)."""
-    abs_wd, manifest = read_remote_state(runner, workdir)
-    return abs_wd, (manifest_version(manifest) if manifest else None)
-
-
 def build_tar(root: Path, files: list[str], manifest: Manifest) -> tuple[tempfile.SpooledTemporaryFile, int]:
     """A tar of the changed files with the new manifest last; returns the stream and its size."""
     buf = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY)

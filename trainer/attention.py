@@ -44,11 +44,16 @@ def _guarded_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask:
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _mask_shape(anchors: torch.Tensor, seq_len: int, block_size: int) -> tuple[int, int, int]:
+    """(B, Q_LEN, KV_LEN) of the attention a mask is built for (layout in trainer.mask)."""
+    B, A = anchors.shape
+    return B, A * block_size, seq_len + A * block_size
+
+
 def _guarded_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: int, block_size: int, heads: int):
     """create_block_mask under the same guard: run eagerly it evaluates the mask over all Q x KV pairs (about 1 GiB
     of temporaries at seq 8192), so an eager run is refused before it starts, like the attention itself."""
-    B, A = anchors.shape
-    q_len, kv_len = A * block_size, seq_len + A * block_size
+    B, q_len, kv_len = _mask_shape(anchors, seq_len, block_size)
     if not torch.compiler.is_compiling():
         raise DenseFallbackError(_fallback_message(B, heads, q_len, kv_len))
     mod = make_mask_mod(anchors, anchor_valid, seq_len, block_size)
@@ -75,9 +80,8 @@ def guarded_block_mask(anchors, anchor_valid, seq_len: int, block_size: int, hea
     try:
         return _compiled_block_mask(anchors, anchor_valid, seq_len, block_size, heads)
     except _LIMIT_HIT as e:
-        B, A = anchors.shape
-        q_len = A * block_size
-        raise DenseFallbackError(_fallback_message(B, heads, q_len, seq_len + q_len, limit_hit=True)) from e
+        B, q_len, kv_len = _mask_shape(anchors, seq_len, block_size)
+        raise DenseFallbackError(_fallback_message(B, heads, q_len, kv_len, limit_hit=True)) from e
 
 
 class FlexBackend:
@@ -102,14 +106,14 @@ class DenseBackend:
         self.source = source
 
     def build_mask(self, anchors, anchor_valid, seq_len: int, block_size: int, num_heads: int) -> torch.Tensor:
-        B, A = anchors.shape
-        gib = dense_score_gib(B, num_heads, A * block_size, seq_len + A * block_size)
+        B, q_len, kv_len = _mask_shape(anchors, seq_len, block_size)
+        gib = dense_score_gib(B, num_heads, q_len, kv_len)
         if gib > self.max_gib:
             raise ConfigError(
                 self.source,
                 "attention.dense_max_gib",
-                f"the dense reference would allocate {gib:.2f} GiB per score matrix at seq {seq_len} with {A} "
-                f"anchors, above the cap of {self.max_gib:g} GiB; use backend: flex on a GPU",
+                f"the dense reference would allocate {gib:.2f} GiB per score matrix at seq {seq_len} with "
+                f"{anchors.shape[1]} anchors, above the cap of {self.max_gib:g} GiB; use backend: flex on a GPU",
             )
         return dense_mask(anchors, anchor_valid, seq_len, block_size)  # [B, 1, Q, KV]
 

@@ -120,7 +120,6 @@ class PreflightReport:
     peak_mem_gib: dict[int, float]
     backward: bool
     frozen: bool
-    graphs_after: int = 0
 
     def to_record(self) -> dict:
         return {
@@ -154,7 +153,7 @@ def preflight(parts: Parts, backward: bool = True, freeze: bool = True) -> Prefl
             peaks[S] = torch.cuda.max_memory_allocated() / 2**30
         seconds[S] = time.perf_counter() - t0
     frozen = freeze_compiles() if freeze else False
-    return PreflightReport(list(buckets), seconds, peaks, backward, frozen, graphs_compiled())
+    return PreflightReport(list(buckets), seconds, peaks, backward, frozen)
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
