@@ -25,8 +25,8 @@ import torch  # noqa: E402
 from trainer.attention import DenseBackend, FlexBackend  # noqa: E402
 from trainer.compile_policy import unfreeze_compiles  # noqa: E402
 from trainer.config import from_dict  # noqa: E402
-from trainer.loop import train  # noqa: E402
 from trainer.mask import sample_anchors  # noqa: E402
+from trainer.run import train  # noqa: E402
 
 CONFIG = {
     "target": {"random_preset": "qwen3-8b", "dtype": "bfloat16"},

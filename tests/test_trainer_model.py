@@ -7,7 +7,8 @@ import torch
 
 from trainer.config import TargetConfig, from_dict
 from trainer.data import make_dataset
-from trainer.loop import build, forward_loss, make_batch, train
+from trainer.loop import build, forward_loss, make_batch
+from trainer.run import train
 from trainer.target import default_layer_ids, load_target
 
 

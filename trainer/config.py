@@ -20,6 +20,7 @@ class TargetConfig:
     random_preset: str | None = None  # instead of path: a named random-weight target ("qwen3-8b", "tiny-qwen3")
     layer_ids: list[int] | None = None  # target layers whose outputs feed the drafter; None = spread (DESIGN 5)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    init_std: float | None = None  # random presets only: weight init std (None = the preset's)
 
 
 @dataclass
@@ -44,7 +45,9 @@ class AttentionConfig:
 
 @dataclass
 class DataConfig:
-    path: str | None = None  # JSONL of {"input_ids": [...], "loss_mask": [...]} (tokenised); None = synthetic
+    path: str | None = None  # JSONL of chats, prompt/response or token ids (see data.py); None = synthetic
+    tokenizer: str | None = None  # tokenizer directory for text records; None = the target's path
+    holdout: int = 8  # samples kept out of training, used as evaluation prompts
     anchors_per_seq: int = 512  # blocks sampled per sequence (paper: 512), resampled every epoch
     seq_buckets: list[int] = field(default_factory=lambda: [1024, 2048, 3072])  # padded lengths, multiples of 128
     batch_size: int = 1  # sequences per step per process
@@ -63,6 +66,22 @@ class OptimConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep: int = 2  # newest complete checkpoints kept
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # steps between acceptance-length evaluations; 0 = only at the end
+    at_end: bool = True
+    prompts: int = 8  # held-out prompts decoded per evaluation (shared out across ranks)
+    max_new_tokens: int = 64
+    prompt_tokens: int = 32  # the prompt is at most this many tokens of a held-out sample (its prompt part)
+    backend: Literal["flex", "dense"] | None = None  # attention for decoding; None = the training backend
+
+
+@dataclass
 class TrainConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -70,6 +89,10 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     steps: int = 100  # optimiser steps in the run
+    grad_accum: int = 1  # micro-batches per optimiser step (per process)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    heartbeat_s: float = 5.0  # seconds between heartbeat writes (rank 0)
     seed: int = 0
     device: str = "auto"  # "auto" = cuda if available else cpu
     log_every: int = 1  # steps between progress lines
@@ -153,6 +176,11 @@ def validate(cfg: TrainConfig, source: str) -> TrainConfig:
         raise ConfigError(source, "target", "set exactly one of `path` and `random_preset`")
     if cfg.steps < 1:
         raise ConfigError(source, "steps", "must be at least 1")
+    for key, value in (("grad_accum", cfg.grad_accum), ("checkpoint.keep", cfg.checkpoint.keep)):
+        if value < 1:
+            raise ConfigError(source, key, "must be at least 1")
+    if cfg.eval.prompt_tokens < 1 or cfg.eval.prompt_tokens + d.block_size > cfg.data.seq_buckets[-1]:
+        raise ConfigError(source, "eval.prompt_tokens", "prompt plus one block must fit the largest bucket")
     if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):
         raise ConfigError(source, "device", "expected auto, cpu, cuda or cuda:N")
     return cfg

@@ -1,13 +1,14 @@
 """Samples and batches: tokenised sequences with a response mask, bucketed by length, reshuffled per epoch.
 
-A sample is (input_ids [L], loss_mask [L]). The JSONL format read here is the tokenised one:
-    {"input_ids": [...], "loss_mask": [...]}      (loss_mask: 1 on response tokens)
+A sample is (input_ids [L], loss_mask [L]). JSONL records may be
+    {"messages": [{"role", "content"}, ...]}     tokenised with the tokenizer's chat template; loss on assistant turns
+    {"prompt": "...", "response": "..."}          the same, as one user turn and one assistant turn
+    {"input_ids": [...], "loss_mask": [...]}      already tokenised (loss_mask: 1 on response tokens)
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,24 +44,78 @@ def synthetic_samples(n: int, vocab: int, lengths: list[int], seed: int, alphabe
     return out
 
 
-def read_jsonl(path: str) -> list[Sample]:
+def _ids(encoded) -> list[int]:
+    """apply_chat_template returns a list in some transformers versions and a BatchEncoding in others."""
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def tokenize_messages(messages: list[dict], tok) -> Sample:
+    """Chat-template tokens with loss on assistant turns only (each turn's span found from its templated prefix)."""
+    if getattr(tok, "chat_template", None):
+        ids = _ids(tok.apply_chat_template(messages, tokenize=True))
+        mask = [0] * len(ids)
+        for i, m in enumerate(messages):
+            if m.get("role") != "assistant":
+                continue
+            start = len(_ids(tok.apply_chat_template(messages[:i], tokenize=True, add_generation_prompt=True)))
+            end = len(_ids(tok.apply_chat_template(messages[: i + 1], tokenize=True)))
+            mask[start:end] = [1] * (end - start)
+    else:  # no template: "role: content" lines
+        ids, mask = [], []
+        for m in messages:
+            piece = tok.encode(f"{m['role']}: {m['content']}\n", add_special_tokens=False)
+            ids += piece
+            mask += [int(m.get("role") == "assistant")] * len(piece)
+    return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+
+
+def parse_record(rec: object, tok) -> Sample:
+    """One JSONL record in any of the three accepted forms -> (input_ids, loss_mask)."""
+    if not isinstance(rec, dict):
+        raise ValueError("expected a JSON object")
+    if "input_ids" in rec:
+        ids, mask = rec["input_ids"], rec.get("loss_mask")
+        if not isinstance(ids, list) or not isinstance(mask, list) or len(ids) != len(mask):
+            raise ValueError("input_ids and loss_mask must be lists of equal length")
+        return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+    if tok is None:
+        raise ValueError("text records need a tokenizer (data.tokenizer or target.path)")
+    if "messages" in rec:
+        msgs = rec["messages"]
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+            raise ValueError("messages must be a list of {role, content}")
+        return tokenize_messages(msgs, tok)
+    if "prompt" in rec and "response" in rec:
+        msgs = [{"role": "user", "content": rec["prompt"]}, {"role": "assistant", "content": rec["response"]}]
+        return tokenize_messages(msgs, tok)
+    raise ValueError('expected {"messages": [...]}, {"prompt", "response"} or {"input_ids", "loss_mask"}')
+
+
+def load_tokenizer(path: str | None, source: str = "<config>"):
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(source, "data.tokenizer", f"cannot load a tokenizer from {path}: {first}") from None
+
+
+def read_jsonl(path: str, tok=None, source: str = "<config>") -> list[Sample]:
     samples = []
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise ConfigError("<config>", "data.path", f"cannot read {path}: {e.strerror}") from None
+        raise ConfigError(source, "data.path", f"cannot read {path}: {e.strerror}") from None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
-            ids, mask = rec["input_ids"], rec["loss_mask"]
-            if len(ids) != len(mask):
-                raise ValueError
-        except (ValueError, KeyError, TypeError):
-            msg = "expected {input_ids: [...], loss_mask: [...]} of equal length"
-            raise ConfigError(f"{path}:{n}", None, msg) from None
-        samples.append((torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)))
+            samples.append(parse_record(json.loads(line), tok))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{path}:{n}", None, str(e) or "malformed record") from None
     return samples
 
 
@@ -68,16 +123,20 @@ def read_jsonl(path: str) -> list[Sample]:
 class Dataset:
     samples: list[Sample]
     buckets: list[int]
+    heldout: list[Sample]
     dropped_too_long: int = 0
     dropped_too_short: int = 0
 
 
-def make_dataset(cfg: DataConfig, vocab: int, block_size: int, seed: int) -> Dataset:
+def make_dataset(
+    cfg: DataConfig, vocab: int, block_size: int, seed: int, tok=None, source: str = "<config>"
+) -> Dataset:
+    """Read or synthesise samples, drop what cannot make one block or fits no bucket, hold out `cfg.holdout`."""
     if cfg.path:
-        raw = read_jsonl(cfg.path)
+        raw = read_jsonl(cfg.path, tok, source)
     else:
         lengths = [max(block_size * 2, int(b * f)) for b in cfg.seq_buckets for f in (0.6, 0.9)]
-        raw = synthetic_samples(cfg.synthetic_samples, vocab, lengths, seed)
+        raw = synthetic_samples(cfg.synthetic_samples + cfg.holdout, vocab, lengths, seed)
     kept, too_long, too_short = [], 0, 0
     for ids, mask in raw:
         if bucket_for(ids.numel(), cfg.seq_buckets) is None:
@@ -86,13 +145,18 @@ def make_dataset(cfg: DataConfig, vocab: int, block_size: int, seed: int) -> Dat
             too_short += 1  # no response position with a label after it: not even one block
         else:
             kept.append((ids, mask))
-    if not kept:
-        raise ConfigError("<config>", "data", "no usable samples (all too long for the buckets, or no response)")
-    return Dataset(kept, cfg.seq_buckets, too_long, too_short)
+    holdout = min(cfg.holdout, max(0, len(kept) - 1))
+    if not kept[holdout:]:
+        raise ConfigError(source, "data", "no usable samples (all too long for the buckets, or no response)")
+    return Dataset(kept[holdout:], cfg.seq_buckets, kept[:holdout], too_long, too_short)
 
 
-def epoch_batches(ds: Dataset, batch_size: int, seed: int, epoch: int) -> Iterator[tuple[int, list[int]]]:
-    """(bucket length, sample indices) batches for one epoch: shuffled from (seed, epoch), one bucket per batch."""
+def epoch_batches(ds: Dataset, global_batch: int, seed: int, epoch: int) -> list[tuple[int, list[int]]]:
+    """(bucket length, sample indices) global batches for one epoch, shuffled from (seed, epoch), one bucket each.
+
+    A global batch holds `batch_size x world size` samples; rank r takes its r-th slice (`shard`), so the data of a
+    step does not depend on how many processes share it. Incomplete batches are dropped (every rank needs a full one).
+    """
     g = torch.Generator().manual_seed(seed * 7919 + epoch)
     order = torch.randperm(len(ds.samples), generator=g).tolist()
     by_bucket: dict[int, list[int]] = {}
@@ -101,10 +165,13 @@ def epoch_batches(ds: Dataset, batch_size: int, seed: int, epoch: int) -> Iterat
         b = bucket_for(ds.samples[i][0].numel(), ds.buckets)
         group = by_bucket.setdefault(b, [])
         group.append(i)
-        if len(group) == batch_size:
+        if len(group) == global_batch:
             batches.append((b, group[:]))
             group.clear()
-    batches += [(b, g_) for b, g_ in by_bucket.items() if g_]  # remainders
     perm = torch.randperm(len(batches), generator=g).tolist()
-    for j in perm:
-        yield batches[j]
+    return [batches[j] for j in perm]
+
+
+def shard(batch: tuple[int, list[int]], rank: int, batch_size: int) -> tuple[int, list[int]]:
+    seq_len, idx = batch
+    return seq_len, idx[rank * batch_size : (rank + 1) * batch_size]

@@ -1,4 +1,7 @@
-"""Build the pieces from a config, compute the loss of a batch, preflight every bucket, and train on one device."""
+"""The mechanics of a step: build the pieces from a config, lay out a batch, compute its loss, preflight every shape.
+
+The training run around them (processes, data order, checkpoints, metrics) is in `trainer.run`.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +9,14 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from trainer.attention import make_backend
-from trainer.compile_policy import apply_compile_policy, freeze_compiles, graphs_compiled
+from trainer.compile_policy import apply_compile_policy, freeze_compiles
 from trainer.config import TrainConfig
-from trainer.data import Dataset, epoch_batches, make_dataset
+from trainer.data import Dataset
 from trainer.errors import ConfigError
 from trainer.mask import BlockBatch, anchor_generator, build_blocks, sample_anchors
 from trainer.model import Drafter, block_loss, drafter_dims
@@ -44,12 +47,15 @@ class Parts:
     target: Target
     drafter: Drafter
     backend: object
+    eval_backend: object
     mask_token_id: int
     autocast_dtype: torch.dtype | None
 
 
-def build(cfg: TrainConfig, source: str = "<config>", for_training: bool = True) -> Parts:
-    device = resolve_device(cfg.device)
+def build(
+    cfg: TrainConfig, source: str = "<config>", for_training: bool = True, device: torch.device | None = None
+) -> Parts:
+    device = device or resolve_device(cfg.device)
     if for_training:
         check_backend_supports_training(cfg, device, source)
     apply_compile_policy(cfg.attention.recompile_limit)
@@ -69,8 +75,11 @@ def build(cfg: TrainConfig, source: str = "<config>", for_training: bool = True)
         mask_id = next((t for t in (getattr(tc, "pad_token_id", None), getattr(tc, "eos_token_id", None)) if t), 0)
         mask_id = mask_id[0] if isinstance(mask_id, list) else mask_id
     backend = make_backend(cfg.attention.backend, cfg.attention.dense_max_gib, source)
+    eval_name = cfg.eval.backend or cfg.attention.backend
+    same = eval_name == cfg.attention.backend
+    eval_backend = backend if same else make_backend(eval_name, cfg.attention.dense_max_gib, source)
     autocast = torch.bfloat16 if device.type == "cuda" else None
-    return Parts(cfg, device, target, drafter, backend, int(mask_id), autocast)
+    return Parts(cfg, device, target, drafter, backend, eval_backend, int(mask_id), autocast)
 
 
 def make_batch(parts: Parts, ds: Dataset, seq_len: int, indices: list[int], epoch: int) -> BlockBatch:
@@ -85,32 +94,51 @@ def make_batch(parts: Parts, ds: Dataset, seq_len: int, indices: list[int], epoc
     )
 
 
-def dummy_batch(parts: Parts, seq_len: int) -> BlockBatch:
+def dummy_batch(parts: Parts, seq_len: int, batch: int | None = None, anchors: int | None = None) -> BlockBatch:
     """A batch with the exact shapes of bucket `seq_len` (every anchor valid), for the preflight."""
     cfg = parts.cfg
-    B, A = cfg.data.batch_size, cfg.data.anchors_per_seq
+    B = batch or cfg.data.batch_size
+    A = anchors or cfg.data.anchors_per_seq
     g = torch.Generator().manual_seed(0)
     vocab = int(parts.target.config.vocab_size)
     seqs = [(torch.randint(0, vocab, (seq_len,), generator=g), torch.ones(seq_len, dtype=torch.long)) for _ in range(B)]
-    anchors = [sample_anchors(lm, seq_len, A, g) for _, lm in seqs]
-    return build_blocks(seqs, seq_len, A, cfg.drafter.block_size, parts.mask_token_id, cfg.optim.gamma, anchors)
+    anchors_ = [sample_anchors(lm, seq_len, A, g) for _, lm in seqs]
+    return build_blocks(seqs, seq_len, A, cfg.drafter.block_size, parts.mask_token_id, cfg.optim.gamma, anchors_)
 
 
-def forward_loss(parts: Parts, batch: BlockBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weighted CE sum, weight sum, weighted correct sum) for one batch on parts.device."""
-    b = batch.to(parts.device)
-    target, drafter = parts.target, parts.drafter
-    hidden = target.hidden_states(b.input_ids)  # [B, S, n*C], no grad
-    block_emb = target.embed(b.block_ids)  # [B, Q, C], frozen
-    mask = parts.backend.build_mask(b.anchors, b.anchor_valid, b.seq_len, b.block_size, drafter.d.num_heads)
+def drafter_output(parts: Parts, drafter: torch.nn.Module, b: BlockBatch, backend=None) -> torch.Tensor:
+    """Target hidden states -> drafter -> [B, Q, C] final hidden states of the block tokens (b on parts.device).
+
+    `drafter` is the module to call: the Drafter itself or its DistributedDataParallel wrapper; `backend` defaults to
+    the training attention.
+    """
+    backend = backend or parts.backend
+    hidden = parts.target.hidden_states(b.input_ids)  # [B, S, n*C], no grad
+    block_emb = parts.target.embed(b.block_ids)  # [B, Q, C], frozen
+    heads = parts.drafter.d.num_heads
+    mask = backend.build_mask(b.anchors, b.anchor_valid, b.seq_len, b.block_size, heads)
     amp = (
         torch.autocast(parts.device.type, dtype=parts.autocast_dtype)
         if parts.autocast_dtype
         else contextlib.nullcontext()
     )
     with amp:
-        out = drafter(hidden, block_emb, b.block_pos, mask, parts.backend)  # [B, Q, C]
-        return block_loss(out, target.lm_head, b.labels, b.weights)
+        return drafter(hidden, block_emb, b.block_pos, mask, backend)  # [B, Q, C]
+
+
+def forward_loss(
+    parts: Parts, batch: BlockBatch, drafter: torch.nn.Module | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weighted CE sum, weight sum, weighted correct sum) for one batch on parts.device."""
+    b = batch.to(parts.device)
+    out = drafter_output(parts, drafter or parts.drafter, b)
+    amp = (
+        torch.autocast(parts.device.type, dtype=parts.autocast_dtype)
+        if parts.autocast_dtype
+        else contextlib.nullcontext()
+    )
+    with amp:
+        return block_loss(out, parts.target.lm_head, b.labels, b.weights)
 
 
 @dataclass
@@ -132,10 +160,18 @@ class PreflightReport:
         }
 
 
-def preflight(parts: Parts, backward: bool = True, freeze: bool = True) -> PreflightReport:
+def preflight(
+    parts: Parts,
+    backward: bool = True,
+    freeze: bool = True,
+    drafter: torch.nn.Module | None = None,
+    eval_anchors: int | None = None,
+) -> PreflightReport:
     """Run every bucket once under the real conditions (grad on, backward, same autocast and checkpointing) so that
-    every compiled variant exists before step 1; then make any further recompile an error."""
+    every compiled variant exists before step 1; with `eval_anchors`, also the no-grad shapes evaluation uses. Then
+    make any further recompile an error."""
     buckets = parts.cfg.data.seq_buckets
+    module = drafter or parts.drafter
     seconds, peaks = {}, {}
     cuda = parts.device.type == "cuda"
     for S in buckets:
@@ -144,10 +180,14 @@ def preflight(parts: Parts, backward: bool = True, freeze: bool = True) -> Prefl
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         with torch.set_grad_enabled(backward):
-            loss_sum, w_sum, _ = forward_loss(parts, dummy_batch(parts, S))
+            loss_sum, w_sum, _ = forward_loss(parts, dummy_batch(parts, S), module)
             if backward:
                 (loss_sum / w_sum.clamp(min=1)).backward()
                 parts.drafter.zero_grad(set_to_none=True)
+        if eval_anchors:
+            with torch.no_grad():
+                eval_batch = dummy_batch(parts, S, 1, eval_anchors).to(parts.device)
+                drafter_output(parts, parts.drafter, eval_batch, parts.eval_backend)
         if cuda:
             torch.cuda.synchronize()
             peaks[S] = torch.cuda.max_memory_allocated() / 2**30
@@ -167,57 +207,3 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
         return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return fn
-
-
-@dataclass
-class TrainResult:
-    losses: list[float] = field(default_factory=list)
-    accs: list[float] = field(default_factory=list)
-    tokens_per_s: list[float] = field(default_factory=list)
-    preflight: PreflightReport | None = None
-    recompiles_after_preflight: int = 0
-
-
-def train(cfg: TrainConfig, source: str = "<config>", log: Callable[[str], None] = print) -> TrainResult:
-    """Single-process training: AdamW, warmup + cosine, grad clip; loss and per-position accuracy each step."""
-    parts = build(cfg, source)
-    ds = make_dataset(cfg.data, int(parts.target.config.vocab_size), cfg.drafter.block_size, cfg.seed)
-    log(f"data: {len(ds.samples)} samples, dropped {ds.dropped_too_long} too long, {ds.dropped_too_short} too short")
-    opt = torch.optim.AdamW(
-        parts.drafter.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    result = TrainResult()
-    result.preflight = preflight(parts, backward=True)
-    log(f"preflight: {result.preflight.to_record()}")
-    baseline = graphs_compiled()
-    epoch, batches = 0, epoch_batches(ds, cfg.data.batch_size, cfg.seed, 0)
-    for step in range(1, cfg.steps + 1):
-        try:
-            seq_len, idx = next(batches)
-        except StopIteration:
-            epoch += 1
-            batches = epoch_batches(ds, cfg.data.batch_size, cfg.seed, epoch)
-            seq_len, idx = next(batches)
-        t0 = time.perf_counter()
-        batch = make_batch(parts, ds, seq_len, idx, epoch)
-        loss_sum, w_sum, correct = forward_loss(parts, batch)
-        loss = loss_sum / w_sum.clamp(min=1e-6)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), cfg.optim.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        loss_v, acc_v = loss.item(), (correct / w_sum.clamp(min=1e-6)).item()  # .item() syncs: once per step
-        dt = time.perf_counter() - t0
-        tps = batch.input_ids.numel() / dt
-        result.losses.append(loss_v)
-        result.accs.append(acc_v)
-        result.tokens_per_s.append(tps)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            log(
-                f"step {step}/{cfg.steps} epoch {epoch} loss {loss_v:.4f} acc {acc_v:.3f} "
-                f"lr {sched.get_last_lr()[0]:.2e} grad_norm {float(grad_norm):.3f} {tps:,.0f} tok/s"
-            )
-    result.recompiles_after_preflight = graphs_compiled() - baseline
-    return result

@@ -110,13 +110,17 @@ class Target:
 
 def build_model(cfg: TargetConfig, device: torch.device, source: str = "<config>") -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # the log is for the trainer's lines; a bar per load only adds noise
     dtype = DTYPES[cfg.dtype]
     if cfg.random_preset is not None:
         if cfg.random_preset not in RANDOM_PRESETS:
             known = ", ".join(RANDOM_PRESETS)
             raise ConfigError(source, "target.random_preset", f"unknown preset {cfg.random_preset!r} ({known})")
         kwargs = RANDOM_PRESETS[cfg.random_preset]()
+        if cfg.init_std is not None:
+            kwargs["initializer_range"] = cfg.init_std
         hf_config = AutoConfig.for_model(**kwargs)
         with torch.device(device):
             torch.manual_seed(0)  # the same random target on every rank and every run

@@ -1,37 +1,73 @@
-"""Entry point: `python -m trainer.train --config FILE`.
+"""Entry point: `[torchrun --nproc-per-node N] python -m trainer.train --config FILE [--run-dir DIR] [--resume]`.
 
-Exit codes: 0 finished, 1 crash, 2 config error, 3 dense fallback refused.
+Exit codes: 0 finished, 1 crash, 2 config error, 3 dense fallback refused. With a run dir, a failure also appends a
+`fatal` record to `metrics.jsonl` (docs/metrics.md), so a watcher need not parse the log to know what happened.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
+from pathlib import Path
 
-from trainer.errors import EXIT_CONFIG, EXIT_DENSE_FALLBACK, ConfigError, DenseFallbackError
+from trainer.errors import EXIT_CONFIG, EXIT_CRASH, EXIT_DENSE_FALLBACK, ConfigError, DenseFallbackError
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trainer.train", description="Train a DFlash drafter.")
     ap.add_argument("--config", required=True, help="trainer config (YAML)")
+    ap.add_argument("--run-dir", default=None, help="where metrics.jsonl, heartbeat and checkpoints go")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in the run dir")
     ap.add_argument("--steps", type=int, default=None, help="override the config's step count")
     args = ap.parse_args(argv)
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    rank = os.environ.get("RANK", "0")
+
+    def fatal(kind: str, message: str) -> None:
+        if run_dir is None:
+            return
+        from trainer.metrics import MetricsWriter
+
+        MetricsWriter(run_dir, True).event("fatal", always=True, kind=kind, message=message, rank=int(rank))
+
+    world = None
     try:
+        if run_dir:
+            run_dir.mkdir(parents=True, exist_ok=True)
         from trainer.config import load_config
-        from trainer.loop import train
+        from trainer.distributed import init_world
+        from trainer.run import train
 
         cfg = load_config(args.config)
         if args.steps is not None:
             cfg.steps = args.steps
-        result = train(cfg, source=args.config, log=lambda s: print(s, flush=True))
-        print(f"finished: {len(result.losses)} steps, final loss {result.losses[-1]:.4f}", flush=True)
+        world = init_world(cfg.device)
+        result = train(cfg, args.config, run_dir, args.resume, lambda s: print(s, flush=True), world)
+        if world.is_main:
+            done = len(result.losses)
+            last = f", final loss {result.losses[-1]:.4f}" if result.losses else ""
+            print(f"finished: {done} steps from step {result.start_step}{last}", flush=True)
         return 0
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
+        fatal("config", str(e))
         return EXIT_CONFIG
     except DenseFallbackError as e:
         print(f"DenseFallbackError: {e}", file=sys.stderr, flush=True)
+        fatal("dense_fallback", str(e))
         return EXIT_DENSE_FALLBACK
+    except Exception as e:  # a crash: the traceback goes to the log, one line to the metrics
+        traceback.print_exc()
+        sys.stderr.flush()
+        fatal("crash", f"{type(e).__name__}: {e}")
+        return EXIT_CRASH
+    finally:
+        if world is not None:
+            from trainer.distributed import shutdown
+
+            shutdown(world)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,204 @@
+"""Chat data with a real tokenizer and template, `regenerate`, and tau measured by real speculative decoding."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import eval as spec
+from trainer.config import from_dict
+from trainer.data import make_dataset, parse_record
+from trainer.loop import build
+from trainer.run import train
+from trainer.tiny import build_tokenizer, chat_samples, write_tiny_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    write_tiny_target(out / "target")
+    with open(out / "chat.jsonl", "w") as f:
+        for rec in chat_samples(24, seed=1):
+            f.write(json.dumps(rec) + "\n")
+    return out
+
+
+def test_loss_mask_covers_assistant_turns_only():
+    tok = build_tokenizer()
+    msgs = [
+        {"role": "system", "content": "say what is next ."},
+        {"role": "user", "content": "please count after one ."},
+        {"role": "assistant", "content": "two three four ."},
+        {"role": "user", "content": "next ?"},
+        {"role": "assistant", "content": "five six ."},
+    ]
+    ids, mask = parse_record({"messages": msgs}, tok)
+    assert ids.numel() == mask.numel()
+    trained = tok.decode(ids[mask.bool()].tolist())
+    assert trained.split() == ["two", "three", "four", ".", "<|im_end|>", "five", "six", ".", "<|im_end|>"]
+    ids2, mask2 = parse_record({"prompt": "please count after one .", "response": "two three ."}, tok)
+    assert tok.decode(ids2[mask2.bool()].tolist()).split() == ["two", "three", ".", "<|im_end|>"]
+
+
+def test_dataset_drops_and_counts_samples_too_short_for_a_block(tmp_path):
+    path = tmp_path / "d.jsonl"
+    rows = [
+        {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]},
+        {"input_ids": [5, 6], "loss_mask": [0, 0]},
+        {"input_ids": list(range(300)), "loss_mask": [1] * 300},
+        {"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = from_dict(
+        {
+            "target": {"random_preset": "tiny-qwen3"},
+            "drafter": {"block_size": 8},
+            "data": {"path": str(path), "anchors_per_seq": 16, "seq_buckets": [128], "holdout": 1},
+        }
+    )
+    ds = make_dataset(cfg.data, 256, 8, 0)
+    assert (len(ds.samples), len(ds.heldout), ds.dropped_too_short, ds.dropped_too_long) == (1, 1, 1, 1)
+
+
+def test_chat_training_from_a_target_directory(tmp_path, tiny_dir):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"""
+target: {{path: {tiny_dir / "target"}, dtype: float32}}
+drafter: {{num_layers: 1, block_size: 8}}
+attention: {{backend: dense}}
+data: {{path: {tiny_dir / "chat.jsonl"}, anchors_per_seq: 16, seq_buckets: [128], holdout: 2}}
+device: cpu
+steps: 2
+eval: {{prompts: 2, max_new_tokens: 8}}
+""")
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "data: 22 samples, 2 held out" in proc.stdout and "step 2/2" in proc.stdout
+
+
+def test_regenerate_rewrites_responses_with_the_target(tmp_path, tiny_dir):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"target: {{path: {tiny_dir / 'target'}, dtype: float32}}\ndevice: cpu\n")
+    out = tmp_path / "out.jsonl"
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.regenerate",
+        "--config",
+        str(cfg),
+        "--input",
+        str(tiny_dir / "chat.jsonl"),
+        "--output",
+        str(out),
+        "--max-new-tokens",
+        "6",
+        "--batch-size",
+        "5",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    before = [json.loads(x) for x in (tiny_dir / "chat.jsonl").read_text().splitlines()]
+    after = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(after) == len(before)
+    for a, b in zip(after, before, strict=True):
+        assert a["messages"][:-1] == b["messages"][:-1] and a["messages"][-1]["role"] == "assistant"
+    assert any(a["messages"][-1] != b["messages"][-1] for a, b in zip(after, before, strict=True))
+    again = tmp_path / "again.jsonl"
+    cmd[cmd.index(str(out))] = str(again)
+    subprocess.run(cmd, capture_output=True, timeout=300, cwd=ROOT, check=True)
+    assert again.read_text() == out.read_text(), "greedy regeneration must be deterministic"
+
+
+def test_bad_records_name_file_and_line(tmp_path, tiny_dir):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"text": "no"}\n')
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"target: {{path: {tiny_dir / 'target'}}}\ndrafter: {{block_size: 8}}\nattention: {{backend: dense}}\n"
+        f"data: {{path: {bad}, anchors_per_seq: 16, seq_buckets: [128]}}\ndevice: cpu\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2 and f"{bad}:2" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+TAU_CONFIG = {
+    "target": {"random_preset": "tiny-qwen3", "dtype": "float32", "init_std": 0.02},
+    "drafter": {"num_layers": 2, "block_size": 8},
+    "attention": {"backend": "dense"},
+    "data": {"anchors_per_seq": 32, "seq_buckets": [128], "holdout": 8, "batch_size": 4},
+    "optim": {"lr": 3e-3},
+    "device": "cpu",
+    "log_every": 1000,
+    "eval": {"prompts": 8, "max_new_tokens": 48, "prompt_tokens": 4},
+}
+
+
+def test_a_drafter_that_copies_the_target_reaches_tau_equal_block_size(monkeypatch):
+    parts = build(from_dict({**TAU_CONFIG, "steps": 1}), for_training=False)
+
+    def oracle(parts_, _drafter, seq):  # the target's own greedy continuation: every draft is accepted
+        out = seq.clone()
+        for _ in range(parts_.cfg.drafter.block_size - 1):
+            out = torch.cat([out, parts_.target.logits(out[None])[0, -1].argmax()[None]])
+        return out[seq.numel() :].tolist()
+
+    monkeypatch.setattr(spec, "draft_block", oracle)
+    r = spec.measure_tau(parts, parts.drafter, [torch.tensor([3, 1, 4, 1])], max_new_tokens=40)
+    assert r.steps > 0 and r.tau == 8.0
+
+
+@pytest.mark.slow
+def test_training_on_target_greedy_continuations_raises_tau(tmp_path):
+    """tau of a drafter trained on the target's own greedy text vs the same drafter untrained (lr 0)."""
+    rng = random.Random(0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"input_ids": [rng.randrange(16) for _ in range(4)] + [0], "loss_mask": [0] * 4 + [1]}) + "\n"
+            for _ in range(400)
+        )
+    )
+    data = tmp_path / "regen.jsonl"
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(json.dumps({**TAU_CONFIG, "data": {**TAU_CONFIG["data"], "path": str(data)}}))
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.regenerate",
+        "--config",
+        str(cfg_path),
+        "--input",
+        str(prompts),
+        "--output",
+        str(data),
+        "--max-new-tokens",
+        "80",
+        "--batch-size",
+        "100",
+    ]
+    subprocess.run(cmd, capture_output=True, timeout=300, cwd=ROOT, check=True)
+    base = {**TAU_CONFIG, "data": {**TAU_CONFIG["data"], "path": str(data)}}
+    untrained = train(from_dict({**base, "steps": 1, "optim": {"lr": 0.0}}), log=lambda s: None).taus[-1]
+    trained = train(from_dict({**base, "steps": 300}), log=lambda s: None).taus[-1]
+    print(f"tau untrained {untrained:.3f}, trained {trained:.3f}")
+    assert untrained < 1.2 and trained > untrained + 0.3

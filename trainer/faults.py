@@ -1,0 +1,35 @@
+"""Fault injection for testing the tools that watch the trainer: `TRAINER_FAULT=<kind>@<step>`.
+
+kinds: `crash` (raise at the start of the step, once per run dir), `hang` (sleep at the start of the step, so that
+a test can SIGKILL a process that is known to be alive), `hang-in-checkpoint` (sleep after the checkpoint's weights
+are written but before it is complete). Unset in normal use; a malformed value is ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+ENV = "TRAINER_FAULT"
+
+
+def _armed(kind: str, step: int) -> bool:
+    spec = os.environ.get(ENV, "")
+    want, _, at = spec.partition("@")
+    return want == kind and at.isdigit() and int(at) == step
+
+
+def at_step_start(step: int, run_dir: Path | None) -> None:
+    if _armed("hang", step):
+        time.sleep(3600)
+    if _armed("crash", step) and run_dir is not None:
+        marker = run_dir / ".fault-injected"
+        if not marker.exists():
+            marker.write_text(str(step))
+            raise RuntimeError(f"injected fault at step {step} ({ENV})")
+
+
+def in_checkpoint(step: int) -> None:
+    if _armed("hang-in-checkpoint", step):
+        time.sleep(3600)

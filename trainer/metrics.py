@@ -1,0 +1,113 @@
+"""The files other tools read while the trainer runs: `metrics.jsonl` and `heartbeat` (docs/metrics.md).
+
+`metrics.jsonl` holds one JSON object per line: step records and event records. Rank 0 writes step records; any rank
+may append a `fatal` record (small appends to an O_APPEND file do not interleave). The heartbeat is rewritten every few
+seconds by a thread of rank 0 with the current step and phase; a stopped or frozen process stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+STEP_FIELDS = {
+    "time": float,
+    "step": int,
+    "epoch": int,
+    "tokens_per_s": float,
+    "loss": float,
+    "acc": float,
+    "lr": float,
+    "grad_norm": float,
+    "peak_mem_gib": float,
+}
+EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "start": {"world_size": int, "resumed_from": (int, type(None)), "config": dict},
+    "data": {"samples": int, "dropped_too_short": int, "dropped_too_long": int, "holdout": int},
+    "preflight": {"buckets": list, "seconds": dict, "peak_mem_gib": dict},
+    "recompile": {"step": int, "graphs": int},
+    "checkpoint": {"path": str, "step": int},
+    "eval": {"step": int, "tau": float, "prompts": int, "draft_steps": int},
+    "fatal": {"kind": str, "message": str},
+    "finished": {"step": int},
+}
+FATAL_KINDS = ("dense_fallback", "config", "crash")
+
+
+def validate_record(rec: dict) -> list[str]:
+    """Problems with one metrics record against the contract ([] when it conforms)."""
+    problems = []
+    if not isinstance(rec.get("time"), (int, float)):
+        problems.append("missing numeric `time`")
+    if "event" in rec:
+        fields = EVENT_FIELDS.get(rec["event"])
+        if fields is None:
+            return problems + [f"unknown event {rec['event']!r}"]
+    else:
+        fields = STEP_FIELDS
+    for name, tp in fields.items():
+        if name not in rec:
+            problems.append(f"missing `{name}`")
+        elif tp is float and not isinstance(rec[name], (int, float)):
+            problems.append(f"`{name}` is not a number")
+        elif tp is not float and not isinstance(rec[name], tp):
+            problems.append(f"`{name}` has type {type(rec[name]).__name__}")
+    if rec.get("event") == "fatal" and rec.get("kind") not in FATAL_KINDS:
+        problems.append(f"fatal kind {rec.get('kind')!r} not one of {FATAL_KINDS}")
+    return problems
+
+
+class MetricsWriter:
+    """Appends records to `<run_dir>/metrics.jsonl`; only the main rank writes unless `always` is set."""
+
+    def __init__(self, run_dir: Path, is_main: bool) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.is_main = is_main
+
+    def write(self, record: dict, always: bool = False) -> None:
+        if not (self.is_main or always):
+            return
+        line = json.dumps({"time": round(time.time(), 3), **record}, separators=(",", ":")) + "\n"
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    def event(self, name: str, always: bool = False, **fields) -> None:
+        self.write({"event": name, **fields}, always=always)
+
+
+class Heartbeat:
+    """A daemon thread rewriting `<run_dir>/heartbeat` every `interval` s: {"time", "step", "phase", "pid"}."""
+
+    def __init__(self, run_dir: Path, interval: float) -> None:
+        self.path = Path(run_dir) / "heartbeat"
+        self.interval = interval
+        self.step = 0
+        self.phase = "starting"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self.beat()
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"time": time.time(), "step": self.step, "phase": self.phase, "pid": os.getpid()}))
+        os.replace(tmp, self.path)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+            except OSError:
+                pass  # a full disk or a removed run dir must not kill training; the watcher sees the age grow
+
+    def stop(self) -> None:
+        self._stop.set()

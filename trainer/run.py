@@ -1,0 +1,217 @@
+"""A training run: one process per device, data-parallel drafter, files in the run dir, exact resume.
+
+Per optimiser step every rank takes its slice of one global batch per micro-step (`grad_accum` of them), so the data
+of a step does not depend on the number of ranks. The loss is normalised by the global sum of loss weights (over
+ranks and micro-steps): DDP averages gradients over ranks, so each rank scales its sum by world_size / global weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer import checkpoint, faults
+from trainer.compile_policy import graphs_compiled
+from trainer.config import TrainConfig, to_dict
+from trainer.data import Dataset, epoch_batches, load_tokenizer, make_dataset, shard
+from trainer.distributed import World, all_gather_objects, all_reduce_sum, barrier, init_world
+from trainer.errors import ConfigError
+from trainer.eval import eval_anchors, measure_tau, prompt_of
+from trainer.loop import Parts, build, forward_loss, lr_lambda, make_batch, preflight
+from trainer.metrics import Heartbeat, MetricsWriter
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    accs: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+    taus: list[float] = field(default_factory=list)
+    preflight: object = None
+    recompiles_after_preflight: int = 0
+    start_step: int = 0
+    parts: Parts | None = None
+
+
+class DataStream:
+    """Global batches in a reproducible order: epoch e is shuffled from (seed, e); a position can be resumed."""
+
+    def __init__(self, ds: Dataset, global_batch: int, seed: int, epoch: int = 0, batch_in_epoch: int = 0) -> None:
+        self.ds, self.global_batch, self.seed = ds, global_batch, seed
+        self.epoch, self.batch_in_epoch = epoch, batch_in_epoch
+        self.batches = epoch_batches(ds, global_batch, seed, epoch)
+        if not self.batches:
+            raise ConfigError(
+                "<config>", "data.batch_size", f"no bucket has a full global batch ({global_batch} samples)"
+            )
+
+    def next(self) -> tuple[int, tuple[int, list[int]]]:
+        if self.batch_in_epoch >= len(self.batches):
+            self.epoch += 1
+            self.batch_in_epoch = 0
+            self.batches = epoch_batches(self.ds, self.global_batch, self.seed, self.epoch)
+        b = self.batches[self.batch_in_epoch]
+        self.batch_in_epoch += 1
+        return self.epoch, b
+
+
+def _max_rss_gib() -> float:
+    """On the CPU the peak is the process's resident set (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def train(
+    cfg: TrainConfig,
+    source: str = "<config>",
+    run_dir: Path | None = None,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+    world: World | None = None,
+) -> TrainResult:
+    world = world or init_world(cfg.device)
+    say = log if world.is_main else (lambda s: None)
+    run_dir = Path(run_dir) if run_dir else None
+    if run_dir:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = MetricsWriter(run_dir, world.is_main) if run_dir else None
+    heartbeat = Heartbeat(run_dir, cfg.heartbeat_s).start() if run_dir and world.is_main else None
+    try:
+        return _train(cfg, source, run_dir, resume, say, world, metrics, heartbeat)
+    finally:
+        if heartbeat:
+            heartbeat.stop()
+
+
+def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) -> TrainResult:
+    def event(name: str, **fields) -> None:
+        if metrics:
+            metrics.event(name, **fields)
+
+    parts: Parts = build(cfg, source, device=world.device)
+    tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, source) if cfg.data.path else None
+    ds = make_dataset(cfg.data, int(parts.target.config.vocab_size), cfg.drafter.block_size, cfg.seed, tok, source)
+    say(f"data: {len(ds.samples)} samples, {len(ds.heldout)} held out, dropped {ds.dropped_too_short} too short, "
+        f"{ds.dropped_too_long} too long")  # fmt: skip
+    event("data", samples=len(ds.samples), dropped_too_short=ds.dropped_too_short,
+          dropped_too_long=ds.dropped_too_long, holdout=len(ds.heldout))  # fmt: skip
+
+    drafter = parts.drafter
+    model = DistributedDataParallel(drafter) if world.distributed else drafter
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                            weight_decay=cfg.optim.weight_decay)  # fmt: skip
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    global_batch = cfg.data.batch_size * world.size
+    stream = DataStream(ds, global_batch, cfg.seed)
+    start_step, resumed_from = 0, None
+    ckpt_root = run_dir / "checkpoints" if run_dir else None
+    if resume and ckpt_root and (latest := checkpoint.latest(ckpt_root)):
+        loaded = checkpoint.load(latest)
+        drafter.load_state_dict(loaded.weights)
+        opt.load_state_dict(loaded.optimizer)
+        sched.load_state_dict(loaded.scheduler)
+        pos = loaded.position
+        stream = DataStream(ds, global_batch, cfg.seed, pos.epoch, pos.batch_in_epoch)
+        start_step = resumed_from = pos.step
+        if world.rank < len(loaded.rng):
+            checkpoint.set_rng_state(loaded.rng[world.rank])
+        say(f"resumed from {latest} at step {start_step}")
+    event("start", world_size=world.size, resumed_from=resumed_from, config=to_dict(cfg))
+
+    do_eval = cfg.eval.every > 0 or cfg.eval.at_end
+    if heartbeat:
+        heartbeat.phase = "preflight"
+    report = preflight(parts, backward=True, drafter=model, eval_anchors=eval_anchors(cfg.drafter.block_size)
+                       if do_eval else None)  # fmt: skip
+    say(f"preflight: buckets {report.buckets}, seconds {report.to_record()['seconds']}")
+    if metrics:
+        metrics.write(report.to_record())
+    baseline = graphs_compiled()
+    result = TrainResult(preflight=report, start_step=start_step, parts=parts)
+    prompts = [prompt_of(s, cfg.eval.prompt_tokens) for s in ds.heldout[: cfg.eval.prompts]]
+
+    def evaluate(step: int) -> None:
+        mine = prompts[world.rank :: world.size]
+        r = measure_tau(parts, drafter, mine, cfg.eval.max_new_tokens)
+        totals = all_reduce_sum(torch.tensor([r.accepted, r.steps, r.prompts], dtype=torch.float64,
+                                             device=world.device), world).tolist()  # fmt: skip
+        tau = totals[0] / totals[1] if totals[1] else 0.0
+        result.taus.append(tau)
+        say(f"eval step {step}: tau {tau:.3f} over {int(totals[2])} prompts, {int(totals[1])} draft steps")
+        event("eval", step=step, tau=round(tau, 4), prompts=int(totals[2]), draft_steps=int(totals[1]))
+
+    def save(step: int) -> None:
+        rngs = all_gather_objects(checkpoint.rng_state(), world)
+        if world.is_main and ckpt_root:
+            pos = checkpoint.Position(step, stream.epoch, stream.batch_in_epoch)
+            path = checkpoint.save(ckpt_root, pos, drafter, opt, sched, rngs, cfg.checkpoint.keep)
+            event("checkpoint", path=str(path), step=step)
+        barrier(world)
+
+    cuda = world.device.type == "cuda"
+    if heartbeat:
+        heartbeat.phase = "train"
+    for step in range(start_step + 1, cfg.steps + 1):
+        faults.at_step_start(step, run_dir)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        micro = []
+        for _ in range(cfg.grad_accum):
+            epoch, gb = stream.next()
+            seq_len, idx = shard(gb, world.rank, cfg.data.batch_size)
+            micro.append(make_batch(parts, ds, seq_len, idx, epoch))
+        w_local = sum(float(b.weights.sum()) for b in micro)
+        w_global = all_reduce_sum(torch.tensor([w_local], dtype=torch.float64, device=world.device), world).item()
+        scale = world.size / max(w_global, 1e-6)
+        sums = torch.zeros(2, dtype=torch.float64, device=world.device)  # [loss sum, correct sum]
+        tokens = 0
+        for i, batch in enumerate(micro):
+            sync = i == len(micro) - 1 or not world.distributed
+            ctx = model.no_sync() if not sync else contextlib.nullcontext()
+            with ctx:
+                loss_sum, _, correct = forward_loss(parts, batch, model)
+                (loss_sum * scale).backward()
+            sums += torch.stack([loss_sum.detach().double(), correct.detach().double()])
+            tokens += batch.input_ids.numel()
+        grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.optim.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        loss_v, acc_v = (all_reduce_sum(sums, world) / max(w_global, 1e-6)).tolist()  # syncs once per step
+        dt = time.perf_counter() - t0
+        tps = tokens * world.size / dt  # target tokens per second, all ranks
+        peak = torch.cuda.max_memory_allocated(world.device) / 2**30 if cuda else _max_rss_gib()
+        result.losses.append(loss_v)
+        result.accs.append(acc_v)
+        result.tokens_per_s.append(tps)
+        lr = sched.get_last_lr()[0]
+        if heartbeat:
+            heartbeat.step = step
+        if metrics:
+            metrics.write({"step": step, "epoch": epoch, "tokens_per_s": round(tps, 1), "loss": round(loss_v, 6),
+                           "acc": round(acc_v, 6), "lr": lr, "grad_norm": round(float(grad_norm), 6),
+                           "peak_mem_gib": round(peak, 3)})  # fmt: skip
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            say(f"step {step}/{cfg.steps} epoch {epoch} loss {loss_v:.4f} acc {acc_v:.3f} lr {lr:.2e} "
+                f"grad_norm {float(grad_norm):.3f} {tps:,.0f} tok/s peak {peak:.1f} GiB")  # fmt: skip
+        recompiled = graphs_compiled() - baseline
+        if recompiled > result.recompiles_after_preflight:
+            event("recompile", step=step, graphs=recompiled)
+            result.recompiles_after_preflight = recompiled
+        if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.steps:
+            evaluate(step)
+        if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step != cfg.steps:
+            save(step)
+    if cfg.eval.at_end or (cfg.eval.every and cfg.steps % cfg.eval.every == 0):
+        evaluate(cfg.steps)
+    if start_step < cfg.steps:
+        save(cfg.steps)
+    event("finished", step=cfg.steps)
+    return result
