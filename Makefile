@@ -37,5 +37,13 @@ test: system-deps venv lint
 test-fast: venv
 	$(VENV)/bin/pytest -q -m "not slow"
 
+# The main job on this machine: deploy to the built-in `local` host, launch the tiny CPU trainer job (two ranks under
+# torchrun), follow it to the end and summarise it.
+demo: system-deps venv
+	$(VENV)/bin/dflashctl deploy local
+	$(VENV)/bin/dflashctl launch jobs/tiny-cpu.yaml
+	$(VENV)/bin/dflashctl logs -f
+	$(VENV)/bin/dflashctl status
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

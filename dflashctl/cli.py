@@ -6,12 +6,14 @@ Exit codes: 0 success; 1 a remote command or check failed; 2 bad input (config, 
 from __future__ import annotations
 
 import sys
+import time
+from pathlib import Path
 
 import click
 import typer
 from rich.table import Table
 
-from dflashctl import __version__
+from dflashctl import __version__, jobctl, registry
 from dflashctl.config import find_project_root, resolve_host
 from dflashctl.doctor import run_doctor
 from dflashctl.errors import EXIT_FAILED, DflashError
@@ -96,6 +98,107 @@ def doctor(host: str = HostArg, as_json: bool = JsonOpt, accept_new: bool = Acce
             table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.detail)
         out.print(table)
     if not report.ok:
+        raise typer.Exit(EXIT_FAILED)
+
+
+JobArg = typer.Argument(None, help="Job id, a prefix of it, or a job name; default: the newest job of this project.")
+ProjectOpt = typer.Option(False, "--all-projects", help="List jobs launched from any project.")
+
+
+@app.command()
+def launch(
+    job_file: Path = typer.Argument(..., help="A job file (jobs/*.yaml).", exists=False),
+    deploy_first: bool = typer.Option(False, "--deploy", help="Deploy the local tree to the job's host first."),
+    force: bool = typer.Option(False, "--force", help="Launch even on GPUs held by another job or process."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the remote commands and files; change nothing."),
+    as_json: bool = JsonOpt,
+    accept_new: bool = AcceptNewOpt,
+) -> None:
+    """Start JOB_FILE's job in its own tmux session on its host and record it locally."""
+    root_dir = find_project_root()
+    with byte_progress("deploy", not as_json) as progress:
+        report = jobctl.launch(job_file, root_dir, deploy_first=deploy_first, force=force, dry_run=dry_run,
+                               accept_new=accept_new, progress=progress)  # fmt: skip
+    if as_json:
+        print_json(report.to_dict())
+        return
+    for what in report.overrides:
+        err.print(f"[yellow]--force overrides:[/] {what}")
+    if dry_run:
+        out.print(f"[bold]would launch[/] {report.id} on {report.host} (code {report.code_version})")
+        for cmd in report.remote_commands:
+            out.print(f"remote: {cmd}")
+        for name, text in report.files.items():
+            out.print(f"--- {report.run_dir}/{name}\n{text}", markup=False)
+        return
+    out.print(f"launched [bold]{report.id}[/] on {report.host}: pane pid {report.pane_pid}, run dir {report.run_dir}")
+    out.print(f"next: dflashctl watch {report.id}   (or: dflashctl logs -f {report.id})")
+
+
+@app.command()
+def kill(
+    job: str | None = JobArg,
+    grace: float | None = typer.Option(None, "--grace", help="Seconds between SIGTERM and SIGKILL (job's default 40)."),
+    as_json: bool = JsonOpt,
+    accept_new: bool = AcceptNewOpt,
+) -> None:
+    """Stop a job (default: the newest live one): SIGTERM its process tree, wait, SIGKILL the rest, verify."""
+    report = jobctl.kill(job, str(find_project_root()), grace, accept_new)
+    if as_json:
+        print_json(report.to_dict())
+        return
+    out.print(f"killed {report.id} on {report.host}: SIGTERM to {len(report.term)} processes {report.term}, "
+              f"SIGKILL to {len(report.kill)} {report.kill}")  # fmt: skip
+    out.print(f"verified: no process of the job left, no GPU held by it ({report.gpu_source}), tmux session closed")
+
+
+@app.command()
+def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool = AcceptNewOpt) -> None:
+    """One look at a job: alive or dead, exit code, last metrics record, uptime."""
+    st = jobctl.status(job, str(find_project_root()), accept_new)
+    if as_json:
+        print_json(st)
+        return
+    out.print(f"[bold]{st['id']}[/] on {st['host']}: session {st['session']}, exit code {st['exit_code']}, "
+              f"up {st['uptime_s']:.0f} s, {st['processes']} processes, restarts {st['restarts']}")  # fmt: skip
+    if st["last_step"]:
+        r = st["last_step"]
+        out.print(f"step {r['step']} loss {r['loss']:.4f} {r['tokens_per_s']:,.0f} tok/s")
+    if st["last_event"]:
+        out.print(f"last event: {st['last_event']}", markup=False)
+    out.print(f"run dir: {st['run_dir']}")
+
+
+@app.command("ls")
+def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt) -> None:
+    """Jobs launched from this project, newest first (from the local registry)."""
+    jobs = registry.all_jobs(None if all_projects else str(find_project_root()))
+    if as_json:
+        print_json(
+            [{k: j.get(k) for k in ("id", "host_name", "state", "launched_at", "run_dir", "gpus")} for j in jobs]
+        )
+        return
+    table = Table(title="jobs", title_justify="left")
+    for col in ("id", "host", "state", "launched", "gpus", "run dir"):
+        table.add_column(col)
+    for j in jobs:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(j.get("launched_at", 0)))
+        table.add_row(j["id"], j.get("host_name", ""), j.get("state", ""), when, str(j.get("gpus") or "-"),
+                      j.get("run_dir", ""))  # fmt: skip
+    out.print(table)
+
+
+@app.command()
+def logs(
+    job: str | None = JobArg,
+    lines: int = typer.Option(50, "-n", "--lines", help="How many of the last lines to print."),
+    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines until the job ends."),
+    accept_new: bool = AcceptNewOpt,
+) -> None:
+    """Print the end of a job's train.log (everything the job printed)."""
+    res = jobctl.logs(job, str(find_project_root()), lines, follow, lambda s: out.print(s, markup=False),
+                      accept_new=accept_new)  # fmt: skip
+    if follow and res["exit_code"] not in (None, 0):
         raise typer.Exit(EXIT_FAILED)
 
 

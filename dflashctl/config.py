@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -91,7 +92,7 @@ class HostConfig(BaseModel):
         return self.container.split(":", 1)[1] if self.container else None
 
 
-LOCAL = HostConfig(name="local")
+LOCAL = HostConfig(name="local", python=sys.executable)  # this machine: the interpreter running dflashctl
 
 
 class HostsFile(BaseModel):

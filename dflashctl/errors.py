@@ -46,3 +46,15 @@ class RemoteCommandError(DflashError):
     """A remote command exited non-zero where success was required."""
 
     exit_code = EXIT_FAILED
+
+
+class RefusedError(DflashError):
+    """A launch that would collide with what is there (stale code, GPUs in use): refused before anything ran."""
+
+    exit_code = EXIT_USAGE
+
+
+class NoSuchJobError(DflashError):
+    """No job in the registry matches what was asked for."""
+
+    exit_code = EXIT_USAGE

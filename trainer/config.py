@@ -52,6 +52,7 @@ class DataConfig:
     seq_buckets: list[int] = field(default_factory=lambda: [1024, 2048, 3072])  # padded lengths, multiples of 128
     batch_size: int = 1  # sequences per step per process
     synthetic_samples: int = 64  # with no path: random sequences made from the seed
+    synthetic: Literal["successor", "target_greedy"] = "successor"  # toy rule, or the target's own greedy text
 
 
 @dataclass
@@ -207,3 +208,22 @@ def load_config(path: str | Path) -> TrainConfig:
 
 def to_dict(cfg: TrainConfig) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m trainer.config FILE`: validate a config without loading torch; the problem as one JSON line."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        load_config(args[0])
+    except ConfigError as e:
+        print(json.dumps({"source": e.source, "key": e.key, "message": e.message}))
+        return 2
+    print(json.dumps({"ok": True}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,6 +9,7 @@ A sample is (input_ids [L], loss_mask [L]). JSONL records may be
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from trainer.errors import ConfigError
 from trainer.mask import bucket_for
 
 Sample = tuple[torch.Tensor, torch.Tensor]
+Generate = Callable[[list[list[int]], int], list[list[int]]]
 
 
 def synthetic_samples(n: int, vocab: int, lengths: list[int], seed: int, alphabet: int = 16) -> list[Sample]:
@@ -128,12 +130,36 @@ class Dataset:
     dropped_too_short: int = 0
 
 
+def greedy_samples(n: int, lengths: list[int], seed: int, generate: Generate, alphabet: int = 16) -> list[Sample]:
+    """Short random prompts continued greedily by the target: what the drafter must learn to predict, in miniature."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, alphabet, (4,), generator=g).tolist() for _ in range(n)]
+    out = []
+    for i in range(0, n, 64):
+        batch = prompts[i : i + 64]
+        new = generate(batch, max(lengths) - 4)
+        for p, cont in zip(batch, new, strict=True):
+            L = min(lengths[len(out) % len(lengths)], len(p) + len(cont))
+            ids = torch.tensor((p + cont)[:L], dtype=torch.long)
+            mask = torch.zeros(L, dtype=torch.long)
+            mask[len(p) :] = 1
+            out.append((ids, mask))
+    return out
+
+
 def make_dataset(
-    cfg: DataConfig, vocab: int, block_size: int, seed: int, tok=None, source: str = "<config>"
-) -> Dataset:
-    """Read or synthesise samples, drop what cannot make one block or fits no bucket, hold out `cfg.holdout`."""
+    cfg: DataConfig, vocab: int, block_size: int, seed: int, tok=None, source: str = "<config>",
+    generate: Generate | None = None,
+) -> Dataset:  # fmt: skip
+    """Read or synthesise samples, drop what cannot make one block or fits no bucket, hold out `cfg.holdout`.
+
+    `generate(prompts, max_new_tokens) -> continuations` is the target's greedy decoder (for `target_greedy`).
+    """
     if cfg.path:
         raw = read_jsonl(cfg.path, tok, source)
+    elif cfg.synthetic == "target_greedy" and generate is not None:
+        lengths = [max(block_size * 2, int(b * f)) for b in cfg.seq_buckets for f in (0.6, 0.9)]
+        raw = greedy_samples(cfg.synthetic_samples + cfg.holdout, lengths, seed, generate)
     else:
         lengths = [max(block_size * 2, int(b * f)) for b in cfg.seq_buckets for f in (0.6, 0.9)]
         raw = synthetic_samples(cfg.synthetic_samples + cfg.holdout, vocab, lengths, seed)

@@ -17,6 +17,7 @@ class ConfigError(Exception):
     exit_code = EXIT_CONFIG
 
     def __init__(self, source: str, key: str | None, message: str) -> None:
+        self.source, self.key, self.message = source, key, message
         where = f"{source}: {key}" if key else source
         super().__init__(f"{where}: {message}")
 

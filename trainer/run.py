@@ -62,6 +62,15 @@ class DataStream:
         return self.epoch, b
 
 
+def greedy_generator(parts: Parts) -> Callable[[list[list[int]], int], list[list[int]]]:
+    """The target's greedy decoder, for data made of the target's own continuations."""
+    from trainer.regenerate import generate
+
+    model = parts.target.model
+    pad = getattr(model.config, "pad_token_id", None) or 0
+    return lambda prompts, n: generate(model, prompts, n, 0.0, 1.0, pad, None)
+
+
 def _max_rss_gib() -> float:
     """On the CPU the peak is the process's resident set (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -96,7 +105,8 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
 
     parts: Parts = build(cfg, source, device=world.device)
     tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, source) if cfg.data.path else None
-    ds = make_dataset(cfg.data, int(parts.target.config.vocab_size), cfg.drafter.block_size, cfg.seed, tok, source)
+    vocab = int(parts.target.config.vocab_size)
+    ds = make_dataset(cfg.data, vocab, cfg.drafter.block_size, cfg.seed, tok, source, greedy_generator(parts))
     say(f"data: {len(ds.samples)} samples, {len(ds.heldout)} held out, dropped {ds.dropped_too_short} too short, "
         f"{ds.dropped_too_long} too long")  # fmt: skip
     event("data", samples=len(ds.samples), dropped_too_short=ds.dropped_too_short,

@@ -1,0 +1,189 @@
+"""Job files (`jobs/*.yaml`): what to run, where, on which GPUs, and how to watch it. Typed like the host config.
+
+A job runs either the bundled trainer (`trainer:`, its config inline or a path relative to the job file) or any
+command line (`command:`), so that any torchrun script can be babysat. Every error names the file and the dotted key
+and exits with status 2, before anything touches a remote.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dflashctl.config import SAFE_NAME, format_validation_error, load_yaml
+from dflashctl.errors import ConfigError
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+STATES = ("STARTING", "RUNNING", "STALLED", "FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT",
+          "CRASHED", "CONFIG_ERROR", "LOST")  # fmt: skip
+NEVER_RESTART = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "CONFIG_ERROR", "FINISHED")  # they would repeat (or are done)
+State = Literal[
+    "STARTING", "RUNNING", "STALLED", "FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT",
+    "CRASHED", "CONFIG_ERROR", "LOST",
+]  # fmt: skip
+
+
+class NotifyConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    webhook: str | None = Field(None, description="URL that gets a JSON POST on every state change that matters")
+    format: Literal["json", "slack", "discord", "ntfy"] = Field("json", description="body shape for the webhook")
+    bell: bool = Field(True, description="ring the terminal bell on failures")
+    timeout_s: float = Field(10.0, gt=0, le=120)
+    retries: int = Field(3, ge=0, le=10)
+
+    @field_validator("webhook")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^https?://[^\s]+$", value):
+            raise ValueError("expected an http:// or https:// URL")
+        return value
+
+
+class WatchConfig(BaseModel):
+    """How `watch` polls and judges the job, and what it does about failures."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    interval_s: float = Field(60.0, gt=0, description="seconds between polls")
+    stall_after_s: float = Field(600.0, gt=0, description="no step progress for this long while alive: STALLED")
+    startup_budget_s: float = Field(3600.0, gt=0, description="time allowed before the first step (preflight)")
+    heartbeat_max_age_s: float = Field(120.0, gt=0, description="an older heartbeat (process frozen): STALLED")
+    throughput_floor: float | None = Field(None, ge=0, description="tokens/s under this for `slow_polls`: STALLED")
+    throughput_drop: float = Field(0.3, gt=0, lt=1, description="under this fraction of its rolling median: STALLED")
+    slow_polls: int = Field(3, ge=1, description="consecutive slow polls before STALLED")
+    restart_on: list[State] = Field(default_factory=lambda: ["CRASHED", "STALLED", "NCCL_TIMEOUT"])
+    max_restarts: int = Field(3, ge=0, le=100)
+    backoff_s: float = Field(30.0, ge=0, description="wait before the first restart; doubles each time")
+    notify: NotifyConfig = Field(default_factory=NotifyConfig)
+
+    @field_validator("restart_on")
+    @classmethod
+    def _restartable(cls, value: list[str]) -> list[str]:
+        bad = [s for s in value if s in NEVER_RESTART]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} cannot be restarted: the cause would repeat")
+        return value
+
+
+class JobConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., description="job name, [A-Za-z0-9._-]; the job id is name + UTC timestamp")
+    host: str = Field("local", description="a host name from dflashctl.yaml / hosts.yaml, or `local`")
+    gpus: list[int] | int | None = Field(None, description="GPU indices, or a count (0..N-1); none = CPU")
+    trainer: dict[str, Any] | str | None = Field(None, description="the bundled trainer's config, inline or a path")
+    command: str | None = Field(None, description="any command line, run in the deployed code directory")
+    nproc_per_node: int | None = Field(None, ge=1, le=64, description="processes (torchrun); default: one per GPU")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment variables")
+    inductor_cache: Literal["clear", "keep"] = Field("clear", description="the job's own TORCHINDUCTOR_CACHE_DIR")
+    kill_grace_s: float = Field(40.0, ge=0, le=3600, description="SIGTERM to SIGKILL (torchrun needs ~30 s)")
+    watch: WatchConfig = Field(default_factory=WatchConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not SAFE_NAME.match(value) or len(value) > 64:
+            raise ValueError("may hold only [A-Za-z0-9._-] (at most 64), starting with a letter or digit")
+        return value
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        if not SAFE_NAME.match(value):
+            raise ValueError("expected a host name of [A-Za-z0-9._-]")
+        return value
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, value: list[int] | int | None) -> list[int] | int | None:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("a GPU count must be >= 0")
+        if isinstance(value, list) and (any(i < 0 for i in value) or len(set(value)) != len(value)):
+            raise ValueError("GPU indices must be distinct and >= 0")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for k, v in value.items():
+            if not ENV_NAME.match(k):
+                raise ValueError(f"{k!r} is not a valid environment variable name")
+            if "\0" in v:
+                raise ValueError(f"{k}: value holds a NUL byte")
+        return value
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value: str | None) -> str | None:
+        if value is not None and (not value.strip() or "\0" in value):
+            raise ValueError("must be a non-empty command line")
+        return value
+
+    @model_validator(mode="after")
+    def _one_of(self) -> JobConfig:
+        if (self.trainer is None) == (self.command is None):
+            raise ValueError("set exactly one of `trainer` and `command`")
+        return self
+
+    @property
+    def gpu_indices(self) -> list[int]:
+        if self.gpus is None:
+            return []
+        return list(range(self.gpus)) if isinstance(self.gpus, int) else list(self.gpus)
+
+    @property
+    def nproc(self) -> int:
+        return self.nproc_per_node or max(1, len(self.gpu_indices))
+
+
+def _check_trainer_config(data: dict, source: str, project_root: Path) -> None:
+    """Validate the trainer config with the trainer's own rules, in a separate process (dflashctl never imports the
+    trainer); a problem becomes a ConfigError naming the job file and `trainer.<key>`."""
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(data, f)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "trainer.config", f.name], cwd=project_root, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+    finally:
+        Path(f.name).unlink(missing_ok=True)
+    if proc.returncode == 0 or "No module named trainer" in proc.stderr:
+        return  # valid, or no trainer here to judge it (the remote's will)
+    try:
+        problem = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise ConfigError(source, "trainer", f"could not be checked: {proc.stderr.strip()[-200:]}") from None
+    key = f"trainer.{problem['key']}" if problem.get("key") else "trainer"
+    raise ConfigError(source, key, problem["message"])
+
+
+def load_job(path: Path, project_root: Path) -> tuple[JobConfig, dict | None]:
+    """Parse and validate a job file; returns the job and the trainer config (a mapping) when it has one."""
+    data = load_yaml(path)
+    source = str(path)
+    if not isinstance(data, dict):
+        raise ConfigError(source, None, "expected a mapping (name, host, trainer or command, ...)")
+    try:
+        job = JobConfig.model_validate(data)
+    except ValidationError as e:
+        raise format_validation_error(source, e) from None
+    trainer_cfg = None
+    if isinstance(job.trainer, str):
+        tpath = (path.parent / job.trainer).resolve()
+        loaded = load_yaml(tpath)
+        if not isinstance(loaded, dict):
+            raise ConfigError(str(tpath), None, "expected a mapping")
+        trainer_cfg = loaded
+    elif job.trainer is not None:
+        trainer_cfg = job.trainer
+    if trainer_cfg is not None:
+        _check_trainer_config(trainer_cfg, source, project_root)
+    return job, trainer_cfg
