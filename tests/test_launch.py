@@ -1,4 +1,4 @@
-"""launch / status / logs / ls / kill through the real CLI, on `local`, over a real sshd, and into a (fake) pct container."""
+"""launch, status, logs, ls, kill through the real CLI: on `local`, over a real sshd, into a (fake) pct container."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = '''
 import os, signal, subprocess, sys, time
 # a torchrun worker that also starts a child which ignores SIGTERM (it must still die, by SIGKILL)
-child = subprocess.Popen([sys.executable, "-c",
-    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('stubborn', flush=True); time.sleep(600)"])
+IGNORE_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('stubborn', flush=True); "
+child = subprocess.Popen([sys.executable, "-c", IGNORE_TERM + "time.sleep(600)"])
 print(f"worker {os.environ.get('RANK')} sid {os.getsid(0)} pid {os.getpid()}", flush=True)
 time.sleep(600)
 '''
@@ -187,7 +187,8 @@ def test_bad_job_files_are_one_line_exit_2_and_touch_nothing(client, tmp_path, b
 def test_demo_trainer_job_over_ssh(client, tmp_path, monkeypatch):
     """The bundled trainer (two ranks under torchrun, gloo) launched over ssh, followed to its end."""
     remote = tmp_path / "remote"
-    (tmp_path / "hosts.yaml").write_text(f"hosts:\n  box: {{ssh: testbox, python: {sys.executable}, workdir: {remote}}}\n")
+    hosts = f"hosts:\n  box: {{ssh: testbox, python: {sys.executable}, workdir: {remote}}}\n"
+    (tmp_path / "hosts.yaml").write_text(hosts)
     monkeypatch.setenv("DFLASHCTL_HOSTS", str(tmp_path / "hosts.yaml"))
     job = tmp_path / "demo.yaml"
     text = (ROOT / "jobs" / "tiny-cpu.yaml").read_text().replace("host: local", "host: box")
