@@ -32,8 +32,9 @@ def _likely_cause(limit_hit: bool = False) -> str:
 def _fallback_message(B: int, H: int, Q: int, KV: int, limit_hit: bool = False) -> str:
     gib = dense_score_gib(B, H, Q, KV)
     return (
-        f"flex_attention was about to run eagerly; the dense fallback would allocate {gib:.2f} GiB for one fp32 "
-        f"score matrix (B={B} x H={H} x Q={Q} x KV={KV} x 4 bytes). Cause: {_likely_cause(limit_hit)}. Refusing to run."
+        f"flex guard: flex_attention was about to run eagerly; the dense fallback would allocate {gib:.2f} GiB for one "
+        f"fp32 score matrix (B={B} x H={H} x Q={Q} x KV={KV} x 4 bytes). Cause: {_likely_cause(limit_hit)}. "
+        "Refusing to run."
     )
 
 

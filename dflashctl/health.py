@@ -1,0 +1,288 @@
+"""Pure: from what the probes saw so far, decide what state a job is in, with the evidence and what to do next.
+
+No I/O here. `classify_log` reads any log text (a train.log, a tmux capture, a SLURM output); `assess` combines it with
+the snapshots' facts (pane, exit code, metrics records, heartbeat, throughput history) into a `Verdict`.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from dataclasses import asdict, dataclass, field
+
+FAILURES = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "STALLED", "LOST")
+TERMINAL = ("FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "LOST")
+ADVICE = {
+    "DENSE_FALLBACK": "flex_attention ran, or was about to run, without compile: check TORCH_COMPILE_DISABLE, the "
+    "recompile limit and the preflight buckets. Not restarted: it would repeat.",
+    "RECOMPILE_LIMIT": "shapes vary more than the compiled buckets allow: fix the bucketing or raise "
+    "attention.recompile_limit. Not restarted: it would repeat.",
+    "OOM": "lower data.batch_size or anchors_per_seq, turn on drafter.activation_checkpointing, or drop the largest "
+    "bucket.",
+    "NCCL_TIMEOUT": "a rank hung or died inside a collective: read the other ranks' lines and check the GPUs; a "
+    "restart with --resume usually helps.",
+    "CRASHED": "fix the exception shown; a restart resumes from the newest checkpoint.",
+    "CONFIG_ERROR": "fix the config key named; the job did not start training. Not restarted: it would repeat.",
+    "STALLED": "look at `dflashctl logs` and the processes (py-spy dump); a restart resumes from the newest checkpoint.",
+    "LOST": "the tmux session or the run dir disappeared (reboot, or killed by someone): relaunch it.",
+    "UNREACHABLE": "the host does not answer; the job's last known state is kept until it does.",
+}
+
+RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:\s?")
+TIMESTAMP_PREFIX = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ \S+\] ")
+OOM = re.compile(r"(CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED)")
+OOM_SIZES = re.compile(r"Tried to allocate ([\d.]+) (MiB|GiB|TiB).*?total capacity of ([\d.]+) (MiB|GiB|TiB)")
+NCCL = re.compile(
+    r"(Watchdog caught collective operation timeout|NCCL watchdog|ProcessGroupNCCL.*[Tt]imeout|"
+    r"NCCL communicator was aborted|Some NCCL operations have failed or timed out|DistBackendError.*[Tt]imeout)"
+)
+RECOMPILE = re.compile(r"torch\._dynamo hit config\.(recompile_limit|cache_size_limit)")
+DENSE = re.compile(r"DenseFallbackError")
+CONFIG = re.compile(r"^config error: ")
+FLEX_FRAME = re.compile(r"flex_attention|_guarded_flex|sdpa_dense|math_attention")
+UNITS = {"MiB": 1 / 1024, "GiB": 1.0, "TiB": 1024.0}
+
+
+@dataclass
+class Finding:
+    state: str
+    reason: str
+    evidence: list[str] = field(default_factory=list)
+
+
+def _strip(line: str) -> str:
+    return TIMESTAMP_PREFIX.sub("", RANK_PREFIX.sub("", line))
+
+
+def split_ranks(lines: list[str]) -> dict[str, list[str]]:
+    """Lines per rank prefix ("[rank3]: ..."); unprefixed lines under ""; interleaved writes come apart again."""
+    streams: dict[str, list[str]] = {}
+    for line in lines:
+        m = RANK_PREFIX.match(line)
+        streams.setdefault(f"rank{m[1]}" if m else "", []).append(RANK_PREFIX.sub("", line) if m else line)
+    return streams
+
+
+@dataclass
+class Traceback:
+    stream: str
+    exception: str
+    frames: list[str]
+    flex: bool  # a frame passes through flex attention
+
+
+def last_traceback(lines: list[str], stream: str = "") -> Traceback | None:
+    start = max((i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")), default=None)
+    if start is None:
+        return None
+    frames, exception = [], None
+    for ln in lines[start + 1 :]:
+        if ln.startswith("  File "):
+            frames.append(ln.strip())
+        elif ln.startswith(" ") or not ln.strip():
+            continue
+        else:
+            exception = ln.strip()
+            break
+    if exception is None:
+        return None
+    return Traceback(stream, exception, frames, any(FLEX_FRAME.search(f) for f in frames))
+
+
+def root_cause_rank(lines: list[str]) -> str | None:
+    """torchrun's summary names the first failing rank ("Root Cause ... rank : 3 (local_rank: 3)")."""
+    for i, ln in enumerate(lines):
+        if ln.startswith("Root Cause"):
+            for nxt in lines[i : i + 8]:
+                m = re.search(r"rank\s*:\s*(\d+)", nxt)
+                if m:
+                    return f"rank{m[1]}"
+    return None
+
+
+def tracebacks(lines: list[str]) -> list[Traceback]:
+    """The last traceback of every stream; launcher-side ones (ChildFailedError) after the ranks' own."""
+    found = [tb for name, ls in split_ranks(lines).items() if (tb := last_traceback(ls, name))]
+    if any(tb.stream for tb in found):  # per-rank tracebacks exist: the launcher's own is only a summary
+        found = [tb for tb in found if tb.stream or "ChildFailedError" not in tb.exception]
+    root = root_cause_rank(lines)
+    found.sort(key=lambda tb: (tb.stream != root, tb.stream == ""))
+    return found
+
+
+def _oom_beyond_gpu(line: str, gpu_total_gib: float | None) -> bool:
+    m = OOM_SIZES.search(line)
+    if not m:
+        return False
+    asked = float(m[1]) * UNITS[m[2]]
+    total = float(m[3]) * UNITS[m[4]] if gpu_total_gib is None else gpu_total_gib
+    return asked > 0.5 * total  # a single allocation of half the GPU: the dense score matrix, not a leak
+
+
+def classify_log(text: str | list[str], gpu_total_gib: float | None = None) -> Finding | None:
+    """The most specific failure the log shows, or None. Order: dense fallback, recompile limit, OOM, NCCL timeout,
+    config error, crash (a traceback)."""
+    lines = text.splitlines() if isinstance(text, str) else list(text)
+    plain = [_strip(ln) for ln in lines]
+    tbs = tracebacks(lines)
+
+    dense = [ln for ln in plain if DENSE.search(ln)]
+    if dense:
+        return Finding("DENSE_FALLBACK", "the trainer's guard refused a dense flex_attention fallback", dense[-1:])
+    oom = [ln for ln in plain if OOM.search(ln)]
+    if oom:
+        flex_tb = next((tb for tb in tbs if tb.flex and OOM.search(tb.exception)), None)
+        if flex_tb or any(_oom_beyond_gpu(ln, gpu_total_gib) for ln in oom):
+            ev = [oom[-1]] + (flex_tb.frames[-3:] if flex_tb else [])
+            return Finding("DENSE_FALLBACK", "out of memory in a dense attention allocation (flex ran eagerly)", ev)
+    rec = [i for i, ln in enumerate(plain) if RECOMPILE.search(ln)]
+    if rec:
+        i = rec[-1]
+        ev = [plain[i]] + [ln.strip() for ln in plain[i + 1 : i + 4] if "function:" in ln or "last reason" in ln]
+        return Finding("RECOMPILE_LIMIT", "Dynamo hit its recompile limit", ev)
+    if oom:
+        tb = next((tb for tb in tbs if OOM.search(tb.exception)), None)
+        return Finding("OOM", "CUDA out of memory", [oom[-1]] + (tb.frames[-2:] if tb else []))
+    nccl = [ln for ln in plain if NCCL.search(ln)]
+    if nccl:
+        return Finding("NCCL_TIMEOUT", "an NCCL collective timed out", nccl[:1] + nccl[-1:] if len(nccl) > 1 else nccl)
+    cfg = [ln for ln in plain if CONFIG.search(ln)]
+    if cfg:
+        return Finding("CONFIG_ERROR", "the trainer rejected its config", cfg[-1:])
+    if tbs:
+        tb = tbs[0]
+        where = f" on {tb.stream}" if tb.stream else ""
+        return Finding("CRASHED", f"{tb.exception.split(':')[0]}{where}", [tb.exception, *tb.frames[-3:]])
+    return None
+
+
+@dataclass
+class Thresholds:
+    stall_after_s: float = 600.0
+    startup_budget_s: float = 3600.0
+    heartbeat_max_age_s: float = 120.0
+    throughput_floor: float | None = None
+    throughput_drop: float = 0.3
+    slow_polls: int = 3
+
+
+@dataclass
+class History:
+    """What the watcher has accumulated from the snapshots of one job (the remote's clock throughout)."""
+
+    started_at: float  # launch or last restart, remote clock
+    now: float = 0.0  # time of the newest snapshot
+    reachable: bool = True
+    session_exists: bool = True
+    pane_dead: bool = False
+    pane_status: int | None = None
+    run_dir_exists: bool = True
+    exit_code: int | None = None
+    is_trainer: bool = True
+    last_step: int | None = None
+    last_step_time: float | None = None  # `time` of the newest step record
+    epoch: int | None = None
+    loss: float | None = None
+    tokens_per_s: list[float] = field(default_factory=list)  # one per poll that saw new steps
+    fatal: dict | None = None
+    finished: bool = False
+    phase: str | None = None
+    heartbeat_age_s: float | None = None
+    log_tail: list[str] = field(default_factory=list)
+    pane_lines: list[str] = field(default_factory=list)
+    gpu_total_gib: float | None = None
+    last_state: str | None = None  # kept through UNREACHABLE
+
+
+@dataclass
+class Verdict:
+    state: str
+    reason: str
+    evidence: list[str] = field(default_factory=list)
+    advice: str | None = None
+    step: int | None = None
+    since: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _verdict(state: str, reason: str, evidence: list[str], h: History) -> Verdict:
+    return Verdict(state, reason, [str(e) for e in evidence], ADVICE.get(state), h.last_step)
+
+
+FATAL_STATE = {"dense_fallback": "DENSE_FALLBACK", "config": "CONFIG_ERROR"}
+
+
+def _ended(h: History, lines: list[str]) -> Verdict:
+    code = h.exit_code if h.exit_code is not None else h.pane_status
+    if h.fatal and h.fatal.get("kind") in FATAL_STATE:
+        found = classify_log(lines, h.gpu_total_gib)
+        ev = [h.fatal.get("message", "")] + (found.evidence if found and found.state != "CRASHED" else [])
+        return _verdict(FATAL_STATE[h.fatal["kind"]], f"fatal record: {h.fatal['kind']} (exit {code})", ev, h)
+    if code == 0 and (h.finished or not h.is_trainer):
+        return _verdict("FINISHED", f"exit 0 at step {h.last_step}", [f"exit_code 0, step {h.last_step}"], h)
+    found = classify_log(lines, h.gpu_total_gib)
+    if found:
+        return _verdict(found.state, f"{found.reason} (exit {code})", found.evidence, h)
+    if h.is_trainer and code == 3:
+        return _verdict("DENSE_FALLBACK", "exit status 3 (dense fallback refused)", [f"exit_code {code}"], h)
+    if h.is_trainer and code == 2:
+        return _verdict("CONFIG_ERROR", "exit status 2 (config error)", [f"exit_code {code}"], h)
+    tail = [ln for ln in lines if ln.strip()][-3:]
+    return _verdict("CRASHED", f"exit status {code}", [f"exit_code {code}", *tail], h)
+
+
+def _slow(h: History, th: Thresholds) -> str | None:
+    tps = h.tokens_per_s
+    if len(tps) < th.slow_polls:
+        return None
+    recent = tps[-th.slow_polls :]
+    if th.throughput_floor is not None and all(t < th.throughput_floor for t in recent):
+        return f"tokens/s {recent[-1]:,.0f} under the floor {th.throughput_floor:,.0f} for {th.slow_polls} polls"
+    earlier = tps[: -th.slow_polls]
+    if len(earlier) >= th.slow_polls:
+        median = statistics.median(earlier[-20:])
+        if all(t < th.throughput_drop * median for t in recent):
+            return f"tokens/s {recent[-1]:,.0f} under {th.throughput_drop:.0%} of its median {median:,.0f}"
+    return None
+
+
+def assess(h: History, th: Thresholds) -> Verdict:
+    """The job's state now. Failure evidence in the logs outranks progress numbers; progress alone proves RUNNING."""
+    if not h.reachable:
+        v = _verdict("UNREACHABLE", "the host did not answer", [f"last state {h.last_state}"], h)
+        return v
+    lines = h.log_tail + [ln for ln in h.pane_lines if ln not in h.log_tail[-200:]]
+    if h.exit_code is not None or (h.session_exists and h.pane_dead):
+        return _ended(h, lines)
+    if not h.session_exists:
+        what = "run dir" if not h.run_dir_exists else "tmux session"
+        return _verdict("LOST", f"the {what} is gone and no exit status was written", [f"{what} missing"], h)
+    if not h.run_dir_exists:
+        return _verdict("LOST", "the run dir is gone", ["run dir missing"], h)
+    if h.fatal and h.fatal.get("kind") in FATAL_STATE:  # alive, but the trainer already said why it stops
+        st = FATAL_STATE[h.fatal["kind"]]
+        return _verdict(st, f"fatal record: {h.fatal['kind']}", [h.fatal.get("message", "")], h)
+    found = classify_log(lines, h.gpu_total_gib)
+    if found and found.state in ("DENSE_FALLBACK", "NCCL_TIMEOUT", "RECOMPILE_LIMIT"):
+        return _verdict(found.state, found.reason, found.evidence, h)
+    if h.heartbeat_age_s is not None and h.heartbeat_age_s > th.heartbeat_max_age_s:
+        ev = [f"heartbeat {h.heartbeat_age_s:.0f} s old (limit {th.heartbeat_max_age_s:.0f})", f"step {h.last_step}"]
+        return _verdict("STALLED", "the trainer's heartbeat stopped (process frozen or stopped)", ev, h)
+    if h.last_step is None:
+        waited = h.now - h.started_at
+        if waited > th.startup_budget_s:
+            ev = [f"{waited:.0f} s since start, budget {th.startup_budget_s:.0f} s", f"phase {h.phase}"]
+            return _verdict("STALLED", "no first step within the startup budget", ev, h)
+        return _verdict("STARTING", f"{h.phase or 'starting'} for {waited:.0f} s", [f"phase {h.phase}"], h)
+    idle = h.now - (h.last_step_time or h.now)
+    if idle > th.stall_after_s:
+        ev = [f"no new step for {idle:.0f} s (limit {th.stall_after_s:.0f})", f"last step {h.last_step}"]
+        return _verdict("STALLED", "no step progress", ev, h)
+    slow = _slow(h, th)
+    if slow:
+        return _verdict("STALLED", "throughput collapsed", [slow], h)
+    tps = f"{h.tokens_per_s[-1]:,.0f} tok/s" if h.tokens_per_s else "tok/s unknown"
+    loss = f", loss {h.loss:.4f}" if h.loss is not None else ""
+    return _verdict("RUNNING", f"step {h.last_step}, {tps}{loss}", [f"step {h.last_step} {idle:.0f} s ago"], h)

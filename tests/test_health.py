@@ -1,0 +1,100 @@
+"""health.py: recorded log tails and snapshot sequences in, verdicts out (pure, no I/O)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflashctl.health import History, Thresholds, assess, classify_log
+
+LOGS = Path(__file__).resolve().parent / "fixtures" / "logs"
+
+
+def log(name: str) -> str:
+    return (LOGS / name).read_text()
+
+
+@pytest.mark.parametrize(
+    "name, state, must_contain",
+    [
+        ("dense-fallback.log", "DENSE_FALLBACK", "flex guard"),
+        ("oom-dense-fallback.log", "DENSE_FALLBACK", "sdpa_dense"),
+        ("oom-plain.log", "OOM", "Tried to allocate 2.32 GiB"),
+        ("recompile-limit.log", "RECOMPILE_LIMIT", "last reason: 0/1: tensor 'x' size mismatch"),
+        ("nccl-timeout.log", "NCCL_TIMEOUT", "Watchdog caught collective operation timeout"),
+        ("trainer-crash.log", "CRASHED", "RuntimeError: injected fault at step 3"),
+        ("config-error.log", "CONFIG_ERROR", "optim.learning_rate: unknown key"),
+        ("torchrun-two-ranks-crash.log", "CRASHED", "KeyError: \"'input_ids' missing in record 41 (rank 0)\""),
+    ],
+)
+def test_recorded_logs_classify(name, state, must_contain):
+    found = classify_log(log(name))
+    assert found is not None and found.state == state, found
+    assert any(must_contain in line for line in found.evidence), found.evidence
+
+
+def test_interleaved_ranks_give_the_root_cause_rank_and_its_frames():
+    found = classify_log(log("torchrun-interleaved.log"))
+    assert found.state == "CRASHED" and found.reason == "KeyError on rank0"  # torchrun's Root Cause names rank 0
+    assert found.evidence[0] == "KeyError: \"'input_ids' missing in record 41 (rank 0)\""
+    assert any("in parse_record" in f for f in found.evidence[1:])
+    assert not any("ChildFailedError" in e for e in found.evidence)
+
+
+def test_an_ordinary_oom_is_not_a_dense_fallback_but_a_huge_one_is():
+    assert classify_log(log("oom-plain.log")).state == "OOM"
+    huge = log("oom-plain.log").replace("Tried to allocate 2.32 GiB", "Tried to allocate 96.00 GiB")
+    assert classify_log(huge).state == "DENSE_FALLBACK"  # more than half the GPU in one allocation
+    assert classify_log(log("oom-plain.log"), gpu_total_gib=4.0).state == "DENSE_FALLBACK"
+
+
+def test_clean_log_has_no_finding():
+    assert classify_log("step 1/10 loss 3.2\nstep 2/10 loss 3.1\n") is None
+
+
+TH = Thresholds(stall_after_s=60, startup_budget_s=300, heartbeat_max_age_s=30, throughput_drop=0.3, slow_polls=3)
+
+
+def running(**kw) -> History:
+    base = dict(started_at=0.0, now=100.0, last_step=50, last_step_time=95.0, tokens_per_s=[1000.0] * 5,
+                heartbeat_age_s=2.0, loss=2.5, phase="train")  # fmt: skip
+    return History(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    "history, state, reason_part",
+    [
+        (running(), "RUNNING", "step 50"),
+        (running(last_step=None, last_step_time=None, tokens_per_s=[], phase="preflight"), "STARTING", "preflight"),
+        (running(last_step=None, last_step_time=None, tokens_per_s=[], now=400.0), "STALLED", "startup budget"),
+        (running(now=200.0), "STALLED", "no step progress"),
+        (running(heartbeat_age_s=45.0), "STALLED", "heartbeat"),
+        (running(tokens_per_s=[1000.0] * 5 + [100.0] * 3), "STALLED", "throughput collapsed"),
+        (running(exit_code=0, finished=True), "FINISHED", "exit 0"),
+        (running(exit_code=0, finished=False), "CRASHED", "exit status 0"),  # the trainer never wrote `finished`
+        (running(exit_code=0, is_trainer=False), "FINISHED", "exit 0"),
+        (running(exit_code=3, fatal={"kind": "dense_fallback", "message": "flex guard: ..."}), "DENSE_FALLBACK", ""),
+        (running(exit_code=2, fatal={"kind": "config", "message": "x: steps: bad"}), "CONFIG_ERROR", "config"),
+        (running(exit_code=1, log_tail=log("trainer-crash.log").splitlines()), "CRASHED", "RuntimeError"),
+        (running(pane_dead=True, pane_status=137), "CRASHED", "exit status 137"),
+        (running(session_exists=False), "LOST", "tmux session"),
+        (running(session_exists=False, run_dir_exists=False), "LOST", "run dir"),
+        (running(log_tail=log("nccl-timeout.log").splitlines()), "NCCL_TIMEOUT", "NCCL"),
+        (running(log_tail=log("recompile-limit.log").splitlines()), "RECOMPILE_LIMIT", "recompile"),
+        (running(reachable=False, last_state="RUNNING"), "UNREACHABLE", "did not answer"),
+    ],
+)
+def test_snapshot_histories(history, state, reason_part):
+    v = assess(history, TH)
+    assert v.state == state, v
+    assert reason_part in v.reason, v.reason
+    assert v.evidence, "a verdict always carries evidence"
+    if state not in ("RUNNING", "STARTING", "FINISHED"):
+        assert v.advice
+
+
+def test_gpu_utilisation_alone_never_proves_progress():
+    # a hung collective shows 100% utilisation; the verdict only looks at steps, heartbeat and throughput
+    h = running(now=500.0, last_step_time=100.0)
+    assert assess(h, TH).state == "STALLED"
