@@ -42,7 +42,7 @@ test-fast: venv
 demo: system-deps venv
 	$(VENV)/bin/dflashctl deploy local
 	$(VENV)/bin/dflashctl launch jobs/tiny-cpu.yaml
-	$(VENV)/bin/dflashctl logs -f
+	$(VENV)/bin/dflashctl watch --until-done
 	$(VENV)/bin/dflashctl status
 
 clean:

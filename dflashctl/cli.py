@@ -163,7 +163,8 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
               f"up {st['uptime_s']:.0f} s, {st['processes']} processes, restarts {st['restarts']}")  # fmt: skip
     if st["last_step"]:
         r = st["last_step"]
-        out.print(f"step {r['step']} loss {r['loss']:.4f} {r['tokens_per_s']:,.0f} tok/s")
+        tau = f", tau {st['tau']:.3f}" if st["tau"] is not None else ""
+        out.print(f"step {r['step']}, loss {r['loss']:.4f}, {st['mean_tokens_per_s']:,.0f} tok/s (mean){tau}")
     if st["last_event"]:
         out.print(f"last event: {st['last_event']}", markup=False)
     out.print(f"run dir: {st['run_dir']}")
@@ -200,6 +201,88 @@ def logs(
                       accept_new=accept_new)  # fmt: skip
     if follow and res["exit_code"] not in (None, 0):
         raise typer.Exit(EXIT_FAILED)
+
+
+@app.command()
+def watch(
+    job: str | None = JobArg,
+    interval: float | None = typer.Option(None, "--interval", help="Seconds between polls (default: the job's, 60)."),
+    once: bool = typer.Option(False, "--once", help="Poll once, print the verdict, exit with its code."),
+    until_done: bool = typer.Option(False, "--until-done", help="Never give up while the host is unreachable."),
+    as_json: bool = typer.Option(False, "--json", help="One verdict object per poll on stdout, nothing else."),
+    accept_new: bool = AcceptNewOpt,
+) -> None:
+    """Follow a job: a verdict per poll (state, reason, evidence), restarts and notifications by its policy.
+
+    Exit code by the final state: 0 FINISHED (or RUNNING/STARTING with --once), 10 CRASHED, 11 OOM, 12 NCCL_TIMEOUT,
+    13 STALLED, 14 DENSE_FALLBACK, 15 RECOMPILE_LIMIT, 16 LOST, 17 CONFIG_ERROR, 18 UNREACHABLE, 130 Ctrl-C.
+    """
+    from dflashctl import view
+    from dflashctl import watch as watching
+
+    job_rec = jobctl.find_job(job, str(find_project_root()))
+    w = watching.make_watcher(job_rec, accept_new)
+    opts = watching.WatchOptions(interval or w.cfg.interval_s, once=once, until_done=until_done)
+    say = (
+        (lambda s: err.print(s, markup=False, end="" if s == "\a" else "\n"))
+        if not as_json
+        else (lambda s: None if s == "\a" else err.print(s, markup=False))
+    )
+    try:
+        if as_json:
+            v = watching.run(w, opts, lambda _w, _v, rec: print_json(rec.model_dump()), say=say)
+        else:
+            from rich.live import Live
+
+            with Live(console=out, refresh_per_second=2, transient=False) as live:
+                state = {"v": None}
+
+                def emit(_w, v, _rec):
+                    state["v"] = v
+                    live.update(view.render(_w, v))
+
+                def wait(seconds: float, _w) -> None:
+                    end = time.monotonic() + seconds
+                    while (left := end - time.monotonic()) > 0:
+                        live.update(view.render(_w, state["v"], left))
+                        time.sleep(min(1.0, left))
+
+                v = watching.run(w, opts, emit, wait, say)
+    except KeyboardInterrupt:
+        err.print(f"stopped watching {job_rec['id']}; the job keeps running")
+        raise typer.Exit(130) from None
+    raise typer.Exit(watching.EXIT_BY_STATE.get(v.state, EXIT_FAILED))
+
+
+@app.command()
+def diagnose(
+    log_file: str = typer.Argument(..., help="A log file (train.log, a tmux capture, a SLURM output), or - for stdin."),
+    as_json: bool = typer.Option(False, "--json", help="Print {state, reason, evidence} as JSON."),
+) -> None:
+    """Classify any training log with the same rules `watch` uses, and say what to do next."""
+    from dflashctl.diagnosis import diagnose_text
+    from dflashctl.watch import EXIT_BY_STATE
+
+    text = sys.stdin.read() if log_file == "-" else _read_log(log_file)
+    v = diagnose_text(text)
+    if as_json:
+        print_json({"state": v.state, "reason": v.reason, "evidence": v.evidence, "advice": v.advice})
+    else:
+        out.print(f"[bold]{v.state}[/]: {v.reason}")
+        for line in v.evidence:
+            out.print(f"  {line}", markup=False)
+        if v.advice:
+            out.print(f"next: {v.advice}", markup=False)
+    raise typer.Exit(EXIT_BY_STATE.get(v.state, 0))
+
+
+def _read_log(path: str) -> str:
+    from dflashctl.errors import ConfigError
+
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError as e:
+        raise ConfigError(path, None, f"cannot read: {e.strerror}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,7 @@ ADVICE = {
     "restart with --resume usually helps.",
     "CRASHED": "fix the exception shown; a restart resumes from the newest checkpoint.",
     "CONFIG_ERROR": "fix the config key named; the job did not start training. Not restarted: it would repeat.",
-    "STALLED": "look at `dflashctl logs` and the processes (py-spy dump); a restart resumes from the newest checkpoint.",
+    "STALLED": "read `dflashctl logs` and dump the processes (py-spy); a restart resumes from the newest checkpoint.",
     "LOST": "the tmux session or the run dir disappeared (reboot, or killed by someone): relaunch it.",
     "UNREACHABLE": "the host does not answer; the job's last known state is kept until it does.",
 }
@@ -270,13 +270,16 @@ def assess(h: History, th: Thresholds) -> Verdict:
     if h.heartbeat_age_s is not None and h.heartbeat_age_s > th.heartbeat_max_age_s:
         ev = [f"heartbeat {h.heartbeat_age_s:.0f} s old (limit {th.heartbeat_max_age_s:.0f})", f"step {h.last_step}"]
         return _verdict("STALLED", "the trainer's heartbeat stopped (process frozen or stopped)", ev, h)
+    if h.last_step is None and not h.is_trainer:  # any command: alive is all we can tell without metrics
+        return _verdict("RUNNING", "alive (no metrics.jsonl: progress not measured)", ["pane alive"], h)
     if h.last_step is None:
         waited = h.now - h.started_at
         if waited > th.startup_budget_s:
             ev = [f"{waited:.0f} s since start, budget {th.startup_budget_s:.0f} s", f"phase {h.phase}"]
             return _verdict("STALLED", "no first step within the startup budget", ev, h)
-        return _verdict("STARTING", f"{h.phase or 'starting'} for {waited:.0f} s", [f"phase {h.phase}"], h)
-    idle = h.now - (h.last_step_time or h.now)
+        phase = h.phase or "waiting for the first heartbeat"
+        return _verdict("STARTING", f"{phase} for {waited:.0f} s", [f"phase {phase}"], h)
+    idle = max(0.0, h.now - (h.last_step_time or h.now))
     if idle > th.stall_after_s:
         ev = [f"no new step for {idle:.0f} s (limit {th.stall_after_s:.0f})", f"last step {h.last_step}"]
         return _verdict("STALLED", "no step progress", ev, h)

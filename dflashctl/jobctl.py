@@ -137,7 +137,8 @@ def launch(
         "host_name": host.name, "host": host.model_dump(), "code_version": plan.local_version, "command": command,
         "run_dir": run_dir, "session": report.session, "pane_pid": pane_pid, "gpus": job.gpu_indices,
         "launched_at": time.time(), "state": "STARTING", "restarts": 0, "kill_grace_s": job.kill_grace_s,
-        "is_trainer": job.trainer is not None, "overrides": plan.overrides,
+        "is_trainer": job.trainer is not None, "overrides": plan.overrides, "watch": job.watch.model_dump(),
+        "steps": (trainer_cfg or {}).get("steps"),
     })  # fmt: skip
     return report
 
@@ -219,6 +220,7 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
         snap = session.call_probe(runner, {**session.probe_request(job_rec, capture_lines=5), "gpus": False})
     steps = [r for r in snap.get("metrics", {}).get("records", []) if "event" not in r]
     events = [r for r in snap.get("metrics", {}).get("records", []) if "event" in r]
+    evals = [r for r in events if r["event"] == "eval"]
     pane = snap["session"]
     alive = pane.get("exists") and not pane.get("pane_dead")
     return {
@@ -229,6 +231,8 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
         "uptime_s": round(time.time() - job_rec["launched_at"], 1), "processes": len(snap.get("procs", [])),
         "state": job_rec.get("state"), "restarts": job_rec.get("restarts", 0),
         "heartbeat_age_s": (snap.get("heartbeat") or {}).get("age_s"),
+        "tau": evals[-1]["tau"] if evals else None,
+        "mean_tokens_per_s": round(sum(r["tokens_per_s"] for r in steps) / len(steps), 1) if steps else None,
     }  # fmt: skip
 
 

@@ -264,6 +264,9 @@ def snapshot(req: dict) -> dict:
     table = proc_table()
     pane_pid = None if snap["session"].get("pane_dead") else snap["session"].get("pane_pid")
     snap["procs"] = job_processes(table, pane_pid, req.get("job_id"))
+    if run_dir and req.get("append_events") and snap["run_dir_exists"]:
+        with open(os.path.join(run_dir, "events.jsonl"), "a") as f:
+            f.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in req["append_events"]))
     if run_dir:
         snap["log"] = read_new(os.path.join(run_dir, "train.log"), int(req.get("log_offset", 0)),
                                int(req.get("max_log_bytes", 65536)))  # fmt: skip

@@ -1,0 +1,56 @@
+"""The live view of `watch`: state and reason, progress, throughput sparkline, GPUs, the last log lines, next poll."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from dflashctl.health import Verdict
+from dflashctl.watch import Watcher, sparkline
+
+COLOURS = {"RUNNING": "green", "STARTING": "cyan", "FINISHED": "bold green", "STALLED": "yellow",
+           "UNREACHABLE": "magenta"}  # fmt: skip
+
+
+def _duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def render(w: Watcher, v: Verdict, next_poll_s: float | None = None, log_lines: int = 8) -> Panel:
+    h = w.history
+    colour = COLOURS.get(v.state, "bold red")
+    head = Text.assemble((f" {v.state} ", f"reverse {colour}"), "  ", v.reason)
+    stats = Table.grid(padding=(0, 2))
+    for _ in range(4):
+        stats.add_column()
+    tps = h.tokens_per_s[-1] if h.tokens_per_s else None
+    step = f"{h.last_step if h.last_step is not None else '-'}" + (f" / {w.job['steps']}" if w.job.get("steps") else "")
+    stats.add_row("step", step, "epoch", str(h.epoch if h.epoch is not None else "-"))
+    stats.add_row("tokens/s", f"{tps:,.0f}" if tps else "-", "trend", sparkline(w.tps_all))
+    stats.add_row("loss", f"{h.loss:.4f}" if h.loss is not None else "-", "ETA", _duration(w.eta_s()))
+    stats.add_row("restarts", f"{w.restarts} of {w.cfg.max_restarts}", "tau", f"{w.tau:.2f}" if w.tau else "-")
+    parts: list = [head, stats]
+    if v.state not in ("RUNNING", "STARTING") and v.evidence:
+        parts.append(Text("\n".join(v.evidence[:6]), style=colour))
+        if v.advice:
+            parts.append(Text(f"next: {v.advice}", style="italic"))
+    if w.gpus:
+        gpus = Table(box=None, padding=(0, 1), header_style="bold")
+        for col in ("GPU", "util", "memory", "power", "temp", "SM MHz"):
+            gpus.add_column(col, justify="right")
+        for g in w.gpus:
+            mem = f"{(g.get('mem_used_mib') or 0) / 1024:.1f}/{(g.get('mem_total_mib') or 0) / 1024:.0f} GiB"
+            gpus.add_row(str(g.get("index")), f"{g.get('util_pct')}%", mem, f"{g.get('power_w')} W",
+                         f"{g.get('temp_c')} C", str(g.get("sm_mhz")))  # fmt: skip
+        parts.append(gpus)
+    tail = [ln for ln in (h.log_tail or h.pane_lines) if ln.strip()][-log_lines:]
+    if tail:
+        parts.append(Text("\n".join(tail), style="dim"))
+    foot = f"next poll in {next_poll_s:.0f} s" if next_poll_s is not None else ""
+    title = f"{w.job['id']} on {w.job['host_name']}"
+    return Panel(Group(*parts), title=title, subtitle=f"{foot}  Ctrl-C stops watching, not the job", title_align="left")

@@ -1,0 +1,285 @@
+"""The poll loop: one probe per poll, a verdict from health.py, restart and notify policies, and the live view.
+
+Every decision (state change, restart, notification) is appended to the local registry's events and to the run's
+`events.jsonl` (carried by the next probe call, so that a poll stays one remote command).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from dflashctl import registry, session
+from dflashctl.errors import DflashError
+from dflashctl.health import FAILURES, TERMINAL, History, Thresholds, Verdict, assess
+from dflashctl.jobctl import host_of, relaunch, stop
+from dflashctl.jobs import WatchConfig
+from dflashctl.notify import FAILURE_STATES, Message, post
+from dflashctl.transport import Runner, open_runner
+
+EXIT_BY_STATE = {
+    "FINISHED": 0, "RUNNING": 0, "STARTING": 0, "CRASHED": 10, "OOM": 11, "NCCL_TIMEOUT": 12, "STALLED": 13,
+    "DENSE_FALLBACK": 14, "RECOMPILE_LIMIT": 15, "LOST": 16, "CONFIG_ERROR": 17, "UNREACHABLE": 18,
+}  # fmt: skip
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+class PollRecord(BaseModel):
+    """One line of `watch --json` (docs/watch.md)."""
+
+    time: float
+    job: str
+    host: str
+    state: str
+    reason: str
+    evidence: list[str]
+    advice: str | None
+    since: float
+    step: int | None
+    epoch: int | None
+    loss: float | None
+    tokens_per_s: float | None
+    eta_s: float | None
+    restarts: int
+    gpus: list[dict]
+    remote_commands: int
+
+
+def sparkline(values: list[float], width: int = 30) -> str:
+    vals = values[-width:]
+    if not vals:
+        return ""
+    lo, hi = min(vals), max(vals)
+    span = (hi - lo) or 1.0
+    return "".join(SPARK[min(7, int((v - lo) / span * 7.999))] for v in vals)
+
+
+@dataclass
+class Watcher:
+    job: dict
+    cfg: WatchConfig
+    open: Callable[[], Runner]
+    runner: Runner | None = None
+    log_offset: int = 0
+    metrics_offset: int = 0
+    history: History = field(default_factory=lambda: History(started_at=0.0))
+    tail: deque = field(default_factory=lambda: deque(maxlen=400))
+    tps_all: list[float] = field(default_factory=list)
+    step_times: deque = field(default_factory=lambda: deque(maxlen=50))
+    gpus: list[dict] = field(default_factory=list)
+    state: str | None = None
+    since: float = 0.0
+    restarts: int = 0
+    tau: float | None = None
+    pending_events: list[dict] = field(default_factory=list)
+    remote_commands: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.restarts = int(self.job.get("restarts", 0))
+        self.history.is_trainer = bool(self.job.get("is_trainer", True))
+
+    @property
+    def thresholds(self) -> Thresholds:
+        c = self.cfg
+        return Thresholds(c.stall_after_s, c.startup_budget_s, c.heartbeat_max_age_s, c.throughput_floor,
+                          c.throughput_drop, c.slow_polls)  # fmt: skip
+
+    def _connect(self) -> Runner:
+        if self.runner is None:
+            self.runner = self.open()
+        return self.runner
+
+    def _drop(self) -> None:
+        if self.runner is not None:
+            try:
+                self.runner.close()
+            except Exception:
+                pass
+        self.runner = None
+
+    def poll(self) -> Verdict:
+        """One remote command; fold the snapshot into the history; judge."""
+        req = {**session.probe_request(self.job, self.log_offset, self.metrics_offset, capture_lines=40)}
+        if self.pending_events:
+            req["append_events"] = self.pending_events
+        try:
+            runner = self._connect()
+            before = runner.commands_run
+            snap = session.call_probe(runner, req)
+            self.remote_commands = runner.commands_run - before
+        except (DflashError, OSError, EOFError, Exception) as e:  # paramiko raises its own SSHException family
+            self._drop()
+            self.history.reachable = False
+            self.history.last_state = self.state if self.state != "UNREACHABLE" else self.history.last_state
+            self.notes.append(f"unreachable: {type(e).__name__}: {str(e)[:120]}")
+            return assess(self.history, self.thresholds)
+        self.pending_events = []
+        self.history.reachable = True
+        self._fold(snap)
+        return assess(self.history, self.thresholds)
+
+    def _fold(self, snap: dict) -> None:
+        h = self.history
+        h.now = snap["time"]
+        pane = snap["session"]
+        h.session_exists = bool(pane.get("exists"))
+        h.pane_dead = bool(pane.get("pane_dead"))
+        h.pane_status = pane.get("exit_status")
+        h.pane_lines = pane.get("lines", []) if h.session_exists else []
+        if pane.get("created") and not h.started_at:
+            h.started_at = float(pane["created"])
+        h.run_dir_exists = snap["run_dir_exists"]
+        h.exit_code = snap.get("exit_code")
+        log = snap.get("log") or {}
+        self.log_offset = log.get("offset", self.log_offset)
+        if log.get("text"):
+            self.tail.extend(log["text"].splitlines())
+            h.log_tail = list(self.tail)
+        metrics = snap.get("metrics") or {}
+        self.metrics_offset = metrics.get("offset", self.metrics_offset)
+        new_tps = []
+        for rec in metrics.get("records", []):
+            ev = rec.get("event")
+            if ev is None:
+                h.last_step, h.last_step_time = rec.get("step"), rec.get("time")
+                h.epoch, h.loss = rec.get("epoch"), rec.get("loss")
+                if rec.get("tokens_per_s") is not None:
+                    new_tps.append(float(rec["tokens_per_s"]))
+                self.step_times.append((rec.get("time"), rec.get("step")))
+            elif ev == "fatal":
+                h.fatal = rec
+            elif ev == "finished":
+                h.finished = True
+            elif ev == "eval":
+                self.tau = rec.get("tau")
+        if new_tps:
+            mean = sum(new_tps) / len(new_tps)
+            h.tokens_per_s.append(mean)
+            self.tps_all.extend(new_tps)
+        hb = snap.get("heartbeat")
+        h.heartbeat_age_s = hb.get("age_s") if hb else None
+        h.phase = hb.get("phase") if hb else h.phase
+        if h.pane_dead or h.exit_code is not None:
+            h.heartbeat_age_s = None  # a finished job's heartbeat ages by design
+        gpu = snap.get("gpu") or {}
+        wanted = set(self.job.get("gpus") or [])
+        self.gpus = [g for g in gpu.get("gpus", []) if not wanted or g.get("index") in wanted]
+        totals = [g["mem_total_mib"] / 1024 for g in self.gpus if isinstance(g.get("mem_total_mib"), (int, float))]
+        h.gpu_total_gib = max(totals) if totals else None
+
+    def eta_s(self) -> float | None:
+        total = self.job.get("steps")
+        if not total or len(self.step_times) < 2 or self.history.last_step is None:
+            return None
+        (t0, s0), (t1, s1) = self.step_times[0], self.step_times[-1]
+        if not (t0 and t1 and s1 > s0):
+            return None
+        return (total - s1) * (t1 - t0) / (s1 - s0)
+
+    def record(self, v: Verdict) -> PollRecord:
+        h = self.history
+        return PollRecord(time=time.time(), job=self.job["id"], host=self.job["host_name"], state=v.state,
+                          reason=v.reason, evidence=v.evidence, advice=v.advice, since=self.since, step=h.last_step,
+                          epoch=h.epoch, loss=h.loss, tokens_per_s=h.tokens_per_s[-1] if h.tokens_per_s else None,
+                          eta_s=self.eta_s(), restarts=self.restarts, gpus=self.gpus,
+                          remote_commands=self.remote_commands)  # fmt: skip
+
+    def log_event(self, event: dict) -> None:
+        registry.append_event(self.job["id"], event)
+        self.pending_events.append({"time": round(time.time(), 3), **event})
+
+    def reset_after_restart(self) -> None:
+        self.history = History(started_at=0.0, is_trainer=self.history.is_trainer, gpu_total_gib=None)
+        self.tail.clear()
+        self.step_times.clear()
+
+
+@dataclass
+class WatchOptions:
+    interval_s: float
+    once: bool = False
+    until_done: bool = False
+    max_unreachable_s: float = 600.0
+    notify: bool = True
+
+
+def run(
+    w: Watcher, opts: WatchOptions, emit: Callable[[Watcher, Verdict, PollRecord], None],
+    wait: Callable[[float, Watcher], None] = lambda s, w: time.sleep(s), say: Callable[[str], None] = lambda s: None,
+) -> Verdict:  # fmt: skip
+    """Poll until the job reaches a final state (or once); apply the restart and notify policies. Returns the last
+    verdict. Ctrl-C (KeyboardInterrupt) propagates to the caller: it stops the watching, never the job."""
+    unreachable_since: float | None = None
+    backoff = opts.interval_s
+    while True:
+        v = w.poll()
+        changed = v.state != w.state
+        if changed:
+            w.since = time.time()
+            previous, w.state = w.state, v.state
+            if v.state != "UNREACHABLE":
+                registry.update(w.job["id"], state=v.state, reason=v.reason, since=w.since)
+            w.log_event({"decision": "state", "state": v.state, "previous": previous, "reason": v.reason,
+                         "evidence": v.evidence[:5]})  # fmt: skip
+            recovered = previous in (*FAILURE_STATES, "UNREACHABLE")
+            if opts.notify and (v.state not in ("RUNNING", "STARTING") or recovered):
+                notify(w, v, say)
+        v.since = w.since
+        emit(w, v, w.record(v))
+        if v.state == "UNREACHABLE":
+            unreachable_since = unreachable_since or time.time()
+            if opts.once or (not opts.until_done and time.time() - unreachable_since > opts.max_unreachable_s):
+                return v
+            wait(backoff, w)
+            backoff = min(backoff * 2, 300.0)
+            continue
+        unreachable_since, backoff = None, opts.interval_s
+        if v.state in w.cfg.restart_on and w.restarts < w.cfg.max_restarts and not opts.once:
+            restart(w, v, say, wait)
+            continue
+        if opts.once or v.state in TERMINAL:
+            return v
+        wait(opts.interval_s, w)
+
+
+def restart(w: Watcher, v: Verdict, say: Callable[[str], None], wait: Callable[[float, Watcher], None]) -> None:
+    """Clean kill, backoff, relaunch with --resume (the trainer's); counted, logged and notified."""
+    delay = w.cfg.backoff_s * (2**w.restarts)
+    say(f"{v.state}: restarting in {delay:.0f} s (restart {w.restarts + 1} of {w.cfg.max_restarts})")
+    wait(delay, w)
+    runner = w._connect()
+    report = stop(runner, w.job, w.job.get("kill_grace_s", 40.0))
+    w.restarts += 1
+    pane_pid = relaunch(w.job, runner, w.restarts)
+    w.job = {**w.job, "pane_pid": pane_pid, "restarts": w.restarts}
+    w.log_event({"decision": "restart", "after": v.state, "attempt": w.restarts, "reason": v.reason,
+                 "killed": report.term + report.kill, "clean": report.clean})  # fmt: skip
+    w.reset_after_restart()
+    w.state = "STARTING"
+    w.since = time.time()
+    if w.cfg.notify.webhook:
+        msg = Message(w.job["id"], w.job["host_name"], "RESTARTED", f"after {v.state}: {v.reason}", v.evidence[:3],
+                      None, w.restarts, time.time())  # fmt: skip
+        say(post(w.cfg.notify.webhook, msg, w.cfg.notify.format, w.cfg.notify.timeout_s, w.cfg.notify.retries))
+
+
+def notify(w: Watcher, v: Verdict, say: Callable[[str], None]) -> None:
+    n = w.cfg.notify
+    if n.bell and v.state in FAILURES:
+        say("\a")
+    if n.webhook:
+        msg = Message(w.job["id"], w.job["host_name"], v.state, v.reason, v.evidence, v.advice, w.restarts, time.time())
+        line = post(n.webhook, msg, n.format, n.timeout_s, n.retries)
+        w.log_event({"decision": "notify", "state": v.state, "result": line})
+        say(line)
+
+
+def make_watcher(job: dict, accept_new: bool = False) -> Watcher:
+    cfg = WatchConfig.model_validate(job.get("watch") or {})
+    host = host_of(job)
+    return Watcher(job, cfg, lambda: open_runner(host, accept_new))
