@@ -335,6 +335,11 @@ def reap(req: dict) -> dict:
                 pass
 
     send(signal.SIGTERM, pids, "term")
+    for pid in pids:  # a stopped process (SIGSTOP, a debugger) would hold SIGTERM pending forever
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
     deadline = time.monotonic() + float(req.get("grace_s", 40))
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)

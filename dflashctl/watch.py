@@ -162,6 +162,8 @@ class Watcher:
             h.tokens_per_s.append(mean)
             self.tps_all.extend(new_tps)
         hb = snap.get("heartbeat")
+        if hb and h.started_at and (hb.get("time") or 0) < h.started_at - 1:
+            hb = None  # written by the attempt before a restart
         h.heartbeat_age_s = hb.get("age_s") if hb else None
         h.phase = hb.get("phase") if hb else h.phase
         if h.pane_dead or h.exit_code is not None:

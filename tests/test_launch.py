@@ -16,14 +16,14 @@ from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
-WORKER = '''
+WORKER = """
 import os, signal, subprocess, sys, time
 # a torchrun worker that also starts a child which ignores SIGTERM (it must still die, by SIGKILL)
 IGNORE_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('stubborn', flush=True); "
 child = subprocess.Popen([sys.executable, "-c", IGNORE_TERM + "time.sleep(600)"])
 print(f"worker {os.environ.get('RANK')} sid {os.getsid(0)} pid {os.getpid()}", flush=True)
 time.sleep(600)
-'''
+"""
 
 
 def write_project(client, tmp_path: Path) -> Path:
@@ -39,7 +39,7 @@ def write_project(client, tmp_path: Path) -> Path:
     jobs.mkdir()
     for host in ("local", "box", "boxpct"):
         (jobs / f"echo-{host}.yaml").write_text(
-            f"name: echo-{host}\nhost: {host}\ncommand: echo hello-from-job; echo \"in $PWD\"; sleep 300\n"
+            f'name: echo-{host}\nhost: {host}\ncommand: echo hello-from-job; echo "in $PWD"; sleep 300\n'
             "kill_grace_s: 5\n"
         )
     (p / "worker.py").write_text(WORKER)
