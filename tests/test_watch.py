@@ -156,10 +156,9 @@ def test_dense_fallback_is_reported_with_the_guard_and_never_restarted(box):
         "fallback",
         20,
         env={"TORCH_COMPILE_DISABLE": "1"},
-        trainer_extra="  eval: {backend: flex, prompts: 1, max_new_tokens: 8}\n".replace("  eval", "  eval"),
     )
-    text = job.read_text().replace("  eval: {prompts: 1, max_new_tokens: 8}\n", "")
-    job.write_text(text)
+    # decoding with flex on the CPU: its compiled forward exists, so with compile disabled the guard must fire
+    job.write_text(job.read_text().replace("eval: {prompts: 1", "eval: {backend: flex, prompts: 1"))
     code, records, _ = watch_json(launch(job))
     assert code == 14 and records[-1]["state"] == "DENSE_FALLBACK" and records[-1]["restarts"] == 0
     assert any("flex guard" in e for e in records[-1]["evidence"])
