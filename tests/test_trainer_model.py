@@ -83,3 +83,26 @@ def test_activation_checkpointing_gives_the_same_gradients():
         (loss_sum / w_sum).backward()
         grads.append(torch.cat([p.grad.flatten() for p in parts.drafter.parameters()]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_fused_lm_head_cross_entropy_matches_the_plain_one():
+    """Chunked CE through the frozen head (no stored logits): same loss, accuracy and input gradient."""
+    from trainer.model import block_loss
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(32, 500, bias=False).requires_grad_(False)
+    hidden = torch.randn(2, 48, 32, generator=g, requires_grad=True)
+    labels = torch.randint(0, 500, (2, 48), generator=g)
+    weights = torch.rand(2, 48, generator=g) * (torch.rand(2, 48, generator=g) > 0.3)
+    results = []
+    for fused in (False, True):
+        h = hidden.detach().clone().requires_grad_(True)
+        loss, wsum, correct = block_loss(h, head, labels, weights, fused=fused)
+        (loss * 0.7).backward()
+        results.append((loss.detach(), wsum, correct, h.grad))
+    (l0, w0, c0, g0), (l1, w1, c1, g1) = results
+    assert torch.allclose(l0, l1, rtol=1e-5) and torch.equal(w0, w1) and torch.equal(c0, c1)
+    assert torch.allclose(g0, g1, atol=1e-6)
+    with torch.no_grad():  # evaluation path: no gradient kept
+        l2, _, c2 = block_loss(hidden, head, labels, weights, fused=True)
+    assert torch.allclose(l0, l2, rtol=1e-5) and torch.equal(c0, c2)

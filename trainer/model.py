@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.compile_policy import PolicyInBackward
+from trainer.loss import linear_cross_entropy
 
 
 @dataclass
@@ -159,7 +160,7 @@ def drafter_dims(target_config, num_layers: int, num_target_layers: int, overrid
 
 
 def block_loss(
-    hidden_BQC: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, weights: torch.Tensor
+    hidden_BQC: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, weights: torch.Tensor, fused: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted cross-entropy summed over labelled positions, the weight sum, and weighted correct predictions.
 
@@ -168,6 +169,10 @@ def block_loss(
     """
     sel = weights > 0  # [B, Q]
     h = hidden_BQC[sel]  # [N, C]
+    if fused and lm_head.bias is None:  # chunked, logits never stored (trainer.loss)
+        with torch.autocast(h.device.type, enabled=False):
+            loss, correct = linear_cross_entropy(h, lm_head.weight, labels[sel], weights[sel])
+        return loss, weights[sel].float().sum(), correct
     logits = lm_head(h.to(lm_head.weight.dtype)).float()  # [N, V]
     w = weights[sel]
     ce = F.cross_entropy(logits, labels[sel], reduction="none")  # [N]

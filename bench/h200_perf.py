@@ -1,0 +1,431 @@
+"""One H200: the trainer step split and counted, its MFU, attention in the step vs the isolated kernel, flex vs
+per-block SDPA vs eager dense, memory steadiness, and the dflashctl cycle on this machine's `local` host.
+
+    python bench/h200_perf.py --out results.json [--steady-steps 105] [--skip-cli]
+
+Workload (the performance issue's): Qwen3-8B-shaped target with random weights (36 layers, hidden 4096, 32/8 heads,
+vocab 151936), 5-layer drafter (hidden 4096, intermediate 12288), seq 3072, 512 anchors, block 16, bf16, batch 1.
+FLOPs are counted from the shapes (below); MFU is against the bf16 matmul rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIG = {
+    "target": {"random_preset": "qwen3-8b", "dtype": "bfloat16"},
+    "drafter": {"num_layers": 5, "block_size": 16},
+    "attention": {"backend": "flex"},
+    "data": {"anchors_per_seq": 512, "seq_buckets": [3072], "batch_size": 1, "synthetic_samples": 8, "holdout": 0},
+    "eval": {"at_end": False},
+    "device": "cuda",
+    "steps": 1000,
+}
+
+
+# ---------------------------------------------------------------- the dflashctl cycle (run first: a clean GPU)
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflashctl", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def job_file(d: Path, name: str, trainer: dict, env: dict | None = None) -> Path:
+    import yaml
+
+    body = {"name": name, "host": "local", "gpus": [0], "trainer": trainer, "kill_grace_s": 30,
+            "watch": {"interval_s": 2, "startup_budget_s": 1200}, "env": env or {}}  # fmt: skip
+    path = d / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(body))
+    return path
+
+
+def gpu_apps() -> list[str]:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout  # fmt: skip
+    return [ln.strip() for ln in out.splitlines() if ln.strip()]
+
+
+def gpu_mem_used_mib() -> int:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True).stdout  # fmt: skip
+    return int(out.split()[0])
+
+
+def cli_cycle() -> dict:
+    rep: dict = {}
+    d = Path(tempfile.mkdtemp())
+    t = time.perf_counter()
+    res = cli("deploy", "local", "--json")
+    rep["deploy_s"] = round(time.perf_counter() - t, 2)
+    rep["deploy"] = json.loads(res.stdout) if res.returncode == 0 else res.stderr[-300:]
+    # 1. time to diagnosis of a dense fallback
+    fb = {**CONFIG, "steps": 10}
+    path = job_file(d, "fallback", fb, {"TORCH_COMPILE_DISABLE": "1"})
+    t0 = time.perf_counter()
+    res = cli("launch", str(path), "--json")
+    if res.returncode != 0:
+        return {**rep, "error": res.stderr[-500:]}
+    job_id = json.loads(res.stdout)["id"]
+    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json", "--interval", "2"], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    states = []
+    for line in proc.stdout:
+        rec = json.loads(line)
+        states.append((round(time.perf_counter() - t0, 1), rec["state"]))
+        if rec["state"] == "DENSE_FALLBACK":
+            rep["dense_fallback_diagnosis_s"] = round(time.perf_counter() - t0, 1)
+            rep["dense_fallback_evidence"] = rec["evidence"][:2]
+    proc.wait()
+    rep["dense_fallback_watch_exit"] = proc.returncode
+    rep["dense_fallback_states"] = states
+    # 2. a real job: launch, watch with GPU readings until RUNNING, kill, GPU memory freed
+    real = {**CONFIG, "attention": {"backend": "dense", "dense_max_gib": 16},
+            "data": {**CONFIG["data"], "seq_buckets": [1024], "anchors_per_seq": 64}, "steps": 100000}  # fmt: skip
+    before = gpu_mem_used_mib()
+    res = cli("launch", str(job_file(d, "real", real)), "--json")
+    job_id = json.loads(res.stdout)["id"]
+    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json", "--interval", "3"], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    t0 = time.perf_counter()
+    for line in proc.stdout:
+        rec = json.loads(line)
+        if rec["state"] == "RUNNING" and rec["gpus"]:
+            rep["watch_running_record"] = {k: rec[k] for k in ("state", "reason", "step", "tokens_per_s", "gpus",
+                                                                "remote_commands")}  # fmt: skip
+            rep["watch_to_running_s"] = round(time.perf_counter() - t0, 1)
+            break
+        if time.perf_counter() - t0 > 240 or rec["state"] not in ("STARTING", "RUNNING"):
+            rep["watch_last"] = rec
+            break
+    proc.terminate()
+    proc.wait()
+    t = time.perf_counter()
+    once = subprocess.run([sys.executable, "-m", "dflashctl", "watch", job_id, "--once", "--json"], cwd=ROOT,
+                          capture_output=True, text=True)  # fmt: skip
+    rep["watch_once_s"] = round(time.perf_counter() - t, 2)
+    rep["during_gpu_mem_mib"] = gpu_mem_used_mib()
+    res = cli("kill", job_id, "--json")
+    rep["kill"] = json.loads(res.stdout) if res.returncode == 0 else res.stderr[-500:]
+    time.sleep(2)
+    rep["after_kill_gpu_apps"] = gpu_apps()
+    rep["gpu_mem_mib_before_launch_during_after"] = [before, rep.pop("during_gpu_mem_mib"), gpu_mem_used_mib()]
+    rep["watch_once_state"] = json.loads(once.stdout)["state"] if once.returncode in (0, 13) else once.stderr[-200:]
+    return rep
+
+
+# ---------------------------------------------------------------- the step, counted
+
+
+def matmul_tflops(n: int = 8192, reps: int = 30) -> float:
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
+
+
+def allowed_pairs(anchors, valid, S: int, bs: int) -> int:
+    """Query-key pairs the block mask allows: each block sees the context before its anchor and its own block."""
+    a = anchors[valid].long()
+    return int(((a + bs) * bs).sum())
+
+
+def step_flops(parts, S: int, A: int, bs: int, pairs: int) -> dict:
+    tc, d = parts.target.config, parts.drafter.d
+    C, H, G, D = tc.hidden_size, tc.num_attention_heads, tc.num_key_value_heads, tc.head_dim
+    inter = tc.intermediate_size
+    n_target = max(parts.target.layer_ids) + 1
+    layer = C * H * D + 2 * C * G * D + H * D * C + 3 * C * inter
+    target = n_target * (2 * S * layer + 2 * S * S * H * D)  # causal attention: half of 4*S*S*H*D
+    Q = A * bs
+    dl_q = 2 * Q * (d.hidden * d.num_heads * d.head_dim * 2 + 3 * d.hidden * d.intermediate)  # q, o, MLP
+    dl_kv = 2 * (S + Q) * 2 * d.hidden * d.num_kv_heads * d.head_dim
+    attn = 4 * d.num_heads * d.head_dim * pairs
+    fc = 2 * S * d.num_target_layers * d.hidden * d.hidden
+    drafter_fwd = d.num_layers * (dl_q + dl_kv + attn) + fc
+    drafter_bwd = d.num_layers * (2 * (dl_q + dl_kv) + 2.5 * attn) + fc  # dX and dW; flex backward ~2.5x forward
+    n_lab = A * (bs - 1)
+    head = 2 * n_lab * C * tc.vocab_size
+    return {"target_fwd": target, "drafter_fwd": drafter_fwd, "drafter_bwd": drafter_bwd, "lm_head_loss": 2 * head,
+            "attention_fwd": d.num_layers * attn, "attention_bwd": d.num_layers * 2.5 * attn}  # fmt: skip
+
+
+def split_step(parts, opt, batch, fused: bool) -> dict:
+    """One step, staged with CUDA events: target forward, drafter forward, LM head + loss (fwd and bwd), drafter
+    backward, optimiser."""
+    import torch
+
+    from trainer.model import block_loss
+
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+    b = batch.to(parts.device)
+    ev[0].record()
+    hidden = parts.target.hidden_states(b.input_ids)
+    ev[1].record()
+    emb = parts.target.embed(b.block_ids)
+    mask = parts.backend.build_mask(b.anchors, b.anchor_valid, b.seq_len, b.block_size, parts.drafter.d.num_heads)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = parts.drafter(hidden, emb, b.block_pos, mask, parts.backend)
+    ev[2].record()
+    out_d = out.detach().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss_sum, w_sum, _ = block_loss(out_d, parts.target.lm_head, b.labels, b.weights, fused=fused)
+    (loss_sum / w_sum).backward()
+    ev[3].record()
+    out.backward(out_d.grad)
+    ev[4].record()
+    torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    ev[5].record()
+    torch.cuda.synchronize()
+    names = ["target_fwd", "drafter_fwd", "lm_head_loss", "drafter_bwd", "optimizer"]
+    return {n: ev[i].elapsed_time(ev[i + 1]) for i, n in enumerate(names)}
+
+
+def real_step(parts, opt, batch, fused: bool = True) -> float:
+    """The trainer's own path (forward_loss, backward, clip, AdamW); seconds."""
+    import torch
+
+    from trainer import model as model_mod
+    from trainer.loop import forward_loss
+
+    orig = model_mod.block_loss
+    if not fused:
+        import trainer.loop as loop_mod
+
+        loop_mod.block_loss = lambda *a, **k: orig(*a, **k, fused=False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loss_sum, w_sum, _ = forward_loss(parts, batch)
+    (loss_sum / w_sum).backward()
+    torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    if not fused:
+        import trainer.loop as loop_mod
+
+        loop_mod.block_loss = orig
+    return time.perf_counter() - t0
+
+
+def profile_attention(parts, opt, batch) -> dict:
+    """Device time of the compiled flex region (forward: CompiledFunction, backward: CompiledFunctionBackward)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = 3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            real_step(parts, opt, batch)
+    rows = prof.key_averages()
+
+    def dev(e) -> float:
+        return float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0))
+
+    top = sorted(rows, key=dev, reverse=True)[:25]
+    table = [(e.key[:80], round(dev(e) / 1e3 / steps, 2), e.count // steps) for e in top]
+    fwd = sum(dev(e) for e in rows if e.key == "CompiledFunction") / 1e3 / steps
+    bwd = sum(dev(e) for e in rows if e.key == "CompiledFunctionBackward") / 1e3 / steps
+    return {"attn_fwd_ms": fwd, "attn_bwd_ms": bwd, "top_device_ms_per_step": table, "torch": torch.__version__}
+
+
+def isolated_attention(parts, batch, reps: int = 20) -> dict:
+    """The same q/k/v shapes and mask as in the step: compiled flex (fwd, fwd+bwd), per-block SDPA, eager dense."""
+    import torch
+    import torch.nn.functional as F
+
+    from trainer.attention import DenseBackend, FlexBackend
+
+    b = batch.to("cuda")
+    S, A, bs = b.seq_len, b.anchors.shape[1], b.block_size
+    d = parts.drafter.d
+    H, G, D, Q, KV = d.num_heads, d.num_kv_heads, d.head_dim, A * bs, S + A * bs
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, H, Q, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, G, KV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(1, G, KV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    pairs = allowed_pairs(b.anchors, b.anchor_valid, S, bs)
+    fwd_flops = 4 * H * D * pairs
+    out: dict = {"shape": f"B=1 H={H} G={G} Q={Q} KV={KV} D={D} bf16, {pairs / (Q * KV):.1%} of pairs allowed"}
+
+    def timed(fn, n=reps) -> tuple[float, float]:
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e3, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    flex = FlexBackend()
+    mask = flex.build_mask(b.anchors, b.anchor_valid, S, bs, H)
+    out["flex_ms"], out["flex_peak_gib"] = timed(lambda: flex(q, k, v, mask))
+    out["isolated_flex_tflops"] = fwd_flops / (out["flex_ms"] / 1e3) / 1e12
+    qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+
+    def fwd_bwd():
+        flex(qg, kg, vg, mask).sum().backward()
+
+    out["flex_fwd_bwd_ms"], out["flex_fwd_bwd_peak_gib"] = timed(fwd_bwd, 10)
+    out["isolated_flex_fwd_bwd_tflops"] = 3.5 * fwd_flops / (out["flex_fwd_bwd_ms"] / 1e3) / 1e12
+    anchors = b.anchors[0].tolist()
+
+    def sdpa_blockwise():
+        outs = []
+        for j, a in enumerate(anchors):
+            kj = torch.cat([k[:, :, :a], k[:, :, S + j * bs : S + (j + 1) * bs]], dim=2)
+            vj = torch.cat([v[:, :, :a], v[:, :, S + j * bs : S + (j + 1) * bs]], dim=2)
+            outs.append(F.scaled_dot_product_attention(q[:, :, j * bs : (j + 1) * bs], kj, vj, enable_gqa=True))
+        return torch.cat(outs, dim=2)
+
+    out["sdpa_blockwise_ms"], out["sdpa_blockwise_peak_gib"] = timed(sdpa_blockwise, 3)
+    dense = DenseBackend(max_gib=64)
+    dmask = dense.build_mask(b.anchors, b.anchor_valid, S, bs, H)
+    ref = dense(q, k, v, dmask)
+    out["dense_ms"], out["dense_peak_gib"] = timed(lambda: dense(q, k, v, dmask), 3)
+    out["flex_vs_dense_max_abs_diff"] = (flex(q, k, v, mask).float() - ref.float()).abs().max().item()
+    out["sdpa_vs_dense_max_abs_diff"] = (sdpa_blockwise().float() - ref.float()).abs().max().item()
+    out["fwd_flops"] = fwd_flops
+    return out
+
+
+def step_benchmark(steady_steps: int) -> dict:
+    import torch
+
+    from trainer.compile_policy import graphs_compiled, unfreeze_compiles
+    from trainer.config import from_dict
+    from trainer.loop import build, dummy_batch, make_batch, preflight
+
+    rep: dict = {"peak_matmul_tflops": round(matmul_tflops(), 1)}
+    print(f"matmul: {rep['peak_matmul_tflops']} TFLOP/s", flush=True)
+    cfg = from_dict(CONFIG)
+    t0 = time.perf_counter()
+    parts = build(cfg, device=torch.device("cuda"))
+    rep["build_s"] = round(time.perf_counter() - t0, 1)
+    t0 = time.perf_counter()
+    pf = preflight(parts)
+    rep["preflight_s"] = round(time.perf_counter() - t0, 1)
+    rep["preflight_peak_gib"] = {k: round(v, 2) for k, v in pf.peak_mem_gib.items()}
+    print(f"built in {rep['build_s']} s, preflight {rep['preflight_s']} s", flush=True)
+    baseline = graphs_compiled()
+    opt = torch.optim.AdamW(parts.drafter.parameters(), lr=6e-4, betas=(0.9, 0.95))
+    S, A, bs = 3072, 512, 16
+
+    class Full:  # full-length sequences, anchors resampled per step like real epochs
+        samples = []
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        ids = torch.randint(0, 151936, (S,), generator=g)
+        Full.samples.append((ids, torch.ones(S, dtype=torch.long)))
+
+    def batch(i: int):
+        return make_batch(parts, Full, S, [i % 4], i // 4)
+
+    steady = dummy_batch(parts, S)
+    pairs = allowed_pairs(steady.anchors, steady.anchor_valid, S, bs)
+    flops = step_flops(parts, S, A, bs, pairs)
+    rep["flops_per_step_tflop"] = {k: round(v / 1e12, 2) for k, v in flops.items()}
+    for _ in range(3):
+        split_step(parts, opt, steady, True)
+    splits = [split_step(parts, opt, steady, True) for _ in range(5)]
+    split = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
+    rep["split_ms"] = {k: round(v, 2) for k, v in split.items()}
+    splits_plain = [split_step(parts, opt, steady, False) for _ in range(3)]
+    rep["lm_head_loss_ms_unfused"] = round(statistics.median(s["lm_head_loss"] for s in splits_plain), 2)
+    print(f"split: {rep['split_ms']}, unfused loss {rep['lm_head_loss_ms_unfused']} ms", flush=True)
+
+    times, mem = [], {}
+    for i in range(steady_steps):
+        torch.cuda.reset_peak_memory_stats()
+        times.append(real_step(parts, opt, batch(i)))
+        if i in (4, steady_steps - 1):
+            mem[i + 1] = {"allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
+                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}  # fmt: skip
+    step_s = statistics.median(times[5:])
+    rep["step_ms"] = round(step_s * 1e3, 1)
+    rep["tokens_per_s"] = round(S / step_s)
+    rep["block_tokens_per_s"] = round(A * bs / step_s)
+    total = sum(v for k, v in flops.items() if not k.startswith("attention"))
+    rep["achieved_tflops"] = round(total / step_s / 1e12, 1)
+    rep["mfu"] = round(total / step_s / 1e12 / rep["peak_matmul_tflops"], 4)
+    rep["memory_by_step"] = mem
+    rep["memory_steady"] = mem[5] == mem[steady_steps] if steady_steps > 5 else None
+    unfused = [real_step(parts, opt, batch(i), fused=False) for i in range(12)]
+    rep["tokens_per_s_unfused_loss"] = round(S / statistics.median(unfused[2:]))
+    rep["recompiles_after_preflight"] = graphs_compiled() - baseline
+    print(f"step {rep['step_ms']} ms, {rep['tokens_per_s']} tok/s, MFU {rep['mfu']}", flush=True)
+
+    prof = profile_attention(parts, opt, steady)
+    attn_ms = prof["attn_fwd_ms"] + prof["attn_bwd_ms"]
+    rep["attention_ms_in_step"] = round(attn_ms, 2)
+    rep["attention_share"] = round(attn_ms / rep["step_ms"], 3)
+    attn_flops = flops["attention_fwd"] + flops["attention_bwd"]
+    rep["attention_tflops"] = round(attn_flops / (attn_ms / 1e3) / 1e12, 1) if attn_ms else None
+    rep["profile_top"] = prof["top_device_ms_per_step"]
+    unfreeze_compiles()  # new shapes below (no grad): compile them rather than fail
+    iso = isolated_attention(parts, steady)
+    rep["isolated"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in iso.items()}
+    rep["isolated_flex_tflops"] = round(iso["isolated_flex_tflops"], 1)
+    rep["flex_ms"] = round(iso["flex_ms"], 3)
+    rep["sdpa_blockwise_ms"] = round(iso["sdpa_blockwise_ms"], 2)
+    rep["dense_peak_gib"] = round(iso["dense_peak_gib"], 2)
+    rep["flex_peak_gib"] = round(iso["flex_peak_gib"], 3)
+    return rep
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--steady-steps", type=int, default=105)
+    ap.add_argument("--skip-cli", action="store_true")
+    args = ap.parse_args()
+    import torch
+
+    # no CUDA in this process before the cycle: its context would count as an unknown process on the GPU
+    report: dict = {"date": time.strftime("%Y-%m-%d"), "torch_version": torch.__version__, "two_gpu_speedup": None}
+    if not args.skip_cli:
+        try:
+            report["cli"] = cli_cycle()
+            report["dense_fallback_diagnosis_s"] = report["cli"].get("dense_fallback_diagnosis_s")
+        except Exception as e:  # keep the GPU numbers even if the cycle breaks
+            report["cli"] = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(report["cli"], default=str)[:3000], flush=True)
+    report["gpu"] = torch.cuda.get_device_name()
+    report.update(step_benchmark(args.steady_steps))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    print("\n| measurement | value |\n| --- | --- |")
+    for k, v in report.items():
+        if k not in ("profile_top", "cli", "isolated"):
+            print(f"| {k} | {v} |")
+    print("\nprofile (device ms per step):")
+    for row in report.get("profile_top", [])[:15]:
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
