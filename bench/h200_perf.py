@@ -202,18 +202,12 @@ def split_step(parts, opt, batch, fused: bool) -> dict:
     return {n: ev[i].elapsed_time(ev[i + 1]) for i, n in enumerate(names)}
 
 
-def real_step(parts, opt, batch, fused: bool = True) -> float:
+def real_step(parts, opt, batch) -> float:
     """The trainer's own path (forward_loss, backward, clip, AdamW); seconds."""
     import torch
 
-    from trainer import model as model_mod
     from trainer.loop import forward_loss
 
-    orig = model_mod.block_loss
-    if not fused:
-        import trainer.loop as loop_mod
-
-        loop_mod.block_loss = lambda *a, **k: orig(*a, **k, fused=False)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     loss_sum, w_sum, _ = forward_loss(parts, batch)
@@ -222,11 +216,49 @@ def real_step(parts, opt, batch, fused: bool = True) -> float:
     opt.step()
     opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    if not fused:
-        import trainer.loop as loop_mod
-
-        loop_mod.block_loss = orig
     return time.perf_counter() - t0
+
+
+def variants(parts, opt, batch, S: int) -> dict:
+    """Each improvement switched off in turn, on the same compiled graphs: tokens/s and peak memory."""
+    import torch
+
+    from trainer.model import RMSNorm
+
+    out = {}
+
+    def run(tag: str, n: int = 12) -> None:
+        times, peaks = [], []
+        for i in range(n):
+            torch.cuda.reset_peak_memory_stats()
+            times.append(real_step(parts, opt, batch(i)))
+            peaks.append(torch.cuda.max_memory_allocated() / 2**30)
+        out[f"tokens_per_s_{tag}"] = round(S / statistics.median(times[2:]))
+        out[f"peak_gib_{tag}"] = round(max(peaks[2:]), 2)
+
+    run("default")
+    parts.cfg.optim.chunked_loss = True
+    run("chunked_loss")
+    parts.cfg.optim.chunked_loss = False
+    fused_norm = RMSNorm.forward
+    RMSNorm.forward = torch.nn.RMSNorm.forward  # the composite norm (bf16 input, fp32 weight)
+    run("composite_rmsnorm")
+    RMSNorm.forward = fused_norm
+    for name, kw in (("foreach", {"foreach": True}), ("fused", {"fused": True})):
+        o = torch.optim.AdamW(parts.drafter.parameters(), lr=1e-9, **kw)
+        for p in parts.drafter.parameters():
+            p.grad = torch.zeros_like(p)
+        o.step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            o.step()
+        torch.cuda.synchronize()
+        out[f"adamw_{name}_ms"] = round((time.perf_counter() - t0) / 5 * 1e3, 2)
+        del o
+    parts.drafter.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    return out
 
 
 def profile_attention(parts, opt, batch) -> dict:
@@ -312,7 +344,7 @@ def isolated_attention(parts, batch, reps: int = 20) -> dict:
     return out
 
 
-def step_benchmark(steady_steps: int) -> dict:
+def step_benchmark(steady_steps: int, isolated: bool = True) -> dict:
     import torch
 
     from trainer.compile_policy import graphs_compiled, unfreeze_compiles
@@ -331,7 +363,7 @@ def step_benchmark(steady_steps: int) -> dict:
     rep["preflight_peak_gib"] = {k: round(v, 2) for k, v in pf.peak_mem_gib.items()}
     print(f"built in {rep['build_s']} s, preflight {rep['preflight_s']} s", flush=True)
     baseline = graphs_compiled()
-    opt = torch.optim.AdamW(parts.drafter.parameters(), lr=6e-4, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(parts.drafter.parameters(), lr=6e-4, betas=(0.9, 0.95), fused=True)  # as the trainer
     S, A, bs = 3072, 512, 16
 
     class Full:  # full-length sequences, anchors resampled per step like real epochs
@@ -374,8 +406,7 @@ def step_benchmark(steady_steps: int) -> dict:
     rep["mfu"] = round(total / step_s / 1e12 / rep["peak_matmul_tflops"], 4)
     rep["memory_by_step"] = mem
     rep["memory_steady"] = mem[5] == mem[steady_steps] if steady_steps > 5 else None
-    unfused = [real_step(parts, opt, batch(i), fused=False) for i in range(12)]
-    rep["tokens_per_s_unfused_loss"] = round(S / statistics.median(unfused[2:]))
+    rep.update(variants(parts, opt, batch, S))
     rep["recompiles_after_preflight"] = graphs_compiled() - baseline
     print(f"step {rep['step_ms']} ms, {rep['tokens_per_s']} tok/s, MFU {rep['mfu']}", flush=True)
 
@@ -386,6 +417,8 @@ def step_benchmark(steady_steps: int) -> dict:
     attn_flops = flops["attention_fwd"] + flops["attention_bwd"]
     rep["attention_tflops"] = round(attn_flops / (attn_ms / 1e3) / 1e12, 1) if attn_ms else None
     rep["profile_top"] = prof["top_device_ms_per_step"]
+    if not isolated:
+        return rep
     unfreeze_compiles()  # new shapes below (no grad): compile them rather than fail
     iso = isolated_attention(parts, steady)
     rep["isolated"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in iso.items()}
@@ -402,6 +435,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--steady-steps", type=int, default=105)
     ap.add_argument("--skip-cli", action="store_true")
+    ap.add_argument("--skip-isolated", action="store_true", help="no isolated kernel / SDPA / dense comparison")
     args = ap.parse_args()
     import torch
 
@@ -415,7 +449,7 @@ def main() -> None:
             report["cli"] = {"error": f"{type(e).__name__}: {e}"}
         print(json.dumps(report["cli"], default=str)[:3000], flush=True)
     report["gpu"] = torch.cuda.get_device_name()
-    report.update(step_benchmark(args.steady_steps))
+    report.update(step_benchmark(args.steady_steps, not args.skip_isolated))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     print("\n| measurement | value |\n| --- | --- |")

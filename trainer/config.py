@@ -64,6 +64,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
     grad_clip: float = 1.0  # max global grad norm
     gamma: float = 7.0  # loss weight exp(-(k - 1) / gamma) at block position k (paper: 7 for block 16)
+    chunked_loss: bool = False  # LM head + CE in chunks, logits never stored: less memory, a little slower (bench)
 
 
 @dataclass

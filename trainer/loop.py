@@ -138,7 +138,7 @@ def forward_loss(
         else contextlib.nullcontext()
     )
     with amp:
-        return block_loss(out, parts.target.lm_head, b.labels, b.weights)
+        return block_loss(out, parts.target.lm_head, b.labels, b.weights, parts.cfg.optim.chunked_loss)
 
 
 @dataclass

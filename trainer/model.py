@@ -48,6 +48,14 @@ def apply_rope(x_BTHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return (x_BTHD.float() * cos + rotated.float() * sin).to(x_BTHD.dtype)
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm whose fp32 weight is cast to the input's dtype: under bf16 autocast the input is bf16, and
+    mismatched dtypes make torch skip its fused kernel for a slower composite one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+
+
 class DrafterAttention(nn.Module):
     def __init__(self, d: DrafterDims) -> None:
         super().__init__()
@@ -56,8 +64,8 @@ class DrafterAttention(nn.Module):
         self.k_proj = nn.Linear(d.hidden, d.num_kv_heads * d.head_dim, bias=False)
         self.v_proj = nn.Linear(d.hidden, d.num_kv_heads * d.head_dim, bias=False)
         self.o_proj = nn.Linear(d.num_heads * d.head_dim, d.hidden, bias=False)
-        self.q_norm = nn.RMSNorm(d.head_dim, eps=d.rms_eps)
-        self.k_norm = nn.RMSNorm(d.head_dim, eps=d.rms_eps)
+        self.q_norm = RMSNorm(d.head_dim, eps=d.rms_eps)
+        self.k_norm = RMSNorm(d.head_dim, eps=d.rms_eps)
 
     def forward(self, x_BQC, ctx_BSC, rope_q, rope_ctx, mask, backend) -> torch.Tensor:
         B, Q, _ = x_BQC.shape
@@ -92,9 +100,9 @@ class DrafterMLP(nn.Module):
 class DrafterLayer(nn.Module):
     def __init__(self, d: DrafterDims) -> None:
         super().__init__()
-        self.input_norm = nn.RMSNorm(d.hidden, eps=d.rms_eps)
+        self.input_norm = RMSNorm(d.hidden, eps=d.rms_eps)
         self.attn = DrafterAttention(d)
-        self.post_attn_norm = nn.RMSNorm(d.hidden, eps=d.rms_eps)
+        self.post_attn_norm = RMSNorm(d.hidden, eps=d.rms_eps)
         self.mlp = DrafterMLP(d)
 
     def forward(self, x, ctx, rope_q, rope_ctx, mask, backend) -> torch.Tensor:
@@ -110,9 +118,9 @@ class Drafter(nn.Module):
         self.d = d
         self.activation_checkpointing = activation_checkpointing
         self.fc = nn.Linear(d.num_target_layers * d.hidden, d.hidden, bias=False)
-        self.ctx_norm = nn.RMSNorm(d.hidden, eps=d.rms_eps)
+        self.ctx_norm = RMSNorm(d.hidden, eps=d.rms_eps)
         self.layers = nn.ModuleList(DrafterLayer(d) for _ in range(d.num_layers))
-        self.final_norm = nn.RMSNorm(d.hidden, eps=d.rms_eps)
+        self.final_norm = RMSNorm(d.hidden, eps=d.rms_eps)
 
     def forward(
         self,
@@ -160,7 +168,7 @@ def drafter_dims(target_config, num_layers: int, num_target_layers: int, overrid
 
 
 def block_loss(
-    hidden_BQC: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, weights: torch.Tensor, fused: bool = True
+    hidden_BQC: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, weights: torch.Tensor, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted cross-entropy summed over labelled positions, the weight sum, and weighted correct predictions.
 

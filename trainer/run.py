@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer import checkpoint, faults
-from trainer.compile_policy import graphs_compiled
+from trainer.compile_policy import graphs_compiled, unfreeze_compiles
 from trainer.config import TrainConfig, to_dict
 from trainer.data import Dataset, epoch_batches, load_tokenizer, make_dataset, shard
 from trainer.distributed import World, all_gather_objects, all_reduce_sum, barrier, init_world
@@ -94,6 +94,7 @@ def train(
     try:
         return _train(cfg, source, run_dir, resume, say, world, metrics, heartbeat)
     finally:
+        unfreeze_compiles()  # the stance is process-wide: leave the process as it was found
         if heartbeat:
             heartbeat.stop()
 
@@ -115,7 +116,7 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
     drafter = parts.drafter
     model = DistributedDataParallel(drafter) if world.distributed else drafter
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                            weight_decay=cfg.optim.weight_decay)  # fmt: skip
+                            weight_decay=cfg.optim.weight_decay, fused=world.device.type == "cuda")  # fmt: skip
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     global_batch = cfg.data.batch_size * world.size
     stream = DataStream(ds, global_batch, cfg.seed)
