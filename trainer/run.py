@@ -141,8 +141,8 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
     report = preflight(parts, backward=True, drafter=model, eval_anchors=eval_anchors(cfg.drafter.block_size)
                        if do_eval else None)  # fmt: skip
     say(f"preflight: buckets {report.buckets}, seconds {report.to_record()['seconds']}")
-    if metrics:
-        metrics.write(report.to_record())
+    if metrics:  # every rank: preflight time and buckets per rank
+        metrics.write({**report.to_record(), "rank": world.rank}, always=True)
     baseline = graphs_compiled()
     result = TrainResult(preflight=report, start_step=start_step, parts=parts)
     prompts = [prompt_of(s, cfg.eval.prompt_tokens) for s in ds.heldout[: cfg.eval.prompts]]
@@ -195,10 +195,13 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        loss_v, acc_v = (all_reduce_sum(sums, world) / max(w_global, 1e-6)).tolist()  # syncs once per step
+        peak = torch.cuda.max_memory_allocated(world.device) / 2**30 if cuda else _max_rss_gib()
+        peaks = torch.zeros(world.size, dtype=torch.float64, device=world.device)
+        peaks[world.rank] = peak
+        reduced = all_reduce_sum(torch.cat([sums, peaks]), world).tolist()  # one collective, one sync per step
+        loss_v, acc_v = (v / max(w_global, 1e-6) for v in reduced[:2])
         dt = time.perf_counter() - t0
         tps = tokens * world.size / dt  # target tokens per second, all ranks
-        peak = torch.cuda.max_memory_allocated(world.device) / 2**30 if cuda else _max_rss_gib()
         result.losses.append(loss_v)
         result.accs.append(acc_v)
         result.tokens_per_s.append(tps)
@@ -208,13 +211,15 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
         if metrics:
             metrics.write({"step": step, "epoch": epoch, "tokens_per_s": round(tps, 1), "loss": round(loss_v, 6),
                            "acc": round(acc_v, 6), "lr": lr, "grad_norm": round(float(grad_norm), 6),
-                           "peak_mem_gib": round(peak, 3)})  # fmt: skip
+                           "peak_mem_gib": round(peak, 3),
+                           "peak_mem_gib_ranks": [round(x, 3) for x in reduced[2:]]})  # fmt: skip
         if step % cfg.log_every == 0 or step == cfg.steps:
             say(f"step {step}/{cfg.steps} epoch {epoch} loss {loss_v:.4f} acc {acc_v:.3f} lr {lr:.2e} "
                 f"grad_norm {float(grad_norm):.3f} {tps:,.0f} tok/s peak {peak:.1f} GiB")  # fmt: skip
         recompiled = graphs_compiled() - baseline
         if recompiled > result.recompiles_after_preflight:
-            event("recompile", step=step, graphs=recompiled)
+            if metrics:  # every rank reports its own
+                metrics.event("recompile", always=True, step=step, graphs=recompiled, rank=world.rank)
             result.recompiles_after_preflight = recompiled
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.steps:
             evaluate(step)

@@ -1,0 +1,139 @@
+"""The trainer under torchrun with N ranks on one host, launched, watched and killed through dflashctl on this
+machine's `local` host: tokens/s per GPU and scaling, preflight per rank, peak memory per rank, recompiles, and
+whether `kill` leaves any process or GPU memory behind.
+
+    python bench/multi_gpu.py --ranks 2 1 [--steps 30] [--out results.json]
+
+Workload: the performance issue's (Qwen3-8B-shaped random target, 5-layer drafter, seq 3072, 512 anchors, block 16,
+bf16), batch 1 per rank. Runs share one Inductor cache, so only the first pays the full compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINER = {
+    "target": {"random_preset": "qwen3-8b", "dtype": "bfloat16"},
+    "drafter": {"num_layers": 5, "block_size": 16},
+    "attention": {"backend": "flex"},
+    "data": {"anchors_per_seq": 512, "seq_buckets": [3072], "batch_size": 1, "synthetic_samples": 16, "holdout": 0},
+    "eval": {"at_end": False},
+    "steps": 100000,
+    "log_every": 5,
+}
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dflashctl", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def smi(query: str) -> list[str]:
+    out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+    return [ln.strip() for ln in out.splitlines() if ln.strip()]
+
+
+def one(n: int, steps: int, work: Path, cache: Path) -> dict:
+    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    job = {"name": f"scale{n}", "host": "local", "gpus": n, "trainer": TRAINER, "env": env, "kill_grace_s": 60,
+           "inductor_cache": "keep", "watch": {"interval_s": 5, "startup_budget_s": 1200}}  # fmt: skip
+    path = work / f"scale{n}.yaml"
+    path.write_text(yaml.safe_dump(job))
+    t0 = time.perf_counter()
+    res = cli("launch", str(path), "--json")
+    if res.returncode != 0:
+        return {"ranks": n, "error": res.stderr[-400:]}
+    job_id = json.loads(res.stdout)["id"]
+    rep: dict = {"ranks": n, "job": job_id}
+    watch = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    for line in watch.stdout:
+        rec = json.loads(line)
+        if rec["state"] == "RUNNING" and "first_running_s" not in rep:
+            rep["first_running_s"] = round(time.perf_counter() - t0, 1)
+        if rec["state"] == "RUNNING" and (rec["step"] or 0) >= steps:
+            rep["watch_record"] = {k: rec[k] for k in ("state", "reason", "step", "tokens_per_s", "remote_commands")}
+            rep["watch_gpus"] = [
+                {k: g[k] for k in ("index", "util_pct", "mem_used_mib", "power_w")} for g in rec["gpus"]
+            ]
+            break
+        if rec["state"] not in ("STARTING", "RUNNING") or time.perf_counter() - t0 > 420:
+            rep["watch_stopped_at"] = rec
+            break
+    watch.terminate()
+    watch.wait()
+    status = json.loads(cli("status", job_id, "--json").stdout)
+    run_dir = Path(status["run_dir"])
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    pre = [r for r in recs if r.get("event") == "preflight"]
+    rep["preflight_s_by_rank"] = {r["rank"]: r["seconds"] for r in pre}
+    rep["same_buckets_on_all_ranks"] = len({tuple(r["buckets"]) for r in pre}) == 1 and len(pre) == n
+    step_recs = [r for r in recs if "event" not in r]
+    tps = [r["tokens_per_s"] for r in step_recs[5:]]
+    rep["tokens_per_s"] = round(statistics.median(tps)) if tps else None
+    rep["tokens_per_s_per_gpu"] = round(rep["tokens_per_s"] / n) if tps else None
+    rep["peak_mem_gib_by_rank"] = [max(r["peak_mem_gib_ranks"][i] for r in step_recs) for i in range(n)]
+    rep["recompiles_after_preflight_by_rank"] = {
+        i: sum(1 for r in recs if r.get("event") == "recompile" and r.get("rank") == i) for i in range(n)
+    }
+    rep["steps_seen"] = step_recs[-1]["step"] if step_recs else 0
+    t = time.perf_counter()
+    kill = cli("kill", job_id, "--json")
+    rep["kill_s"] = round(time.perf_counter() - t, 1)
+    rep["kill"] = json.loads(kill.stdout) if kill.returncode == 0 else kill.stderr[-300:]
+    time.sleep(2)
+    rep["gpu_apps_after_kill"] = smi("--query-compute-apps=pid,used_memory")
+    rep["gpu_mem_mib_after_kill"] = smi("--query-gpu=memory.used")
+    print(json.dumps(rep), flush=True)
+    return rep
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 1])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp())
+    cache = work / "inductor-cache"
+    res = cli("deploy", "local", "--json")
+    assert res.returncode == 0, res.stderr
+    report = {"date": time.strftime("%Y-%m-%d"), "gpus": smi("--query-gpu=index,name"), "runs": []}
+    for n in args.ranks:
+        report["runs"].append(one(n, args.steps, work, cache))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2))
+    by = {r["ranks"]: r for r in report["runs"] if r.get("tokens_per_s")}
+    if 1 in by:
+        for r in by.values():
+            r["speedup"] = round(r["tokens_per_s"] / by[1]["tokens_per_s"], 3)
+            r["scaling_efficiency"] = round(r["speedup"] / r["ranks"], 3)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    print(
+        "\n| ranks | tokens/s | per GPU | speedup | efficiency | preflight s by rank | same buckets | peak GiB by rank "
+        "| recompiles by rank | kill clean | GPU apps after |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in report["runs"]:
+        clean = r.get("kill", {}).get("clean") if isinstance(r.get("kill"), dict) else False
+        print(
+            f"| {r['ranks']} | {r.get('tokens_per_s')} | {r.get('tokens_per_s_per_gpu')} | {r.get('speedup')} | "
+            f"{r.get('scaling_efficiency')} | {r.get('preflight_s_by_rank')} | {r.get('same_buckets_on_all_ranks')} | "
+            f"{r.get('peak_mem_gib_by_rank')} | {r.get('recompiles_after_preflight_by_rank')} | {clean} | "
+            f"{r.get('gpu_apps_after_kill')} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
