@@ -158,6 +158,8 @@ def test_two_ranks_under_torchrun_match_one_process(tmp_path):
     assert all(torch.allclose(ref[k], r0[k], atol=1e-5) for k in ref)
     start = next(r for r in records(two) if r.get("event") == "start")
     assert start["world_size"] == 2
+    assert sorted(r["rank"] for r in records(two) if r.get("event") == "preflight") == [0, 1]
+    assert all(len(r["peak_mem_gib_ranks"]) == 2 for r in records(two) if "event" not in r)
 
 
 def test_dense_fallback_and_config_error_leave_a_fatal_record(tmp_path):
