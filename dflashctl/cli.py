@@ -248,6 +248,7 @@ def watch(
                         time.sleep(min(1.0, left))
 
                 v = watching.run(w, opts, emit, wait, say)
+            out.line()
     except KeyboardInterrupt:
         err.print(f"stopped watching {job_rec['id']}; the job keeps running")
         raise typer.Exit(130) from None

@@ -192,7 +192,7 @@ def test_demo_trainer_job_over_ssh(client, tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASHCTL_HOSTS", str(tmp_path / "hosts.yaml"))
     job = tmp_path / "demo.yaml"
     text = (ROOT / "jobs" / "tiny-cpu.yaml").read_text().replace("host: local", "host: box")
-    job.write_text(text.replace("steps: 600", "steps: 40").replace("synthetic_samples: 256", "synthetic_samples: 32"))
+    job.write_text(text.replace("steps: 1000", "steps: 40").replace("synthetic_samples: 256", "synthetic_samples: 32"))
     assert run_cli("deploy", "box", cwd=ROOT).code == 0
     job_id = cli_json_in(ROOT, "launch", str(job))["id"]
     follow = run_cli("logs", job_id, "-f", cwd=ROOT, timeout=600)
