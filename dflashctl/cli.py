@@ -194,11 +194,17 @@ def logs(
     job: str | None = JobArg,
     lines: int = typer.Option(50, "-n", "--lines", help="How many of the last lines to print."),
     follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines until the job ends."),
+    as_json: bool = typer.Option(False, "--json", help='One {"id", "text"} object per chunk of the log.'),
     accept_new: bool = AcceptNewOpt,
 ) -> None:
     """Print the end of a job's train.log (everything the job printed)."""
-    res = jobctl.logs(job, str(find_project_root()), lines, follow, lambda s: out.print(s, markup=False),
-                      accept_new=accept_new)  # fmt: skip
+    root_dir = str(find_project_root())
+    if as_json:
+        job_id = jobctl.find_job(job, root_dir)["id"]
+        emit = lambda s: print_json({"id": job_id, "text": s})  # noqa: E731
+    else:
+        emit = lambda s: out.print(s, markup=False)  # noqa: E731
+    res = jobctl.logs(job, root_dir, lines, follow, emit, accept_new=accept_new)
     if follow and res["exit_code"] not in (None, 0):
         raise typer.Exit(EXIT_FAILED)
 

@@ -22,12 +22,13 @@ import time
 
 TMUX = ["tmux", "-L", "dflashctl"]
 GPU_FIELDS = [
-    "index", "uuid", "name", "utilization.gpu", "memory.used", "memory.total", "power.draw", "temperature.gpu",
-    "clocks.sm", "clocks_event_reasons.active", "ecc.errors.uncorrected.volatile.total",
+    "index", "uuid", "name", "memory.used", "memory.total", "utilization.gpu", "power.draw", "temperature.gpu",
+    "clocks.sm", "pstate", "clocks_event_reasons.active", "ecc.errors.uncorrected.volatile.total",
 ]  # fmt: skip
-GPU_KEYS = ["index", "uuid", "name", "util_pct", "mem_used_mib", "mem_total_mib", "power_w", "temp_c", "sm_mhz",
-            "throttle", "ecc_uncorrected"]  # fmt: skip
-APP_FIELDS = ["pid", "gpu_uuid", "used_memory"]
+GPU_KEYS = ["index", "uuid", "name", "mem_used_mib", "mem_total_mib", "util_pct", "power_w", "temp_c", "sm_mhz",
+            "pstate", "throttle", "ecc_uncorrected"]  # fmt: skip
+TEXT_KEYS = ("uuid", "name", "pstate", "throttle")
+APP_FIELDS = ["pid", "process_name", "used_memory", "gpu_uuid"]
 
 
 def _run(argv: list[str], timeout: float = 10.0) -> tuple[int, str]:
@@ -57,18 +58,20 @@ def parse_gpu_csv(text: str) -> list[dict]:
         if len(values) != len(GPU_FIELDS):
             continue
         row = dict(zip(GPU_KEYS, values, strict=True))
-        gpu = {k: (row[k] if k in ("uuid", "name", "throttle") else _num(row[k])) for k in GPU_KEYS}
+        gpu = {k: (row[k] if k in TEXT_KEYS else _num(row[k])) for k in GPU_KEYS}
         gpus.append(gpu)
     return gpus
 
 
 def parse_apps_csv(text: str) -> list[dict]:
-    """Rows of `nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv,noheader,nounits`."""
+    """Rows of `nvidia-smi --query-compute-apps=pid,process_name,used_memory,gpu_uuid --format=csv,noheader,nounits`
+    (the name may hold commas: pid first, memory and uuid last)."""
     apps = []
     for line in text.strip().splitlines():
         values = [v.strip() for v in line.split(",")]
-        if len(values) == 3 and values[0].isdigit():
-            apps.append({"pid": int(values[0]), "gpu_uuid": values[1], "used_mib": _num(values[2])})
+        if len(values) >= 4 and values[0].isdigit():
+            apps.append({"pid": int(values[0]), "name": ",".join(values[1:-2]), "used_mib": _num(values[-2]),
+                         "gpu_uuid": values[-1]})  # fmt: skip
     return apps
 
 
@@ -106,11 +109,12 @@ def gpus_from_nvml() -> tuple[list[dict], list[dict]] | None:
                 "mem_total_mib": mem.total // 2**20, "power_w": power / 1000 if power is not None else None,
                 "temp_c": safe(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
                 "sm_mhz": safe(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
-                "throttle": f"0x{reasons:016x}" if reasons is not None else None, "ecc_uncorrected": ecc,
+                "pstate": None, "throttle": f"0x{reasons:016x}" if reasons is not None else None,
+                "ecc_uncorrected": ecc,
             })  # fmt: skip
             for p in safe(nv.nvmlDeviceGetComputeRunningProcesses, h) or []:
                 used = p.usedGpuMemory // 2**20 if p.usedGpuMemory is not None else None
-                apps.append({"pid": p.pid, "gpu_uuid": uuid, "used_mib": used})
+                apps.append({"pid": p.pid, "name": None, "used_mib": used, "gpu_uuid": uuid})
     finally:
         try:
             nv.nvmlShutdown()

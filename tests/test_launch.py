@@ -86,6 +86,8 @@ def test_command_job_lifecycle(client, tmp_path, host):
     assert st["alive"] and st["session"] == "alive" and st["exit_code"] is None and st["processes"] >= 2
     logs = run_cli("logs", job_id, "-n", "5").stdout
     assert logs.index("hello-from-job") < logs.index("in ") and "/code" in logs  # ran in the deployed code dir
+    as_json = json.loads(run_cli("logs", job_id, "-n", "5", "--json").stdout)
+    assert as_json["id"] == job_id and "hello-from-job" in as_json["text"]
     assert [j["id"] for j in cli_json("ls")] == [job_id]
     killed = cli_json("kill", job_id)
     assert killed["clean"] and killed["term"] and killed["session_closed"]
@@ -184,16 +186,20 @@ def test_bad_job_files_are_one_line_exit_2_and_touch_nothing(client, tmp_path, b
 
 
 @pytest.mark.slow
-def test_demo_trainer_job_over_ssh(client, tmp_path, monkeypatch):
-    """The bundled trainer (two ranks under torchrun, gloo) launched over ssh, followed to its end."""
+@pytest.mark.parametrize("host", ["box", "boxpct", "local"])
+def test_demo_trainer_job(client, tmp_path, monkeypatch, host):
+    """The bundled trainer (two ranks under torchrun, gloo) launched over ssh, inside pct, and on `local`."""
     remote = tmp_path / "remote"
-    hosts = f"hosts:\n  box: {{ssh: testbox, python: {sys.executable}, workdir: {remote}}}\n"
+    hosts = (
+        f"hosts:\n  box: {{ssh: testbox, python: {sys.executable}, workdir: {remote}}}\n"
+        f"  boxpct: {{ssh: testbox, container: 'pct:7', python: {sys.executable}, workdir: {remote}/pct}}\n"
+    )
     (tmp_path / "hosts.yaml").write_text(hosts)
     monkeypatch.setenv("DFLASHCTL_HOSTS", str(tmp_path / "hosts.yaml"))
     job = tmp_path / "demo.yaml"
-    text = (ROOT / "jobs" / "tiny-cpu.yaml").read_text().replace("host: local", "host: box")
+    text = (ROOT / "jobs" / "tiny-cpu.yaml").read_text().replace("host: local", f"host: {host}")
     job.write_text(text.replace("steps: 1000", "steps: 40").replace("synthetic_samples: 256", "synthetic_samples: 32"))
-    assert run_cli("deploy", "box", cwd=ROOT).code == 0
+    assert run_cli("deploy", host, cwd=ROOT).code == 0
     job_id = cli_json_in(ROOT, "launch", str(job))["id"]
     follow = run_cli("logs", job_id, "-f", cwd=ROOT, timeout=600)
     assert follow.code == 0 and "finished: 40 steps" in follow.stdout and "tau" in follow.stdout
