@@ -43,18 +43,20 @@ def smi(query: str) -> list[str]:
     return [ln.strip() for ln in out.splitlines() if ln.strip()]
 
 
-def one(n: int, steps: int, work: Path, cache: Path) -> dict:
+def one(n: int, steps: int, work: Path, cache: Path, reduce_dtype: str = "float32") -> dict:
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache)}
-    job = {"name": f"scale{n}", "host": "local", "gpus": n, "trainer": TRAINER, "env": env, "kill_grace_s": 60,
-           "inductor_cache": "keep", "watch": {"interval_s": 5, "startup_budget_s": 1200}}  # fmt: skip
-    path = work / f"scale{n}.yaml"
+    trainer = {**TRAINER, "grad_reduce_dtype": reduce_dtype}
+    watch = {"interval_s": 5, "startup_budget_s": 1200}
+    job = {"name": f"scale{n}-{reduce_dtype}", "host": "local", "gpus": n, "trainer": trainer, "env": env,
+           "kill_grace_s": 60, "inductor_cache": "keep", "watch": watch}  # fmt: skip
+    path = work / f"scale{n}-{reduce_dtype}.yaml"
     path.write_text(yaml.safe_dump(job))
     t0 = time.perf_counter()
     res = cli("launch", str(path), "--json")
     if res.returncode != 0:
         return {"ranks": n, "error": res.stderr[-400:]}
     job_id = json.loads(res.stdout)["id"]
-    rep: dict = {"ranks": n, "job": job_id}
+    rep: dict = {"ranks": n, "grad_reduce_dtype": reduce_dtype, "job": job_id}
     watch = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], cwd=ROOT,
                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     for line in watch.stdout:
@@ -101,6 +103,7 @@ def one(n: int, steps: int, work: Path, cache: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 1])
+    ap.add_argument("--reduce-dtypes", nargs="+", default=["float32"], help="one run per rank count and dtype")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -110,30 +113,25 @@ def main() -> None:
     assert res.returncode == 0, res.stderr
     report = {"date": time.strftime("%Y-%m-%d"), "gpus": smi("--query-gpu=index,name"), "runs": []}
     for n in args.ranks:
-        report["runs"].append(one(n, args.steps, work, cache))
+        for dtype in args.reduce_dtypes if n > 1 else ["float32"]:
+            report["runs"].append(one(n, args.steps, work, cache, dtype))
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=2))
-    by = {r["ranks"]: r for r in report["runs"] if r.get("tokens_per_s")}
-    if 1 in by:
-        for r in by.values():
-            r["speedup"] = round(r["tokens_per_s"] / by[1]["tokens_per_s"], 3)
-            r["scaling_efficiency"] = round(r["speedup"] / r["ranks"], 3)
+    base = next((r for r in report["runs"] if r["ranks"] == 1 and r.get("tokens_per_s")), None)
+    if base:
+        for r in report["runs"]:
+            if r.get("tokens_per_s"):
+                r["speedup"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+                r["scaling_efficiency"] = round(r["speedup"] / r["ranks"], 3)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
-    print(
-        "\n| ranks | tokens/s | per GPU | speedup | efficiency | preflight s by rank | same buckets | peak GiB by rank "
-        "| recompiles by rank | kill clean | GPU apps after |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    cols = ["ranks", "grad_reduce_dtype", "tokens_per_s", "tokens_per_s_per_gpu", "speedup", "scaling_efficiency",
+            "preflight_s_by_rank", "same_buckets_on_all_ranks", "peak_mem_gib_by_rank",
+            "recompiles_after_preflight_by_rank", "kill_clean", "gpu_apps_after_kill"]  # fmt: skip
+    print("\n| " + " | ".join(cols) + " |\n|" + " --- |" * len(cols))
     for r in report["runs"]:
-        clean = r.get("kill", {}).get("clean") if isinstance(r.get("kill"), dict) else False
-        print(
-            f"| {r['ranks']} | {r.get('tokens_per_s')} | {r.get('tokens_per_s_per_gpu')} | {r.get('speedup')} | "
-            f"{r.get('scaling_efficiency')} | {r.get('preflight_s_by_rank')} | {r.get('same_buckets_on_all_ranks')} | "
-            f"{r.get('peak_mem_gib_by_rank')} | {r.get('recompiles_after_preflight_by_rank')} | {clean} | "
-            f"{r.get('gpu_apps_after_kill')} |"
-        )
-
+        r["kill_clean"] = r.get("kill", {}).get("clean") if isinstance(r.get("kill"), dict) else False
+        print("| " + " | ".join(str(r.get(c)) for c in cols) + " |")
 
 if __name__ == "__main__":
     main()

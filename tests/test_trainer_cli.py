@@ -34,6 +34,7 @@ def run_trainer(tmp_path, text: str):
         ("attention: {backend: sparse}\n", "attention.backend: expected one of flex, dense"),
         ("attention: {backend: dense}\nsteps: many\n", "steps: expected int"),
         ("attention: {backend: dense}\ndata: {seq_buckets: [100]}\n", "data.seq_buckets[0]"),
+        ("attention: {backend: dense}\ngrad_reduce_dtype: bfloat16\n", "grad_reduce_dtype: a bfloat16 gradient"),
     ],
 )
 def test_config_errors_are_one_line_exit_2(tmp_path, extra, key):

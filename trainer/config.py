@@ -92,6 +92,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     steps: int = 100  # optimiser steps in the run
     grad_accum: int = 1  # micro-batches per optimiser step (per process)
+    grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the gradient all-reduce across ranks
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     heartbeat_s: float = 5.0  # seconds between heartbeat writes (rank 0)

@@ -31,6 +31,8 @@ def resolve_device(name: str) -> torch.device:
 
 def check_backend_supports_training(cfg: TrainConfig, device: torch.device, source: str) -> None:
     """flex_attention has no backward on the CPU (torch 2.13: "FlexAttention does not support backward on CPU")."""
+    if cfg.grad_reduce_dtype == "bfloat16" and device.type == "cpu":
+        raise ConfigError(source, "grad_reduce_dtype", "a bfloat16 gradient all-reduce needs NCCL (CUDA); use float32")
     if cfg.attention.backend == "flex" and device.type == "cpu":
         raise ConfigError(
             source,
