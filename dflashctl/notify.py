@@ -13,8 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-FAILURE_STATES = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "STALLED",
-                  "LOST")  # fmt: skip
+from dflashctl.health import FAILURES
 
 
 def redact(url: str) -> str:
@@ -52,7 +51,7 @@ def body(msg: Message, fmt: str) -> tuple[bytes, dict[str, str]]:
     if fmt == "discord":
         return json.dumps({"content": msg.text()[:1990]}).encode(), {"Content-Type": "application/json"}
     if fmt == "ntfy":  # ntfy publishes the body as the message; title and priority travel as headers
-        high = msg.state in FAILURE_STATES
+        high = msg.state in FAILURES
         headers = {
             "Title": msg.title,
             "Priority": "high" if high else "default",

@@ -18,7 +18,7 @@ from dflashctl.errors import DflashError
 from dflashctl.health import FAILURES, TERMINAL, History, Thresholds, Verdict, assess
 from dflashctl.jobctl import host_of, relaunch, stop
 from dflashctl.jobs import WatchConfig
-from dflashctl.notify import FAILURE_STATES, Message, post
+from dflashctl.notify import Message, post
 from dflashctl.transport import Runner, open_runner
 
 EXIT_BY_STATE = {
@@ -228,7 +228,7 @@ def run(
                 registry.update(w.job["id"], state=v.state, reason=v.reason, since=w.since)
             w.log_event({"decision": "state", "state": v.state, "previous": previous, "reason": v.reason,
                          "evidence": v.evidence[:5]})  # fmt: skip
-            recovered = previous in (*FAILURE_STATES, "UNREACHABLE")
+            recovered = previous in (*FAILURES, "UNREACHABLE")
             if opts.notify and (v.state not in ("RUNNING", "STARTING") or recovered):
                 notify(w, v, say)
         v.since = w.since
