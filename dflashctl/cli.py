@@ -159,8 +159,10 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
     if as_json:
         print_json(st)
         return
+    out.print(f"[bold]{st['state']}[/]: {st['reason']}", markup=True)
+    up = f"up {st['uptime_s']:.0f} s" if st["uptime_s"] is not None else "ended"
     out.print(f"[bold]{st['id']}[/] on {st['host']}: session {st['session']}, exit code {st['exit_code']}, "
-              f"up {st['uptime_s']:.0f} s, {st['processes']} processes, restarts {st['restarts']}")  # fmt: skip
+              f"{up}, {st['processes']} processes, restarts {st['restarts']}")  # fmt: skip
     if st["last_step"]:
         r = st["last_step"]
         tau = f", tau {st['tau']:.3f}" if st["tau"] is not None else ""
@@ -220,8 +222,9 @@ def watch(
 ) -> None:
     """Follow a job: a verdict per poll (state, reason, evidence), restarts and notifications by its policy.
 
-    Exit code by the final state: 0 FINISHED (or RUNNING/STARTING with --once), 10 CRASHED, 11 OOM, 12 NCCL_TIMEOUT,
-    13 STALLED, 14 DENSE_FALLBACK, 15 RECOMPILE_LIMIT, 16 LOST, 17 CONFIG_ERROR, 18 UNREACHABLE, 130 Ctrl-C.
+    Stops at FINISHED or at a failure it will not restart. Exit code by that state: 0 FINISHED (and RUNNING or
+    STARTING with --once); 10 CRASHED; 11 OOM; 12 NCCL_TIMEOUT; 13 STALLED; 14 DENSE_FALLBACK; 15 RECOMPILE_LIMIT;
+    16 LOST; 17 CONFIG_ERROR; 18 UNREACHABLE (after 10 minutes, unless --until-done); 130 Ctrl-C.
     """
     from dflashctl import view
     from dflashctl import watch as watching

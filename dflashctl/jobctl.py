@@ -223,17 +223,33 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     evals = [r for r in events if r["event"] == "eval"]
     pane = snap["session"]
     alive = pane.get("exists") and not pane.get("pane_dead")
+    state, reason = judge(job_rec, snap)
     return {
         "id": job_rec["id"], "host": job_rec["host_name"], "run_dir": job_rec["run_dir"],
         "alive": bool(alive), "session": "alive" if alive else ("dead" if pane.get("exists") else "gone"),
         "run_dir_exists": snap["run_dir_exists"], "exit_code": snap.get("exit_code"),
         "last_step": steps[-1] if steps else None, "last_event": events[-1] if events else None,
-        "uptime_s": round(time.time() - job_rec["launched_at"], 1), "processes": len(snap.get("procs", [])),
-        "state": job_rec.get("state"), "restarts": job_rec.get("restarts", 0),
+        "uptime_s": round(time.time() - job_rec["launched_at"], 1) if alive else None,
+        "processes": len(snap.get("procs", [])),
+        "state": state, "reason": reason, "restarts": job_rec.get("restarts", 0),
         "heartbeat_age_s": (snap.get("heartbeat") or {}).get("age_s"),
         "tau": evals[-1]["tau"] if evals else None,
         "mean_tokens_per_s": round(sum(r["tokens_per_s"] for r in steps) / len(steps), 1) if steps else None,
     }  # fmt: skip
+
+
+def judge(job_rec: dict, snap: dict) -> tuple[str, str]:
+    """The watch verdict for one snapshot (recorded in the registry); a job we killed stays KILLED."""
+    if job_rec.get("state") == "KILLED":
+        return "KILLED", "stopped by `dflashctl kill`"
+    from dflashctl.health import assess  # watch imports this module: import at call time
+    from dflashctl.watch import make_watcher
+
+    w = make_watcher(job_rec)
+    w.fold(snap)
+    v = assess(w.history, w.thresholds)
+    registry.update(job_rec["id"], state=v.state, reason=v.reason)
+    return v.state, v.reason
 
 
 def logs(

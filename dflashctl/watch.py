@@ -120,10 +120,11 @@ class Watcher:
             return assess(self.history, self.thresholds)
         self.pending_events = []
         self.history.reachable = True
-        self._fold(snap)
+        self.fold(snap)
         return assess(self.history, self.thresholds)
 
-    def _fold(self, snap: dict) -> None:
+    def fold(self, snap: dict) -> None:
+        """Take one snapshot into the history (offsets, steps, fatal/finished records, heartbeat, GPUs)."""
         h = self.history
         h.now = snap["time"]
         pane = snap["session"]

@@ -84,6 +84,7 @@ def test_command_job_lifecycle(client, tmp_path, host):
     wait_until(lambda: "hello-from-job" in run_cli("logs", job_id, "-n", "5").stdout)
     st = cli_json("status", job_id)
     assert st["alive"] and st["session"] == "alive" and st["exit_code"] is None and st["processes"] >= 2
+    assert st["state"] == "RUNNING"  # a command job: alive is all that can be told
     logs = run_cli("logs", job_id, "-n", "5").stdout
     assert logs.index("hello-from-job") < logs.index("in ") and "/code" in logs  # ran in the deployed code dir
     as_json = json.loads(run_cli("logs", job_id, "-n", "5", "--json").stdout)
@@ -92,7 +93,7 @@ def test_command_job_lifecycle(client, tmp_path, host):
     killed = cli_json("kill", job_id)
     assert killed["clean"] and killed["term"] and killed["session_closed"]
     st = cli_json("status", job_id)
-    assert not st["alive"] and st["session"] == "gone" and st["run_dir_exists"]
+    assert not st["alive"] and st["session"] == "gone" and st["run_dir_exists"] and st["state"] == "KILLED"
     assert st["exit_code"] is not None  # the wrapper recorded how the command ended
 
 
@@ -205,6 +206,7 @@ def test_demo_trainer_job(client, tmp_path, monkeypatch, host):
     assert follow.code == 0 and "finished: 40 steps" in follow.stdout and "tau" in follow.stdout
     st = cli_json_in(ROOT, "status", job_id)
     assert st["exit_code"] == 0 and st["last_step"]["step"] == 40 and st["last_event"]["event"] == "finished"
+    assert st["state"] == "FINISHED" and st["tau"] is not None
     assert os.path.exists(f"{st['run_dir']}/checkpoints")
 
 
