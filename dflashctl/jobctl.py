@@ -88,7 +88,7 @@ def plan_launch(
     plan = LaunchPlan(job, job_id, host, session.run_files(job, job_id, host.python, trainer_cfg), local_version,
                       remote_version)  # fmt: skip
     if job.gpu_indices:
-        snap = session.call_probe(runner, {"gpus": True, "sessions": True})
+        snap = session.call_probe(runner, {"gpus": True, "sessions": True, "tmux_socket": session.tmux_socket()})
         gpus = snap.get("gpu", {}).get("gpus", [])
         if gpus:
             bad = [i for i in job.gpu_indices if i >= len(gpus)]
@@ -107,6 +107,7 @@ def launch(
     job_path: Path, root: Path, *, deploy_first: bool = False, force: bool = False, dry_run: bool = False,
     accept_new: bool = False, progress=None,
 ) -> LaunchReport:  # fmt: skip
+    socket = session.tmux_socket()
     job, trainer_cfg = load_job(job_path, root)
     host = resolve_host(job.host, root)
     with open_runner(host, accept_new) as runner:
@@ -130,7 +131,7 @@ def launch(
             report.remote_commands = [session.start_command_preview(runner, host.workdir, plan.job_id)]
             return report
         run_dir, pane_pid = session.start(runner, host.workdir, plan.job_id, plan.files, fresh=True,
-                                          clear_cache=job.inductor_cache == "clear")  # fmt: skip
+                                          clear_cache=job.inductor_cache == "clear", socket=socket)  # fmt: skip
     report.run_dir, report.pane_pid = run_dir, pane_pid
     registry.record({
         "id": plan.job_id, "name": job.name, "project": str(root), "job_file": str(job_path.resolve()),
@@ -138,6 +139,7 @@ def launch(
         "run_dir": run_dir, "session": report.session, "pane_pid": pane_pid, "gpus": job.gpu_indices,
         "launched_at": time.time(), "state": "STARTING", "restarts": 0, "kill_grace_s": job.kill_grace_s,
         "is_trainer": job.trainer is not None, "overrides": plan.overrides, "watch": job.watch.model_dump(),
+        "tmux_socket": socket,
         "steps": (trainer_cfg or {}).get("steps"),
     })  # fmt: skip
     return report
@@ -148,8 +150,8 @@ def relaunch(job_rec: dict, runner: Runner, attempt: int) -> int:
     job, trainer_cfg = load_job(Path(job_rec["job_file"]), Path(job_rec["project"]))
     files = session.run_files(job, job_rec["id"], runner.host.python, trainer_cfg)
     args = ("--resume",) if job.trainer is not None else ()
-    _, pane_pid = session.start(runner, runner.host.workdir, job_rec["id"], files, fresh=False,
-                                clear_cache=False, wrapper_args=args)  # fmt: skip
+    _, pane_pid = session.start(runner, runner.host.workdir, job_rec["id"], files, fresh=False, clear_cache=False,
+                                wrapper_args=args, socket=job_rec.get("tmux_socket", "dflashctl"))  # fmt: skip
     registry.update(job_rec["id"], pane_pid=pane_pid, restarts=attempt, state="STARTING")
     return pane_pid
 
@@ -194,7 +196,8 @@ class KillReport:
 
 def stop(runner: Runner, job_rec: dict, grace_s: float | None = None) -> KillReport:
     grace = job_rec.get("kill_grace_s", 40.0) if grace_s is None else grace_s
-    req = {"action": "reap", "session": job_rec["session"], "job_id": job_rec["id"], "grace_s": grace}
+    req = {"action": "reap", "session": job_rec["session"], "job_id": job_rec["id"], "grace_s": grace,
+           "tmux_socket": job_rec.get("tmux_socket", "dflashctl")}  # fmt: skip
     ans = session.call_probe(runner, req, timeout=grace + 60)
     return KillReport(job_rec["id"], runner.host.name, ans["found"], ans["term"], ans["kill"], ans["remaining"],
                       ans["gpu_holders"], ans["gpu_source"], ans["session_closed"])  # fmt: skip

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-TMUX = ["tmux", "-L", "dflashctl"]
+TMUX = ["tmux", "-L", "dflashctl"]  # the dedicated server; a request's `tmux_socket` names another
 GPU_FIELDS = [
     "index", "uuid", "name", "memory.used", "memory.total", "utilization.gpu", "power.draw", "temperature.gpu",
     "clocks.sm", "pstate", "clocks_event_reasons.active", "ecc.errors.uncorrected.volatile.total",
@@ -374,6 +374,8 @@ def reap(req: dict) -> dict:
 
 def main() -> int:
     req = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    if req.get("tmux_socket"):
+        TMUX[2] = req["tmux_socket"]
     if len(sys.argv) > 3:  # GPU readings taken on the container's host by the same command
         req["gpu_csv"], req["apps_csv"] = sys.argv[2], sys.argv[3]
     answer = reap(req) if req.get("action") == "reap" else snapshot(req)

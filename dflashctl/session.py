@@ -1,6 +1,7 @@
 """tmux on the remote: the run directory, the wrapper a job runs under, starting it, probing it, stopping it.
 
-Jobs live on a dedicated tmux server (`tmux -L dflashctl`), one session per job, `remain-on-exit on` so that a dead
+Jobs live on a dedicated tmux server (`tmux -L dflashctl`; $DFLASHCTL_TMUX_SOCKET names another, which the tests
+use so as never to touch real jobs), one session per job, `remain-on-exit on` so that a dead
 pane keeps its exit status, and a large history. The pane runs `run.sh` (the wrapper) from the run dir: it exports
 the job's environment (including DFLASHCTL_JOB_ID, which tags every process of the job), tees all output into
 `train.log` and writes `exit_code` when the command ends.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shlex
 import tarfile
 import time
@@ -18,36 +20,37 @@ from pathlib import Path
 import yaml
 
 from dflashctl import probe
-from dflashctl.config import HostConfig
-from dflashctl.errors import RemoteCommandError
+from dflashctl.config import SAFE_NAME, HostConfig
+from dflashctl.errors import ConfigError, RemoteCommandError
 from dflashctl.jobs import JobConfig
 from dflashctl.transport import WORKDIR_PRELUDE, Runner, container_prefix
 
 PROBE_SOURCE = Path(probe.__file__).read_bytes()
+SOCKET_ENV = "DFLASHCTL_TMUX_SOCKET"
 TMUX_CONF = "set -g history-limit 100000\nset -g remain-on-exit on\n"
 
-# $1 workdir, $2 job id, $3 session, $4 fresh|restart, $5 clear|keep; then the wrapper's own arguments.
+# $1 workdir, $2 tmux socket, $3 job id, $4 session, $5 fresh|restart, $6 clear|keep; then the wrapper's arguments.
 # stdin: a tar of the run dir's files (run.sh, tmux.conf, trainer.yaml). Prints the run dir and the pane pid.
 START_SCRIPT = (
     WORKDIR_PRELUDE
-    + r"""id=$1; session=$2; mode=$3; cache=$4; shift 4
+    + r"""sock=$1; id=$2; session=$3; mode=$4; cache=$5; shift 5
 run="$wd/runs/$id"
 if [ "$mode" = fresh ]; then
   if [ -e "$run" ]; then echo "run dir $run already exists" >&2; exit 3; fi
   mkdir -p -- "$run" || exit 1
 else
   [ -d "$run" ] || { echo "run dir $run is gone" >&2; exit 3; }
-  tmux -L dflashctl kill-session -t "=$session" 2>/dev/null
+  tmux -L "$sock" kill-session -t "=$session" 2>/dev/null
 fi
 cd -- "$run" && tar -x --no-same-owner -f - || exit 1
 if [ "$cache" = clear ]; then rm -rf -- "$run/inductor-cache"; fi
 mkdir -p -- "$run/inductor-cache"
 cmd="exec bash $(printf %q "$run/run.sh")"
 for a in "$@"; do cmd="$cmd $(printf %q "$a")"; done
-tmux -L dflashctl -f "$run/tmux.conf" new-session -d -s "$session" -x 200 -y 50 "$cmd" \; \
+tmux -L "$sock" -f "$run/tmux.conf" new-session -d -s "$session" -x 200 -y 50 "$cmd" \; \
   set-option -w -t "=$session:" remain-on-exit on >/dev/null || exit 1
 printf '%s\n' "$run"
-tmux -L dflashctl display-message -p -t "=$session:" '#{pane_pid}'
+tmux -L "$sock" display-message -p -t "=$session:" '#{pane_pid}'
 """
 )
 
@@ -60,6 +63,14 @@ HOST_GPU_SCRIPT = (
     + " --format=csv,noheader,nounits 2>/dev/null)\n"
     'exec "$@" "$g" "$a"\n'
 )
+
+
+def tmux_socket() -> str:
+    """The tmux server jobs are started on: `dflashctl`, or $DFLASHCTL_TMUX_SOCKET."""
+    name = os.environ.get(SOCKET_ENV, "dflashctl")
+    if not SAFE_NAME.match(name):
+        raise ConfigError("environment", SOCKET_ENV, "may hold only [A-Za-z0-9._-]")
+    return name
 
 
 def session_name(job_id: str) -> str:
@@ -126,12 +137,12 @@ def _tar(files: dict[str, bytes]) -> bytes:
 
 def start(
     runner: Runner, workdir: str, job_id: str, files: dict[str, bytes], *, fresh: bool, clear_cache: bool,
-    wrapper_args: tuple[str, ...] = (),
+    wrapper_args: tuple[str, ...] = (), socket: str = "dflashctl",
 ) -> tuple[str, int]:  # fmt: skip
     """Create (or reuse, on a restart) the run dir, write the files, start the tmux session: (run dir, pane pid)."""
     mode = "fresh" if fresh else "restart"
     cache = "clear" if clear_cache else "keep"
-    res = runner.run_script(START_SCRIPT, workdir, job_id, session_name(job_id), mode, cache, *wrapper_args,
+    res = runner.run_script(START_SCRIPT, workdir, socket, job_id, session_name(job_id), mode, cache, *wrapper_args,
                             stdin=_tar(files), timeout=60)  # fmt: skip
     lines = res.out.strip().splitlines()
     if res.returncode != 0 or len(lines) < 2 or not lines[-1].strip().isdigit():
@@ -140,8 +151,8 @@ def start(
 
 
 def start_command_preview(runner: Runner, workdir: str, job_id: str) -> str:
-    return runner.describe(["bash", "--noprofile", "--norc", "-c", "<start script>", "dflashctl", workdir, job_id,
-                            session_name(job_id), "fresh", "clear"])  # fmt: skip
+    return runner.describe(["bash", "--noprofile", "--norc", "-c", "<start script>", "dflashctl", workdir,
+                            tmux_socket(), job_id, session_name(job_id), "fresh", "clear"])  # fmt: skip
 
 
 def call_probe(runner: Runner, request: dict, timeout: float = 60) -> dict:
@@ -170,4 +181,5 @@ def probe_request(job: dict, log_offset: int = 0, metrics_offset: int = 0, captu
         "log_offset": log_offset,
         "metrics_offset": metrics_offset,
         "capture_lines": capture_lines,
+        "tmux_socket": job.get("tmux_socket", "dflashctl"),
     }

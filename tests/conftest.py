@@ -14,6 +14,10 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
+# Jobs the tests start live on a tmux server of their own: a test that kills "the" server must never reach the
+# developer's real jobs on the default `dflashctl` socket.
+TEST_TMUX_SOCKET = f"dflashctl-test-{os.getpid()}"
+os.environ["DFLASHCTL_TMUX_SOCKET"] = TEST_TMUX_SOCKET
 FAKES = TESTS / "fakes"
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
@@ -106,6 +110,13 @@ def start_sshd(d: Path) -> SshServer:
     server = SshServer(port, d, host_pubkey, d / "user_key", pct_root, config=config)
     server.start()
     return server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_test_tmux_server():
+    """Whatever test jobs are left (a failed test, a killed run) go with the tests' own tmux server."""
+    yield
+    subprocess.run(["tmux", "-L", TEST_TMUX_SOCKET, "kill-server"], capture_output=True, check=False)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dflashctl.watch import PollRecord
-from tests.conftest import run_cli
+from tests.conftest import TEST_TMUX_SOCKET, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "T000SECRET/B111/xyzzy"
@@ -242,6 +242,6 @@ def test_killed_tmux_server_is_lost(box):
     job_id = launch(job)
     code, records, _ = watch_json(job_id, "--once")
     assert code == 0 and records[-1]["state"] == "RUNNING"
-    subprocess.run(["tmux", "-L", "dflashctl", "kill-server"], check=False)
+    subprocess.run(["tmux", "-L", TEST_TMUX_SOCKET, "kill-server"], check=False)  # the tests' own server
     code, records, _ = watch_json(job_id, "--once")
     assert code == 16 and records[-1]["state"] == "LOST" and "tmux session" in records[-1]["reason"]
