@@ -11,7 +11,6 @@ import argparse
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import loopback_sshd, timed  # noqa: E402
 from dflashctl.config import HostConfig  # noqa: E402
 from dflashctl.sync import deploy  # noqa: E402
 from dflashctl.transport import SshRunner  # noqa: E402
-from tests.conftest import start_sshd  # noqa: E402
 
 
 def make_tree(root: Path, files: int, total_mb: int) -> None:
@@ -35,15 +34,6 @@ def make_tree(root: Path, files: int, total_mb: int) -> None:
     subprocess.run(["git", "init", "-q", str(root)], check=True)
 
 
-def timed(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--files", type=int, default=2000)
@@ -51,12 +41,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="deploy-bench-"))
-    (work / "sshd").mkdir()
-    server = start_sshd(work / "sshd")
-    home = work / "home"
-    (home / ".ssh").mkdir(parents=True)
-    (home / ".ssh" / "known_hosts").write_text(f"[127.0.0.1]:{server.port} {server.host_pubkey}\n")
-    os.environ["HOME"] = str(home)
+    server, home = loopback_sshd(work)
     src = work / "src"
     make_tree(src, args.files, args.mb)
     host = HostConfig(name="bench", ssh="root@127.0.0.1", port=server.port, identity_file=str(server.user_key))

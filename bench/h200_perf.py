@@ -22,15 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONFIG = {
-    "target": {"random_preset": "qwen3-8b", "dtype": "bfloat16"},
-    "drafter": {"num_layers": 5, "block_size": 16},
-    "attention": {"backend": "flex"},
-    "data": {"anchors_per_seq": 512, "seq_buckets": [3072], "batch_size": 1, "synthetic_samples": 8, "holdout": 0},
-    "eval": {"at_end": False},
-    "device": "cuda",
-    "steps": 1000,
-}
+from bench.common import QWEN3_8B_WORKLOAD  # noqa: E402
+
+CONFIG = {**QWEN3_8B_WORKLOAD, "device": "cuda", "steps": 1000}
 
 
 # ---------------------------------------------------------------- the dflashctl cycle (run first: a clean GPU)

@@ -22,15 +22,12 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAINER = {
-    "target": {"random_preset": "qwen3-8b", "dtype": "bfloat16"},
-    "drafter": {"num_layers": 5, "block_size": 16},
-    "attention": {"backend": "flex"},
-    "data": {"anchors_per_seq": 512, "seq_buckets": [3072], "batch_size": 1, "synthetic_samples": 16, "holdout": 0},
-    "eval": {"at_end": False},
-    "steps": 100000,
-    "log_every": 5,
-}
+sys.path.insert(0, str(ROOT))
+
+from bench.common import QWEN3_8B_WORKLOAD  # noqa: E402
+
+TRAINER = {**QWEN3_8B_WORKLOAD, "data": {**QWEN3_8B_WORKLOAD["data"], "synthetic_samples": 16}, "steps": 100000,
+           "log_every": 5}  # fmt: skip
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -13,26 +13,15 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import start_sshd  # noqa: E402
-
-
-def median_s(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from bench.common import loopback_sshd, timed  # noqa: E402
 
 
 def main() -> None:
@@ -40,11 +29,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="watch-bench-"))
-    (work / "sshd").mkdir()
-    server = start_sshd(work / "sshd")
-    home = work / "home"
-    (home / ".ssh").mkdir(parents=True)
-    (home / ".ssh" / "known_hosts").write_text(f"[127.0.0.1]:{server.port} {server.host_pubkey}\n")
+    server, home = loopback_sshd(work)
     hosts = work / "hosts.yaml"
     hosts.write_text(
         f"hosts:\n  bench: {{ssh: root@127.0.0.1, port: {server.port}, identity_file: {server.user_key}, "
@@ -66,8 +51,8 @@ def main() -> None:
         known = f"UserKnownHostsFile={home}/.ssh/known_hosts"
         ssh = ["ssh", "-p", str(server.port), "-i", str(server.user_key), "-o", known, "-o", "BatchMode=yes",
                "root@127.0.0.1", "true"]  # fmt: skip
-        ssh_s = median_s(lambda: subprocess.run(ssh, check=True), args.repeat)
-        once_s = median_s(lambda: cli("watch", job_id, "--once", "--json"), args.repeat)
+        ssh_s = timed(lambda: subprocess.run(ssh, check=True), args.repeat)
+        once_s = timed(lambda: cli("watch", job_id, "--once", "--json"), args.repeat)
         rec = json.loads(cli("watch", job_id, "--once", "--json").stdout)
 
         from dflashctl import registry
@@ -75,7 +60,7 @@ def main() -> None:
 
         w = make_watcher(registry.get(job_id))
         w.poll()
-        poll_s = median_s(w.poll, args.repeat)
+        poll_s = timed(w.poll, args.repeat)
         commands = w.remote_commands
         w._drop()
         cli("kill", job_id, "--grace", "1")

@@ -348,12 +348,9 @@ def reap(req: dict) -> dict:
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     send(signal.SIGKILL, [p for p in pids if alive(p)], "kill")
-    if pane_pid and alive(pane_pid):  # the wrapper: give it a moment to write exit_code, then make sure
-        end = time.monotonic() + 3
-        while alive(pane_pid) and not pane.get("pane_dead") and time.monotonic() < end:
-            time.sleep(0.1)
-            if not any(alive(p) for p in pids):
-                break
+    end = time.monotonic() + 3  # the wrapper writes exit_code once its command is gone, then exits
+    while pane_pid and alive(pane_pid) and time.monotonic() < end:
+        time.sleep(0.1)
     if session:
         _run([*TMUX, "kill-session", "-t", f"={session}"])
     end = time.monotonic() + 5

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from dflashctl import registry, session
-from dflashctl.errors import DflashError
 from dflashctl.health import FAILURES, TERMINAL, History, Thresholds, Verdict, assess
 from dflashctl.jobctl import host_of, relaunch, stop
 from dflashctl.jobs import WatchConfig
@@ -112,7 +111,7 @@ class Watcher:
             before = runner.commands_run
             snap = session.call_probe(runner, req)
             self.remote_commands = runner.commands_run - before
-        except (DflashError, OSError, EOFError, Exception) as e:  # paramiko raises its own SSHException family
+        except Exception as e:  # DflashError, OSError, EOFError and paramiko's own SSHException family alike
             self._drop()
             self.history.reachable = False
             self.history.last_state = self.state if self.state != "UNREACHABLE" else self.history.last_state

@@ -163,6 +163,18 @@ def client(tmp_path, monkeypatch, sshd) -> Client:
     return Client(home, known, hosts, project)
 
 
+def run_trainer_cli(config: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m trainer.train --config CONFIG ARGS...` from the project root, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.train", "--config", str(config), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=TESTS.parent,
+        env={**os.environ, **(env or {})},
+    )
+
+
 @dataclass
 class CliResult:
     code: int

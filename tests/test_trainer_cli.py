@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+
+from tests.conftest import run_trainer_cli
 
 BASE = """
 target: {random_preset: tiny-qwen3, dtype: float32}
@@ -19,10 +18,7 @@ steps: 2
 def run_trainer(tmp_path, text: str):
     cfg = tmp_path / "train.yaml"
     cfg.write_text(text)
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "--config", str(cfg)], capture_output=True, text=True, timeout=300
-    )
-    return proc, str(cfg)
+    return run_trainer_cli(cfg), str(cfg)
 
 
 @pytest.mark.parametrize(

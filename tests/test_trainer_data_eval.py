@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import run_trainer_cli
 from trainer import eval as spec
 from trainer.config import from_dict
 from trainer.data import make_dataset, parse_record
@@ -79,13 +80,7 @@ device: cpu
 steps: 2
 eval: {{prompts: 2, max_new_tokens: 8}}
 """)
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    proc = run_trainer_cli(cfg)
     assert proc.returncode == 0, proc.stderr
     assert "data: 22 samples, 2 held out" in proc.stdout and "step 2/2" in proc.stdout
 
@@ -131,13 +126,7 @@ def test_bad_records_name_file_and_line(tmp_path, tiny_dir):
         f"target: {{path: {tiny_dir / 'target'}}}\ndrafter: {{block_size: 8}}\nattention: {{backend: dense}}\n"
         f"data: {{path: {bad}, anchors_per_seq: 16, seq_buckets: [128]}}\ndevice: cpu\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "--config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    proc = run_trainer_cli(cfg)
     assert proc.returncode == 2 and f"{bad}:2" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 

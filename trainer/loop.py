@@ -108,6 +108,13 @@ def dummy_batch(parts: Parts, seq_len: int, batch: int | None = None, anchors: i
     return build_blocks(seqs, seq_len, A, cfg.drafter.block_size, parts.mask_token_id, cfg.optim.gamma, anchors_)
 
 
+def autocast(parts: Parts):
+    """bf16 autocast on CUDA, nothing on the CPU."""
+    if parts.autocast_dtype:
+        return torch.autocast(parts.device.type, dtype=parts.autocast_dtype)
+    return contextlib.nullcontext()
+
+
 def drafter_output(parts: Parts, drafter: torch.nn.Module, b: BlockBatch, backend=None) -> torch.Tensor:
     """Target hidden states -> drafter -> [B, Q, C] final hidden states of the block tokens (b on parts.device).
 
@@ -119,12 +126,7 @@ def drafter_output(parts: Parts, drafter: torch.nn.Module, b: BlockBatch, backen
     block_emb = parts.target.embed(b.block_ids)  # [B, Q, C], frozen
     heads = parts.drafter.d.num_heads
     mask = backend.build_mask(b.anchors, b.anchor_valid, b.seq_len, b.block_size, heads)
-    amp = (
-        torch.autocast(parts.device.type, dtype=parts.autocast_dtype)
-        if parts.autocast_dtype
-        else contextlib.nullcontext()
-    )
-    with amp:
+    with autocast(parts):
         return drafter(hidden, block_emb, b.block_pos, mask, backend)  # [B, Q, C]
 
 
@@ -134,12 +136,7 @@ def forward_loss(
     """(weighted CE sum, weight sum, weighted correct sum) for one batch on parts.device."""
     b = batch.to(parts.device)
     out = drafter_output(parts, drafter or parts.drafter, b)
-    amp = (
-        torch.autocast(parts.device.type, dtype=parts.autocast_dtype)
-        if parts.autocast_dtype
-        else contextlib.nullcontext()
-    )
-    with amp:
+    with autocast(parts):
         return block_loss(out, parts.target.lm_head, b.labels, b.weights, parts.cfg.optim.chunked_loss)
 
 
