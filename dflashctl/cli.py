@@ -77,7 +77,7 @@ def deploy(
     verb = "would send" if dry_run else "sent"
     out.print(
         f"{cfg.name}: {verb} {report.files_sent} files ({report.bytes_sent / 1e6:.2f} MB), "
-        f"deleted {report.files_deleted}, version {report.version} → {report.code_dir} in {report.seconds:.2f} s"
+        f"deleted {report.files_deleted}, release {report.version} → {report.code_dir} in {report.seconds:.2f} s"
     )
 
 
@@ -125,11 +125,10 @@ def launch(
     for what in report.overrides:
         err.print(f"[yellow]--force overrides:[/] {what}")
     if dry_run:
-        out.print(f"[bold]would launch[/] {report.id} on {report.host} (code {report.code_version})")
-        for cmd in report.remote_commands:
-            out.print(f"remote: {cmd}")
+        out.print(f"[bold]would launch[/] {report.id} on {report.host} (release {report.release})")
         for name, text in report.files.items():
-            out.print(f"--- {report.run_dir}/{name}\n{text}", markup=False)
+            if name != "launcher.py":
+                out.print(f"--- {report.run_dir}/{name}\n{text}", markup=False)
         return
     out.print(f"launched [bold]{report.id}[/] on {report.host}: pane pid {report.pane_pid}, run dir {report.run_dir}")
     out.print(f"next: dflashctl watch {report.id}   (or: dflashctl logs -f {report.id})")
@@ -146,10 +145,16 @@ def kill(
     report = jobctl.kill(job, str(find_project_root()), grace, accept_new)
     if as_json:
         print_json(report.to_dict())
-        return
-    out.print(f"killed {report.id} on {report.host}: SIGTERM to {len(report.term)} processes {report.term}, "
-              f"SIGKILL to {len(report.kill)} {report.kill}")  # fmt: skip
-    out.print(f"verified: no process of the job left, no GPU held by it ({report.gpu_source}), tmux session closed")
+    elif report.clean:
+        out.print(f"killed {report.id} on {report.host}: SIGTERM to {len(report.term)} processes {report.term}, "
+                  f"SIGKILL to {len(report.kill)} {report.kill}")  # fmt: skip
+        out.print(f"verified: no process of the job left, no GPU held by it ({report.gpu_check}), session closed")
+    else:
+        err.print(f"dflashctl: error: KILL_FAILED {report.id} on {report.host}: still there after SIGKILL: pids "
+                  f"{report.remaining}, GPU holders {[a['pid'] for a in report.gpu_holders]} ({report.gpu_check}), "
+                  f"session closed {report.session_closed}; `dflashctl kill` again retries this job", markup=False)
+    if not report.clean:
+        raise typer.Exit(EXIT_FAILED)
 
 
 @app.command()
@@ -177,17 +182,15 @@ def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt) -> None:
     """Jobs launched from this project, newest first (from the local registry)."""
     jobs = registry.all_jobs(None if all_projects else str(find_project_root()))
     if as_json:
-        print_json(
-            [{k: j.get(k) for k in ("id", "host_name", "state", "launched_at", "run_dir", "gpus")} for j in jobs]
-        )
+        print_json([{"id": j.id, "host_name": j.host_name, "state": j.state, "launched_at": j.launched_at,
+                     "run_dir": j.run_dir, "gpus": j.gpus} for j in jobs])  # fmt: skip
         return
     table = Table(title="jobs", title_justify="left")
     for col in ("id", "host", "state", "launched", "gpus", "run dir"):
         table.add_column(col)
     for j in jobs:
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(j.get("launched_at", 0)))
-        table.add_row(j["id"], j.get("host_name", ""), j.get("state", ""), when, str(j.get("gpus") or "-"),
-                      j.get("run_dir", ""))  # fmt: skip
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(j.launched_at))
+        table.add_row(j.id, j.host_name, j.state, when, ",".join(map(str, j.gpus)) or "-", j.run_dir)
     out.print(table)
 
 
@@ -197,15 +200,20 @@ def logs(
     lines: int = typer.Option(50, "-n", "--lines", help="How many of the last lines to print."),
     follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines until the job ends."),
     as_json: bool = typer.Option(False, "--json", help='One {"id", "text"} object per chunk of the log.'),
+    raw: bool = typer.Option(False, "--raw", help="Pass terminal escape sequences through (default: shown, inert)."),
     accept_new: bool = AcceptNewOpt,
 ) -> None:
     """Print the end of a job's train.log (everything the job printed)."""
+    from dflashctl.render import neutralise
+
     root_dir = str(find_project_root())
     if as_json:
-        job_id = jobctl.find_job(job, root_dir)["id"]
+        job_id = jobctl.find_job(job, root_dir).id
         emit = lambda s: print_json({"id": job_id, "text": s})  # noqa: E731
+    elif raw:
+        emit = lambda s: (sys.stdout.write(s + "\n"), sys.stdout.flush())  # noqa: E731
     else:
-        emit = lambda s: out.print(s, markup=False)  # noqa: E731
+        emit = lambda s: out.print(neutralise(s), markup=False)  # noqa: E731
     res = jobctl.logs(job, root_dir, lines, follow, emit, accept_new=accept_new)
     if follow and res["exit_code"] not in (None, 0):
         raise typer.Exit(EXIT_FAILED)
@@ -224,7 +232,8 @@ def watch(
 
     Stops at FINISHED or at a failure it will not restart. Exit code by that state: 0 FINISHED (and RUNNING or
     STARTING with --once); 10 CRASHED; 11 OOM; 12 NCCL_TIMEOUT; 13 STALLED; 14 DENSE_FALLBACK; 15 RECOMPILE_LIMIT;
-    16 LOST; 17 CONFIG_ERROR; 18 UNREACHABLE (after 10 minutes, unless --until-done); 130 Ctrl-C.
+    16 LOST; 17 CONFIG_ERROR; 18 UNREACHABLE (after 10 minutes, unless --until-done); 19 PROBE_FAILED;
+    20 KILLED; 21 KILL_FAILED; 130 Ctrl-C.
     """
     from dflashctl import view
     from dflashctl import watch as watching
@@ -259,7 +268,7 @@ def watch(
                 v = watching.run(w, opts, emit, wait, say)
             out.line()
     except KeyboardInterrupt:
-        err.print(f"stopped watching {job_rec['id']}; the job keeps running")
+        err.print(f"stopped watching {job_rec.id}; the job keeps running")
         raise typer.Exit(130) from None
     raise typer.Exit(watching.EXIT_BY_STATE.get(v.state, EXIT_FAILED))
 

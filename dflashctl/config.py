@@ -23,17 +23,17 @@ from dflashctl.errors import ConfigError
 
 PROJECT_FILE = "dflashctl.yaml"
 USER_HOSTS_ENV = "DFLASHCTL_HOSTS"
-SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-CONTAINER_SPEC = re.compile(r"^(pct:[0-9]+|docker:[A-Za-z0-9][A-Za-z0-9_.-]*)$")
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")  # always used with fullmatch: `$` would admit a newline
+CONTAINER_SPEC = re.compile(r"pct:[0-9]+|docker:[A-Za-z0-9][A-Za-z0-9_.-]*")
 # Top-level keys a hosts file may hold; dflashctl.yaml is read with the same rules.
 PROJECT_KEYS = {"hosts"}
-HOSTNAME = re.compile(r"^[A-Za-z0-9_.:-]+$")  # names, IPv4 and bare IPv6 literals; nothing a shell would read
+HOSTNAME = re.compile(r"[A-Za-z0-9_.:-]+")  # names, IPv4 and bare IPv6 literals; nothing a shell would read
 
 
 class HostConfig(BaseModel):
     """One remote (or the local machine): how to reach it and where its files live."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str = Field("", description="the host's name in the config, or the destination as given")
     ssh: str | None = Field(None, description="ssh destination: ~/.ssh/config alias, host or user@host; none = local")
@@ -51,7 +51,7 @@ class HostConfig(BaseModel):
     @field_validator("container")
     @classmethod
     def _container(cls, value: str | None) -> str | None:
-        if value is not None and not CONTAINER_SPEC.match(value):
+        if value is not None and not CONTAINER_SPEC.fullmatch(value):
             raise ValueError("expected `pct:<ctid>` (digits) or `docker:<name>` ([A-Za-z0-9_.-])")
         return value
 
@@ -61,14 +61,14 @@ class HostConfig(BaseModel):
         if value is None:
             return value
         user, _, host = value.rpartition("@")
-        if (user and not SAFE_NAME.match(user)) or not HOSTNAME.match(host):
+        if (user and not SAFE_NAME.fullmatch(user)) or not HOSTNAME.fullmatch(host):
             raise ValueError("expected an ssh destination `host` or `user@host` with no shell characters")
         return value
 
     @field_validator("user")
     @classmethod
     def _user(cls, value: str | None) -> str | None:
-        if value is not None and not SAFE_NAME.match(value):
+        if value is not None and not SAFE_NAME.fullmatch(value):
             raise ValueError("expected a user name of [A-Za-z0-9._-]")
         return value
 
@@ -117,19 +117,67 @@ def format_validation_error(source: str, err: ValidationError, prefix: str = "")
     return ConfigError(source, None, "; ".join(parts))
 
 
+MAX_CONFIG_BYTES = 1 << 20  # job and host files are a few KiB; anything this large is not one
+MAX_NESTING = 64
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load, but a key given twice in one mapping is an error (YAML keys are unique; PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:
+                raise yaml.constructor.ConstructorError(None, None, "unhashable key", key_node.start_mark) from None
+            if duplicate:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def _depth(text: str) -> int:
+    """An upper bound of the nesting of flow collections and indentation, checked before parsing (deep input makes
+    PyYAML recurse until the interpreter gives up)."""
+    depth = best = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            best = max(best, depth)
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+    indents = {len(line) - len(line.lstrip(" ")) for line in text.splitlines() if line.strip()}
+    return max(best, len(indents))
+
+
 def load_yaml(path: Path) -> Any:
-    """Parse a YAML file; a syntax error becomes a ConfigError with the line number."""
+    """Parse a YAML file; a syntax error becomes a ConfigError with the line number. Binary or non-UTF-8 files,
+    duplicate keys, very deep nesting and huge files are refused the same way."""
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(str(path), None, f"cannot read: {e.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(str(path), None, f"too large for a config file ({len(raw)} bytes)")
     try:
-        return yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(path), None, f"not UTF-8 text (byte {e.start})") from None
+    if "\0" in text:
+        raise ConfigError(str(path), None, "binary file (holds NUL bytes)")
+    if _depth(text) > MAX_NESTING:
+        raise ConfigError(str(path), None, f"nested deeper than {MAX_NESTING} levels")
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(where, None, f"malformed YAML: {problem}") from None
+    except RecursionError:
+        raise ConfigError(str(path), None, "nested too deeply") from None
 
 
 def load_hosts_file(path: Path) -> dict[str, HostConfig]:
@@ -145,7 +193,7 @@ def load_hosts_file(path: Path) -> dict[str, HostConfig]:
     if not isinstance(raw, dict):
         raise ConfigError(str(path), "hosts", "expected a mapping of host name to host settings")
     for name in raw:
-        if not isinstance(name, str) or not SAFE_NAME.match(name):
+        if not isinstance(name, str) or not SAFE_NAME.fullmatch(name):
             raise ConfigError(str(path), f"hosts.{name}", "host names may hold only [A-Za-z0-9._-]")
         if name == "local":
             raise ConfigError(str(path), "hosts.local", "`local` is built in and cannot be redefined")
@@ -191,7 +239,7 @@ def parse_destination(spec: str) -> HostConfig:
     dest = spec
     if spec.startswith("ssh://"):
         rest = spec[len("ssh://") :].rstrip("/")
-        m = re.match(r"^(?:(?P<user>[^@]+)@)?(?P<host>\[[^\]]+\]|[^:]+)(?::(?P<port>[0-9]+))?$", rest)
+        m = re.fullmatch(r"^(?:(?P<user>[^@]+)@)?(?P<host>\[[^\]]+\]|[^:]+)(?::(?P<port>[0-9]+))?$", rest)
         if not m:
             raise ConfigError("command line", "host", f"cannot parse {spec!r}: expected ssh://[user@]host[:port]")
         host = m["host"].strip("[]")

@@ -58,3 +58,13 @@ class NoSuchJobError(DflashError):
     """No job in the registry matches what was asked for."""
 
     exit_code = EXIT_USAGE
+
+
+class ProbeFailedError(RemoteCommandError):
+    """The host answered, but the probe failed there (a bad `python:`, a missing file): not an unreachable host."""
+
+
+class RecordsCorruptError(DflashError):
+    """The local job records cannot be read; nothing is written over them."""
+
+    exit_code = EXIT_USAGE

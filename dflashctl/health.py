@@ -10,8 +10,11 @@ import re
 import statistics
 from dataclasses import asdict, dataclass, field
 
-FAILURES = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "STALLED", "LOST")
-TERMINAL = ("FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "LOST")
+FAILURES = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "STALLED", "LOST",
+            "PROBE_FAILED", "KILL_FAILED")  # fmt: skip
+TERMINAL = ("FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "LOST",
+            "PROBE_FAILED", "KILLED", "KILL_FAILED")  # fmt: skip
+STOP_RESULT_GRACE_S = 120.0  # after grace_s, how long a kill may take to record its result before it is presumed dead
 ADVICE = {
     "DENSE_FALLBACK": "flex_attention ran, or was about to run, without compile: check TORCH_COMPILE_DISABLE, the "
     "recompile limit and the preflight buckets. Not restarted: it would repeat.",
@@ -26,6 +29,10 @@ ADVICE = {
     "STALLED": "read `dflashctl logs` and dump the processes (py-spy); a restart resumes from the newest checkpoint.",
     "LOST": "the tmux session or the run dir disappeared (reboot, or killed by someone): relaunch it.",
     "UNREACHABLE": "the host does not answer; the job's last known state is kept until it does.",
+    "PROBE_FAILED": "the host answered but the probe failed there: check the host's `python:` setting and its "
+    "disk; the error is shown.",
+    "KILL_FAILED": "run `dflashctl kill` again on this job: it retries the same job and names what survived.",
+    "STOPPING": "a stop was requested (`dflashctl kill`); no watcher restarts this job.",
 }
 
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:\s?")
@@ -192,6 +199,11 @@ class History:
     pane_lines: list[str] = field(default_factory=list)
     gpu_total_gib: float | None = None
     last_state: str | None = None  # kept through UNREACHABLE
+    probe_error: str | None = None  # the host answered, the probe failed: its stderr
+    stop_request: dict | None = None  # `dflashctl kill` asked for a stop (in the run dir: every watcher sees it)
+    stop_result: dict | None = None  # what that kill verified: KILLED, or KILL_FAILED with the survivors
+    kill_grace_s: float = 40.0
+    malformed: int = 0  # metrics lines and heartbeats that were not what the contract says, skipped
 
 
 @dataclass
@@ -253,6 +265,10 @@ def assess(h: History, th: Thresholds) -> Verdict:
     if not h.reachable:
         v = _verdict("UNREACHABLE", "the host did not answer", [f"last state {h.last_state}"], h)
         return v
+    if h.probe_error is not None:
+        return _verdict("PROBE_FAILED", "the host answered but the probe failed there", [h.probe_error], h)
+    if h.stop_request is not None:
+        return _stopped(h)
     lines = h.log_tail + [ln for ln in h.pane_lines if ln not in h.log_tail[-200:]]
     if h.exit_code is not None or (h.session_exists and h.pane_dead):
         return _ended(h, lines)
@@ -288,4 +304,24 @@ def assess(h: History, th: Thresholds) -> Verdict:
         return _verdict("STALLED", "throughput collapsed", [slow], h)
     tps = f"{h.tokens_per_s[-1]:,.0f} tok/s" if h.tokens_per_s else "tok/s unknown"
     loss = f", loss {h.loss:.4f}" if h.loss is not None else ""
-    return _verdict("RUNNING", f"step {h.last_step}, {tps}{loss}", [f"step {h.last_step} {idle:.0f} s ago"], h)
+    ev = [f"step {h.last_step} {idle:.0f} s ago"]
+    if h.malformed:
+        ev.append(f"{h.malformed} malformed metrics lines skipped")
+    return _verdict("RUNNING", f"step {h.last_step}, {tps}{loss}", ev, h)
+
+
+def _stopped(h: History) -> Verdict:
+    """A job the user stopped: KILLED once its kill verified that nothing is left, KILL_FAILED naming what survived,
+    STOPPING while the kill runs. Never a failure to restart from: the exit status of a killed job is the kill's."""
+    res = h.stop_result
+    if res and res.get("result") == "KILLED":
+        return _verdict("KILLED", "stopped by `dflashctl kill` and verified", [f"check: {res.get('gpu_check')}"], h)
+    if res:
+        ev = [f"survivors: pids {res.get('remaining')}", f"GPU holders: {res.get('gpu_holders')}",
+              f"session closed: {res.get('session_closed')}"]  # fmt: skip
+        return _verdict("KILL_FAILED", "`dflashctl kill` could not verify that the job is gone", ev, h)
+    asked = h.stop_request.get("time") if h.stop_request else None
+    if isinstance(asked, (int, float)) and h.now - asked > h.kill_grace_s + STOP_RESULT_GRACE_S:
+        ev = [f"stop requested {h.now - asked:.0f} s ago, no result recorded"]
+        return _verdict("KILL_FAILED", "a kill was requested but never finished", ev, h)
+    return _verdict("STOPPING", "a stop was requested (`dflashctl kill`)", [f"stop request at {asked}"], h)

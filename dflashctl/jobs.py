@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -21,7 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dflashctl.config import SAFE_NAME, format_validation_error, load_yaml
 from dflashctl.errors import ConfigError
 
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+MAX_GPUS = 1024
 STATES = ("STARTING", "RUNNING", "STALLED", "FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT",
           "CRASHED", "CONFIG_ERROR", "LOST")  # fmt: skip
 NEVER_RESTART = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "CONFIG_ERROR", "FINISHED")  # they would repeat (or are done)
@@ -32,7 +35,7 @@ State = Literal[
 
 
 class NotifyConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     webhook: str | None = Field(None, description="URL that gets a JSON POST on every state change that matters")
     format: Literal["json", "slack", "discord", "ntfy"] = Field("json", description="body shape for the webhook")
@@ -43,26 +46,39 @@ class NotifyConfig(BaseModel):
     @field_validator("webhook")
     @classmethod
     def _url(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"^https?://[^\s]+$", value):
-            raise ValueError("expected an http:// or https:// URL")
+        """Checked here, so that a bad URL is a load error, never a crash (printing it) at the first notification.
+        The messages never repeat the URL: its path is usually the secret."""
+        if value is None:
+            return value
+        if any(ord(c) < 33 or ord(c) == 127 for c in value):
+            raise ValueError("the URL holds whitespace or control characters")
+        if not value.isascii():
+            raise ValueError("the URL holds non-ASCII characters: percent-encode them")
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("expected an http:// or https:// URL with a host")
+        try:
+            parts.port  # noqa: B018 - raises on a port that is not a number in range
+        except ValueError:
+            raise ValueError("the URL's port is not a number from 1 to 65535") from None
         return value
 
 
 class WatchConfig(BaseModel):
     """How `watch` polls and judges the job, and what it does about failures."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    interval_s: float = Field(60.0, gt=0, description="seconds between polls")
-    stall_after_s: float = Field(600.0, gt=0, description="no step progress for this long while alive: STALLED")
-    startup_budget_s: float = Field(3600.0, gt=0, description="time allowed before the first step (preflight)")
-    heartbeat_max_age_s: float = Field(120.0, gt=0, description="an older heartbeat (process frozen): STALLED")
+    interval_s: float = Field(60.0, gt=0, le=86400, description="seconds between polls")
+    stall_after_s: float = Field(600.0, gt=0, le=604800, description="no step progress this long while alive: STALLED")
+    startup_budget_s: float = Field(3600.0, gt=0, le=604800, description="time allowed before the first step")
+    heartbeat_max_age_s: float = Field(120.0, gt=0, le=86400, description="an older heartbeat (frozen): STALLED")
     throughput_floor: float | None = Field(None, ge=0, description="tokens/s under this for `slow_polls`: STALLED")
     throughput_drop: float = Field(0.3, gt=0, lt=1, description="under this fraction of its rolling median: STALLED")
-    slow_polls: int = Field(3, ge=1, description="consecutive slow polls before STALLED")
+    slow_polls: int = Field(3, ge=1, le=1000, description="consecutive slow polls before STALLED")
     restart_on: list[State] = Field(default_factory=lambda: ["CRASHED", "STALLED", "NCCL_TIMEOUT"])
     max_restarts: int = Field(3, ge=0, le=100)
-    backoff_s: float = Field(30.0, ge=0, description="wait before the first restart; doubles each time")
+    backoff_s: float = Field(30.0, ge=0, le=86400, description="wait before the first restart; doubles each time")
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
 
     @field_validator("restart_on")
@@ -75,7 +91,7 @@ class WatchConfig(BaseModel):
 
 
 class JobConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = Field(..., description="job name, [A-Za-z0-9._-]; the job id is name + UTC timestamp")
     host: str = Field("local", description="a host name from dflashctl.yaml / hosts.yaml, or `local`")
@@ -84,6 +100,9 @@ class JobConfig(BaseModel):
     command: str | None = Field(None, description="any command line, run in the deployed code directory")
     nproc_per_node: int | None = Field(None, ge=1, le=64, description="processes (torchrun); default: one per GPU")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables")
+    secret_env: list[str] = Field(
+        default_factory=list, description="env names shown as *** (besides names holding TOKEN, KEY, SECRET, PASSWORD)"
+    )
     inductor_cache: Literal["clear", "keep"] = Field("clear", description="the job's own TORCHINDUCTOR_CACHE_DIR")
     kill_grace_s: float = Field(40.0, ge=0, le=3600, description="SIGTERM to SIGKILL (torchrun needs ~30 s)")
     watch: WatchConfig = Field(default_factory=WatchConfig)
@@ -91,31 +110,33 @@ class JobConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not SAFE_NAME.match(value) or len(value) > 64:
+        if not SAFE_NAME.fullmatch(value) or len(value) > 64:
             raise ValueError("may hold only [A-Za-z0-9._-] (at most 64), starting with a letter or digit")
         return value
 
     @field_validator("host")
     @classmethod
     def _host(cls, value: str) -> str:
-        if not SAFE_NAME.match(value):
+        if not SAFE_NAME.fullmatch(value):
             raise ValueError("expected a host name of [A-Za-z0-9._-]")
         return value
 
     @field_validator("gpus")
     @classmethod
     def _gpus(cls, value: list[int] | int | None) -> list[int] | int | None:
-        if isinstance(value, int) and value < 0:
-            raise ValueError("a GPU count must be >= 0")
-        if isinstance(value, list) and (any(i < 0 for i in value) or len(set(value)) != len(value)):
-            raise ValueError("GPU indices must be distinct and >= 0")
+        if isinstance(value, int) and not 0 <= value <= MAX_GPUS:
+            raise ValueError(f"a GPU count must be from 0 to {MAX_GPUS}")
+        if isinstance(value, list) and (
+            any(not 0 <= i < MAX_GPUS for i in value) or len(set(value)) != len(value) or len(value) > MAX_GPUS
+        ):
+            raise ValueError(f"GPU indices must be distinct, from 0 to {MAX_GPUS - 1}")
         return value
 
     @field_validator("env")
     @classmethod
     def _env(cls, value: dict[str, str]) -> dict[str, str]:
         for k, v in value.items():
-            if not ENV_NAME.match(k):
+            if not ENV_NAME.fullmatch(k):
                 raise ValueError(f"{k!r} is not a valid environment variable name")
             if "\0" in v:
                 raise ValueError(f"{k}: value holds a NUL byte")
@@ -187,3 +208,12 @@ def load_job(path: Path, project_root: Path) -> tuple[JobConfig, dict | None]:
     if trainer_cfg is not None:
         _check_trainer_config(trainer_cfg, source, project_root)
     return job, trainer_cfg
+
+
+def is_secret(name: str, extra: list[str] | tuple[str, ...] = ()) -> bool:
+    return bool(SECRET_NAME.search(name)) or name in extra
+
+
+def redact_env(env: dict[str, str], extra: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment as shown to people: values of secret-looking names are ***."""
+    return {k: ("***" if is_secret(k, extra) else v) for k, v in env.items()}

@@ -68,8 +68,8 @@ def post(url: str, msg: Message, fmt: str = "json", timeout_s: float = 10.0, ret
     data, headers = body(msg, fmt)
     delay, last = 1.0, ""
     for attempt in range(retries + 1):
-        req = urllib.request.Request(url, data=data, headers=headers, method="POST")
         try:
+            req = urllib.request.Request(url, data=data, headers=headers, method="POST")
             with urllib.request.urlopen(req, timeout=timeout_s) as resp:
                 return f"notified {redact(url)} ({resp.status})"
         except urllib.error.HTTPError as e:
@@ -78,6 +78,9 @@ def post(url: str, msg: Message, fmt: str = "json", timeout_s: float = 10.0, ret
                 break  # the request itself is wrong: retrying will not help
         except (urllib.error.URLError, OSError) as e:
             last = type(getattr(e, "reason", e)).__name__
+        except Exception as e:  # a URL the stdlib rejects late (ValueError, UnicodeError): never stop watch
+            last = type(e).__name__
+            break
         if attempt < retries:
             time.sleep(delay)
             delay *= 2

@@ -1,21 +1,34 @@
 """Runs ON the remote, in its own Python, stdlib only (pynvml if importable): one call, one JSON answer about a job.
 
-Invoked as `python3 - REQUEST_JSON [GPU_CSV APPS_CSV]` with this file on stdin (the CSVs when the GPUs are read on a
-container's host by the same command). Two actions share the process-tree code: `snapshot` (the default) and `reap`
-(stop the job: SIGTERM its processes, wait, SIGKILL what is left, verify, close the tmux session).
+Shipped by `session.call_agent`: `python3 -c BOOT LEN REQUEST_JSON [GPU_CSV APPS_CSV]` with this file's source on
+stdin (LEN bytes), followed by the action's payload (the run files of a launch). The CSVs are GPU readings taken on a
+container's host by the same command. Actions:
 
-For a snapshot, the request The request names the run dir, the tmux session, the
-job id (the wrapper exports DFLASHCTL_JOB_ID to every process of the job) and the byte offsets already read. The
-snapshot holds: the pane (alive or dead, exit status, last lines), the job's process tree, new train.log bytes
-(bounded), new metrics.jsonl records, heartbeat age, exit_code, GPU readings and compute processes, free disk, the
-deployed code version, and our tmux sessions. Nothing here imports the rest of dflashctl: the remote has none of it.
+- `snapshot` (default): the pane (alive or dead, exit status, last lines), the job's processes, new train.log bytes
+  (bounded), new metrics.jsonl records (malformed ones counted, never fatal), the heartbeat as seen on this clock, the
+  stop request and restart count, exit_code, GPU readings, free disk, our tmux sessions.
+- `launch`: under a host-wide lock, refuse GPUs held by our live jobs or unknown processes and a live job of the
+  same name (unless forced), then create the run dir (0700, files 0600) and start the tmux session.
+- `restart`: under the run dir's lock, refuse when a stop was requested, when another watcher already restarted this
+  attempt, or when `max_restarts` is spent; else stop the old attempt, count the restart and start `--resume`.
+- `reap` (kill): record a stop request under the run dir's lock, SIGTERM the job's processes, wait, SIGKILL what is
+  left (and anything spawned meanwhile), verify, close the session, record the result in the run dir.
+- `gpu_holders`: the GPU processes of this (host) machine with their pids in every pid namespace (`NSpid`).
+- `tail`: the last lines of a file, read from its end (bounded however long its lines are).
+
+A process of the job is a descendant of the job's launcher (a child subreaper, so nothing escapes by double-forking
+or `setsid`) or carries the job's tag in its environment; it is named by (pid, start time). A dead pane contributes no
+process: its pid may belong to someone else by now. Nothing here imports the rest of dflashctl.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -29,6 +42,8 @@ GPU_KEYS = ["index", "uuid", "name", "mem_used_mib", "mem_total_mib", "util_pct"
             "pstate", "throttle", "ecc_uncorrected"]  # fmt: skip
 TEXT_KEYS = ("uuid", "name", "pstate", "throttle")
 APP_FIELDS = ["pid", "process_name", "used_memory", "gpu_uuid"]
+STOP_REQUEST, STOP_RESULT, RESTARTS, WRAPPER_PID = "stop_request", "stop_result", "restarts", "wrapper.pid"
+HEARTBEAT_FUTURE_S = 5.0  # a heartbeat mtime further ahead than this on our own clock is not believed
 
 
 def _run(argv: list[str], timeout: float = 10.0) -> tuple[int, str]:
@@ -58,8 +73,7 @@ def parse_gpu_csv(text: str) -> list[dict]:
         if len(values) != len(GPU_FIELDS):
             continue
         row = dict(zip(GPU_KEYS, values, strict=True))
-        gpu = {k: (row[k] if k in TEXT_KEYS else _num(row[k])) for k in GPU_KEYS}
-        gpus.append(gpu)
+        gpus.append({k: (row[k] if k in TEXT_KEYS else _num(row[k])) for k in GPU_KEYS})
     return gpus
 
 
@@ -84,6 +98,13 @@ def gpus_from_nvml() -> tuple[list[dict], list[dict]] | None:
         nv.nvmlInit()
     except Exception:
         return None
+
+    def safe(fn, *a):
+        try:
+            return fn(*a)
+        except Exception:
+            return None
+
     gpus, apps = [], []
     try:
         for i in range(nv.nvmlDeviceGetCount()):
@@ -92,13 +113,6 @@ def gpus_from_nvml() -> tuple[list[dict], list[dict]] | None:
             uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
             name = nv.nvmlDeviceGetName(h)
             mem = nv.nvmlDeviceGetMemoryInfo(h)
-
-            def safe(fn, *a):
-                try:
-                    return fn(*a)
-                except Exception:
-                    return None
-
             power = safe(nv.nvmlDeviceGetPowerUsage, h)
             ecc = safe(nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
             reasons = safe(nv.nvmlDeviceGetCurrentClocksEventReasons, h)
@@ -116,10 +130,7 @@ def gpus_from_nvml() -> tuple[list[dict], list[dict]] | None:
                 used = p.usedGpuMemory // 2**20 if p.usedGpuMemory is not None else None
                 apps.append({"pid": p.pid, "name": None, "used_mib": used, "gpu_uuid": uuid})
     finally:
-        try:
-            nv.nvmlShutdown()
-        except Exception:
-            pass
+        safe(nv.nvmlShutdown)
     return gpus, apps
 
 
@@ -135,11 +146,8 @@ def gpus_from_smi() -> tuple[list[dict], list[dict]] | None:
 
 def read_gpus(req: dict) -> dict:
     if "gpu_csv" in req:  # gathered on the container's host by the same command, before this ran
-        return {
-            "source": "host",
-            "gpus": parse_gpu_csv(req["gpu_csv"]),
-            "apps": parse_apps_csv(req.get("apps_csv", "")),
-        }
+        apps = parse_apps_csv(req.get("apps_csv", ""))
+        return {"source": "host", "gpus": parse_gpu_csv(req["gpu_csv"]), "apps": apps}
     for source, fn in (("nvml", gpus_from_nvml), ("nvidia-smi", gpus_from_smi)):
         got = fn()
         if got is not None:
@@ -147,8 +155,11 @@ def read_gpus(req: dict) -> dict:
     return {"source": "none", "gpus": [], "apps": []}
 
 
+# ---------------------------------------------------------------------------------------------- processes
+
+
 def proc_table() -> dict[int, dict]:
-    """Every process: ppid, state, CPU seconds, RSS, command line (from /proc)."""
+    """Every process: ppid, state, start time (clock ticks since boot), CPU seconds, RSS, command line."""
     tick = os.sysconf("SC_CLK_TCK")
     page = os.sysconf("SC_PAGE_SIZE")
     table = {}
@@ -161,14 +172,30 @@ def proc_table() -> dict[int, dict]:
             rest = stat[stat.rindex(")") + 2 :].split()
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
+        except (OSError, ValueError):
             continue
         table[int(name)] = {
-            "pid": int(name), "ppid": int(rest[1]), "state": rest[0],
+            "pid": int(name), "ppid": int(rest[1]), "state": rest[0], "start": int(rest[19]),
             "cpu_s": round((int(rest[11]) + int(rest[12])) / tick, 2),
             "rss_mib": round(int(rest[21]) * page / 2**20, 1), "cmd": cmd[:200],
         }  # fmt: skip
     return table
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time, or None when it is gone or a zombie (which holds no memory and no GPU)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        rest = stat[stat.rindex(")") + 2 :].split()
+        return None if rest[0] in ("Z", "X") else int(rest[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def same_process(p: dict) -> bool:
+    """The process named (pid, start) still exists, and it is that process, not a later one with its pid."""
+    return start_time(p["pid"]) == p["start"]
 
 
 def has_job_tag(pid: int, job_id: str) -> bool:
@@ -179,23 +206,47 @@ def has_job_tag(pid: int, job_id: str) -> bool:
         return False
 
 
-def job_processes(table: dict[int, dict], pane_pid: int | None, job_id: str | None) -> list[dict]:
-    """The pane's descendants (torchrun workers sit in new sessions, but stay children) plus any process carrying the
-    job's tag in its environment (one whose parent died and was reparented). Never selected by name."""
+def read_json(path: str):
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+
+
+def launcher_of(run_dir: str | None, pane: dict) -> dict | None:
+    """The current attempt's launcher (pid, start), only while its pane is alive: a dead pane's pid may have been
+    reused by anyone. The launcher records itself in `wrapper.pid`; its start time must match."""
+    if not pane.get("exists") or pane.get("pane_dead"):
+        return None
+    pid = pane.get("pane_pid")
+    rec = read_json(os.path.join(run_dir, WRAPPER_PID)) if run_dir else None
+    if isinstance(rec, dict) and rec.get("pid") == pid and isinstance(rec.get("start"), int):
+        return {"pid": pid, "start": rec["start"], "child": rec.get("child")}
+    st = start_time(pid) if isinstance(pid, int) else None  # launcher not yet recorded: the live pane's own pid
+    return {"pid": pid, "start": st, "child": None} if st is not None else None
+
+
+def job_processes(table: dict[int, dict], root: dict | None, job_id: str | None) -> list[dict]:
+    """The launcher's descendants plus any process carrying the job's tag. Never selected by name."""
     children: dict[int, list[int]] = {}
     for p in table.values():
         children.setdefault(p["ppid"], []).append(p["pid"])
     found: set[int] = set()
-    stack = [pane_pid] if pane_pid in table else []
-    while stack:
-        pid = stack.pop()
-        if pid not in found:
-            found.add(pid)
-            stack.extend(children.get(pid, []))
+    if root and root["pid"] in table and table[root["pid"]]["start"] == root["start"]:
+        stack = [root["pid"]]
+        while stack:
+            pid = stack.pop()
+            if pid not in found:
+                found.add(pid)
+                stack.extend(children.get(pid, []))
     if job_id:
         me = os.getpid()
         found |= {pid for pid in table if pid != me and pid not in found and has_job_tag(pid, job_id)}
-    return [table[p] for p in sorted(found) if p in table]
+    return [table[p] for p in sorted(found) if table[p]["state"] not in ("Z", "X")]
+
+
+# ---------------------------------------------------------------------------------------------- files
 
 
 def tmux_session(session: str | None, lines: int) -> dict:
@@ -208,13 +259,14 @@ def tmux_session(session: str | None, lines: int) -> dict:
     parts = out.split()
     info = {
         "exists": True,
-        "pane_pid": int(parts[0]),
+        "pane_pid": int(parts[0]) if parts[0].isdigit() else None,
         "pane_dead": parts[1] == "1",
         "exit_status": int(parts[2]) if len(parts) > 3 and parts[2].lstrip("-").isdigit() else None,
         "created": int(parts[-1]) if parts[-1].isdigit() else None,
     }
-    _, text = _run([*TMUX, "capture-pane", "-p", "-J", "-t", f"={session}:", "-S", f"-{lines}"])
-    info["lines"] = text.rstrip("\n").splitlines()[-lines:]
+    if lines > 0:
+        _, text = _run([*TMUX, "capture-pane", "-p", "-J", "-t", f"={session}:", "-S", f"-{lines}"])
+        info["lines"] = text.rstrip("\n").splitlines()[-lines:]
     return info
 
 
@@ -230,34 +282,102 @@ def read_new(path: str, offset: int, limit: int) -> dict:
     with open(path, "rb") as f:
         f.seek(start)
         data = f.read(size - start)
-    return {
-        "exists": True,
-        "offset": size,
-        "size": size,
-        "text": data.decode(errors="replace"),
-        "skipped": start - offset,
-    }
+    return {"exists": True, "offset": start + len(data), "size": size, "text": data.decode(errors="replace"),
+            "skipped": start - offset}  # fmt: skip
 
 
 def read_metrics(path: str, offset: int, limit: int) -> dict:
+    """New complete lines of metrics.jsonl as records. A line that is not a JSON object is skipped and counted."""
     got = read_new(path, offset, limit)
     text = got.pop("text")
-    records, end = [], got["offset"]
-    if not text.endswith("\n") and "\n" in text:  # a line being written: leave it for the next poll
-        cut = text.rindex("\n") + 1
-        end -= len(text.encode()) - len(text[:cut].encode())
-        text = text[:cut]
-    elif not text.endswith("\n"):
-        end -= len(text.encode())
-        text = ""
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
+    end = got["offset"]
+    cut = text.rfind("\n") + 1  # a line being written is left for the next poll
+    end -= len(text[cut:].encode(errors="replace"))
+    records, malformed = [], 0
+    for line in text[:cut].splitlines():
+        if not line.strip():
             continue
-    got["offset"] = end
-    got["records"] = records
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict):
+            records.append(rec)
+        else:
+            malformed += 1
+    got.update(offset=end, records=records, malformed=malformed)
     return got
+
+
+def read_heartbeat(run_dir: str, now: float) -> dict | None:
+    """The heartbeat's content (a JSON object; anything else counts as malformed) and its age on this clock."""
+    path = os.path.join(run_dir, "heartbeat")
+    try:
+        mtime = os.path.getmtime(path)
+    except OSError:
+        return None
+    body = read_json(path)
+    hb = dict(body) if isinstance(body, dict) else {"malformed": True}
+    for key in ("time", "step"):
+        if key in hb and (isinstance(hb[key], bool) or not isinstance(hb[key], (int, float))):
+            hb.pop(key)
+            hb["malformed"] = True
+    if not isinstance(hb.get("phase"), (str, type(None))):
+        hb.pop("phase")
+    future = mtime > now + HEARTBEAT_FUTURE_S
+    hb.update(mtime=mtime, age_s=None if future else round(max(0.0, now - mtime), 2), future=future)
+    return hb
+
+
+def tail_lines(path: str, lines: int, limit: int) -> dict:
+    """The last `lines` lines of a file, reading at most `limit` bytes from its end."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            f.seek(max(0, size - limit))
+            data = f.read(limit)
+    except OSError as e:
+        return {"exists": False, "error": e.strerror or str(e), "text": ""}
+    chunk = data.splitlines()[-lines:] if lines > 0 else []
+    return {"exists": True, "size": size, "truncated": size > limit, "text": b"\n".join(chunk).decode(errors="replace")}
+
+
+def read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read(64).strip())
+    except (OSError, ValueError):
+        return None
+
+
+def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def locked(path: str, timeout: float = 120.0):
+    """An exclusive lock on `path` (created 0600), held for the block; waits at most `timeout` seconds."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{path} is held by another dflashctl") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
 
 
 def snapshot(req: dict) -> dict:
@@ -266,27 +386,24 @@ def snapshot(req: dict) -> dict:
     snap: dict = {"time": now, "run_dir": run_dir, "run_dir_exists": bool(run_dir and os.path.isdir(run_dir))}
     snap["session"] = tmux_session(req.get("session"), int(req.get("capture_lines", 40)))
     table = proc_table()
-    pane_pid = None if snap["session"].get("pane_dead") else snap["session"].get("pane_pid")
-    snap["procs"] = job_processes(table, pane_pid, req.get("job_id"))
+    snap["procs"] = job_processes(table, launcher_of(run_dir, snap["session"]), req.get("job_id"))
     if run_dir and req.get("append_events") and snap["run_dir_exists"]:
-        with open(os.path.join(run_dir, "events.jsonl"), "a") as f:
+        fd = os.open(os.path.join(run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as f:
             f.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in req["append_events"]))
     if run_dir:
         snap["log"] = read_new(os.path.join(run_dir, "train.log"), int(req.get("log_offset", 0)),
                                int(req.get("max_log_bytes", 65536)))  # fmt: skip
         snap["metrics"] = read_metrics(os.path.join(run_dir, "metrics.jsonl"), int(req.get("metrics_offset", 0)),
                                        int(req.get("max_metrics_bytes", 1 << 20)))  # fmt: skip
-        try:
-            with open(os.path.join(run_dir, "heartbeat")) as f:
-                hb = json.loads(f.read() or "{}")
-            snap["heartbeat"] = {**hb, "age_s": round(now - os.path.getmtime(os.path.join(run_dir, "heartbeat")), 2)}
-        except (OSError, ValueError):
-            snap["heartbeat"] = None
-        try:
-            with open(os.path.join(run_dir, "exit_code")) as f:
-                snap["exit_code"] = int(f.read().strip())
-        except (OSError, ValueError):
-            snap["exit_code"] = None
+        snap["heartbeat"] = read_heartbeat(run_dir, now)
+        snap["exit_code"] = read_int(os.path.join(run_dir, "exit_code"))
+        snap["restarts"] = read_int(os.path.join(run_dir, RESTARTS)) or 0
+        stop = read_json(os.path.join(run_dir, STOP_REQUEST))
+        present = os.path.exists(os.path.join(run_dir, STOP_REQUEST))
+        snap["stop_request"] = (stop if isinstance(stop, dict) else {"time": None}) if present else None
+        result = read_json(os.path.join(run_dir, STOP_RESULT))
+        snap["stop_result"] = result if isinstance(result, dict) else None
         try:
             st = os.statvfs(run_dir)
             snap["disk_free_gib"] = round(st.f_bavail * st.f_frsize / 2**30, 2)
@@ -294,88 +411,293 @@ def snapshot(req: dict) -> dict:
             snap["disk_free_gib"] = None
     if req.get("gpus", True):
         snap["gpu"] = read_gpus(req)
-    if req.get("code_manifest"):
-        try:
-            with open(os.path.expanduser(req["code_manifest"])) as f:
-                snap["code_version"] = json.load(f).get("version")
-        except (OSError, ValueError):
-            snap["code_version"] = None
     if req.get("sessions"):
-        rc, out = _run([*TMUX, "list-sessions", "-F", "#{session_name} #{pane_dead}"])
-        snap["sessions"] = [
-            {"name": ln.split()[0], "dead": ln.split()[-1] == "1"} for ln in out.splitlines() if ln.strip()
-        ] if rc == 0 else []  # fmt: skip
+        snap["sessions"] = list_sessions()
     return snap
 
 
-def alive(pid: int) -> bool:
-    """Exists and is not a zombie (a zombie holds no memory and no GPU; its parent has not reaped it yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return stat[stat.rindex(")") + 2] != "Z"
-    except (OSError, ValueError, IndexError):
-        return False
+def list_sessions() -> list[dict]:
+    rc, out = _run([*TMUX, "list-sessions", "-F", "#{session_name} #{pane_dead}"])
+    if rc != 0:
+        return []
+    return [{"name": ln.split()[0], "dead": ln.split()[-1] == "1"} for ln in out.splitlines() if ln.strip()]
 
 
-def reap(req: dict) -> dict:
-    """SIGTERM every process of the job (the pane's own shell last, so that the wrapper can record the exit status),
-    wait up to `grace_s`, SIGKILL what remains, then verify that none remain and that no GPU holds one of them."""
-    import signal
+# ---------------------------------------------------------------------------------------------- stopping
 
-    session, job_id = req.get("session"), req.get("job_id")
-    pane = tmux_session(session, 0)
-    pane_pid = pane.get("pane_pid")
-    procs = job_processes(proc_table(), pane_pid, job_id)
-    pids = [p["pid"] for p in procs if p["pid"] != pane_pid and alive(p["pid"])]
-    report: dict = {"found": [{k: p[k] for k in ("pid", "ppid", "cmd")} for p in procs], "term": [], "kill": []}
 
-    def send(sig, targets: list[int], key: str) -> None:
-        for pid in targets:
+class Signaller:
+    """Signals processes named by (pid, start): through a pidfd where the kernel has them (a pidfd cannot reach a
+    later process that reuses the pid), else after checking the start time again."""
+
+    def __init__(self) -> None:
+        self.fds: dict[int, int] = {}
+
+    def adopt(self, p: dict) -> bool:
+        if p["pid"] in self.fds:
+            return True
+        opener = getattr(os, "pidfd_open", None)
+        if opener is not None:
             try:
-                os.kill(pid, sig)
-                report[key].append(pid)
-            except ProcessLookupError:
-                pass
+                fd = opener(p["pid"])
+            except OSError:
+                return False
+            if start_time(p["pid"]) != p["start"]:  # the pid was reused before we held it
+                os.close(fd)
+                return False
+            self.fds[p["pid"]] = fd
+            return True
+        return same_process(p)
 
-    send(signal.SIGTERM, pids, "term")
-    for pid in pids:  # a stopped process (SIGSTOP, a debugger) would hold SIGTERM pending forever
+    def send(self, p: dict, sig: int) -> bool:
         try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + float(req.get("grace_s", 40))
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    send(signal.SIGKILL, [p for p in pids if alive(p)], "kill")
-    end = time.monotonic() + 3  # the wrapper writes exit_code once its command is gone, then exits
-    while pane_pid and alive(pane_pid) and time.monotonic() < end:
+            fd = self.fds.get(p["pid"])
+            if fd is not None and hasattr(signal, "pidfd_send_signal"):
+                signal.pidfd_send_signal(fd, sig)
+            elif same_process(p):
+                os.kill(p["pid"], sig)
+            else:
+                return False
+            return True
+        except (ProcessLookupError, OSError):
+            return False
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
+
+
+def stop_processes(run_dir: str | None, session: str | None, job_id: str | None, grace_s: float) -> dict:
+    """SIGTERM every process of the job but its wrapper (so that the wrapper records the exit status), wait up to
+    `grace_s`, SIGKILL what is left, then keep looking for processes of the job (a dying parent may spawn more) and
+    SIGKILL them until none is left or 10 s have passed. Closes the tmux session."""
+    pane = tmux_session(session, 0)
+    root = launcher_of(run_dir, pane)
+    procs = job_processes(proc_table(), root, job_id)
+    wrapper = {root["pid"], root.get("child")} if root else set()
+    sig = Signaller()
+    ident = lambda p: {"pid": p["pid"], "start": p["start"]}  # noqa: E731
+    targets = [ident(p) for p in procs if p["pid"] not in wrapper and sig.adopt(ident(p))]
+    report: dict = {"found": [{k: p[k] for k in ("pid", "ppid", "start", "cmd")} for p in procs], "term": [],
+                    "kill": []}  # fmt: skip
+    for p in targets:
+        if sig.send(p, signal.SIGTERM):
+            report["term"].append(p["pid"])
+        sig.send(p, signal.SIGCONT)  # a stopped process (SIGSTOP, a debugger) would hold SIGTERM pending forever
+    deadline = time.monotonic() + grace_s
+    while any(same_process(p) for p in targets) and time.monotonic() < deadline:
         time.sleep(0.1)
+    for p in targets:
+        if same_process(p) and sig.send(p, signal.SIGKILL):
+            report["kill"].append(p["pid"])
+    end = time.monotonic() + 3  # the wrapper writes exit_code once its command is gone, then exits
+    while root and same_process(root) and time.monotonic() < end:
+        time.sleep(0.05)
     if session:
         _run([*TMUX, "kill-session", "-t", f"={session}"])
-    end = time.monotonic() + 5
+    left: list[dict] = []
+    end = time.monotonic() + 10
     while time.monotonic() < end:
-        left = [p for p in job_processes(proc_table(), None, job_id) if alive(p["pid"])]
-        left += [{"pid": p} for p in pids if alive(p) and p not in {q["pid"] for q in left}]
+        known = {p["pid"] for p in targets}
+        again = job_processes(proc_table(), root, job_id)
+        left = [ident(p) for p in again] + [p for p in targets if same_process(p) and p["pid"] not in
+                                             {q["pid"] for q in again}]  # fmt: skip
         if not left:
             break
+        for p in left:
+            if sig.adopt(p) and sig.send(p, signal.SIGKILL) and p["pid"] not in known:
+                report["kill"].append(p["pid"])
+                targets.append(p)
         time.sleep(0.2)
-    report["remaining"] = [p["pid"] for p in left] if left else []
-    every = {p["pid"] for p in procs}
-    gpu = read_gpus(req) if req.get("gpus", True) else {"source": "none", "gpus": [], "apps": []}
-    report["gpu_source"] = gpu["source"]
-    report["gpu_holders"] = [a for a in gpu["apps"] if a["pid"] in every]
+    sig.close()
+    report["remaining"] = sorted({p["pid"] for p in left if same_process(p)})
+    report["every"] = sorted({p["pid"] for p in targets} | wrapper - {None})
     report["session_closed"] = not tmux_session(session, 0).get("exists") if session else True
     return report
 
 
+def reap(req: dict) -> dict:
+    """`dflashctl kill`: the stop request first (under the run dir's lock, so that no restart starts after it),
+    then stop, verify, and record the result where every watcher sees it."""
+    run_dir = req.get("run_dir")
+    has_dir = bool(run_dir and os.path.isdir(run_dir))
+    if has_dir:
+        with locked(os.path.join(run_dir, ".restart.lock")):
+            if not os.path.exists(os.path.join(run_dir, STOP_REQUEST)):
+                body = {"time": time.time(), "by": req.get("by", "dflashctl kill")}
+                write_atomic(os.path.join(run_dir, STOP_REQUEST), json.dumps(body).encode())
+    report = stop_processes(run_dir, req.get("session"), req.get("job_id"), float(req.get("grace_s", 40)))
+    if req.get("gpus", True):
+        gpu = read_gpus(req)  # read now, after the kill (a host-side reading is made by a second call)
+        report["gpu_check"] = f"{gpu['source']} after the kill" if gpu["source"] != "none" else "none: no GPU tools"
+        report["gpu_holders"] = [a for a in gpu["apps"] if a["pid"] in set(report["every"])]
+    else:
+        report["gpu_check"], report["gpu_holders"] = "host: made by the caller", []
+    clean = not report["remaining"] and not report["gpu_holders"] and report["session_closed"]
+    report["result"] = "KILLED" if clean else "KILL_FAILED"
+    if has_dir:
+        record_stop_result(run_dir, report)
+    return report
+
+
+def record_stop_result(run_dir: str, report: dict) -> None:
+    body = {k: report.get(k) for k in ("result", "remaining", "gpu_holders", "gpu_check", "session_closed")}
+    write_atomic(os.path.join(run_dir, STOP_RESULT), json.dumps({"time": time.time(), **body}).encode())
+
+
+def gpu_holders(req: dict) -> dict:
+    """On the machine that owns the GPUs: each compute process with its pid in every namespace (NSpid, outermost
+    first), so that a container's pids can be matched with the host's."""
+    gpu = read_gpus(req)
+    for app in gpu["apps"]:
+        app["nspid"] = None
+        try:
+            with open(f"/proc/{app['pid']}/status") as f:
+                for line in f:
+                    if line.startswith("NSpid:"):
+                        app["nspid"] = [int(x) for x in line.split()[1:]]
+        except (OSError, ValueError):
+            app["gone"] = True
+    return gpu
+
+
+# ---------------------------------------------------------------------------------------------- starting
+
+
+def start_session(run_dir: str, session: str, python: str, args: list[str]) -> int:
+    """Start the job's tmux session: the pane runs the launcher (a child subreaper) which runs run.sh."""
+    import shlex
+
+    cmd = "exec " + shlex.join([python, os.path.join(run_dir, "launcher.py"), run_dir, *args])
+    rc, _ = _run([*TMUX, "-f", os.path.join(run_dir, "tmux.conf"), "new-session", "-d", "-s", session, "-x", "200",
+                  "-y", "50", cmd, ";", "set-option", "-w", "-t", f"={session}:", "remain-on-exit", "on"])  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"tmux could not start session {session}")
+    info = tmux_session(session, 0)
+    return int(info.get("pane_pid") or 0)
+
+
+def our_live_jobs(workdir: str) -> list[dict]:
+    """Jobs of ours whose tmux session is alive on this socket, from their run dirs' job.json."""
+    live = {s["name"] for s in list_sessions() if not s["dead"]}
+    jobs = []
+    runs = os.path.join(workdir, "runs")
+    for name in os.listdir(runs) if os.path.isdir(runs) else []:
+        meta = read_json(os.path.join(runs, name, "job.json"))
+        if isinstance(meta, dict) and meta.get("session") in live and not os.path.exists(
+            os.path.join(runs, name, STOP_RESULT)
+        ):
+            jobs.append({**meta, "run_dir": os.path.join(runs, name)})
+    return jobs
+
+
+def launch(req: dict, payload: bytes) -> dict:
+    """Check and start under one host-wide lock, so that two launches at the same moment cannot both take a GPU."""
+    wd = req["workdir"]
+    os.makedirs(os.path.join(wd, "runs"), mode=0o700, exist_ok=True)
+    os.chmod(os.path.join(wd, "runs"), 0o700)
+    files = json.loads(payload or b"{}")
+    with locked(os.path.join(wd, ".launch.lock")):
+        release = os.path.join(wd, "releases", req["release"])
+        if not os.path.isfile(os.path.join(release, ".dflashctl-manifest.json")):
+            return {"refused": [f"release {req['release']} is not deployed in {wd} (run dflashctl deploy)"]}
+        refused, overrides = [], []
+        live = our_live_jobs(wd)
+        wanted = set(req.get("gpus") or [])
+        for other in live:
+            if other.get("name") == req["name"]:
+                (overrides if req.get("force") else refused).append(f"job {other.get('id')} of the same name is alive")
+            shared = wanted & set(other.get("gpus") or [])
+            if shared:
+                what = f"GPU {','.join(map(str, sorted(shared)))} held by job {other.get('id')}"
+                (overrides if req.get("force") else refused).append(what)
+        if wanted:
+            gpu = read_gpus(req)
+            index = {g["uuid"]: g["index"] for g in gpu["gpus"]}
+            if gpu["gpus"]:
+                bad = sorted(i for i in wanted if i >= len(gpu["gpus"]))
+                if bad:
+                    return {"refused": [f"gpus: index {bad[0]} out of range: this host has {len(gpu['gpus'])} GPUs"],
+                            "config": True}  # fmt: skip
+            table = proc_table()
+            ours: set[int] = set()
+            for other in live:
+                root = read_json(os.path.join(other["run_dir"], WRAPPER_PID))
+                if isinstance(root, dict) and isinstance(root.get("pid"), int):
+                    ours |= {p["pid"] for p in job_processes(table, root, other.get("id"))}
+            for app in gpu["apps"]:
+                if index.get(app["gpu_uuid"]) in wanted and app["pid"] not in ours:
+                    what = (f"GPU {index[app['gpu_uuid']]} has unknown process pid {app['pid']} using "
+                            f"{app['used_mib']} MiB")  # fmt: skip
+                    (overrides if req.get("force") else refused).append(what)
+        if refused:
+            return {"refused": refused}
+        run = os.path.join(wd, "runs", req["job_id"])
+        try:
+            os.mkdir(run, 0o700)
+        except FileExistsError:
+            return {"refused": [f"run dir {run} already exists"]}
+        for name, text in files.items():
+            write_atomic(os.path.join(run, name), text.encode("utf-8", "surrogateescape"))
+        os.mkdir(os.path.join(run, "inductor-cache"), 0o700)
+        pane_pid = start_session(run, req["session"], req["python"], [])
+    return {"run_dir": run, "pane_pid": pane_pid, "overrides": overrides}
+
+
+def restart(req: dict) -> dict:
+    """One restart of a job, decided and done under the run dir's lock (which `reap` also takes): never after a stop
+    request, at most once per failed attempt however many watchers saw it, never beyond `max_restarts`."""
+    run = req["run_dir"]
+    if not os.path.isdir(run):
+        return {"restarted": False, "why": "the run dir is gone"}
+    with locked(os.path.join(run, ".restart.lock"), timeout=float(req.get("grace_s", 40)) + 60):
+        if os.path.exists(os.path.join(run, STOP_REQUEST)):
+            return {"restarted": False, "why": "a stop was requested (dflashctl kill)"}
+        count = read_int(os.path.join(run, RESTARTS)) or 0
+        if count != int(req["attempt"]):
+            return {"restarted": False, "why": f"already restarted by another watcher (restart {count})",
+                    "restarts": count}  # fmt: skip
+        if count >= int(req["max_restarts"]):
+            return {"restarted": False, "why": f"max_restarts ({req['max_restarts']}) reached", "restarts": count}
+        stopped = stop_processes(run, req["session"], req["job_id"], float(req.get("grace_s", 40)))
+        if stopped["remaining"]:
+            return {"restarted": False, "why": f"the old attempt survived SIGKILL: pids {stopped['remaining']}",
+                    "restarts": count}  # fmt: skip
+        write_atomic(os.path.join(run, RESTARTS), f"{count + 1}\n".encode())
+        for stale in ("exit_code", WRAPPER_PID):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(run, stale))
+        pane_pid = start_session(run, req["session"], req["python"], list(req.get("args", [])))
+    return {"restarted": True, "restarts": count + 1, "pane_pid": pane_pid, "stopped": stopped}
+
+
 def main() -> int:
     req = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    if not isinstance(req, dict):
+        req = {}
     if req.get("tmux_socket"):
         TMUX[2] = req["tmux_socket"]
     if len(sys.argv) > 3:  # GPU readings taken on the container's host by the same command
         req["gpu_csv"], req["apps_csv"] = sys.argv[2], sys.argv[3]
-    answer = reap(req) if req.get("action") == "reap" else snapshot(req)
+    action = req.get("action", "snapshot")
+    payload = sys.stdin.buffer.read() if action == "launch" else b""
+    if action == "reap":
+        answer = reap(req)
+    elif action == "launch":
+        answer = launch(req, payload)
+    elif action == "restart":
+        answer = restart(req)
+    elif action == "gpu_holders":
+        answer = gpu_holders(req)
+    elif action == "stop_result":
+        record_stop_result(req["run_dir"], req["report"])
+        answer = {"ok": True}
+    elif action == "tail":
+        answer = tail_lines(req["path"], int(req.get("lines", 50)), int(req.get("limit", 1 << 20)))
+    else:
+        answer = snapshot(req)
     sys.stdout.write(json.dumps(answer, separators=(",", ":")))
     return 0
 

@@ -1,8 +1,10 @@
 """The local record of jobs launched and events seen: `$XDG_STATE_HOME/dflashctl/` (default ~/.local/state).
 
-`jobs.json` maps job id to its record (host, code version, command, run dir, tmux session, pane pid, state,
-restarts); `events.jsonl` appends every decision `watch` takes. Writes are atomic (temp file + rename) under an
-exclusive lock, so two CLIs (a `watch` and a `kill`) never lose each other's updates.
+`jobs.json` maps job id to its `JobRecord`; `events.jsonl` appends every decision `watch` and `kill` take. Writes are
+atomic (temp file, fsync, rename) under an exclusive lock, so two CLIs (a `watch` and a `kill`) never lose each
+other's updates, and the previous good file is kept as `jobs.json.bak`. A file that cannot be read is never taken
+for an empty one: every command refuses with its name and the way out, and nothing is written over it. The records
+hold webhook URLs and host settings: the directory is 0700 and its files 0600.
 """
 
 from __future__ import annotations
@@ -16,7 +18,50 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dflashctl.config import HostConfig
+from dflashctl.errors import RecordsCorruptError
+from dflashctl.jobs import WatchConfig
+
 STATE_ENV = "DFLASHCTL_STATE_DIR"
+LIVE_STATES = ("KILLED", "FINISHED", "LOST")  # states after which a job is not live
+
+
+class JobRecord(BaseModel):
+    """One launched job, as the registry keeps it. Restarts use the run dir's own files (the job file's snapshot,
+    its release of the code), never the job file as it is now."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    name: str
+    project: str
+    job_file: str
+    host_name: str
+    host: HostConfig
+    release: str = Field(description="the deployed release (code version) the job runs")
+    command: str
+    run_dir: str
+    session: str
+    pane_pid: int | None = None
+    gpus: list[int] = Field(default_factory=list)
+    launched_at: float
+    state: str = "STARTING"
+    reason: str | None = None
+    since: float | None = None
+    restarts: int = 0
+    kill_grace_s: float = 40.0
+    is_trainer: bool = True
+    overrides: list[str] = Field(default_factory=list)
+    watch: WatchConfig = Field(default_factory=WatchConfig)
+    tmux_socket: str = "dflashctl"
+    steps: int | None = None
+    killed_at: float | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.state not in LIVE_STATES
 
 
 def state_dir() -> Path:
@@ -30,67 +75,130 @@ def state_dir() -> Path:
 @contextmanager
 def _locked() -> Iterator[Path]:
     d = state_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    with open(d / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield d
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if d.stat().st_mode & 0o077:
+        os.chmod(d, 0o700)
+    fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield d
+    finally:
+        os.close(fd)
+
+
+def _corrupt(path: Path, why: str) -> RecordsCorruptError:
+    bak = path.with_name(path.name + ".bak")
+    way = (
+        f"restore the last good copy with `cp {bak} {path}`"
+        if bak.is_file()
+        else f"move it away to start a new record (`mv {path} {path}.broken`)"
+    )
+    return RecordsCorruptError(f"{path}: job records cannot be read ({why}); nothing was changed: {way}")
 
 
 def _read(d: Path) -> dict[str, dict]:
+    path = d / "jobs.json"
     try:
-        return json.loads((d / "jobs.json").read_text())
-    except (OSError, ValueError):
+        text = path.read_bytes()
+    except FileNotFoundError:
         return {}
+    except OSError as e:
+        raise _corrupt(path, e.strerror or str(e)) from None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise _corrupt(path, f"not JSON: {str(e)[:80]}") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise _corrupt(path, "not a mapping of job id to record")
+    return data
+
+
+def _parse(raw: dict[str, dict], d: Path) -> dict[str, JobRecord]:
+    try:
+        return {k: JobRecord.model_validate(v) for k, v in raw.items()}
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise _corrupt(d / "jobs.json", f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 def _write(d: Path, jobs: dict[str, dict]) -> None:
-    tmp = d / "jobs.json.tmp"
-    tmp.write_text(json.dumps(jobs, indent=1, sort_keys=True))
-    os.replace(tmp, d / "jobs.json")
+    path = d / "jobs.json"
+    if path.is_file():  # the current file was just read as valid: it becomes the last good copy
+        _write_file(d / "jobs.json.bak", path.read_bytes())
+    _write_file(path, json.dumps(jobs, indent=1, sort_keys=True).encode())
+    dfd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
-def record(job: dict[str, Any]) -> None:
+def record(job: JobRecord) -> None:
     with _locked() as d:
         jobs = _read(d)
-        jobs[job["id"]] = job
+        _parse(jobs, d)
+        if job.id in jobs:
+            raise RecordsCorruptError(f"{d / 'jobs.json'}: a job {job.id} is already recorded; not overwritten")
+        jobs[job.id] = job.model_dump(mode="json")
         _write(d, jobs)
 
 
-def update(job_id: str, **fields: Any) -> dict:
+def update(job_id: str, **fields: Any) -> JobRecord:
     with _locked() as d:
         jobs = _read(d)
-        jobs[job_id] = {**jobs.get(job_id, {"id": job_id}), **fields}
+        if job_id not in jobs:
+            raise RecordsCorruptError(f"{d / 'jobs.json'}: job {job_id} is not recorded")
+        merged = JobRecord.model_validate({**jobs[job_id], **fields})
+        jobs[job_id] = merged.model_dump(mode="json")
         _write(d, jobs)
-        return jobs[job_id]
+        return merged
 
 
-def get(job_id: str) -> dict | None:
+def get(job_id: str) -> JobRecord | None:
     with _locked() as d:
-        return _read(d).get(job_id)
+        raw = _read(d)
+        return _parse(raw, d).get(job_id)
 
 
-def all_jobs(project: str | None = None) -> list[dict]:
+def all_jobs(project: str | None = None) -> list[JobRecord]:
     """Jobs, newest first; only those launched from `project` (its root path) when given."""
     with _locked() as d:
-        jobs = list(_read(d).values())
+        jobs = list(_parse(_read(d), d).values())
     if project is not None:
-        jobs = [j for j in jobs if j.get("project") == project]
-    return sorted(jobs, key=lambda j: j.get("launched_at", 0), reverse=True)
+        jobs = [j for j in jobs if j.project == project]
+    return sorted(jobs, key=lambda j: j.launched_at, reverse=True)
 
 
 def append_event(job_id: str, event: dict) -> None:
     with _locked() as d:
         line = json.dumps({"time": round(time.time(), 3), "job": job_id, **event}, separators=(",", ":"))
-        with open(d / "events.jsonl", "a") as f:
+        fd = os.open(d / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with os.fdopen(fd, "a") as f:
             f.write(line + "\n")
 
 
 def events(job_id: str | None = None) -> list[dict]:
+    """Recorded events; a line that is not a JSON object is skipped."""
     path = state_dir() / "events.jsonl"
     if not path.exists():
         return []
-    out = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [e for e in out if job_id is None or e.get("job") == job_id]
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(e, dict) and (job_id is None or e.get("job") == job_id):
+            out.append(e)
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -12,6 +13,15 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def neutralise(text: str) -> str:
+    """Text from a job's log made safe for a terminal: escape sequences and control characters are shown, not
+    obeyed (a log must not move the cursor, retitle the window or hide lines). Newlines and tabs stay."""
+    return CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", text)
 
 
 def print_json(obj: object) -> None:

@@ -1,12 +1,17 @@
-"""deploy: which files travel, what changed, and how they get there.
+"""deploy: which files travel, what changed, and how they become an atomic release on the remote.
 
 The files are those git tracks plus untracked files git does not ignore (outside a git checkout: everything but
-common junk). Each file's sha256 goes into a manifest; the remote keeps the manifest of what it last received in
-`<workdir>/code/.dflashctl-manifest.json`. A deploy is then:
-  1. one remote command that prints the remote workdir and manifest,
-  2. if anything changed, one remote command that unpacks a tar of the changed files (the new manifest last, so an
-     interrupted deploy is simply resent) and removes the files deleted locally.
-The manifest's hash is the code version that launches record.
+common junk). Junk patterns (build/, dist/, *.egg-info, *~ ...) apply to untracked files only: what git tracks always
+travels. Symlinks inside the tree travel as symlinks; a symlink that leads outside it is refused (its target, say
+~/.ssh/config, must never travel). Each entry's sha256 goes into a manifest, whose hash is the code version.
+
+On the remote, code lives in immutable releases: `<workdir>/releases/<version>/`, and `<workdir>/code` is a symlink
+to the current one. A deploy is:
+  1. one remote command that prints the workdir, the current release and its manifest,
+  2. if the version differs, one remote command (`release_agent.py`) that receives a tar of the changed files,
+     hard-links the unchanged ones from the current release, verifies every file's hash, then switches `code` with one
+     rename, all under a lock on the workdir. A failure at any point leaves the previous release current and intact.
+Jobs run from their own release (`releases/<version>`), so a deploy never changes the code under a running job.
 """
 
 from __future__ import annotations
@@ -23,8 +28,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
-from dflashctl.errors import DflashError, RemoteCommandError
+from dflashctl import release_agent
+from dflashctl.errors import ConfigError, DflashError, RemoteCommandError
 from dflashctl.transport import WORKDIR_PRELUDE, Runner
+
+RELEASE_SOURCE = Path(release_agent.__file__).read_bytes()
+S_IFLNK = 0o120000
 
 MANIFEST_NAME = ".dflashctl-manifest.json"
 JUNK_DIRS = {
@@ -92,29 +101,50 @@ def _is_junk(rel: PurePosixPath) -> bool:
     )
 
 
+def _git_files(root: Path, *args: str) -> list[str]:
+    out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", *args], capture_output=True, check=True).stdout
+    return [p for p in out.decode("utf-8", "surrogateescape").split("\0") if p]
+
+
+def _walk(root: Path) -> list[str]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root)
+        links = [d for d in dirnames if (Path(dirpath) / d).is_symlink()]  # travel as links, never followed
+        dirnames[:] = [d for d in dirnames if d not in JUNK_DIRS and not d.endswith(".egg-info") and d not in links]
+        found += [(rel_dir / f).as_posix() for f in filenames + links]
+    return found
+
+
+def _inside(root: Path, link: Path) -> bool:
+    target = os.readlink(link)
+    if os.path.isabs(target):
+        return False
+    resolved = os.path.normpath(os.path.join(os.path.dirname(os.path.relpath(link, root)), target))
+    return not (resolved == ".." or resolved.startswith("../"))
+
+
 def list_files(root: Path) -> list[str]:
-    """Relative POSIX paths of the files to deploy, sorted. Regular files only (symlinks are followed)."""
+    """Relative POSIX paths of the files and symlinks to deploy, sorted. Refuses a symlink that leaves the tree."""
     try:
-        out = subprocess.run(
-            ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            capture_output=True,
-            check=True,
-        ).stdout.decode("utf-8", "surrogateescape")
-        candidates = [p for p in out.split("\0") if p]
+        tracked = _git_files(root, "--cached")
+        untracked = _git_files(root, "--others", "--exclude-standard")
     except (OSError, subprocess.CalledProcessError):
-        candidates = []
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = [d for d in dirnames if d not in JUNK_DIRS and not d.endswith(".egg-info")]
-            rel_dir = Path(dirpath).relative_to(root)
-            candidates += [(rel_dir / f).as_posix() for f in filenames]
-    files = []
-    for rel in candidates:
+        tracked, untracked = [], _walk(root)
+    files = set()
+    for rel in tracked + [u for u in untracked if not _is_junk(PurePosixPath(u))]:
         rp = PurePosixPath(rel)
-        if rp.name == MANIFEST_NAME or _is_junk(rp):
+        if rp.name == MANIFEST_NAME:
             continue
-        if (root / rel).is_file():  # tracked but deleted in the work tree, or a submodule: not sent
-            files.append(rp.as_posix())
-    return sorted(set(files))
+        path = root / rel
+        if path.is_symlink():
+            if not _inside(root, path):
+                raise ConfigError(str(path), None, f"symlink to {os.readlink(path)!r} leads outside the project; "
+                                  "deploy refuses to send what it points to")  # fmt: skip
+            files.add(rp.as_posix())
+        elif path.is_file():  # tracked but deleted in the work tree, or a submodule: not sent
+            files.add(rp.as_posix())
+    return sorted(files)
 
 
 def hash_file(path: Path) -> str:
@@ -129,8 +159,12 @@ def build_manifest(root: Path, files: list[str] | None = None) -> Manifest:
     manifest: Manifest = {}
     for rel in files if files is not None else list_files(root):
         p = root / rel
-        st = p.stat()
-        manifest[rel] = Entry(hash_file(p), st.st_size, st.st_mode & 0o777)
+        st = p.lstat()
+        if p.is_symlink():
+            target = os.readlink(p).encode("utf-8", "surrogateescape")
+            manifest[rel] = Entry(hashlib.sha256(target).hexdigest(), len(target), S_IFLNK | 0o777)
+        else:
+            manifest[rel] = Entry(hash_file(p), st.st_size, st.st_mode & 0o777)
     return manifest
 
 
@@ -154,10 +188,13 @@ def _safe_relpath(rel: str) -> bool:
 
 
 def parse_remote_manifest(text: str) -> Manifest:
-    """The remote's manifest; an unreadable one counts as empty (everything is sent again)."""
+    """The remote's manifest; an unreadable or malformed one counts as empty (everything is sent again)."""
     try:
         files = json.loads(text)["files"]
-        return {k: Entry(v[0], int(v[1]), int(v[2])) for k, v in files.items() if _safe_relpath(k)}
+        if not isinstance(files, dict):
+            return {}
+        return {k: Entry(str(v[0]), int(v[1]), int(v[2])) for k, v in files.items()
+                if _safe_relpath(k) and isinstance(v, list) and len(v) == 3}  # fmt: skip
     except (ValueError, KeyError, TypeError, IndexError):
         return {}
 
@@ -174,39 +211,37 @@ def plan_changes(local: Manifest, remote: Manifest) -> Plan:
     return Plan(sorted(send), delete)
 
 
-READ_STATE_SCRIPT = WORKDIR_PRELUDE + 'printf "%s\\n" "$wd"; cat -- "$wd/code/$1" 2>/dev/null || true'
-
-APPLY_SCRIPT = (
-    WORKDIR_PRELUDE
-    + 'mkdir -p -- "$wd/code" && cd -- "$wd/code" || exit 1\n'
-    + "tar -x --no-same-owner -f - || exit 1\n"
-    + 'for f in "$@"; do rm -f -- "$f"; d=$(dirname -- "$f"); '
-    + 'while [ "$d" != . ] && rmdir -- "$d" 2>/dev/null; do d=$(dirname -- "$d"); done; done\n'
+READ_STATE_SCRIPT = (
+    WORKDIR_PRELUDE + 'printf "%s\\n" "$wd"; readlink -- "$wd/code" 2>/dev/null || echo; '
+    'cat -- "$wd/code/$1" 2>/dev/null || true'
 )
 
 
-def read_remote_state(runner: Runner, workdir: str) -> tuple[str, Manifest]:
-    """One remote command: the absolute workdir and the manifest of the code deployed there."""
+def read_remote_state(runner: Runner, workdir: str) -> tuple[str, str | None, Manifest]:
+    """One remote command: the absolute workdir, the current release's version (None before the first release)
+    and its manifest."""
     res = runner.run_script(READ_STATE_SCRIPT, workdir, MANIFEST_NAME).check("reading the remote manifest")
     first, _, rest = res.out.partition("\n")
-    return first.strip(), parse_remote_manifest(rest)
+    link, _, manifest = rest.partition("\n")
+    link = link.strip()
+    current = link.split("/", 1)[1] if link.startswith("releases/") and "/" not in link[9:] else None
+    return first.strip(), current, parse_remote_manifest(manifest) if current else {}
 
 
 def build_tar(root: Path, files: list[str], manifest: Manifest) -> tuple[tempfile.SpooledTemporaryFile, int]:
-    """A tar of the changed files with the new manifest last; returns the stream and its size."""
+    """A tar of the changed files (symlinks as symlinks) with the new manifest last; returns the stream and its size."""
     buf = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY)
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for rel in files:
-            info = tar.gettarinfo(str(root / rel), arcname=rel)
-            if info.issym() or info.islnk():  # send what the link points to
-                data = (root / rel).read_bytes()
+            path = root / rel
+            if manifest[rel].mode & 0o170000 == S_IFLNK:
                 info = tarfile.TarInfo(rel)
-                info.size, info.mode = len(data), manifest[rel].mode
-                tar.addfile(info, io.BytesIO(data))
+                info.type, info.linkname = tarfile.SYMTYPE, os.readlink(path)
+                tar.addfile(info)
                 continue
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            with (root / rel).open("rb") as f:
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode, info.mtime = manifest[rel].size, manifest[rel].mode, int(path.lstat().st_mtime)
+            with path.open("rb") as f:
                 tar.addfile(info, f)
         body = manifest_to_json(manifest)
         info = tarfile.TarInfo(MANIFEST_NAME)
@@ -228,32 +263,57 @@ def deploy(
     dry_run: bool = False,
     progress: ProgressFactory | None = None,
 ) -> DeployReport:
-    """Bring <workdir>/code on the host to the state of the local tree at root."""
+    """Make the local tree at root the current release on the host (atomically, verified)."""
+    from dflashctl.session import BOOT  # one bootstrap for every remote agent
+
     start = time.monotonic()
     commands_before = runner.commands_run
     local = build_manifest(root)
     if not local:
         raise DflashError(f"{root}: no files to deploy")
-    abs_wd, remote = read_remote_state(runner, workdir)
-    plan = plan_changes(local, remote)
-    report = DeployReport(
-        host=runner.host.name,
-        code_dir=f"{abs_wd}/code",
-        version=manifest_version(local),
-        files_sent=len(plan.send),
-        files_deleted=len(plan.delete),
-        dry_run=dry_run,
-        sent=plan.send,
-        deleted=plan.delete,
-    )
-    if not dry_run and (plan.send or plan.delete):
-        stream, size = build_tar(root, plan.send, local)
-        with stream:
-            tick = progress(size) if progress else None
-            res = runner.run_script(APPLY_SCRIPT, workdir, *plan.delete, stdin=stream, progress=tick)
-        if res.returncode != 0:
-            raise RemoteCommandError(f"deploy to {runner.host.name}: unpacking failed: {res.err.strip()[-300:]}")
-        report.bytes_sent = size
+    abs_wd, current, remote = read_remote_state(runner, workdir)
+    version = manifest_version(local)
+    plan = plan_changes(local, remote) if current != version else Plan([], [])
+    report = DeployReport(host=runner.host.name, code_dir=f"{abs_wd}/code", version=version,
+                          files_sent=len(plan.send), files_deleted=len(plan.delete), dry_run=dry_run, sent=plan.send,
+                          deleted=plan.delete)  # fmt: skip
+    if not dry_run and current != version:
+        send, base = plan.send, current
+        for _ in range(2):  # the second time, everything travels: the base release was not usable
+            stream, size = build_tar(root, send, local)
+            req = json.dumps({"workdir": abs_wd, "version": version, "base": base}, separators=(",", ":"))
+            with stream:
+                tick = progress(size + len(RELEASE_SOURCE)) if progress else None
+                payload = _Concat(RELEASE_SOURCE, stream)
+                res = runner.run([runner.host.python, "-c", BOOT, str(len(RELEASE_SOURCE)), req], stdin=payload,
+                                 progress=tick, timeout=3600)  # fmt: skip
+            report.bytes_sent += size
+            try:
+                ans = json.loads(res.out)
+            except ValueError:
+                detail = (res.err or res.out).strip()[-300:] or f"exit status {res.returncode}"
+                raise RemoteCommandError(f"deploy to {runner.host.name} failed: {detail}") from None
+            if ans.get("ok"):
+                report.files_sent = len(send)
+                report.sent = send
+                break
+            if "need_full" not in str(ans.get("error")) or base is None:
+                raise RemoteCommandError(f"deploy to {runner.host.name} failed, {current or 'nothing'} stays "
+                                         f"current: {ans.get('error')}")  # fmt: skip
+            send, base = sorted(local), None
     report.seconds = round(time.monotonic() - start, 3)
     report.remote_commands = runner.commands_run - commands_before
     return report
+
+
+class _Concat:
+    """A file-like stream of bytes followed by another stream (the agent's source, then the tar)."""
+
+    def __init__(self, head: bytes, tail) -> None:
+        self.head, self.tail = head, tail
+
+    def read(self, n: int = -1) -> bytes:
+        if self.head:
+            out, self.head = self.head[:n] if n >= 0 else self.head, self.head[n:] if n >= 0 else b""
+            return out
+        return self.tail.read(n)

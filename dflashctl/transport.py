@@ -8,7 +8,9 @@ values as positional arguments, so no value is ever pasted into a script.
 
 from __future__ import annotations
 
+import base64
 import getpass
+import hashlib
 import shlex
 import subprocess
 import threading
@@ -28,7 +30,7 @@ CHUNK = 256 * 1024
 
 # ssh client settings, one reason each.
 SSH_KEEPALIVE_S = 15  # NAT boxes and Proxmox firewalls drop idle TCP after a few minutes; watch polls are sparse
-MAX_OUTPUT_CAPTURED = 1 << 30  # a runaway command must not take all our memory
+MAX_OUTPUT_CAPTURED = 64 << 20  # a runaway command must not take all our memory: the rest is read and dropped
 
 
 @dataclass
@@ -159,9 +161,15 @@ class LocalRunner(Runner):
         except FileNotFoundError as e:
             return Result(argv, 127, b"", f"{e.filename}: command not found\n".encode())
         out, err = bytearray(), bytearray()
+
+        def drain(stream, sink: bytearray) -> None:
+            for block in iter(lambda: stream.read(CHUNK), b""):
+                if len(sink) < MAX_OUTPUT_CAPTURED:
+                    sink.extend(block[: MAX_OUTPUT_CAPTURED - len(sink)])
+
         readers = [
-            threading.Thread(target=lambda: out.extend(proc.stdout.read()), daemon=True),
-            threading.Thread(target=lambda: err.extend(proc.stderr.read()), daemon=True),
+            threading.Thread(target=drain, args=(proc.stdout, out), daemon=True),
+            threading.Thread(target=drain, args=(proc.stderr, err), daemon=True),
         ]
         for t in readers:
             t.start()
@@ -190,11 +198,46 @@ class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
             f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
 
 
+def fingerprint(key: paramiko.PKey) -> str:
+    """SHA256:... as `ssh` and `ssh-keygen -l` print it."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+def load_known_hosts(path: Path) -> tuple[paramiko.HostKeys, set[str]]:
+    """known_hosts as OpenSSH reads it: `@revoked` keys are collected to be refused, `@cert-authority` lines are
+    skipped (no certificates here), and lines that do not parse are skipped, not fatal for every host."""
+    keys, revoked = paramiko.HostKeys(), set()
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return keys, revoked
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("@revoked"):
+            parts = line.split()
+            if len(parts) >= 4:
+                revoked.add(parts[3])
+            continue
+        if line.startswith("@"):
+            continue
+        try:
+            entry = paramiko.hostkeys.HostKeyEntry.from_line(line)
+        except Exception:  # paramiko raises several types for one bad line
+            continue
+        if entry is not None and entry.key is not None:
+            for name in entry.hostnames:
+                keys.add(name, entry.key.get_name(), entry.key)
+    return keys, revoked
+
+
 class _RefuseUnknownPolicy(paramiko.MissingHostKeyPolicy):
     def missing_host_key(self, client, hostname, key) -> None:
         raise HostKeyError(
             f"host key of {hostname} is not in known_hosts ({key.get_name()} "
-            f"{key.get_fingerprint().hex()}); check it, then run again with --accept-new-host-key to record it"
+            f"{fingerprint(key)}); check it, then run again with --accept-new-host-key to record it"
         )
 
 
@@ -252,8 +295,10 @@ class SshRunner(Runner):
         target = resolve_ssh_target(self.host)
         where = f"{self.host.name or self.host.ssh} ({target.user}@{target.hostname}:{target.port})"
         client = paramiko.SSHClient()
-        if target.known_hosts.is_file():
-            client.load_host_keys(str(target.known_hosts))
+        known, revoked = load_known_hosts(target.known_hosts)
+        for name in list(known):
+            for keytype, key in known[name].items():
+                client.get_host_keys().add(name, keytype, key)
         client.set_missing_host_key_policy(
             _AcceptNewPolicy(target.known_hosts) if self.accept_new_host_key else _RefuseUnknownPolicy()
         )
@@ -280,7 +325,7 @@ class SshRunner(Runner):
             raise
         except paramiko.BadHostKeyException as e:
             raise HostKeyError(
-                f"host key of {where} has CHANGED (got {e.key.get_name()} {e.key.get_fingerprint().hex()}): "
+                f"host key of {where} has CHANGED (got {e.key.get_name()} {fingerprint(e.key)}): "
                 f"refusing to connect; if the host was reinstalled, remove its line from {target.known_hosts}"
             ) from None
         except paramiko.AuthenticationException as e:
@@ -292,6 +337,11 @@ class SshRunner(Runner):
             raise UnreachableError(f"{where}: cannot connect: {reason}") from None
         transport = client.get_transport()
         assert transport is not None
+        server_key = transport.get_remote_server_key()
+        if server_key.get_base64() in revoked:
+            client.close()
+            raise HostKeyError(f"host key of {where} ({fingerprint(server_key)}) is marked @revoked in "
+                               f"{target.known_hosts}: refusing it")  # fmt: skip
         transport.set_keepalive(SSH_KEEPALIVE_S)
         SshRunner.connections_opened += 1
         self._client = client
@@ -321,7 +371,7 @@ class SshRunner(Runner):
                     if not data:
                         return
                     if len(sink) < MAX_OUTPUT_CAPTURED:
-                        sink.extend(data)
+                        sink.extend(data[: MAX_OUTPUT_CAPTURED - len(sink)])
             except TimeoutError:
                 return
 

@@ -8,6 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dflashctl.health import Verdict
+from dflashctl.render import neutralise
 from dflashctl.watch import Watcher, sparkline
 
 COLOURS = {"RUNNING": "green", "STARTING": "cyan", "FINISHED": "bold green", "STALLED": "yellow",
@@ -29,14 +30,14 @@ def render(w: Watcher, v: Verdict, next_poll_s: float | None = None, log_lines: 
     for _ in range(4):
         stats.add_column()
     tps = h.tokens_per_s[-1] if h.tokens_per_s else None
-    step = f"{h.last_step if h.last_step is not None else '-'}" + (f" / {w.job['steps']}" if w.job.get("steps") else "")
+    step = f"{h.last_step if h.last_step is not None else '-'}" + (f" / {w.job.steps}" if w.job.steps else "")
     stats.add_row("step", step, "epoch", str(h.epoch if h.epoch is not None else "-"))
     stats.add_row("tokens/s", f"{tps:,.0f}" if tps else "-", "trend", sparkline(w.tps_all))
     stats.add_row("loss", f"{h.loss:.4f}" if h.loss is not None else "-", "ETA", _duration(w.eta_s()))
     stats.add_row("restarts", f"{w.restarts} of {w.cfg.max_restarts}", "tau", f"{w.tau:.2f}" if w.tau else "-")
     parts: list = [head, stats]
     if v.state not in ("RUNNING", "STARTING") and v.evidence:
-        parts.append(Text("\n".join(v.evidence[:6]), style=colour))
+        parts.append(Text(neutralise("\n".join(v.evidence[:6])), style=colour))
         if v.advice:
             parts.append(Text(f"next: {v.advice}", style="italic"))
     if w.gpus:
@@ -50,7 +51,7 @@ def render(w: Watcher, v: Verdict, next_poll_s: float | None = None, log_lines: 
         parts.append(gpus)
     tail = [ln for ln in (h.log_tail or h.pane_lines) if ln.strip()][-log_lines:]
     if tail:
-        parts.append(Text("\n".join(tail), style="dim"))
+        parts.append(Text(neutralise("\n".join(tail)), style="dim"))
     foot = f"next poll in {next_poll_s:.0f} s" if next_poll_s is not None else ""
-    title = f"{w.job['id']} on {w.job['host_name']}"
+    title = f"{w.job.id} on {w.job.host_name}"
     return Panel(Group(*parts), title=title, subtitle=f"{foot}  Ctrl-C stops watching, not the job", title_align="left")

@@ -13,16 +13,18 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from dflashctl import registry, session
+from dflashctl import control, registry, session
+from dflashctl.errors import ProbeFailedError
 from dflashctl.health import FAILURES, TERMINAL, History, Thresholds, Verdict, assess
-from dflashctl.jobctl import host_of, relaunch, stop
 from dflashctl.jobs import WatchConfig
 from dflashctl.notify import Message, post
+from dflashctl.registry import JobRecord
 from dflashctl.transport import Runner, open_runner
 
 EXIT_BY_STATE = {
     "FINISHED": 0, "RUNNING": 0, "STARTING": 0, "CRASHED": 10, "OOM": 11, "NCCL_TIMEOUT": 12, "STALLED": 13,
     "DENSE_FALLBACK": 14, "RECOMPILE_LIMIT": 15, "LOST": 16, "CONFIG_ERROR": 17, "UNREACHABLE": 18,
+    "PROBE_FAILED": 19, "KILLED": 20, "KILL_FAILED": 21, "STOPPING": 0,
 }  # fmt: skip
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -57,9 +59,14 @@ def sparkline(values: list[float], width: int = 30) -> str:
     return "".join(SPARK[min(7, int((v - lo) / span * 7.999))] for v in vals)
 
 
+def _number(value) -> float | None:
+    """A metrics value as a number, or None (a string `loss`, a bool, a list: the record is malformed)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 @dataclass
 class Watcher:
-    job: dict
+    job: JobRecord
     cfg: WatchConfig
     open: Callable[[], Runner]
     runner: Runner | None = None
@@ -77,10 +84,12 @@ class Watcher:
     pending_events: list[dict] = field(default_factory=list)
     remote_commands: int = 0
     notes: list[str] = field(default_factory=list)
+    heartbeat_seen: tuple | None = None  # (what the heartbeat said, remote time it was first seen so)
 
     def __post_init__(self) -> None:
-        self.restarts = int(self.job.get("restarts", 0))
-        self.history.is_trainer = bool(self.job.get("is_trainer", True))
+        self.restarts = self.job.restarts
+        self.history.is_trainer = self.job.is_trainer
+        self.history.kill_grace_s = self.job.kill_grace_s
 
     @property
     def thresholds(self) -> Thresholds:
@@ -111,6 +120,10 @@ class Watcher:
             before = runner.commands_run
             snap = session.call_probe(runner, req)
             self.remote_commands = runner.commands_run - before
+        except ProbeFailedError as e:  # the host answered: not UNREACHABLE
+            self.history.reachable = True
+            self.history.probe_error = str(e)
+            return assess(self.history, self.thresholds)
         except Exception as e:  # DflashError, OSError, EOFError and paramiko's own SSHException family alike
             self._drop()
             self.history.reachable = False
@@ -119,11 +132,17 @@ class Watcher:
             return assess(self.history, self.thresholds)
         self.pending_events = []
         self.history.reachable = True
+        self.history.probe_error = None
         self.fold(snap)
         return assess(self.history, self.thresholds)
 
     def fold(self, snap: dict) -> None:
-        """Take one snapshot into the history (offsets, steps, fatal/finished records, heartbeat, GPUs)."""
+        """Take one snapshot into the history (offsets, steps, fatal/finished records, heartbeat, GPUs). Every value
+        that comes from the job's files is checked for its type: a malformed one is skipped and counted."""
+        remote_restarts = snap.get("restarts")
+        if isinstance(remote_restarts, int) and remote_restarts > self.restarts:  # another watcher restarted it
+            self.restarts = remote_restarts
+            self.reset_after_restart()
         h = self.history
         h.now = snap["time"]
         pane = snap["session"]
@@ -135,6 +154,7 @@ class Watcher:
             h.started_at = float(pane["created"])
         h.run_dir_exists = snap["run_dir_exists"]
         h.exit_code = snap.get("exit_code")
+        h.stop_request, h.stop_result = snap.get("stop_request"), snap.get("stop_result")
         log = snap.get("log") or {}
         self.log_offset = log.get("offset", self.log_offset)
         if log.get("text"):
@@ -142,40 +162,59 @@ class Watcher:
             h.log_tail = list(self.tail)
         metrics = snap.get("metrics") or {}
         self.metrics_offset = metrics.get("offset", self.metrics_offset)
+        h.malformed += int(metrics.get("malformed") or 0)
         new_tps = []
         for rec in metrics.get("records", []):
             ev = rec.get("event")
             if ev is None:
-                h.last_step, h.last_step_time = rec.get("step"), rec.get("time")
-                h.epoch, h.loss = rec.get("epoch"), rec.get("loss")
-                if rec.get("tokens_per_s") is not None:
-                    new_tps.append(float(rec["tokens_per_s"]))
-                self.step_times.append((rec.get("time"), rec.get("step")))
+                step = rec.get("step")
+                if not isinstance(step, int) or isinstance(step, bool):
+                    h.malformed += 1
+                    continue
+                h.last_step, h.last_step_time = step, _number(rec.get("time"))
+                h.epoch = rec.get("epoch") if isinstance(rec.get("epoch"), int) else h.epoch
+                h.loss = _number(rec.get("loss"))
+                tps = _number(rec.get("tokens_per_s"))
+                if tps is not None:
+                    new_tps.append(tps)
+                self.step_times.append((h.last_step_time, step))
             elif ev == "fatal":
                 h.fatal = rec
             elif ev == "finished":
                 h.finished = True
             elif ev == "eval":
-                self.tau = rec.get("tau")
+                self.tau = _number(rec.get("tau"))
         if new_tps:
-            mean = sum(new_tps) / len(new_tps)
-            h.tokens_per_s.append(mean)
+            h.tokens_per_s.append(sum(new_tps) / len(new_tps))
             self.tps_all.extend(new_tps)
-        hb = snap.get("heartbeat")
-        if hb and h.started_at and (hb.get("time") or 0) < h.started_at - 1:
-            hb = None  # written by the attempt before a restart
-        h.heartbeat_age_s = hb.get("age_s") if hb else None
-        h.phase = hb.get("phase") if hb else h.phase
-        if h.pane_dead or h.exit_code is not None:
-            h.heartbeat_age_s = None  # a finished job's heartbeat ages by design
+        self._fold_heartbeat(snap.get("heartbeat"), h)
         gpu = snap.get("gpu") or {}
-        wanted = set(self.job.get("gpus") or [])
+        wanted = set(self.job.gpus)
         self.gpus = [g for g in gpu.get("gpus", []) if not wanted or g.get("index") in wanted]
         totals = [g["mem_total_mib"] / 1024 for g in self.gpus if isinstance(g.get("mem_total_mib"), (int, float))]
         h.gpu_total_gib = max(totals) if totals else None
 
+    def _fold_heartbeat(self, hb: dict | None, h: History) -> None:
+        """The heartbeat's age is how long it has not changed, on the remote's clock: an mtime in the future (a
+        skewed clock, a touched file) cannot keep a frozen job looking alive."""
+        if not isinstance(hb, dict):
+            h.heartbeat_age_s = None
+            return
+        if hb.get("malformed"):
+            h.malformed += 1
+        if h.started_at and isinstance(hb.get("time"), (int, float)) and hb["time"] < h.started_at - 1:
+            h.heartbeat_age_s = None  # written by the attempt before a restart
+            return
+        said = (hb.get("mtime"), hb.get("time"), hb.get("step"))
+        if self.heartbeat_seen is None or self.heartbeat_seen[0] != said:
+            self.heartbeat_seen = (said, h.now - (hb.get("age_s") or 0.0))
+        h.heartbeat_age_s = round(h.now - self.heartbeat_seen[1], 2)
+        h.phase = hb.get("phase") if isinstance(hb.get("phase"), str) else h.phase
+        if h.pane_dead or h.exit_code is not None:
+            h.heartbeat_age_s = None  # a finished job's heartbeat ages by design
+
     def eta_s(self) -> float | None:
-        total = self.job.get("steps")
+        total = self.job.steps
         if not total or len(self.step_times) < 2 or self.history.last_step is None:
             return None
         (t0, s0), (t1, s1) = self.step_times[0], self.step_times[-1]
@@ -185,20 +224,22 @@ class Watcher:
 
     def record(self, v: Verdict) -> PollRecord:
         h = self.history
-        return PollRecord(time=time.time(), job=self.job["id"], host=self.job["host_name"], state=v.state,
+        return PollRecord(time=time.time(), job=self.job.id, host=self.job.host_name, state=v.state,
                           reason=v.reason, evidence=v.evidence, advice=v.advice, since=self.since, step=h.last_step,
                           epoch=h.epoch, loss=h.loss, tokens_per_s=h.tokens_per_s[-1] if h.tokens_per_s else None,
                           eta_s=self.eta_s(), restarts=self.restarts, gpus=self.gpus,
                           remote_commands=self.remote_commands)  # fmt: skip
 
     def log_event(self, event: dict) -> None:
-        registry.append_event(self.job["id"], event)
+        registry.append_event(self.job.id, event)
         self.pending_events.append({"time": round(time.time(), 3), **event})
 
     def reset_after_restart(self) -> None:
-        self.history = History(started_at=0.0, is_trainer=self.history.is_trainer, gpu_total_gib=None)
+        self.history = History(started_at=0.0, is_trainer=self.history.is_trainer, gpu_total_gib=None,
+                               kill_grace_s=self.job.kill_grace_s)  # fmt: skip
         self.tail.clear()
         self.step_times.clear()
+        self.heartbeat_seen = None
 
 
 @dataclass
@@ -225,11 +266,11 @@ def run(
             w.since = time.time()
             previous, w.state = w.state, v.state
             if v.state != "UNREACHABLE":
-                registry.update(w.job["id"], state=v.state, reason=v.reason, since=w.since)
+                registry.update(w.job.id, state=v.state, reason=v.reason, since=w.since, restarts=w.restarts)
             w.log_event({"decision": "state", "state": v.state, "previous": previous, "reason": v.reason,
                          "evidence": v.evidence[:5]})  # fmt: skip
             recovered = previous in (*FAILURES, "UNREACHABLE")
-            if opts.notify and (v.state not in ("RUNNING", "STARTING") or recovered):
+            if opts.notify and (v.state not in ("RUNNING", "STARTING", "STOPPING") or recovered):
                 notify(w, v, say)
         v.since = w.since
         emit(w, v, w.record(v))
@@ -241,33 +282,42 @@ def run(
             backoff = min(backoff * 2, 300.0)
             continue
         unreachable_since, backoff = None, opts.interval_s
-        if v.state in w.cfg.restart_on and w.restarts < w.cfg.max_restarts and not opts.once:
-            restart(w, v, say, wait)
-            continue
+        if v.state in w.cfg.restart_on and not opts.once and w.history.stop_request is None:
+            if w.restarts < w.cfg.max_restarts and restart(w, v, say, wait):
+                continue
+            return v
         if opts.once or v.state in TERMINAL:
             return v
         wait(opts.interval_s, w)
 
 
-def restart(w: Watcher, v: Verdict, say: Callable[[str], None], wait: Callable[[float, Watcher], None]) -> None:
-    """Clean kill, backoff, relaunch with --resume (the trainer's); counted, logged and notified."""
+def restart(w: Watcher, v: Verdict, say: Callable[[str], None], wait: Callable[[float, Watcher], None]) -> bool:
+    """Backoff, then one remote restart decided under the run dir's lock (control.restart). False when the remote
+    refused it (a stop request, the budget spent); True when the job is running again, restarted by us or by
+    another watcher."""
     delay = w.cfg.backoff_s * (2**w.restarts)
     say(f"{v.state}: restarting in {delay:.0f} s (restart {w.restarts + 1} of {w.cfg.max_restarts})")
     wait(delay, w)
-    runner = w._connect()
-    report = stop(runner, w.job, w.job.get("kill_grace_s", 40.0))
-    w.restarts += 1
-    pane_pid = relaunch(w.job, runner, w.restarts)
-    w.job = {**w.job, "pane_pid": pane_pid, "restarts": w.restarts}
-    w.log_event({"decision": "restart", "after": v.state, "attempt": w.restarts, "reason": v.reason,
-                 "killed": report.term + report.kill, "clean": report.clean})  # fmt: skip
+    outcome = control.restart(w._connect(), w.job, w.restarts)
+    if not outcome.restarted and "another watcher" not in outcome.why:
+        say(f"not restarted: {outcome.why}")
+        w.log_event({"decision": "no_restart", "after": v.state, "why": outcome.why})
+        return False
+    w.restarts = outcome.restarts
+    w.job = w.job.model_copy(update={"restarts": w.restarts, "pane_pid": outcome.pane_pid or w.job.pane_pid})
+    registry.update(w.job.id, pane_pid=w.job.pane_pid, restarts=w.restarts, state="STARTING")
+    if outcome.restarted:
+        w.log_event({"decision": "restart", "after": v.state, "attempt": w.restarts, "reason": v.reason})
+    else:
+        say(outcome.why)
     w.reset_after_restart()
     w.state = "STARTING"
     w.since = time.time()
-    if w.cfg.notify.webhook:
-        msg = Message(w.job["id"], w.job["host_name"], "RESTARTED", f"after {v.state}: {v.reason}", v.evidence[:3],
+    if outcome.restarted and w.cfg.notify.webhook:
+        msg = Message(w.job.id, w.job.host_name, "RESTARTED", f"after {v.state}: {v.reason}", v.evidence[:3],
                       None, w.restarts, time.time())  # fmt: skip
         say(post(w.cfg.notify.webhook, msg, w.cfg.notify.format, w.cfg.notify.timeout_s, w.cfg.notify.retries))
+    return True
 
 
 def notify(w: Watcher, v: Verdict, say: Callable[[str], None]) -> None:
@@ -275,13 +325,20 @@ def notify(w: Watcher, v: Verdict, say: Callable[[str], None]) -> None:
     if n.bell and v.state in FAILURES:
         say("\a")
     if n.webhook:
-        msg = Message(w.job["id"], w.job["host_name"], v.state, v.reason, v.evidence, v.advice, w.restarts, time.time())
+        msg = Message(w.job.id, w.job.host_name, v.state, v.reason, v.evidence, v.advice, w.restarts, time.time())
         line = post(n.webhook, msg, n.format, n.timeout_s, n.retries)
         w.log_event({"decision": "notify", "state": v.state, "result": line})
         say(line)
 
 
-def make_watcher(job: dict, accept_new: bool = False) -> Watcher:
-    cfg = WatchConfig.model_validate(job.get("watch") or {})
-    host = host_of(job)
-    return Watcher(job, cfg, lambda: open_runner(host, accept_new))
+def make_watcher(job: JobRecord, accept_new: bool = False) -> Watcher:
+    return Watcher(job, job.watch, lambda: open_runner(job.host, accept_new))
+
+
+def judge(job: JobRecord, snap: dict) -> Verdict:
+    """The watch verdict for one snapshot (`status`), recorded in the registry."""
+    w = make_watcher(job)
+    w.fold(snap)
+    v = assess(w.history, w.thresholds)
+    registry.update(job.id, state=v.state, reason=v.reason)
+    return v

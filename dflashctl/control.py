@@ -1,0 +1,79 @@
+"""Stopping and restarting a job: each one remote action, decided on the remote under the run dir's lock.
+
+`kill` and `watch` both use these, so the rules live in one place: a kill records a stop request before it signals
+anything; a restart never follows a stop request, happens once per failed attempt however many watchers saw it, and
+never beyond `max_restarts` (the count is a file in the run dir).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from dflashctl import session
+from dflashctl.registry import JobRecord
+from dflashctl.transport import Runner
+
+
+@dataclass
+class KillReport:
+    id: str
+    host: str
+    result: str  # KILLED (verified) or KILL_FAILED
+    found: list[dict]
+    term: list[int]
+    kill: list[int]
+    remaining: list[int]
+    gpu_holders: list[dict]
+    gpu_check: str  # which GPU check was made, and when
+    session_closed: bool
+
+    @property
+    def clean(self) -> bool:
+        return self.result == "KILLED"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "clean": self.clean}
+
+
+def stop(runner: Runner, job: JobRecord, grace_s: float | None = None) -> KillReport:
+    """Stop request, SIGTERM, grace, SIGKILL, verify; with `gpu_query: host`, the GPUs are then read on the host and
+    their pids mapped into the container's namespace (NSpid), after the kill."""
+    grace = job.kill_grace_s if grace_s is None else grace_s
+    host = runner.host
+    on_host = bool(host.container and host.gpu_query == "host")
+    req = {"action": "reap", "run_dir": job.run_dir, "session": job.session, "job_id": job.id, "grace_s": grace,
+           "tmux_socket": job.tmux_socket, "gpus": not on_host}  # fmt: skip
+    ans = session.call_agent(runner, req, timeout=grace + 90)
+    holders, check = ans["gpu_holders"], ans["gpu_check"]
+    if on_host:
+        every = set(ans["every"])
+        seen = session.host_gpu_holders(runner)
+        holders = [a for a in seen["apps"] if not a.get("gone") and (a.get("nspid") or [a["pid"]])[-1] in every]
+        check = f"{seen['source']} on the container's host after the kill, pids mapped through NSpid"
+        if holders and ans["result"] == "KILLED":
+            ans["result"] = "KILL_FAILED"
+            report = {**ans, "gpu_holders": holders, "gpu_check": check}
+            session.call_agent(runner, {"action": "stop_result", "run_dir": job.run_dir, "report": report,
+                                        "gpus": False})  # fmt: skip
+    return KillReport(job.id, host.name, ans["result"], ans["found"], ans["term"], ans["kill"], ans["remaining"],
+                      holders, check, ans["session_closed"])  # fmt: skip
+
+
+@dataclass
+class RestartOutcome:
+    restarted: bool
+    restarts: int  # the run dir's count after this call
+    why: str = ""
+    pane_pid: int | None = None
+
+
+def restart(runner: Runner, job: JobRecord, attempt: int) -> RestartOutcome:
+    """Restart the attempt numbered `attempt` (0 for the first launch) with --resume for the trainer, unless the
+    remote says no (stop requested, someone else restarted it, budget spent)."""
+    req = {"action": "restart", "run_dir": job.run_dir, "session": job.session, "job_id": job.id,
+           "tmux_socket": job.tmux_socket, "attempt": attempt, "max_restarts": job.watch.max_restarts,
+           "grace_s": job.kill_grace_s, "python": runner.host.python,
+           "args": ["--resume"] if job.is_trainer else [], "gpus": False}  # fmt: skip
+    ans = session.call_agent(runner, req, timeout=job.kill_grace_s + 120)
+    return RestartOutcome(bool(ans.get("restarted")), int(ans.get("restarts", attempt)), ans.get("why", ""),
+                          ans.get("pane_pid"))  # fmt: skip

@@ -1,0 +1,108 @@
+"""Runs ON the remote as the job's tmux pane, stdlib only: `python3 launcher.py RUN_DIR [ARGS...]`.
+
+It makes itself a child subreaper (PR_SET_CHILD_SUBREAPER), so every descendant of the job stays in its tree: torchrun
+workers in new sessions, `setsid` or double-forked children, children that scrub their environment. It records
+itself as (pid, start time) in `wrapper.pid`, runs `bash run.sh ARGS`, reaps whatever is reparented to it, and once
+run.sh has ended (it writes `exit_code`), stops what is left of the job: nothing of a job outlives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+PR_SET_CHILD_SUBREAPER = 36
+LEFTOVER_GRACE_S = 5.0
+
+
+def start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    stat = f.read()
+                children.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(name))
+            except (OSError, ValueError, IndexError):
+                continue
+    found, stack = [], list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack.extend(children.get(pid, []))
+    return found
+
+
+def reap_all() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def main() -> int:
+    run_dir, args = sys.argv[1], sys.argv[2:]
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    me = os.getpid()
+    child = subprocess.Popen(["bash", "--noprofile", "--norc", os.path.join(run_dir, "run.sh"), *args])
+    record = {"pid": me, "start": start_time(me), "child": child.pid, "child_start": start_time(child.pid)}
+    tmp = os.path.join(run_dir, f"wrapper.pid.tmp{me}")
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, os.path.join(run_dir, "wrapper.pid"))
+
+    def forward(signum, _frame) -> None:  # the session was closed or we were told to stop: so is the job
+        for pid in descendants(me):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in an attached pane reaches the job, not its keeper
+    while True:
+        try:
+            status = child.wait()
+            break
+        except InterruptedError:
+            continue
+    reap_all()
+    left = descendants(me)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        reap_all()
+        left = descendants(me)
+    for pid in left:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10  # a process in uninterruptible sleep dies when the kernel lets it
+    while descendants(me) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        reap_all()
+    return status if status >= 0 else 128 - status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

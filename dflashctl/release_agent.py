@@ -1,0 +1,286 @@
+"""Runs ON the remote, stdlib only: turns a tar of changed files into a verified, immutable release of the code.
+
+Invoked like the probe (`python3 -c BOOT LEN REQUEST_JSON`, this source then the tar on stdin). Under a lock on the
+workdir (`.deploy.lock`), it stages `releases/.staging-<version>-<pid>/`: the tar's files are written there, the
+unchanged ones hard-linked from the base release, then every file's hash, size, mode and every symlink's target is
+checked against the manifest (the tar's last member) and nothing else may be there. Only then is the staging dir
+renamed to `releases/<version>/` and `code` (a symlink) switched to it with one rename. Any failure (a full disk, a
+killed connection, a corrupt stream) leaves the previous release current and intact; the next deploy removes the
+leftover staging dir. Releases that no live job uses are collected, keeping the newest few.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import stat
+import sys
+import tarfile
+import time
+
+MANIFEST_NAME = ".dflashctl-manifest.json"
+KEEP_RELEASES = 3  # besides the current one and those live jobs use
+S_IFLNK = 0o120000
+
+
+class ReleaseError(Exception):
+    pass
+
+
+def _safe(rel: str) -> bool:
+    parts = rel.split("/")
+    return bool(rel) and not rel.startswith("/") and ".." not in parts and "" not in parts and "\0" not in rel
+
+
+@contextlib.contextmanager
+def locked(path: str, timeout: float = 600.0):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ReleaseError("another deploy holds the workdir's lock") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def extract(stream, staging: str) -> bytes:
+    """Write the tar's regular files and symlinks into staging (symlinks last, so no file is written through one).
+    Returns the manifest's bytes."""
+    manifest = None
+    links = []
+    with tarfile.open(fileobj=stream, mode="r|") as tar:
+        for m in tar:
+            if not _safe(m.name):
+                raise ReleaseError(f"unsafe path in the stream: {m.name!r}")
+            if m.name == MANIFEST_NAME:
+                manifest = tar.extractfile(m).read()
+                continue
+            if m.issym():
+                links.append((m.name, m.linkname))
+                continue
+            if not m.isreg():
+                raise ReleaseError(f"unexpected member type in the stream: {m.name!r}")
+            path = os.path.join(staging, m.name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            src = tar.extractfile(m)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                while True:
+                    block = src.read(1 << 20)
+                    if not block:
+                        break
+                    _write_all(fd, block)
+                os.fchmod(fd, m.mode & 0o777)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for name, target in links:
+        path = os.path.join(staging, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.symlink(target, path)
+    if manifest is None:
+        raise ReleaseError("the stream ended before its manifest (interrupted or corrupt)")
+    return manifest
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def link_unchanged(files: dict, staging: str, base_dir: str | None) -> int:
+    """Hard-link every manifest entry the stream did not carry from the base release (immutable: sharing inodes
+    with it is safe)."""
+    linked = 0
+    for rel in files:
+        dst = os.path.join(staging, rel)
+        if os.path.lexists(dst):
+            continue
+        if base_dir is None:
+            raise ReleaseError(f"need_full: {rel!r} was not sent and there is no base release")
+        src = os.path.join(base_dir, rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except OSError as e:
+            raise ReleaseError(f"need_full: cannot link {rel!r} from the base release: {e.strerror}") from None
+        linked += 1
+    return linked
+
+
+def _sha_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(root: str, files: dict) -> list[str]:
+    """Every manifest entry is there with its hash, size and mode (symlinks: their target); nothing else is."""
+    problems = []
+    for rel, (sha, size, mode) in files.items():
+        path = os.path.join(root, rel)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            problems.append(f"missing: {rel}")
+            continue
+        if mode & 0o170000 == S_IFLNK:
+            target = os.readlink(path).encode("utf-8", "surrogateescape") if stat.S_ISLNK(st.st_mode) else None
+            if target is None or hashlib.sha256(target).hexdigest() != sha:
+                problems.append(f"wrong symlink: {rel}")
+        elif not stat.S_ISREG(st.st_mode) or st.st_size != size or _sha_file(path) != sha:
+            problems.append(f"wrong content: {rel}")
+        elif st.st_mode & 0o777 != mode & 0o777:
+            problems.append(f"wrong mode: {rel}")
+    present = set()
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = os.path.relpath(dirpath, root)
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            if rel != MANIFEST_NAME:
+                present.add(rel)
+    problems += [f"unexpected: {rel}" for rel in sorted(present - set(files))]
+    return problems
+
+
+def in_use(wd: str) -> set[str]:
+    """Releases that a job may still run from: any run without a stop result that did not finish with exit 0 (a
+    crashed job may be restarted from its release)."""
+    used = set()
+    runs = os.path.join(wd, "runs")
+    for name in os.listdir(runs) if os.path.isdir(runs) else []:
+        run = os.path.join(runs, name)
+        try:
+            with open(os.path.join(run, "job.json")) as f:
+                release = json.load(f).get("release")
+        except (OSError, ValueError, AttributeError):
+            continue
+        try:
+            with open(os.path.join(run, "exit_code")) as f:
+                finished = f.read().strip() == "0"
+        except OSError:
+            finished = False
+        if isinstance(release, str) and not finished and not os.path.exists(os.path.join(run, "stop_result")):
+            used.add(release)
+    return used
+
+
+def collect(wd: str, current: str) -> list[str]:
+    releases = os.path.join(wd, "releases")
+    keep = in_use(wd) | {current}
+    found = [d for d in os.listdir(releases) if not d.startswith(".")]
+    found.sort(key=lambda d: os.lstat(os.path.join(releases, d)).st_mtime, reverse=True)
+    removed = []
+    for d in found[KEEP_RELEASES:]:
+        if d not in keep:
+            shutil.rmtree(os.path.join(releases, d), ignore_errors=True)
+            removed.append(d)
+    return removed
+
+
+def switch(wd: str, version: str) -> None:
+    code = os.path.join(wd, "code")
+    if os.path.isdir(code) and not os.path.islink(code):  # a tree from before releases: keep it as one
+        os.rename(code, os.path.join(wd, "releases", f"legacy-{int(time.time())}"))
+    tmp = os.path.join(wd, f".code.tmp{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    os.symlink(f"releases/{version}", tmp)
+    os.replace(tmp, code)
+    _fsync_dir(wd)
+
+
+def parse_manifest(raw: bytes) -> tuple[str, dict]:
+    body = json.loads(raw)
+    files = body.get("files") if isinstance(body, dict) else None
+    if not isinstance(files, dict) or not isinstance(body.get("version"), str):
+        raise ReleaseError("malformed manifest in the stream")
+    out = {}
+    for rel, entry in files.items():
+        if not _safe(rel) or not isinstance(entry, list) or len(entry) != 3:
+            raise ReleaseError(f"malformed manifest entry: {rel!r}")
+        out[rel] = (str(entry[0]), int(entry[1]), int(entry[2]))
+    return body["version"], out
+
+
+def release(req: dict, stream) -> dict:
+    wd = req["workdir"]
+    releases = os.path.join(wd, "releases")
+    os.makedirs(releases, exist_ok=True)
+    with locked(os.path.join(wd, ".deploy.lock")):
+        for d in os.listdir(releases):
+            if d.startswith(".staging-"):
+                shutil.rmtree(os.path.join(releases, d), ignore_errors=True)
+        version = req["version"]
+        if not _safe(version) or "/" in version:
+            raise ReleaseError(f"bad version {version!r}")
+        final = os.path.join(releases, version)
+        base = req.get("base")
+        base_dir = os.path.join(releases, base) if isinstance(base, str) and _safe(base) and "/" not in base else None
+        staging = os.path.join(releases, f".staging-{version}-{os.getpid()}")
+        os.mkdir(staging, 0o755)
+        try:
+            got_version, files = parse_manifest(extract(stream, staging))
+            if got_version != version:
+                raise ReleaseError(f"the stream is version {got_version}, expected {version}")
+            if os.path.isdir(final) and not verify(final, files):  # already deployed and intact: reuse it
+                shutil.rmtree(staging)
+                switch(wd, version)
+                gone = collect(wd, version)
+                return {"ok": True, "reused": True, "linked": 0, "verified": len(files), "collected": gone}
+            linked = link_unchanged(files, staging, base_dir if base_dir and os.path.isdir(base_dir) else None)
+            with open(os.path.join(staging, MANIFEST_NAME), "w") as f:
+                json.dump({"version": version, "files": {k: list(v) for k, v in files.items()}}, f)
+            problems = verify(staging, files)
+            if problems:
+                raise ReleaseError(f"verification failed ({len(problems)}): {'; '.join(problems[:5])}")
+            _fsync_dir(staging)
+            if os.path.isdir(final):  # a broken leftover of the same version: replaced, never trusted
+                shutil.rmtree(final)
+            os.rename(staging, final)
+            _fsync_dir(releases)
+            switch(wd, version)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        gone = collect(wd, version)
+        return {"ok": True, "reused": False, "linked": linked, "verified": len(files), "collected": gone}
+
+
+def main() -> int:
+    req = json.loads(sys.argv[1])
+    try:
+        answer = release(req, sys.stdin.buffer)
+    except (ReleaseError, OSError, tarfile.TarError, ValueError, EOFError) as e:
+        detail = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror else str(e)
+        sys.stdout.write(json.dumps({"ok": False, "error": f"{type(e).__name__}: {detail}"}))
+        return 1
+    sys.stdout.write(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
