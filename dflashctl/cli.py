@@ -126,6 +126,8 @@ def launch(
         err.print(f"[yellow]--force overrides:[/] {what}")
     if dry_run:
         out.print(f"[bold]would launch[/] {report.id} on {report.host} (release {report.release})")
+        for cmd in report.remote_commands:
+            out.print(f"remote: {cmd}", markup=False)
         for name, text in report.files.items():
             if name != "launcher.py":
                 out.print(f"--- {report.run_dir}/{name}\n{text}", markup=False)

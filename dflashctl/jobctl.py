@@ -56,6 +56,7 @@ def launch(
     """Validate, check the deployed release, then one remote action checks the GPUs and the name under a host-wide
     lock and starts the job. Nothing is written remotely unless every check passes."""
     socket = session.tmux_socket()
+    registry.all_jobs()  # records that cannot be read refuse the launch before anything starts remotely
     job, trainer_cfg = load_job(job_path, root)
     host = resolve_host(job.host, root)
     job_id = new_job_id(job.name)
@@ -77,6 +78,7 @@ def launch(
         )  # fmt: skip
         if dry_run:
             report.files = session.run_files(job, job_id, host.python, trainer_cfg, local_version, redact=True)
+            report.remote_commands = [runner.describe([host.python, "-c", "<dflashctl probe>", "launch", job_id])]
             return report
         files = session.run_files(job, job_id, host.python, trainer_cfg, local_version)
         req = {"action": "launch", "workdir": abs_wd, "job_id": job_id, "name": job.name, "session": report.session,

@@ -99,4 +99,4 @@ def test_deploy_human_output(cli, client, tmp_path):
     (client.project / "m.py").write_text("x = 1\n")
     res = cli("deploy", "local", "--workdir", str(tmp_path / "wd"))
     assert res.code == 0
-    assert "local: sent 1 files" in res.stdout and "version" in res.stdout
+    assert "local: sent 1 files" in res.stdout and "release " in res.stdout

@@ -86,7 +86,8 @@ def test_command_job_lifecycle(client, tmp_path, host):
     assert st["alive"] and st["session"] == "alive" and st["exit_code"] is None and st["processes"] >= 2
     assert st["state"] == "RUNNING"  # a command job: alive is all that can be told
     logs = run_cli("logs", job_id, "-n", "5").stdout
-    assert logs.index("hello-from-job") < logs.index("in ") and "/code" in logs  # ran in the deployed code dir
+    assert logs.index("hello-from-job") < logs.index("in ")
+    assert f"/releases/{launched['release']}" in logs  # ran in the release it launched from
     as_json = json.loads(run_cli("logs", job_id, "-n", "5", "--json").stdout)
     assert as_json["id"] == job_id and "hello-from-job" in as_json["text"]
     assert [j["id"] for j in cli_json("ls")] == [job_id]

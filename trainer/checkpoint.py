@@ -3,12 +3,16 @@
 Layout of `<run_dir>/checkpoints/step-00000006/`:
     drafter.safetensors   drafter weights (what inference needs)
     state.pt              optimiser, scheduler, data position, RNG states of every rank
+    manifest.json         sha256 and size of the two files above, so a resume can tell an intact checkpoint
 A directory without the `.tmp` suffix is complete by construction (rename is atomic); leftovers of an interrupted
-write keep the suffix and are ignored, then removed by the next save.
+write keep the suffix and are ignored, then removed by the next save. What a disk error, a copy or a hand edit did
+later is caught at resume: `load_newest_intact` verifies the manifest and loads, falling back to older checkpoints.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import re
@@ -80,6 +84,8 @@ def save(
         "rng": rng_states,
     }
     torch.save(state, tmp / "state.pt")
+    files = {f.name: {"sha256": _sha256(f), "size": f.stat().st_size} for f in sorted(tmp.iterdir())}
+    (tmp / "manifest.json").write_text(json.dumps({"step": pos.step, "files": files}))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -119,3 +125,46 @@ def load(path: Path) -> Loaded:
     weights = load_file(str(path / "drafter.safetensors"))
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     return Loaded(Position(**state["position"]), weights, state["optimizer"], state["scheduler"], state["rng"])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` is not intact (a file missing, truncated or changed since it was written), or
+    None. Checkpoints written before manifests existed are judged by loading alone."""
+    manifest = path / "manifest.json"
+    if manifest.is_file():
+        try:
+            files = json.loads(manifest.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return "manifest.json is unreadable"
+        for name, meta in files.items():
+            f = path / name
+            if not f.is_file():
+                return f"{name} is missing"
+            if f.stat().st_size != meta.get("size") or _sha256(f) != meta.get("sha256"):
+                return f"{name} does not match its sha256"
+    elif not (path / "drafter.safetensors").is_file() or not (path / "state.pt").is_file():
+        return "drafter.safetensors or state.pt is missing"
+    return None
+
+
+def load_newest_intact(ckpt_root: Path) -> tuple[Path | None, Loaded | None, list[dict]]:
+    """The newest checkpoint that verifies and loads, with the newer ones skipped and why. (None, None, skipped)
+    when there is none: with `skipped` non-empty, every checkpoint was damaged."""
+    skipped = []
+    for path in reversed(complete(ckpt_root)):
+        why = problem(path)
+        if why is None:
+            try:
+                return path, load(path), skipped
+            except Exception as e:  # safetensors, pickle and zip errors alike: this one cannot be used
+                why = f"cannot be loaded: {type(e).__name__}: {str(e)[:120]}"
+        skipped.append({"path": str(path), "why": why})
+    return None, None, skipped

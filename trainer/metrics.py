@@ -30,6 +30,7 @@ EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "preflight": {"buckets": list, "seconds": dict, "peak_mem_gib": dict},
     "recompile": {"step": int, "graphs": int},
     "checkpoint": {"path": str, "step": int},
+    "checkpoint_fallback": {"skipped": list, "using": (str, type(None))},
     "eval": {"step": int, "tau": float, "prompts": int, "draft_steps": int},
     "fatal": {"kind": str, "message": str},
     "finished": {"step": int},

@@ -128,8 +128,15 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
     stream = DataStream(ds, global_batch, cfg.seed)
     start_step, resumed_from = 0, None
     ckpt_root = run_dir / "checkpoints" if run_dir else None
-    if resume and ckpt_root and (latest := checkpoint.latest(ckpt_root)):
-        loaded = checkpoint.load(latest)
+    latest, loaded, skipped = checkpoint.load_newest_intact(ckpt_root) if resume and ckpt_root else (None, None, [])
+    if skipped:
+        for s in skipped:
+            say(f"checkpoint {s['path']} skipped: {s['why']}")
+        event("checkpoint_fallback", skipped=skipped, using=str(latest) if latest else None)
+        if latest is None:  # repeating the run cannot fix the files: not a crash to restart
+            raise ConfigError(str(ckpt_root), "--resume", f"no intact checkpoint: {skipped[0]['why']} "
+                              f"({len(skipped)} checked); move the run dir's checkpoints/ away to start afresh")
+    if loaded is not None:
         drafter.load_state_dict(loaded.weights)
         opt.load_state_dict(loaded.optimizer)
         sched.load_state_dict(loaded.scheduler)
