@@ -498,20 +498,28 @@ def stop_processes(run_dir: str | None, session: str | None, job_id: str | None,
     if session:
         _run([*TMUX, "kill-session", "-t", f"={session}"])
     left: list[dict] = []
+    quiet = 0  # nothing left is believed after two looks 0.3 s apart: a dying parent may still be forking
     end = time.monotonic() + 10
     while time.monotonic() < end:
         known = {p["pid"] for p in targets}
         again = job_processes(proc_table(), root, job_id)
         left = [ident(p) for p in again] + [p for p in targets if same_process(p) and p["pid"] not in
                                              {q["pid"] for q in again}]  # fmt: skip
-        if not left:
+        quiet = 0 if left else quiet + 1
+        if quiet >= 2:
             break
+        if not left:
+            time.sleep(0.3)
+            continue
         for p in left:
             if sig.adopt(p) and sig.send(p, signal.SIGKILL) and p["pid"] not in known:
                 report["kill"].append(p["pid"])
                 targets.append(p)
         time.sleep(0.2)
     sig.close()
+    if quiet < 2:  # gave up: what is there now, looked at afresh (those just SIGKILLed may be gone)
+        time.sleep(0.2)
+        left = [ident(p) for p in job_processes(proc_table(), root, job_id)] + [p for p in targets if same_process(p)]
     report["remaining"] = sorted({p["pid"] for p in left if same_process(p)})
     report["every"] = sorted({p["pid"] for p in targets} | wrapper - {None})
     report["session_closed"] = not tmux_session(session, 0).get("exists") if session else True

@@ -20,9 +20,11 @@ from tests.test_launch import alive, cli_json, wait_until, write_project
 
 
 def job_file(p: Path, name: str, command: str, extra: str = "") -> str:
-    path = p / "jobs" / f"{name}.yaml"
+    """A job file outside the project's tree (so writing it does not make the deployed code stale)."""
+    path = p.parent / "jobfiles" / f"{name}.yaml"
+    path.parent.mkdir(exist_ok=True)
     path.write_text(f"name: {name}\nhost: box\nkill_grace_s: 2\ncommand: {json.dumps(command)}\n{extra}")
-    return f"jobs/{name}.yaml"
+    return str(path)
 
 
 def run_dir_of(job_id: str) -> Path:
@@ -30,7 +32,8 @@ def run_dir_of(job_id: str) -> Path:
 
 
 def starts(run_dir: Path) -> int:
-    return (run_dir / "train.log").read_text().count("] start")
+    lines = (run_dir / "train.log").read_text().splitlines()
+    return sum(1 for ln in lines if ln.startswith("[dflashctl] ") and ln.split()[2:3] == ["start"])
 
 
 @pytest.fixture
@@ -233,7 +236,9 @@ def test_records_are_private_atomic_and_a_corrupt_file_is_never_overwritten(proj
     from dflashctl import registry
 
     job_id = cli_json("launch", job_file(proj, "rec", "sleep 300"))["id"]
+    cli_json("status", job_id)  # a second write: the first file becomes the last good copy
     d = registry.state_dir()
+    assert (d / "jobs.json.bak").stat().st_mode & 0o777 == 0o600
     assert d.stat().st_mode & 0o777 == 0o700 and (d / "jobs.json").stat().st_mode & 0o777 == 0o600
     good = (d / "jobs.json").read_bytes()
     (d / "jobs.json").write_bytes(good[: len(good) // 2])  # truncated, as by a full disk or a crash elsewhere
