@@ -207,3 +207,45 @@ def test_validate_record_rejects_bad_records(field, value):
     assert validate_record(rec) == []
     assert validate_record({**rec, field: value})
     assert validate_record({"time": 1.0, "event": "fatal", "kind": "oops", "message": "x"})
+
+
+def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path):
+    """A truncated state.pt, a flipped safetensors header or a missing file in the newest checkpoint: resume uses the
+    previous one and says so in metrics.jsonl; when none is intact it is a config-class error (exit 2, not restarted)."""
+    import shutil
+
+    cfg = write_config(tmp_path)
+    base = tmp_path / "base"
+    assert run(trainer_cmd(cfg, base)).returncode == 0
+    ckpts = lambda d: d / "checkpoints"  # noqa: E731
+    damages = {
+        "truncated": lambda c: (c / "state.pt").write_bytes((c / "state.pt").read_bytes()[:100]),
+        "flipped": lambda c: (c / "drafter.safetensors").write_bytes(
+            bytes([(c / "drafter.safetensors").read_bytes()[0] ^ 0xFF]) + (c / "drafter.safetensors").read_bytes()[1:]
+        ),
+        "missing": lambda c: (c / "state.pt").unlink(),
+    }
+    for name, damage in damages.items():
+        d = tmp_path / name
+        shutil.copytree(base, d)
+        damage(ckpts(d) / "step-00000006")
+        path, loaded, skipped = checkpoint.load_newest_intact(ckpts(d))
+        assert path.name == "step-00000003" and loaded.position.step == 3, name
+        assert [s["path"].endswith("step-00000006") for s in skipped] == [True], skipped
+
+    resumed = run(trainer_cmd(cfg, tmp_path / "truncated", "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    recs = records(tmp_path / "truncated")
+    fallback = [r for r in recs if r.get("event") == "checkpoint_fallback"]
+    assert len(fallback) == 1 and fallback[0]["using"].endswith("step-00000003")
+    assert validate_record(fallback[0]) == []
+    starts = [r for r in recs if r.get("event") == "start"]
+    assert starts[-1]["resumed_from"] == 3
+
+    ruined = tmp_path / "ruined"
+    shutil.copytree(base, ruined)
+    damages["missing"](ckpts(ruined) / "step-00000003")
+    damages["flipped"](ckpts(ruined) / "step-00000006")
+    res = run(trainer_cmd(cfg, ruined, "--resume"))
+    assert res.returncode == 2 and "no intact checkpoint" in res.stderr + res.stdout
+    assert any(r.get("event") == "fatal" and r.get("kind") == "config" for r in records(ruined))

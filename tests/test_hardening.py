@@ -1,0 +1,300 @@
+"""Garbage in, faults midway, two at once: input edges, known_hosts, the probe and watcher on malformed files, and
+deploys that fail halfway or race. Cases of docs/reliability.md."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dflashctl import probe, release_agent, sync
+from dflashctl.health import assess
+from dflashctl.jobs import WatchConfig
+from dflashctl.registry import JobRecord
+from dflashctl.watch import Watcher
+from tests.conftest import run_cli
+
+# --------------------------------------------------------------------------------------------- input edges
+
+BAD_JOB_FILES = [
+    (b'name: "fz\\n"\nhost: box\ncommand: echo hi\n', "name: may hold only"),
+    (b"name: j\nname: k\nhost: box\ncommand: echo hi\n", "duplicate key 'name'"),
+    (b"\x00\x01\x02binary\xff\xfe", "not UTF-8"),
+    ("name: caf\u00e9\n".encode("latin-1"), "not UTF-8"),
+    (b"name: j\nhost: box\ncommand: echo hi\nenv: " + b"[" * 5000 + b"]" * 5000 + b"\n", "nested deeper"),
+    (b"name: j\nhost: box\ngpus: 200000000\ncommand: echo hi\n", "gpus: "),
+    (b"name: j\nhost: box\ngpus: [0, 99999999]\ncommand: echo hi\n", "gpus: "),
+    (b"name: j\nhost: box\ncommand: echo hi\nwatch: {interval_s: .inf}\n", "watch.interval_s"),
+    (b"name: j\nhost: box\ncommand: echo hi\nwatch: {stall_after_s: .nan}\n", "watch.stall_after_s"),
+    (b"name: j\nhost: box\ncommand: echo hi\nenv: {'A\\n': x}\n", "env"),
+    (b"name: j\nhost: 'box\\n'\ncommand: echo hi\n", "host: expected a host name"),
+]
+
+
+@pytest.mark.parametrize("body, expect", BAD_JOB_FILES)
+def test_garbage_job_files_are_one_line_exit_2_and_touch_nothing(client, body, expect):
+    (client.project / "dflashctl.yaml").write_text("hosts:\n  box: {ssh: 'root@192.0.2.1', connect_timeout: 30}\n")
+    (client.project / "bad.yaml").write_bytes(body)
+    res = run_cli("launch", "bad.yaml", cwd=client.project, timeout=60)
+    lines = res.stderr.strip().splitlines()
+    assert res.code == 2 and len(lines) == 1 and "bad.yaml" in lines[0] and expect in lines[0], lines
+    assert "internal error" not in res.stderr and "192.0.2.1" not in res.stderr
+
+
+@pytest.mark.parametrize("spec", ["pct:7\n", "docker:x\n"])
+def test_container_and_hosts_patterns_use_fullmatch(client, spec):
+    (client.project / "dflashctl.yaml").write_text(f"hosts:\n  b: {{ssh: testbox, container: {json.dumps(spec)}}}\n")
+    res = run_cli("deploy", "b", cwd=client.project)
+    assert res.code == 2 and "container" in res.stderr
+
+
+@pytest.mark.parametrize("files", ["null", "[1, 2]", '{"a.py": null}', '"text"'])
+def test_a_malformed_remote_manifest_reads_as_empty(files):
+    assert sync.parse_remote_manifest(f'{{"version": "x", "files": {files}}}') == {}
+
+
+def test_known_hosts_lines_behave_as_in_openssh(client, sshd):
+    """@cert-authority and unparseable lines are skipped; a host key marked @revoked is refused (exit 2)."""
+    (client.project / "a.py").write_text("A = 1\n")
+    good = client.known_hosts.read_text()
+    junk = "@cert-authority *.example.com ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIJunk\nnot a key line at all\n|1|x|y\n"
+    client.known_hosts.write_text(junk + good)
+    assert run_cli("doctor", "testbox", "--json").code in (0, 1)  # connected: doctor judged the host
+    client.known_hosts.write_text(good + f"@revoked [127.0.0.1]:{sshd.port} {sshd.host_pubkey}\n")
+    res = run_cli("deploy", "testbox", "--workdir", "/tmp/never")
+    assert res.code == 2 and "@revoked" in res.stderr and "SHA256:" in res.stderr
+    assert not Path("/tmp/never").exists()
+
+
+# --------------------------------------------------------------------------------------------- probe garbage
+
+
+def make_watcher(job_id: str = "j", **watch) -> Watcher:
+    rec = JobRecord(id=job_id, name="j", project="/p", job_file="/p/j.yaml", host_name="h", host={"name": "h"},
+                    release="r", command="c", run_dir="/r", session="s", launched_at=0.0,
+                    watch=WatchConfig(**watch))  # fmt: skip
+    return Watcher(rec, rec.watch, lambda: None)
+
+
+def snapshot(run: Path) -> dict:
+    return probe.snapshot({"run_dir": str(run), "gpus": False})
+
+
+def test_malformed_metrics_and_heartbeats_are_skipped_and_counted(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    now = time.time()
+    lines = [
+        "[1, 2, 3]", "42", '"a string"', "null", "{not json",
+        json.dumps({"time": now, "step": 1, "loss": "high", "tokens_per_s": 100}),
+        json.dumps({"time": now, "step": "two", "loss": 1.0}),
+        json.dumps({"time": now, "step": 3, "loss": 2.5}),  # no tokens_per_s
+        json.dumps({"time": now, "step": 4, "loss": 2.0, "tokens_per_s": [1]}),
+        json.dumps({"event": "eval", "tau": "great"}),
+    ]  # fmt: skip
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    for hb in ("null", "[1, 2]", '{"time": "noon", "step": 3}', '"x"', "{"):
+        (run / "heartbeat").write_text(hb)
+        w = make_watcher()
+        snap = snapshot(run)
+        w.fold(snap)
+        w.history.session_exists, w.history.started_at = True, now - 10
+        v = assess(w.history, w.thresholds)
+        assert v.state == "RUNNING" and w.history.last_step == 4 and w.tau is None, (hb, v)
+        assert snap["metrics"]["malformed"] == 5 and w.history.malformed >= 6
+        assert any("malformed" in e for e in v.evidence)
+
+
+def test_a_heartbeat_from_the_future_cannot_keep_a_frozen_job_running(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "heartbeat").write_text(json.dumps({"time": time.time(), "step": 5, "phase": "train"}))
+    future = time.time() + 3600
+    os.utime(run / "heartbeat", (future, future))
+    w = make_watcher(heartbeat_max_age_s=1)
+    states = []
+    for _ in range(3):
+        snap = snapshot(run)
+        assert snap["heartbeat"]["future"] and snap["heartbeat"]["age_s"] is None
+        w.fold(snap)
+        w.history.session_exists, w.history.started_at = True, time.time() - 5
+        states.append(assess(w.history, w.thresholds).state)
+        time.sleep(0.7)
+    assert states[0] != "STALLED" and states[-1] == "STALLED", states
+
+
+def test_probe_answers_for_a_job_whose_files_are_garbage(tmp_path):
+    """Through the real bootstrap on a bare interpreter: exit 0 with JSON, whatever the run dir holds."""
+    from dflashctl.session import BOOT, PROBE_SOURCE
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_bytes(b"\xff\xfe\x00garbage\n[1]\n")
+    (run / "heartbeat").write_bytes(b"\x00\x01")
+    (run / "exit_code").write_text("not a number")
+    (run / "stop_request").write_text("[]")
+    req = json.dumps({"run_dir": str(run), "gpus": False})
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", BOOT, str(len(PROBE_SOURCE)), req], input=PROBE_SOURCE,
+                          capture_output=True, check=True)  # fmt: skip
+    snap = json.loads(proc.stdout)
+    assert snap["exit_code"] is None and snap["metrics"]["malformed"] == 2 and snap["heartbeat"]["malformed"]
+    assert snap["stop_request"] == {"time": None}  # present, unreadable: still a stop request
+
+
+# --------------------------------------------------------------------------------------------- releases
+
+
+def run_agent(wd: Path, req: dict, stream: bytes) -> dict:
+    from dflashctl.session import BOOT
+
+    src = Path(release_agent.__file__).read_bytes()
+    proc = subprocess.run([sys.executable, "-c", BOOT, str(len(src)), json.dumps({"workdir": str(wd), **req})],
+                          input=src + stream, capture_output=True)  # fmt: skip
+    return json.loads(proc.stdout)
+
+
+def tar_of(root: Path, files: list[str]) -> tuple[bytes, str]:
+    manifest = sync.build_manifest(root, files)
+    stream, _ = sync.build_tar(root, files, manifest)
+    return stream.read(), sync.manifest_version(manifest)
+
+
+def tree(code: Path) -> dict[str, bytes]:
+    return {p.relative_to(code).as_posix(): p.read_bytes() for p in sorted(code.rglob("*")) if p.is_file()
+            and p.name != sync.MANIFEST_NAME}  # fmt: skip
+
+
+def test_an_interrupted_stream_leaves_the_previous_release_current(tmp_path):
+    src, wd = tmp_path / "src", tmp_path / "wd"
+    src.mkdir()
+    (src / "a.py").write_text("A = 1\n")
+    data, v1 = tar_of(src, ["a.py"])
+    assert run_agent(wd, {"version": v1, "base": None}, data)["ok"]
+    (src / "a.py").write_text("A = 2\n" * 10000)
+    data, v2 = tar_of(src, ["a.py"])
+    in_manifest = data.index(b'{"version"') + 20  # the manifest is the last member: cut inside it
+    for cut in (100, 600, len(data) // 2, in_manifest):
+        ans = run_agent(wd, {"version": v2, "base": v1}, data[:cut])
+        assert not ans["ok"], cut
+        assert os.readlink(wd / "code") == f"releases/{v1}" and tree(wd / "code") == {"a.py": b"A = 1\n"}
+    assert run_agent(wd, {"version": v2, "base": v1}, data)["ok"]
+    assert not [d for d in os.listdir(wd / "releases") if d.startswith(".staging")]  # leftovers collected
+
+
+def test_a_corrupt_stream_fails_verification(tmp_path):
+    src, wd = tmp_path / "src", tmp_path / "wd"
+    src.mkdir()
+    (src / "a.py").write_text("A = 1\n")
+    manifest = sync.build_manifest(src, ["a.py"])
+    (src / "a.py").write_text("B = 2\n")  # same size, other bytes: the manifest no longer matches the content
+    stream, _ = sync.build_tar(src, ["a.py"], manifest)
+    ans = run_agent(wd, {"version": sync.manifest_version(manifest), "base": None}, stream.read())
+    assert not ans["ok"] and "verification failed" in ans["error"] and not (wd / "code").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_disk_fails_the_deploy_and_keeps_the_previous_release(cli, client, small_disk):
+    root = client.project
+    (root / "a.py").write_text("A = 1\n")
+    wd = small_disk / "wd"
+    assert cli("deploy", "testbox", "--workdir", str(wd)).code == 0
+    before = tree(wd / "code")
+    (root / "big.bin").write_bytes(os.urandom(400 << 10))
+    res = cli("deploy", "testbox", "--workdir", str(wd))
+    assert res.code == 1 and "No space left" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert tree(wd / "code") == before
+    assert not [d for d in os.listdir(wd / "releases") if d.startswith(".staging")]
+
+
+def test_concurrent_deploys_of_different_checkouts_leave_a_true_manifest(cli, client, tmp_path):
+    wd = tmp_path / "wd"
+    roots = []
+    for k in range(2):
+        r = tmp_path / f"co{k}"
+        (r / "pkg").mkdir(parents=True)
+        for i in range(30):
+            (r / "pkg" / f"m{i}.py").write_text(f"X = {k}{i}\n" * 50)
+        roots.append(r)
+    for _ in range(3):
+        results: list = [None, None]
+
+        def go(k: int, results=results) -> None:
+            results[k] = run_cli("deploy", "testbox", "--workdir", str(wd), "--json", cwd=roots[k])
+
+        threads = [threading.Thread(target=go, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [r.code for r in results] == [0, 0], [r.stderr for r in results]
+        code = wd / "code"
+        manifest = json.loads((code / sync.MANIFEST_NAME).read_text())
+        assert os.readlink(code) == f"releases/{manifest['version']}"
+        winner = next(r for r in roots if sync.manifest_version(sync.build_manifest(r)) == manifest["version"])
+        assert tree(code) == tree(winner)
+
+
+def test_deploy_selection_edges(cli, client, tmp_path):
+    """A file that becomes a directory and back, tracked files under junk-looking names, symlinks in and out of the
+    tree, and a non-UTF-8 file name deployed and then deleted."""
+    root = client.project
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    (root / "build").mkdir()
+    (root / "build" / "gen.py").write_text("tracked under build/\n")
+    (root / "notes~").write_text("tracked backup-looking file\n")
+    (root / "x").write_text("a file\n")
+    (root / "link.py").symlink_to("x")
+    weird = os.fsdecode(b"caf\xe9.txt")
+    (root / weird).write_text("latin-1 name\n")
+    subprocess.run(["git", "-C", str(root), "add", "-A"], check=True)
+    (root / "dist").mkdir()
+    (root / "dist" / "junk.whl").write_text("untracked junk\n")
+    wd = tmp_path / "wd"
+
+    def deploy() -> dict:
+        res = cli("deploy", "testbox", "--workdir", str(wd), "--json")
+        assert res.code == 0, res.stderr
+        return json.loads(res.stdout)
+
+    deploy()
+    code = wd / "code"
+    assert (code / "build" / "gen.py").is_file() and (code / "notes~").is_file() and not (code / "dist").exists()
+    assert os.readlink(code / "link.py") == "x" and (code / weird).is_file()
+    (root / "x").unlink()
+    (root / "x").mkdir()
+    (root / "x" / "inner.py").write_text("now a directory\n")
+    (root / weird).unlink()
+    deploy()
+    assert (code / "x" / "inner.py").is_file() and not (code / weird).exists()
+    (root / "out.cfg").symlink_to(Path.home() / ".ssh" / "config")
+    res = cli("deploy", "testbox", "--workdir", str(wd))
+    assert res.code == 2 and "out.cfg" in res.stderr and "outside the project" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_tar_member_paths_are_checked(tmp_path):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("../escape.txt")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    ans = run_agent(tmp_path / "wd", {"version": "v", "base": None}, buf.getvalue())
+    assert not ans["ok"] and "unsafe path" in ans["error"] and not (tmp_path / "escape.txt").exists()
