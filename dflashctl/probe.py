@@ -43,7 +43,8 @@ GPU_KEYS = ["index", "uuid", "name", "mem_used_mib", "mem_total_mib", "util_pct"
 TEXT_KEYS = ("uuid", "name", "pstate", "throttle")
 APP_FIELDS = ["pid", "process_name", "used_memory", "gpu_uuid"]
 STOP_REQUEST, STOP_RESULT, RESTARTS, WRAPPER_PID = "stop_request", "stop_result", "restarts", "wrapper.pid"
-HEARTBEAT_FUTURE_S = 5.0  # a heartbeat mtime further ahead than this on our own clock is not believed
+HEARTBEAT_FUTURE_S = 5.0
+VERIFY_S = 5.0  # after SIGKILL, how long the kill keeps finding and killing processes of the job before it gives up  # a heartbeat mtime further ahead than this on our own clock is not believed
 
 
 def _run(argv: list[str], timeout: float = 10.0) -> tuple[int, str]:
@@ -472,7 +473,7 @@ class Signaller:
 def stop_processes(run_dir: str | None, session: str | None, job_id: str | None, grace_s: float) -> dict:
     """SIGTERM every process of the job but its wrapper (so that the wrapper records the exit status), wait up to
     `grace_s`, SIGKILL what is left, then keep looking for processes of the job (a dying parent may spawn more) and
-    SIGKILL them until none is left or 10 s have passed. Closes the tmux session."""
+    SIGKILL them until none is left or VERIFY_S have passed. Closes the tmux session."""
     pane = tmux_session(session, 0)
     root = launcher_of(run_dir, pane)
     procs = job_processes(proc_table(), root, job_id)
@@ -499,7 +500,7 @@ def stop_processes(run_dir: str | None, session: str | None, job_id: str | None,
         _run([*TMUX, "kill-session", "-t", f"={session}"])
     left: list[dict] = []
     quiet = 0  # nothing left is believed after two looks 0.3 s apart: a dying parent may still be forking
-    end = time.monotonic() + 10
+    end = time.monotonic() + VERIFY_S
     while time.monotonic() < end:
         known = {p["pid"] for p in targets}
         again = job_processes(proc_table(), root, job_id)

@@ -298,3 +298,28 @@ def test_tar_member_paths_are_checked(tmp_path):
         tar.addfile(info, io.BytesIO(b"hi"))
     ans = run_agent(tmp_path / "wd", {"version": "v", "base": None}, buf.getvalue())
     assert not ans["ok"] and "unsafe path" in ans["error"] and not (tmp_path / "escape.txt").exists()
+
+
+def test_releases_no_live_job_uses_are_collected(tmp_path):
+    """The current release, those a live run uses, and the newest few stay; the rest go."""
+    src, wd = tmp_path / "src", tmp_path / "wd"
+    src.mkdir()
+    versions = []
+    for i in range(7):
+        (src / "a.py").write_text(f"A = {i}\n")
+        data, v = tar_of(src, ["a.py"])
+        assert run_agent(wd, {"version": v, "base": versions[-1] if versions else None}, data)["ok"]
+        versions.append(v)
+        if i == 1:  # a live run (no exit code, no stop result) on the second release
+            run = wd / "runs" / "live-job"
+            run.mkdir(parents=True)
+            (run / "job.json").write_text(json.dumps({"release": v}))
+        if i == 2:  # a finished run on the third: it does not hold its release
+            run = wd / "runs" / "done-job"
+            run.mkdir(parents=True)
+            (run / "job.json").write_text(json.dumps({"release": v}))
+            (run / "exit_code").write_text("0\n")
+        time.sleep(0.02)  # distinct mtimes: newest first
+    kept = set(os.listdir(wd / "releases"))
+    assert kept == {versions[1], *versions[-3:]}, (kept, versions)
+    assert os.readlink(wd / "code") == f"releases/{versions[-1]}"
