@@ -43,8 +43,8 @@ GPU_KEYS = ["index", "uuid", "name", "mem_used_mib", "mem_total_mib", "util_pct"
 TEXT_KEYS = ("uuid", "name", "pstate", "throttle")
 APP_FIELDS = ["pid", "process_name", "used_memory", "gpu_uuid"]
 STOP_REQUEST, STOP_RESULT, RESTARTS, WRAPPER_PID = "stop_request", "stop_result", "restarts", "wrapper.pid"
-HEARTBEAT_FUTURE_S = 5.0
-VERIFY_S = 5.0  # after SIGKILL, how long the kill keeps finding and killing processes of the job before it gives up  # a heartbeat mtime further ahead than this on our own clock is not believed
+HEARTBEAT_FUTURE_S = 5.0  # a heartbeat mtime further ahead than this on our own clock is not believed
+VERIFY_S = 5.0  # after SIGKILL, how long the kill keeps finding and killing the job's processes before giving up
 
 
 def _run(argv: list[str], timeout: float = 10.0) -> tuple[int, str]:

@@ -209,9 +209,14 @@ def test_validate_record_rejects_bad_records(field, value):
     assert validate_record({"time": 1.0, "event": "fatal", "kind": "oops", "message": "x"})
 
 
+def flip_first_byte(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
+
+
 def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path):
     """A truncated state.pt, a flipped safetensors header or a missing file in the newest checkpoint: resume uses the
-    previous one and says so in metrics.jsonl; when none is intact it is a config-class error (exit 2, not restarted)."""
+    previous one and says so in metrics.jsonl; when none is intact it is a config-class error (exit 2, no restart)."""
     import shutil
 
     cfg = write_config(tmp_path)
@@ -220,9 +225,7 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path):
     ckpts = lambda d: d / "checkpoints"  # noqa: E731
     damages = {
         "truncated": lambda c: (c / "state.pt").write_bytes((c / "state.pt").read_bytes()[:100]),
-        "flipped": lambda c: (c / "drafter.safetensors").write_bytes(
-            bytes([(c / "drafter.safetensors").read_bytes()[0] ^ 0xFF]) + (c / "drafter.safetensors").read_bytes()[1:]
-        ),
+        "flipped": lambda c: flip_first_byte(c / "drafter.safetensors"),
         "missing": lambda c: (c / "state.pt").unlink(),
     }
     for name, damage in damages.items():
