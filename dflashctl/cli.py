@@ -5,21 +5,17 @@ Exit codes: 0 success; 1 a remote command or check failed; 2 bad input (config, 
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
 
-import click
 import typer
-from rich.table import Table
 
-from dflashctl import __version__, jobctl, registry
-from dflashctl.config import find_project_root, resolve_host
-from dflashctl.doctor import run_doctor
-from dflashctl.errors import EXIT_FAILED, DflashError
-from dflashctl.render import byte_progress, err, out, print_json
-from dflashctl.sync import deploy as deploy_tree
-from dflashctl.transport import open_runner
+from dflashctl import __version__
+from dflashctl.errors import EXIT_FAILED, EXIT_USAGE, DflashError
+
+# Everything else is imported inside the command that needs it: `--help` and `ls` must not pay for paramiko.
 
 app = typer.Typer(
     name="dflashctl",
@@ -32,7 +28,8 @@ app = typer.Typer(
 _state = {"debug": False}
 
 HostArg = typer.Argument(..., help="A host from dflashctl.yaml or hosts.yaml, `local`, user@host or ssh://host:port.")
-JsonOpt = typer.Option(False, "--json", help="Print one compact JSON object on stdout and nothing else.")
+JsonOpt = typer.Option(False, "--json", help="Print one compact JSON object on stdout and nothing else.",
+                       show_default=False)
 AcceptNewOpt = typer.Option(
     False, "--accept-new-host-key", help="Record an unknown host key in known_hosts (like ssh's accept-new)."
 )
@@ -40,7 +37,7 @@ AcceptNewOpt = typer.Option(
 
 def _version(value: bool) -> None:
     if value:
-        out.print(f"dflashctl {__version__}")
+        print(f"dflashctl {__version__}")
         raise typer.Exit()
 
 
@@ -61,7 +58,12 @@ def deploy(
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Send the project's files (git-tracked and untracked-not-ignored) to HOST; only changed files travel."""
+    """Make the project's files (git-tracked, untracked-not-ignored) the current release on HOST, atomically."""
+    from dflashctl.config import find_project_root, resolve_host
+    from dflashctl.render import byte_progress, out, print_json
+    from dflashctl.sync import deploy as deploy_tree
+    from dflashctl.transport import open_runner
+
     root_dir = find_project_root()
     cfg = resolve_host(host, root_dir, workdir)
     with open_runner(cfg, accept_new) as runner, byte_progress(f"deploy → {cfg.name}", not as_json) as progress:
@@ -84,6 +86,13 @@ def deploy(
 @app.command()
 def doctor(host: str = HostArg, as_json: bool = JsonOpt, accept_new: bool = AcceptNewOpt) -> None:
     """Check that HOST can run jobs: ssh, container, Python, torch, GPUs, tmux, rsync, disk, clock."""
+    from rich.table import Table
+
+    from dflashctl.config import find_project_root, resolve_host
+    from dflashctl.doctor import run_doctor
+    from dflashctl.render import out, print_json
+    from dflashctl.transport import open_runner
+
     cfg = resolve_host(host, find_project_root())
     with open_runner(cfg, accept_new) as runner:
         report = run_doctor(runner)
@@ -115,6 +124,10 @@ def launch(
     accept_new: bool = AcceptNewOpt,
 ) -> None:
     """Start JOB_FILE's job in its own tmux session on its host and record it locally."""
+    from dflashctl import jobctl
+    from dflashctl.config import find_project_root
+    from dflashctl.render import byte_progress, err, out, print_json
+
     root_dir = find_project_root()
     with byte_progress("deploy", not as_json) as progress:
         report = jobctl.launch(job_file, root_dir, deploy_first=deploy_first, force=force, dry_run=dry_run,
@@ -143,7 +156,11 @@ def kill(
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Stop a job (default: the newest live one): SIGTERM its process tree, wait, SIGKILL the rest, verify."""
+    """Stop a job (default: one whose kill failed, else the newest live one): SIGTERM, wait, SIGKILL, verify."""
+    from dflashctl import jobctl
+    from dflashctl.config import find_project_root
+    from dflashctl.render import err, out, print_json
+
     report = jobctl.kill(job, str(find_project_root()), grace, accept_new)
     if as_json:
         print_json(report.to_dict())
@@ -161,31 +178,53 @@ def kill(
 
 @app.command()
 def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool = AcceptNewOpt) -> None:
-    """One look at a job: alive or dead, exit code, last metrics record, uptime."""
+    """One look at a job (default: the newest live one, as `kill` picks): its state with the reason, the process,
+    the last step. Exits with the state's code, as `watch --once` does."""
+    from dflashctl import jobctl
+    from dflashctl.config import find_project_root
+    from dflashctl.render import err, out, print_json
+    from dflashctl.states import EXIT_BY_STATE
+
     st = jobctl.status(job, str(find_project_root()), accept_new)
+    code = EXIT_BY_STATE.get(st["state"], EXIT_FAILED)
     if as_json:
         print_json(st)
-        return
+        raise typer.Exit(code)
+    if job is None:
+        err.print(f"(no job given: {st['id']}, the newest {'live ' if st['picked'] == 'live' else ''}job)")
     out.print(f"[bold]{st['state']}[/]: {st['reason']}", markup=True)
     up = f"up {st['uptime_s']:.0f} s" if st["uptime_s"] is not None else "ended"
-    out.print(f"[bold]{st['id']}[/] on {st['host']}: session {st['session']}, exit code {st['exit_code']}, "
-              f"{up}, {st['processes']} processes, restarts {st['restarts']}")  # fmt: skip
-    if st["last_step"]:
-        r = st["last_step"]
+    exit_code = f"exit code {st['exit_code']}" if st["exit_code"] is not None else "no exit code yet"
+    out.print(f"[bold]{st['id']}[/] on {st['host']}: session {st['session']}, {exit_code}, {up}, "
+              f"{st['processes']} processes, restarts {st['restarts']}")  # fmt: skip
+    r = st["last_step"]
+    if r and isinstance(r.get("step"), int):
+        loss = f", loss {r['loss']:.4f}" if isinstance(r.get("loss"), (int, float)) else ""
+        tps = f", {st['mean_tokens_per_s']:,.0f} tok/s (mean)" if st["mean_tokens_per_s"] is not None else ""
         tau = f", tau {st['tau']:.3f}" if st["tau"] is not None else ""
-        out.print(f"step {r['step']}, loss {r['loss']:.4f}, {st['mean_tokens_per_s']:,.0f} tok/s (mean){tau}")
-    if st["last_event"]:
-        out.print(f"last event: {st['last_event']}", markup=False)
+        out.print(f"step {r['step']}{loss}{tps}{tau}")
+    ev = st["last_event"]
+    if ev:
+        fields = ", ".join(f"{k} {v}" for k, v in ev.items() if k not in ("event", "time", "config") and
+                           isinstance(v, (int, float, str)))  # fmt: skip
+        out.print(f"last event: {ev.get('event')}{': ' + fields if fields else ''}", markup=False)
     out.print(f"run dir: {st['run_dir']}")
+    raise typer.Exit(code)
 
 
 @app.command("ls")
 def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt) -> None:
     """Jobs launched from this project, newest first (from the local registry)."""
+    from rich.table import Table
+
+    from dflashctl import registry
+    from dflashctl.config import find_project_root
+    from dflashctl.render import out, print_json
+
     jobs = registry.all_jobs(None if all_projects else str(find_project_root()))
     if as_json:
-        print_json([{"id": j.id, "host_name": j.host_name, "state": j.state, "launched_at": j.launched_at,
-                     "run_dir": j.run_dir, "gpus": j.gpus} for j in jobs])  # fmt: skip
+        print_json({"jobs": [{"id": j.id, "host": j.host_name, "state": j.state, "launched_at": j.launched_at,
+                              "run_dir": j.run_dir, "gpus": j.gpus} for j in jobs]})  # fmt: skip
         return
     table = Table(title="jobs", title_justify="left")
     for col in ("id", "host", "state", "launched", "gpus", "run dir"):
@@ -206,7 +245,9 @@ def logs(
     accept_new: bool = AcceptNewOpt,
 ) -> None:
     """Print the end of a job's train.log (everything the job printed)."""
-    from dflashctl.render import neutralise
+    from dflashctl import jobctl
+    from dflashctl.config import find_project_root
+    from dflashctl.render import neutralise, out, print_json
 
     root_dir = str(find_project_root())
     if as_json:
@@ -237,8 +278,11 @@ def watch(
     16 LOST; 17 CONFIG_ERROR; 18 UNREACHABLE (after 10 minutes, unless --until-done); 19 PROBE_FAILED;
     20 KILLED; 21 KILL_FAILED; 130 Ctrl-C.
     """
-    from dflashctl import view
+    from dflashctl import jobctl, view
     from dflashctl import watch as watching
+    from dflashctl.config import find_project_root
+    from dflashctl.render import err, out, print_json
+    from dflashctl.states import EXIT_BY_STATE
 
     job_rec = jobctl.find_job(job, str(find_project_root()))
     w = watching.make_watcher(job_rec, accept_new)
@@ -251,6 +295,8 @@ def watch(
     try:
         if as_json:
             v = watching.run(w, opts, lambda _w, _v, rec: print_json(rec.model_dump()), say=say)
+        elif not out.is_terminal:  # piped, tee'd, nohup: one plain line per poll, as it happens
+            v = watching.run(w, opts, lambda _w, _v, rec: out.print(view.line(rec), markup=False), say=say)
         else:
             from rich.live import Live
 
@@ -272,7 +318,7 @@ def watch(
     except KeyboardInterrupt:
         err.print(f"stopped watching {job_rec.id}; the job keeps running")
         raise typer.Exit(130) from None
-    raise typer.Exit(watching.EXIT_BY_STATE.get(v.state, EXIT_FAILED))
+    raise typer.Exit(EXIT_BY_STATE.get(v.state, EXIT_FAILED))
 
 
 @app.command()
@@ -282,7 +328,8 @@ def diagnose(
 ) -> None:
     """Classify any training log with the same rules `watch` uses, and say what to do next."""
     from dflashctl.diagnosis import diagnose_text
-    from dflashctl.watch import EXIT_BY_STATE
+    from dflashctl.render import out, print_json
+    from dflashctl.states import EXIT_BY_STATE
 
     text = sys.stdin.read() if log_file == "-" else _read_log(log_file)
     v = diagnose_text(text)
@@ -307,31 +354,45 @@ def _read_log(path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: one handler turns every typed error into a one-line message and its exit code."""
+    """Entry point: one handler turns every typed error into a one-line message and its exit code. Under --json the
+    same error is also printed on stdout as {"error", "exit"}, so a script never parses an empty answer."""
     args = sys.argv[1:] if argv is None else argv
+    debug = _state["debug"] or "--debug" in args
+
+    def fail(message: str, code: int) -> int:
+        sys.stderr.write(f"dflashctl: error: {message}\n")
+        if "--json" in args:
+            sys.stdout.write(json.dumps({"error": message, "exit": code}) + "\n")
+        return code
+
     try:
         rv = app(args=args, prog_name="dflashctl", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
     except DflashError as e:
-        if _state["debug"] or "--debug" in args:
+        if debug:
             raise
-        err.print(f"dflashctl: error: {e}", markup=False)
-        return e.exit_code
-    except click.exceptions.Exit as e:
-        return e.exit_code
-    except click.ClickException as e:
-        e.show()
-        return e.exit_code
-    except click.exceptions.Abort:
-        err.print("aborted")
-        return 130
+        if e.exit_code == 0:  # nothing to do: said, not an error
+            sys.stderr.write(f"dflashctl: {e}\n")
+            if "--json" in args:
+                sys.stdout.write(json.dumps({"message": str(e), "exit": 0}) + "\n")
+            return 0
+        return fail(str(e), e.exit_code)
     except KeyboardInterrupt:
         return 130
-    except Exception as e:  # a bug: one line unless --debug
-        if _state["debug"] or "--debug" in args:
+    except Exception as e:
+        kind = type(e).__name__
+        if kind == "Exit":  # typer.Exit / click's, whichever click typer uses
+            return int(getattr(e, "exit_code", 0) or 0)
+        if kind == "Abort":
+            sys.stderr.write("aborted\n")
+            return 130
+        if hasattr(e, "format_message") and isinstance(getattr(e, "exit_code", None), int):
+            # usage errors (unknown command or option, missing argument): click's own message, one line
+            hint = " (see `dflashctl --help`)" if e.exit_code == EXIT_USAGE else ""
+            return fail(e.format_message().replace("\n", " ") + hint, e.exit_code)
+        if debug:
             raise
-        err.print(f"dflashctl: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)")
-        return EXIT_FAILED
+        return fail(f"internal error: {kind}: {e} (run with --debug for the traceback)", EXIT_FAILED)
 
 
 def run() -> None:

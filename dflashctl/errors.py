@@ -68,3 +68,9 @@ class RecordsCorruptError(DflashError):
     """The local job records cannot be read; nothing is written over them."""
 
     exit_code = EXIT_USAGE
+
+
+class NothingToDoError(DflashError):
+    """The request is already satisfied (kill of a finished job): a message, exit 0, nothing changed."""
+
+    exit_code = EXIT_OK

@@ -17,7 +17,7 @@ from pathlib import Path
 from dflashctl import control, registry, session
 from dflashctl.config import resolve_host
 from dflashctl.control import KillReport
-from dflashctl.errors import ConfigError, NoSuchJobError, RefusedError, RemoteCommandError
+from dflashctl.errors import ConfigError, NoSuchJobError, NothingToDoError, RefusedError, RemoteCommandError
 from dflashctl.jobs import load_job
 from dflashctl.registry import JobRecord
 from dflashctl.sync import build_manifest, deploy, manifest_version, read_remote_state
@@ -119,6 +119,8 @@ def find_job(spec: str | None, project: str | None, live_only: bool = False) -> 
 def kill(spec: str | None, project: str, grace_s: float | None = None, accept_new: bool = False) -> KillReport:
     """Stop a job and record what was verified: KILLED only when nothing of it is left, else KILL_FAILED."""
     job = find_job(spec, project, live_only=spec is None)
+    if job.state in ("FINISHED", "KILLED"):  # nothing to stop: say so, rewrite nothing
+        raise NothingToDoError(f"{job.id} is already {job.state}: nothing to kill")
     with open_runner(job.host, accept_new) as runner:
         report = control.stop(runner, job, grace_s)
     registry.update(job.id, state=report.result, killed_at=time.time())
@@ -128,7 +130,15 @@ def kill(spec: str | None, project: str, grace_s: float | None = None, accept_ne
 
 
 def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
-    job = find_job(spec, project)
+    """One probe and a verdict. Without a spec, the same job `kill` would pick (else the newest of the project)."""
+    picked = "given"
+    if spec is None:
+        try:
+            job, picked = find_job(None, project, live_only=True), "live"
+        except NoSuchJobError:
+            job, picked = find_job(None, project), "newest"
+    else:
+        job = find_job(spec, project)
     with open_runner(job.host, accept_new) as runner:
         snap = session.call_probe(runner, {**session.probe_request(job, capture_lines=5), "gpus": False})
     records = snap.get("metrics", {}).get("records", [])
@@ -140,7 +150,7 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     alive = pane.get("exists") and not pane.get("pane_dead")
     v = judge(job, snap)
     return {
-        "id": job.id, "host": job.host_name, "run_dir": job.run_dir,
+        "id": job.id, "host": job.host_name, "run_dir": job.run_dir, "picked": picked,
         "alive": bool(alive), "session": "alive" if alive else ("dead" if pane.get("exists") else "gone"),
         "run_dir_exists": snap["run_dir_exists"], "exit_code": snap.get("exit_code"),
         "last_step": steps[-1] if steps else None, "last_event": events[-1] if events else None,

@@ -11,7 +11,11 @@ from __future__ import annotations
 import base64
 import getpass
 import hashlib
+import logging
+import os
 import shlex
+import shutil
+import socket
 import subprocess
 import threading
 from abc import ABC, abstractmethod
@@ -23,7 +27,11 @@ from typing import BinaryIO
 import paramiko
 
 from dflashctl.config import HostConfig
-from dflashctl.errors import HostKeyError, RemoteCommandError, UnreachableError
+from dflashctl.errors import ConfigError, HostKeyError, RemoteCommandError, UnreachableError
+
+# paramiko logs a failed handshake with a 20-line traceback to stderr; our one-line error says it instead
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+logging.getLogger("paramiko").propagate = False
 
 Progress = Callable[[int], None]
 CHUNK = 256 * 1024
@@ -243,7 +251,7 @@ class _RefuseUnknownPolicy(paramiko.MissingHostKeyPolicy):
 
 @dataclass
 class SshTarget:
-    """A destination with ~/.ssh/config applied: what paramiko needs to connect."""
+    """A destination with the user's ssh configuration applied: what paramiko needs to connect."""
 
     hostname: str
     port: int
@@ -251,16 +259,81 @@ class SshTarget:
     key_filenames: list[str]
     proxy_jump: str | None
     known_hosts: Path
+    proxy_command: str | None = None
+    source: str = "ssh -G"  # how the options were resolved: `ssh -G`, or paramiko's parser without an ssh client
+    in_config: bool = True  # False: the alias matched no Host block (HostName is the alias itself)
 
 
 def ssh_config_path() -> Path:
     return Path.home() / ".ssh" / "config"
 
 
+def _passwd_home() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:
+        return str(Path.home())
+
+
+def _ssh_g(host: HostConfig) -> dict[str, list[str]] | None:
+    """`ssh -G DEST`: the options OpenSSH itself would use (Include, Match, ProxyCommand, ProxyJump, Canonicalize...).
+    None when no OpenSSH client is installed."""
+    ssh = shutil.which("ssh")
+    if ssh is None:
+        return None
+    argv = [ssh, "-G"]
+    if str(Path.home()) != _passwd_home():  # ssh reads the passwd home's config; follow $HOME as we do elsewhere
+        argv += ["-F", str(ssh_config_path()) if ssh_config_path().is_file() else os.devnull]
+    if host.port:
+        argv += ["-p", str(host.port)]
+    if host.user:
+        argv += ["-l", host.user]
+    argv.append(host.ssh or "")
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=15, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        detail = (proc.stderr.strip().splitlines() or ["ssh -G failed"])[-1]
+        raise ConfigError(str(ssh_config_path()), None, f"ssh cannot resolve {host.ssh!r}: {detail}")
+    opts: dict[str, list[str]] = {}
+    for line in proc.stdout.splitlines():
+        key, _, value = line.partition(" ")
+        opts.setdefault(key.lower(), []).append(value)
+    return opts
+
+
+def _home_path(value: str) -> Path:
+    """A path from ssh -G, whose `~` is the passwd home: with $HOME elsewhere, the same file under $HOME."""
+    home = _passwd_home()
+    if str(Path.home()) != home and (value == home or value.startswith(home + "/")):
+        value = str(Path.home()) + value[len(home) :]
+    return Path(value).expanduser()
+
+
 def resolve_ssh_target(host: HostConfig) -> SshTarget:
-    """Apply ~/.ssh/config (HostName, Port, User, IdentityFile, ProxyJump, UserKnownHostsFile) to a destination."""
+    """The destination as the user's own `ssh` resolves it (`ssh -G`); paramiko's parser only without a client."""
     assert host.ssh is not None
     user_in_dest, _, alias = host.ssh.rpartition("@")
+    g = _ssh_g(host)
+    if g is not None:
+        one = lambda k, d=None: (g.get(k) or [d])[0]  # noqa: E731
+        proxy = one("proxycommand")
+        jump = one("proxyjump")
+        keys = [host.identity_file] if host.identity_file else g.get("identityfile", [])
+        hostname = one("hostname", alias)
+        return SshTarget(
+            hostname=hostname,
+            port=int(one("port", "22")),
+            user=one("user") or getpass.getuser(),
+            key_filenames=[str(p) for p in map(_home_path, keys) if p.is_file()],
+            proxy_jump=None if jump in (None, "none") else jump,
+            known_hosts=_home_path((one("userknownhostsfile") or "~/.ssh/known_hosts").split()[0]),
+            proxy_command=None if proxy in (None, "none") else proxy,
+            in_config=hostname != alias or bool(proxy and proxy != "none"),
+        )
     cfg = paramiko.SSHConfig()
     path = ssh_config_path()
     if path.is_file():
@@ -275,7 +348,33 @@ def resolve_ssh_target(host: HostConfig) -> SshTarget:
         key_filenames=[str(Path(k).expanduser()) for k in keys if Path(k).expanduser().is_file()],
         proxy_jump=opts.get("proxyjump"),
         known_hosts=Path(known).expanduser(),
+        proxy_command=opts.get("proxycommand"),
+        source="paramiko",
+        in_config="hostname" in opts,
     )
+
+
+def _expand_proxy_command(cmd: str, target: SshTarget) -> str:
+    """ProxyCommand's tokens, as ssh expands them."""
+    out, i = [], 0
+    table = {"h": target.hostname, "p": str(target.port), "r": target.user, "%": "%"}
+    while i < len(cmd):
+        if cmd[i] == "%" and i + 1 < len(cmd) and cmd[i + 1] in table:
+            out.append(table[cmd[i + 1]])
+            i += 2
+        else:
+            out.append(cmd[i])
+            i += 1
+    return "".join(out)
+
+
+def _jump_host(spec: str, timeout: float) -> HostConfig:
+    """The first hop of ProxyJump `[user@]host[:port][,next...]` (later hops are the jump host's own ProxyJump)."""
+    first = spec.split(",")[0].removeprefix("ssh://")
+    user, _, rest = first.rpartition("@")
+    name, _, port = rest.partition(":")
+    dest = f"{user}@{name}" if user else name
+    return HostConfig(name=first, ssh=dest, port=int(port) if port.isdigit() else None, connect_timeout=timeout)
 
 
 class SshRunner(Runner):
@@ -305,8 +404,10 @@ class SshRunner(Runner):
         sock = None
         timeout = self.host.connect_timeout
         try:
-            if target.proxy_jump:
-                jump_host = HostConfig(name=target.proxy_jump, ssh=target.proxy_jump, connect_timeout=timeout)
+            if target.proxy_command:
+                sock = paramiko.ProxyCommand(_expand_proxy_command(target.proxy_command, target))
+            elif target.proxy_jump:
+                jump_host = _jump_host(target.proxy_jump, timeout)
                 self._jump = SshRunner(jump_host, self.accept_new_host_key)
                 jt = self._jump._connect().get_transport()
                 sock = jt.open_channel("direct-tcpip", (target.hostname, target.port), ("127.0.0.1", 0))
@@ -332,8 +433,14 @@ class SshRunner(Runner):
             raise UnreachableError(f"{where}: authentication failed: {e}") from None
         except TimeoutError:
             raise UnreachableError(f"{where}: no answer within {timeout:g} s") from None
-        except (OSError, paramiko.SSHException) as e:
+        except socket.gaierror:
+            alias = self.host.ssh.rpartition("@")[2] if self.host.ssh else "?"
+            hint = f"`{alias}` is not a Host in your ssh config and " if not target.in_config else ""
+            raise UnreachableError(f"{where}: cannot connect: {hint}no such host name") from None
+        except (OSError, EOFError, paramiko.SSHException) as e:
             reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            if "banner" in reason.lower() or "no existing session" in reason.lower():
+                reason = f"no ssh answer within {timeout:g} s ({reason})"
             raise UnreachableError(f"{where}: cannot connect: {reason}") from None
         transport = client.get_transport()
         assert transport is not None

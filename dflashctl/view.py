@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Group
 from rich.panel import Panel
 from rich.table import Table
@@ -20,6 +22,19 @@ def _duration(s: float | None) -> str:
         return "-"
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def line(rec) -> str:
+    """One poll as one line, for a watch whose output is not a terminal (a log file, a pipe)."""
+    when = time.strftime("%H:%M:%S", time.localtime(rec.time))
+    parts = [f"{when} {rec.job} {rec.state}: {rec.reason}"]
+    if rec.step is not None:
+        parts.append(f"step {rec.step}")
+    if rec.tokens_per_s is not None:
+        parts.append(f"{rec.tokens_per_s:,.0f} tok/s")
+    if rec.state not in ("RUNNING", "STARTING") and rec.evidence:
+        parts.append(f"evidence: {rec.evidence[0]}")
+    return neutralise(" | ".join(parts))
 
 
 def render(w: Watcher, v: Verdict, next_poll_s: float | None = None, log_lines: int = 8) -> Panel:

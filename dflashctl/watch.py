@@ -19,13 +19,9 @@ from dflashctl.health import FAILURES, TERMINAL, History, Thresholds, Verdict, a
 from dflashctl.jobs import WatchConfig
 from dflashctl.notify import Message, post
 from dflashctl.registry import JobRecord
+from dflashctl.states import EXIT_BY_STATE  # noqa: E402,F401 - re-exported for callers of watch
 from dflashctl.transport import Runner, open_runner
 
-EXIT_BY_STATE = {
-    "FINISHED": 0, "RUNNING": 0, "STARTING": 0, "CRASHED": 10, "OOM": 11, "NCCL_TIMEOUT": 12, "STALLED": 13,
-    "DENSE_FALLBACK": 14, "RECOMPILE_LIMIT": 15, "LOST": 16, "CONFIG_ERROR": 17, "UNREACHABLE": 18,
-    "PROBE_FAILED": 19, "KILLED": 20, "KILL_FAILED": 21, "STOPPING": 0,
-}  # fmt: skip
 SPARK = "▁▂▃▄▅▆▇█"
 
 

@@ -56,6 +56,16 @@ def cli_json(*args: str) -> dict | list:
     return json.loads(res.stdout)
 
 
+def status_json(job_id: str, cwd: Path | None = None) -> dict:
+    """`status --json`: its exit code is the state's, as for `watch --once`."""
+    from dflashctl.states import EXIT_BY_STATE
+
+    res = run_cli("status", job_id, "--json", cwd=cwd)
+    st = json.loads(res.stdout)
+    assert res.code == EXIT_BY_STATE[st["state"]], (res.code, st)
+    return st
+
+
 def wait_until(fn, timeout: float = 60.0):
     deadline = time.monotonic() + timeout
     while True:
@@ -82,7 +92,7 @@ def test_command_job_lifecycle(client, tmp_path, host):
     job_id = launched["id"]
     assert job_id.startswith(f"echo-{host}-") and launched["pane_pid"] > 0
     wait_until(lambda: "hello-from-job" in run_cli("logs", job_id, "-n", "5").stdout)
-    st = cli_json("status", job_id)
+    st = status_json(job_id)
     assert st["alive"] and st["session"] == "alive" and st["exit_code"] is None and st["processes"] >= 2
     assert st["state"] == "RUNNING"  # a command job: alive is all that can be told
     logs = run_cli("logs", job_id, "-n", "5").stdout
@@ -90,10 +100,10 @@ def test_command_job_lifecycle(client, tmp_path, host):
     assert f"/releases/{launched['release']}" in logs  # ran in the release it launched from
     as_json = json.loads(run_cli("logs", job_id, "-n", "5", "--json").stdout)
     assert as_json["id"] == job_id and "hello-from-job" in as_json["text"]
-    assert [j["id"] for j in cli_json("ls")] == [job_id]
+    assert [j["id"] for j in cli_json("ls")["jobs"]] == [job_id]
     killed = cli_json("kill", job_id)
     assert killed["clean"] and killed["term"] and killed["session_closed"]
-    st = cli_json("status", job_id)
+    st = status_json(job_id)
     assert not st["alive"] and st["session"] == "gone" and st["run_dir_exists"] and st["state"] == "KILLED"
     assert st["exit_code"] is not None  # the wrapper recorded how the command ended
 
@@ -153,7 +163,7 @@ def test_stale_deploy_is_refused_and_dry_run_changes_nothing(client, tmp_path):
     dry = run_cli("launch", "jobs/echo-box.yaml", "--dry-run")
     assert dry.code == 0 and "run.sh" in dry.stdout and "hello-from-job" in dry.stdout and "remote:" in dry.stdout
     assert remote_tree(tmp_path / "remote") == before
-    assert cli_json("ls") == []
+    assert cli_json("ls") == {"jobs": []}
     (p / "worker.py").write_text(WORKER + "\n# changed\n")
     res = run_cli("launch", "jobs/echo-box.yaml")
     assert res.code == 2 and "deployed code is" in res.stderr and "--deploy" in res.stderr
@@ -205,7 +215,7 @@ def test_demo_trainer_job(client, tmp_path, monkeypatch, host):
     job_id = cli_json_in(ROOT, "launch", str(job))["id"]
     follow = run_cli("logs", job_id, "-f", cwd=ROOT, timeout=600)
     assert follow.code == 0 and "finished: 40 steps" in follow.stdout and "tau" in follow.stdout
-    st = cli_json_in(ROOT, "status", job_id)
+    st = status_json(job_id, ROOT)
     assert st["exit_code"] == 0 and st["last_step"]["step"] == 40 and st["last_event"]["event"] == "finished"
     assert st["state"] == "FINISHED" and st["tau"] is not None
     assert os.path.exists(f"{st['run_dir']}/checkpoints")

@@ -16,7 +16,7 @@ import pytest
 
 from dflashctl import probe
 from tests.conftest import run_cli
-from tests.test_launch import alive, cli_json, wait_until, write_project
+from tests.test_launch import alive, cli_json, status_json, wait_until, write_project
 
 
 def job_file(p: Path, name: str, command: str, extra: str = "") -> str:
@@ -28,7 +28,7 @@ def job_file(p: Path, name: str, command: str, extra: str = "") -> str:
 
 
 def run_dir_of(job_id: str) -> Path:
-    return Path(cli_json("status", job_id)["run_dir"])
+    return Path(status_json(job_id)["run_dir"])
 
 
 def starts(run_dir: Path) -> int:
@@ -57,7 +57,7 @@ def test_kill_during_watch_is_not_undone_by_the_watcher(proj):
     assert "CRASHED" not in seen and seen[-1] == "KILLED"
     run = run_dir_of(job_id)
     assert starts(run) == 1 and not (run / "restarts").exists()
-    assert cli_json("status", job_id)["state"] == "KILLED"
+    assert status_json(job_id)["state"] == "KILLED"
 
 
 def test_two_watchers_restart_once_per_failure_and_keep_max_restarts(proj):
@@ -132,17 +132,17 @@ def test_failed_kill_is_kill_failed_and_a_retry_targets_the_same_job(proj):
         res = run_cli("kill", victim, "--json")
         report = json.loads(res.stdout)
         assert res.code == 1 and report["result"] == "KILL_FAILED" and report["remaining"]
-        assert cli_json("status", victim)["state"] == "KILL_FAILED"
+        assert status_json(victim)["state"] == "KILL_FAILED"
         healthy = cli_json("launch", job_file(proj, "healthy", "sleep 300"))["id"]
         human = run_cli("kill")
         assert human.code == 1 and victim in human.stderr and "KILL_FAILED" in human.stderr
-        assert cli_json("status", healthy)["alive"]
+        assert status_json(healthy)["alive"]
     finally:
         os.killpg(spawner.pid, signal.SIGKILL)
         subprocess.run(["pkill", "-f", f"DFLASHCTL_JOB_ID={victim}"], check=False)
         subprocess.run(["pkill", "-x", "-f", "sleep 1000"], check=False)
     assert cli_json("kill")["result"] == "KILLED"  # the retry reaches the same job, now cleanly
-    assert cli_json("status", victim)["state"] == "KILLED"
+    assert status_json(victim)["state"] == "KILLED"
     assert cli_json("kill", healthy)["result"] == "KILLED"
 
 
@@ -236,7 +236,7 @@ def test_records_are_private_atomic_and_a_corrupt_file_is_never_overwritten(proj
     from dflashctl import registry
 
     job_id = cli_json("launch", job_file(proj, "rec", "sleep 300"))["id"]
-    cli_json("status", job_id)  # a second write: the first file becomes the last good copy
+    status_json(job_id)  # a second write: the first file becomes the last good copy
     d = registry.state_dir()
     assert (d / "jobs.json.bak").stat().st_mode & 0o777 == 0o600
     assert d.stat().st_mode & 0o777 == 0o700 and (d / "jobs.json").stat().st_mode & 0o777 == 0o600
