@@ -44,10 +44,15 @@ NCCL = re.compile(
     r"NCCL communicator was aborted|Some NCCL operations have failed or timed out|DistBackendError.*[Tt]imeout)"
 )
 RECOMPILE = re.compile(r"torch\._dynamo hit config\.(recompile_limit|cache_size_limit)")
+EAGER_FLEX = re.compile(r"flex_attention called without torch\.compile")
 DENSE = re.compile(r"DenseFallbackError")
 CONFIG = re.compile(r"^config error: ")
 FLEX_FRAME = re.compile(r"flex_attention|_guarded_flex|sdpa_dense|math_attention")
 UNITS = {"MiB": 1 / 1024, "GiB": 1.0, "TiB": 1024.0}
+# Exceptions that, raised before the first step, come back identically on every restart (a missing module or file)
+START_ERRORS = re.compile(r"^(ModuleNotFoundError|ImportError|FileNotFoundError|SyntaxError|IsADirectoryError|"
+                          r"PermissionError)\b")  # fmt: skip
+EARLY_S = 300.0  # a command job (no step records) counts as "before its first step" for this long
 
 
 @dataclass
@@ -137,20 +142,31 @@ def classify_log(text: str | list[str], gpu_total_gib: float | None = None) -> F
     if dense:
         return Finding("DENSE_FALLBACK", "the trainer's guard refused a dense flex_attention fallback", dense[-1:])
     oom = [ln for ln in plain if OOM.search(ln)]
-    if oom:
-        flex_tb = next((tb for tb in tbs if tb.flex and OOM.search(tb.exception)), None)
-        if flex_tb or any(_oom_beyond_gpu(ln, gpu_total_gib) for ln in oom):
-            ev = [oom[-1]] + (flex_tb.frames[-3:] if flex_tb else [])
-            return Finding("DENSE_FALLBACK", "out of memory in a dense attention allocation (flex ran eagerly)", ev)
     rec = [i for i, ln in enumerate(plain) if RECOMPILE.search(ln)]
+    if oom:
+        last_oom = max(i for i, ln in enumerate(plain) if OOM.search(ln))
+        flex_tb = next((tb for tb in tbs if tb.flex and OOM.search(tb.exception)), None)
+        # the chain: recompile limit -> flex runs eagerly (warned once per process) -> the dense scores do not fit
+        limit = [i for i in rec if i < last_oom]
+        eager = [i for i, ln in enumerate(plain[:last_oom]) if EAGER_FLEX.search(ln)]
+        if flex_tb or limit or eager or any(_oom_beyond_gpu(ln, gpu_total_gib) for ln in oom):
+            cause = "the recompile limit" if limit else ("flex_attention running uncompiled" if eager else None)
+            reason = "out of memory in a dense attention allocation (flex ran eagerly)"
+            ev = [plain[i[-1]] for i in (limit, eager) if i] + [oom[-1]]
+            ev += flex_tb.frames[-3:] if flex_tb else []
+            return Finding("DENSE_FALLBACK", f"{reason}, caused by {cause}" if cause else reason, ev)
     if rec:
         i = rec[-1]
         ev = [plain[i]] + [ln.strip() for ln in plain[i + 1 : i + 4] if "function:" in ln or "last reason" in ln]
         return Finding("RECOMPILE_LIMIT", "Dynamo hit its recompile limit", ev)
-    if oom:
-        tb = next((tb for tb in tbs if OOM.search(tb.exception)), None)
-        return Finding("OOM", "CUDA out of memory", [oom[-1]] + (tb.frames[-2:] if tb else []))
     nccl = [ln for ln in plain if NCCL.search(ln)]
+    if oom:  # an OOM on one rank leaves the others waiting in a collective: the OOM is the cause, named first
+        tb = next((tb for tb in tbs if OOM.search(tb.exception)), None)
+        where = f" on {tb.stream}" if tb and tb.stream else ""
+        waiting = sorted({m[1] for ln in lines if NCCL.search(ln) and (m := RANK_PREFIX.match(ln))})
+        after = f" (then NCCL timeouts on rank{', rank'.join(waiting)})" if waiting else ""
+        ev = [oom[-1]] + (tb.frames[-2:] if tb else []) + nccl[:1]
+        return Finding("OOM", f"CUDA out of memory{where}{after}", ev)
     if nccl:
         return Finding("NCCL_TIMEOUT", "an NCCL collective timed out", nccl[:1] + nccl[-1:] if len(nccl) > 1 else nccl)
     cfg = [ln for ln in plain if CONFIG.search(ln)]
@@ -235,6 +251,10 @@ def _ended(h: History, lines: list[str]) -> Verdict:
     if code == 0 and (h.finished or not h.is_trainer):
         return _verdict("FINISHED", f"exit 0 at step {h.last_step}", [f"exit_code 0, step {h.last_step}"], h)
     found = classify_log(lines, h.gpu_total_gib)
+    early = h.last_step is None and (h.is_trainer or (h.now - h.started_at) < EARLY_S)
+    if found and found.state == "CRASHED" and early and START_ERRORS.match(found.evidence[0]):
+        reason = f"failed before its first step: {found.evidence[0].split(':')[0]} (exit {code}); a restart repeats it"
+        return _verdict("CONFIG_ERROR", reason, found.evidence, h)
     if found:
         return _verdict(found.state, f"{found.reason} (exit {code})", found.evidence, h)
     if h.is_trainer and code == 3:

@@ -98,3 +98,28 @@ def test_gpu_utilisation_alone_never_proves_progress():
     # a hung collective shows 100% utilisation; the verdict only looks at steps, heartbeat and throughput
     h = running(now=500.0, last_step_time=100.0)
     assert assess(h, TH).state == "STALLED"
+
+
+def test_a_recompile_limit_then_eager_flex_then_oom_names_the_terminal_failure_and_its_cause():
+    found = classify_log(log("recompile-eager-oom.log"))
+    assert found.state == "DENSE_FALLBACK" and "caused by the recompile limit" in found.reason
+    assert any("hit config.recompile_limit" in e for e in found.evidence)
+    assert any("flex_attention called without torch.compile" in e for e in found.evidence)
+    assert any("Tried to allocate 46.00 GiB" in e for e in found.evidence)
+
+
+def test_an_oom_on_one_rank_is_the_cause_of_the_others_nccl_timeouts():
+    found = classify_log(log("nccl-after-oom.log"))
+    assert found.state == "OOM" and found.reason == "CUDA out of memory on rank1 (then NCCL timeouts on rank0, rank3)"
+    assert "Tried to allocate 2.32 GiB" in found.evidence[0] and "Watchdog" in found.evidence[-1]
+
+
+def test_a_crash_before_the_first_step_that_would_repeat_is_not_restarted():
+    lines = ["Traceback (most recent call last):", '  File "/x/train.py", line 1, in <module>', "    import torch",
+             "ModuleNotFoundError: No module named 'torch'"]  # fmt: skip
+    h = History(started_at=0.0, now=10.0, exit_code=1, log_tail=lines)
+    v = assess(h, Thresholds())
+    assert v.state == "CONFIG_ERROR" and "before its first step" in v.reason
+    assert "No module named 'torch'" in v.evidence[0]
+    h = History(started_at=0.0, now=10.0, exit_code=1, log_tail=lines, last_step=50)
+    assert assess(h, Thresholds()).state == "CRASHED"  # after steps it is an ordinary crash
