@@ -219,6 +219,8 @@ class History:
     stop_request: dict | None = None  # `dflashctl kill` asked for a stop (in the run dir: every watcher sees it)
     stop_result: dict | None = None  # what that kill verified: KILLED, or KILL_FAILED with the survivors
     kill_grace_s: float = 40.0
+    activity_at: float | None = None  # remote time of the last sign of progress of a job without metrics
+    activity: str = ""  # what that sign was (log grew, CPU time, GPU busy)
     malformed: int = 0  # metrics lines and heartbeats that were not what the contract says, skipped
 
 
@@ -306,8 +308,14 @@ def assess(h: History, th: Thresholds) -> Verdict:
     if h.heartbeat_age_s is not None and h.heartbeat_age_s > th.heartbeat_max_age_s:
         ev = [f"heartbeat {h.heartbeat_age_s:.0f} s old (limit {th.heartbeat_max_age_s:.0f})", f"step {h.last_step}"]
         return _verdict("STALLED", "the trainer's heartbeat stopped (process frozen or stopped)", ev, h)
-    if h.last_step is None and not h.is_trainer:  # any command: alive is all we can tell without metrics
-        return _verdict("RUNNING", "alive (no metrics.jsonl: progress not measured)", ["pane alive"], h)
+    if h.last_step is None and not h.is_trainer:  # any command: progress from its log, CPU time and GPUs
+        quiet = h.now - (h.activity_at if h.activity_at is not None else h.now)
+        if quiet > th.stall_after_s:
+            ev = [f"no sign of progress for {quiet:.0f} s (limit {th.stall_after_s:.0f}): log unchanged, CPU time "
+                  "flat, GPUs idle or pinned at 100% with frozen memory"]  # fmt: skip
+            return _verdict("STALLED", "no progress (log, CPU, GPUs)", ev, h)
+        seen = f"{h.activity} {quiet:.0f} s ago" if h.activity else "just started"
+        return _verdict("RUNNING", f"alive, {seen} (no metrics.jsonl)", [f"last progress: {seen}"], h)
     if h.last_step is None:
         waited = h.now - h.started_at
         if waited > th.startup_budget_s:

@@ -83,11 +83,11 @@ def launch(
         files = session.run_files(job, job_id, host.python, trainer_cfg, local_version)
         req = {"action": "launch", "workdir": abs_wd, "job_id": job_id, "name": job.name, "session": report.session,
                "gpus": job.gpu_indices, "force": force, "release": local_version, "python": host.python,
-               "tmux_socket": socket}  # fmt: skip
+               "tmux_socket": socket, "needs": {"torch": job.trainer is not None, "cuda": bool(job.gpu_indices)}}
         ans = session.call_agent(runner, req, payload=json.dumps(files).encode())
     if ans.get("refused"):
         if ans.get("config"):
-            raise ConfigError(str(job_path), None, ans["refused"][0])
+            raise ConfigError(str(job_path), ans.get("key"), f"{'; '.join(ans['refused'])} (host {host.name})")
         raise RefusedError(f"{host.name}: {'; '.join(ans['refused'])} (use --force to launch anyway)")
     report.run_dir, report.pane_pid, report.overrides = ans["run_dir"], ans["pane_pid"], ans.get("overrides", [])
     registry.record(JobRecord(

@@ -602,12 +602,41 @@ def our_live_jobs(workdir: str) -> list[dict]:
     return jobs
 
 
+MIN_FREE_GIB = 1.0  # a launch needs room for logs and a first checkpoint; doctor warns well before this
+
+
+def preconditions(req: dict, wd: str) -> list[tuple[str, str]]:
+    """What the job needs from this host, checked before anything is created: (job file key, problem)."""
+    problems = []
+    if not shutil.which("tmux"):
+        problems.append(("host", "tmux is not installed on this host"))
+    needs = req.get("needs") or {}
+    if needs.get("torch"):
+        code = "import torch; print(torch.__version__, int(torch.cuda.is_available()), torch.cuda.device_count())"
+        rc, out = _run([req["python"], "-c", code], timeout=180)
+        if rc != 0:
+            problems.append(("host.python", f"{req['python']} cannot import torch (the trainer needs it)"))
+        elif needs.get("cuda") and out.split()[1:2] != ["1"]:
+            problems.append(("gpus", f"torch {out.split()[0]} on this host has no CUDA (asked for GPUs)"))
+    try:
+        st = os.statvfs(wd)
+        free = st.f_bavail * st.f_frsize / 2**30
+        if free < MIN_FREE_GIB:
+            problems.append(("host.workdir", f"only {free:.2f} GiB free in {wd} (at least {MIN_FREE_GIB:g} needed)"))
+    except OSError:
+        pass
+    return problems
+
+
 def launch(req: dict, payload: bytes) -> dict:
     """Check and start under one host-wide lock, so that two launches at the same moment cannot both take a GPU."""
     wd = req["workdir"]
     os.makedirs(os.path.join(wd, "runs"), mode=0o700, exist_ok=True)
     os.chmod(os.path.join(wd, "runs"), 0o700)
     files = json.loads(payload or b"{}")
+    missing = preconditions(req, wd)  # outside the lock: importing torch takes seconds
+    if missing:
+        return {"refused": [m for _, m in missing], "key": missing[0][0], "config": True}
     with locked(os.path.join(wd, ".launch.lock")):
         release = os.path.join(wd, "releases", req["release"])
         if not os.path.isfile(os.path.join(release, ".dflashctl-manifest.json")):
@@ -625,11 +654,14 @@ def launch(req: dict, payload: bytes) -> dict:
         if wanted:
             gpu = read_gpus(req)
             index = {g["uuid"]: g["index"] for g in gpu["gpus"]}
+            if not gpu["gpus"]:
+                return {"refused": [f"GPUs {sorted(wanted)} asked for, but this host shows none (NVML, nvidia-smi)"],
+                        "key": "gpus", "config": True}  # fmt: skip
             if gpu["gpus"]:
                 bad = sorted(i for i in wanted if i >= len(gpu["gpus"]))
                 if bad:
-                    return {"refused": [f"gpus: index {bad[0]} out of range: this host has {len(gpu['gpus'])} GPUs"],
-                            "config": True}  # fmt: skip
+                    return {"refused": [f"index {bad[0]} out of range: this host has {len(gpu['gpus'])} GPUs"],
+                            "key": "gpus", "config": True}  # fmt: skip
             table = proc_table()
             ours: set[int] = set()
             for other in live:

@@ -81,6 +81,7 @@ class Watcher:
     remote_commands: int = 0
     notes: list[str] = field(default_factory=list)
     heartbeat_seen: tuple | None = None  # (what the heartbeat said, remote time it was first seen so)
+    activity_seen: tuple | None = None  # (log size, CPU seconds, GPU memory) at the previous poll
 
     def __post_init__(self) -> None:
         self.restarts = self.job.restarts
@@ -187,8 +188,31 @@ class Watcher:
         gpu = snap.get("gpu") or {}
         wanted = set(self.job.gpus)
         self.gpus = [g for g in gpu.get("gpus", []) if not wanted or g.get("index") in wanted]
+        self._fold_activity(snap, h)
         totals = [g["mem_total_mib"] / 1024 for g in self.gpus if isinstance(g.get("mem_total_mib"), (int, float))]
         h.gpu_total_gib = max(totals) if totals else None
+
+    def _fold_activity(self, snap: dict, h: History) -> None:
+        """For jobs without metrics: did anything move since the last poll? The log grew, the job's processes used
+        CPU time, or a GPU of the job is busy in a way a hang is not (a hung NCCL collective pins utilisation at
+        100% with memory frozen; an idle one has low utilisation)."""
+        size = int((snap.get("log") or {}).get("size") or 0)
+        cpu = round(sum(p.get("cpu_s") or 0 for p in snap.get("procs", [])), 2)
+        mem = tuple(g.get("mem_used_mib") for g in self.gpus)
+        utils = [g.get("util_pct") for g in self.gpus if isinstance(g.get("util_pct"), (int, float))]
+        prev, self.activity_seen = self.activity_seen, (size, cpu, mem)
+        if prev is None:
+            h.activity_at, h.activity = h.now, ""
+            return
+        moved = []
+        if size > prev[0]:
+            moved.append("log grew")
+        if cpu > prev[1] + 0.2:
+            moved.append(f"CPU +{cpu - prev[1]:.1f} s")
+        if any(5 < u < 99 for u in utils) or (utils and max(utils) >= 99 and mem != prev[2]):
+            moved.append("GPU busy")
+        if moved:
+            h.activity_at, h.activity = h.now, ", ".join(moved)
 
     def _fold_heartbeat(self, hb: dict | None, h: History) -> None:
         """The heartbeat's age is how long it has not changed, on the remote's clock: an mtime in the future (a
@@ -236,6 +260,7 @@ class Watcher:
         self.tail.clear()
         self.step_times.clear()
         self.heartbeat_seen = None
+        self.activity_seen = None
 
 
 @dataclass

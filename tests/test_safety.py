@@ -307,3 +307,57 @@ def test_kill_with_host_gpu_query_checks_after_the_kill_through_nspid(client, tm
     killed = cli_json("kill", job_id)
     assert killed["result"] == "KILLED" and "after the kill" in killed["gpu_check"] and "NSpid" in killed["gpu_check"]
     assert killed["gpu_holders"] == []
+
+
+def test_launch_checks_what_the_job_needs_before_starting_it(proj, tmp_path):
+    """No tmux on the host, no torch for a trainer job, GPUs asked of a host without any: one line naming the job
+    file and key, exit 2, no run dir created."""
+    no_tmux = tmp_path / "py-without-tmux"
+    no_tmux.write_text(f"#!/bin/sh\nPATH=/nonexistent exec {sys.executable} \"$@\"\n")
+    no_tmux.chmod(0o755)
+    remote = proj.parent / "remote" / "plain"
+    hosts = proj.parent / "more-hosts.yaml"
+    hosts.write_text(f"hosts:\n  notmux: {{ssh: testbox, python: {no_tmux}, workdir: {remote}}}\n"
+                     f"  notorch: {{ssh: testbox, python: python3, workdir: {remote}}}\n"
+                     f"  here: {{python: {sys.executable}, workdir: {remote}}}\n")  # fmt: skip
+    env = {"DFLASHCTL_HOSTS": str(hosts)}
+    trainer = "trainer: {steps: 1, target: {random_preset: tiny-qwen3}, attention: {backend: dense}, device: cpu}\n"
+    cases = [
+        ("name: t1\nhost: notmux\ncommand: sleep 1\n", "host: tmux is not installed", env),
+        (f"name: t2\nhost: notorch\n{trainer}", "host.python: python3 cannot import torch", env),
+        # this machine itself: no GPU, no nvidia-smi on the test's PATH
+        ("name: t3\nhost: here\ngpus: [0]\ncommand: sleep 1\n", "gpus: GPUs [0] asked for, but this host shows none",
+         env),
+    ]  # fmt: skip
+    runs = remote / "runs"
+    before = set(os.listdir(runs)) if runs.exists() else set()
+    for i, (body, expect, extra_env) in enumerate(cases):
+        f = proj.parent / "jobfiles" / f"need{i}.yaml"
+        f.parent.mkdir(exist_ok=True)
+        f.write_text(body)
+        res = run_cli("launch", str(f), env=extra_env)
+        lines = res.stderr.strip().splitlines()
+        assert res.code == 2 and len(lines) == 1 and f"{f}: {expect}" in lines[0], lines
+    assert (set(os.listdir(runs)) if runs.exists() else set()) == before
+
+
+def test_a_command_job_that_hangs_is_stalled_and_one_that_works_is_not(proj):
+    """Without metrics, progress is the log's growth, CPU time and GPU activity: `sleep` shows none of them."""
+    watch = "watch: {interval_s: 0.5, stall_after_s: 3, restart_on: []}\n"
+    hung = cli_json("launch", job_file(proj, "hung", "echo begin; sleep 300", watch))["id"]
+    busy = cli_json("launch", job_file(proj, "ticking", "while true; do echo tick; sleep 0.3; done", watch))["id"]
+    try:
+        for job_id, want in ((hung, "STALLED"), (busy, "RUNNING")):
+            proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"],
+                                    stdout=subprocess.PIPE, text=True)  # fmt: skip
+            seen, start = [], time.monotonic()
+            for line in proc.stdout:
+                seen.append(json.loads(line))
+                if seen[-1]["state"] == "STALLED" or time.monotonic() - start > 7:
+                    break
+            proc.terminate()
+            proc.wait(10)
+            assert seen[-1]["state"] == want, (job_id, [r["state"] for r in seen])
+    finally:
+        for job_id in (hung, busy):
+            run_cli("kill", job_id)
