@@ -27,11 +27,34 @@ app = typer.Typer(
 
 _state = {"debug": False}
 
-HostArg = typer.Argument(..., help="A host from dflashctl.yaml or hosts.yaml, `local`, user@host or ssh://host:port.")
-JsonOpt = typer.Option(False, "--json", help="Print one compact JSON object on stdout and nothing else.",
-                       show_default=False)
-AcceptNewOpt = typer.Option(
-    False, "--accept-new-host-key", help="Record an unknown host key in known_hosts (like ssh's accept-new)."
+
+def Flag(*names: str, help: str, **kwargs) -> bool:  # noqa: N802 - reads like typer.Option at the call site
+    """A boolean switch whose --help line shows no `<bool>` placeholder."""
+    return typer.Option(False, *names, help=help, metavar=" ", show_default=False, **kwargs)
+
+def _complete_jobs(incomplete: str) -> list[str]:
+    """Shell completion of job ids (from the local registry; nothing remote)."""
+    try:
+        from dflashctl import registry
+
+        return [j.id for j in registry.all_jobs() if j.id.startswith(incomplete)]
+    except Exception:
+        return []
+
+
+def _complete_hosts(incomplete: str) -> list[str]:
+    try:
+        from dflashctl.config import known_hosts
+
+        return [h for h in ["local", *known_hosts()] if h.startswith(incomplete)]
+    except Exception:
+        return []
+
+
+HostArg = typer.Argument(..., help="A host from dflashctl.yaml or hosts.yaml, `local`, user@host or ssh://host:port.",
+                         autocompletion=_complete_hosts)  # fmt: skip
+JsonOpt = Flag("--json", help="Print one compact JSON object on stdout and nothing else.")
+AcceptNewOpt = Flag("--accept-new-host-key", help="Record an unknown host key in known_hosts (like ssh's accept-new)."
 )
 
 
@@ -43,8 +66,8 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def root(
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+    debug: bool = Flag("--debug", help="Show tracebacks for errors."),
+    version: bool = Flag("--version", callback=_version, is_eager=True, help="Print the version."),
 ) -> None:
     """Deploy code into remote containers, launch the DFlash trainer in tmux, watch it, kill it cleanly."""
     _state["debug"] = debug
@@ -54,7 +77,7 @@ def root(
 def deploy(
     host: str = HostArg,
     workdir: str | None = typer.Option(None, "--workdir", help="Remote root; the code goes to WORKDIR/code."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="List what would change; send nothing."),
+    dry_run: bool = Flag("--dry-run", help="List what would change; send nothing."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
@@ -110,16 +133,17 @@ def doctor(host: str = HostArg, as_json: bool = JsonOpt, accept_new: bool = Acce
         raise typer.Exit(EXIT_FAILED)
 
 
-JobArg = typer.Argument(None, help="Job id, a prefix of it, or a job name; default: the newest job of this project.")
-ProjectOpt = typer.Option(False, "--all-projects", help="List jobs launched from any project.")
+JobArg = typer.Argument(None, help="Job id, a prefix of it, or a job name; default: the newest job of this project.",
+                        autocompletion=_complete_jobs)  # fmt: skip
+ProjectOpt = Flag("--all-projects", help="List jobs launched from any project.")
 
 
 @app.command()
 def launch(
     job_file: Path = typer.Argument(..., help="A job file (jobs/*.yaml).", exists=False),
-    deploy_first: bool = typer.Option(False, "--deploy", help="Deploy the local tree to the job's host first."),
-    force: bool = typer.Option(False, "--force", help="Launch even on GPUs held by another job or process."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the remote commands and files; change nothing."),
+    deploy_first: bool = Flag("--deploy", help="Deploy the local tree to the job's host first."),
+    force: bool = Flag("--force", help="Launch even on GPUs held by another job or process."),
+    dry_run: bool = Flag("--dry-run", help="Print the remote commands and files; change nothing."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
@@ -219,19 +243,23 @@ def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt) -> None:
 
     from dflashctl import registry
     from dflashctl.config import find_project_root
-    from dflashctl.render import out, print_json
+    from dflashctl.render import err, out, print_json
 
     jobs = registry.all_jobs(None if all_projects else str(find_project_root()))
     if as_json:
-        print_json({"jobs": [{"id": j.id, "host": j.host_name, "state": j.state, "launched_at": j.launched_at,
-                              "run_dir": j.run_dir, "gpus": j.gpus} for j in jobs]})  # fmt: skip
+        print_json({"jobs": [{"id": j.id, "host": j.host_name, "state": j.state, "checked_at": j.checked_at,
+                              "launched_at": j.launched_at, "run_dir": j.run_dir, "gpus": j.gpus} for j in jobs]})
         return
-    table = Table(title="jobs", title_justify="left")
-    for col in ("id", "host", "state", "launched", "gpus", "run dir"):
-        table.add_column(col)
+    if not jobs and not all_projects and registry.all_jobs():
+        err.print("no jobs launched from this project; `dflashctl ls --all-projects` lists the others")
+    table = Table(title="jobs (states as last seen: `dflashctl status JOB` looks again)", title_justify="left")
+    for col in ("id", "host", "state", "seen", "launched", "gpus", "run dir"):
+        table.add_column(col, no_wrap=col == "id", overflow="fold")
+    now = time.time()
     for j in jobs:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(j.launched_at))
-        table.add_row(j.id, j.host_name, j.state, when, ",".join(map(str, j.gpus)) or "-", j.run_dir)
+        seen = _ago(now - j.checked_at) if j.checked_at else "-"
+        table.add_row(j.id, j.host_name, j.state, seen, when, ",".join(map(str, j.gpus)) or "-", j.run_dir)
     out.print(table)
 
 
@@ -239,9 +267,9 @@ def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt) -> None:
 def logs(
     job: str | None = JobArg,
     lines: int = typer.Option(50, "-n", "--lines", help="How many of the last lines to print."),
-    follow: bool = typer.Option(False, "-f", "--follow", help="Keep printing new lines until the job ends."),
-    as_json: bool = typer.Option(False, "--json", help='One {"id", "text"} object per chunk of the log.'),
-    raw: bool = typer.Option(False, "--raw", help="Pass terminal escape sequences through (default: shown, inert)."),
+    follow: bool = Flag("-f", "--follow", help="Keep printing new lines until the job ends."),
+    as_json: bool = Flag("--json", help='One {"id", "text"} object per chunk of the log.'),
+    raw: bool = Flag("--raw", help="Pass terminal escape sequences through (default: shown, inert)."),
     accept_new: bool = AcceptNewOpt,
 ) -> None:
     """Print the end of a job's train.log (everything the job printed)."""
@@ -266,9 +294,9 @@ def logs(
 def watch(
     job: str | None = JobArg,
     interval: float | None = typer.Option(None, "--interval", help="Seconds between polls (default: the job's, 60)."),
-    once: bool = typer.Option(False, "--once", help="Poll once, print the verdict, exit with its code."),
-    until_done: bool = typer.Option(False, "--until-done", help="Never give up while the host is unreachable."),
-    as_json: bool = typer.Option(False, "--json", help="One verdict object per poll on stdout, nothing else."),
+    once: bool = Flag("--once", help="Poll once, print the verdict, exit with its code."),
+    until_done: bool = Flag("--until-done", help="Never give up while the host is unreachable."),
+    as_json: bool = Flag("--json", help="One verdict object per poll on stdout, nothing else."),
     accept_new: bool = AcceptNewOpt,
 ) -> None:
     """Follow a job: a verdict per poll (state, reason, evidence), restarts and notifications by its policy.
@@ -322,9 +350,29 @@ def watch(
 
 
 @app.command()
+def attach(
+    job: str | None = JobArg,
+    write: bool = Flag("--write", help="Attach read-write: your keys reach the job (Ctrl-C too)."),
+    dry_run: bool = Flag("--dry-run", help="Print the command that would attach; run nothing."),
+) -> None:
+    """Open the job's tmux pane in this terminal, over ssh (read-only unless --write; detach with Ctrl-b d)."""
+    import os
+    import shlex
+
+    from dflashctl import jobctl
+    from dflashctl.config import find_project_root
+
+    argv = jobctl.attach_argv(jobctl.find_job(job, str(find_project_root())), write)
+    if dry_run:
+        print(shlex.join(argv))
+        return
+    os.execvp(argv[0], argv)
+
+
+@app.command()
 def diagnose(
     log_file: str = typer.Argument(..., help="A log file (train.log, a tmux capture, a SLURM output), or - for stdin."),
-    as_json: bool = typer.Option(False, "--json", help="Print {state, reason, evidence} as JSON."),
+    as_json: bool = Flag("--json", help="Print {state, reason, evidence} as JSON."),
 ) -> None:
     """Classify any training log with the same rules `watch` uses, and say what to do next."""
     from dflashctl.diagnosis import diagnose_text
@@ -342,6 +390,11 @@ def diagnose(
         if v.advice:
             out.print(f"next: {v.advice}", markup=False)
     raise typer.Exit(EXIT_BY_STATE.get(v.state, 0))
+
+
+def _ago(seconds: float) -> str:
+    s = int(max(0, seconds))
+    return f"{s}s ago" if s < 60 else (f"{s // 60}m ago" if s < 3600 else f"{s // 3600}h ago")
 
 
 def _read_log(path: str) -> str:

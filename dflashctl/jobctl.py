@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -108,11 +109,18 @@ def find_job(spec: str | None, project: str | None, live_only: bool = False) -> 
         jobs = [j for j in jobs if j.live]
         jobs.sort(key=lambda j: j.state != "KILL_FAILED")  # stable: newest first within each group
     if spec:
-        exact = [j for j in registry.all_jobs() if j.id == spec]
-        jobs = exact or [j for j in jobs if j.id.startswith(spec) or j.name == spec]
+        everywhere = registry.all_jobs()
+        exact = [j for j in everywhere if j.id == spec]
+        named = [j for j in jobs if j.name == spec]
+        prefixed = [j for j in everywhere if j.id.startswith(spec)]
+        if not exact and not named and len(prefixed) > 1:  # a prefix must name one job, never guess among several
+            ids = ", ".join(j.id for j in prefixed[:8])
+            raise NoSuchJobError(f"{spec!r} is a prefix of {len(prefixed)} jobs: {ids}; give more of the id")
+        jobs = exact or named or prefixed
     if not jobs:
         what = f"matching {spec!r}" if spec else ("live " if live_only else "") + "in this project"
-        raise NoSuchJobError(f"no job {what} (see `dflashctl ls`)")
+        elsewhere = "" if spec or not registry.all_jobs() else "; jobs of other projects: `dflashctl ls --all-projects`"
+        raise NoSuchJobError(f"no job {what} (see `dflashctl ls`){elsewhere}")
     return jobs[0]
 
 
@@ -193,3 +201,20 @@ def logs(
                 break
             time.sleep(poll_s)
     return {"id": job.id, "exit_code": snap.get("exit_code") if follow else None}
+
+
+def attach_argv(job: JobRecord, write: bool = False) -> list[str]:
+    """The command that opens the job's pane: `ssh -t HOST [pct exec CT --] tmux -L SOCK attach -r -t =SESSION`.
+    The system's ssh is used, so the user's own config, agent and known_hosts apply."""
+    from dflashctl.transport import container_prefix
+
+    tmux = ["tmux", "-L", job.tmux_socket, "attach", "-t", f"={job.session}", *([] if write else ["-r"])]
+    host = job.host
+    prefix = container_prefix(host)
+    if prefix[:2] == ["docker", "exec"]:
+        prefix = ["docker", "exec", "-it", *prefix[3:]]
+    if host.is_local:
+        return [*prefix, *tmux]
+    ssh = ["ssh", "-t", *(["-p", str(host.port)] if host.port else []), *(["-l", host.user] if host.user else []),
+           *(["-i", host.identity_file] if host.identity_file else [])]  # fmt: skip
+    return [*ssh, host.ssh or "", shlex.join([*prefix, *tmux])]

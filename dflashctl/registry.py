@@ -50,6 +50,7 @@ class JobRecord(BaseModel):
     state: str = "STARTING"
     reason: str | None = None
     since: float | None = None
+    checked_at: float | None = None  # when `state` was last judged from the remote (ls shows its age)
     restarts: int = 0
     kill_grace_s: float = 40.0
     is_trainer: bool = True
@@ -150,7 +151,7 @@ def record(job: JobRecord) -> None:
         _parse(jobs, d)
         if job.id in jobs:
             raise RecordsCorruptError(f"{d / 'jobs.json'}: a job {job.id} is already recorded; not overwritten")
-        jobs[job.id] = job.model_dump(mode="json")
+        jobs[job.id] = job.model_copy(update={"checked_at": time.time()}).model_dump(mode="json")
         _write(d, jobs)
 
 
@@ -159,6 +160,8 @@ def update(job_id: str, **fields: Any) -> JobRecord:
         jobs = _read(d)
         if job_id not in jobs:
             raise RecordsCorruptError(f"{d / 'jobs.json'}: job {job_id} is not recorded")
+        if "state" in fields:
+            fields = {**fields, "checked_at": time.time()}
         merged = JobRecord.model_validate({**jobs[job_id], **fields})
         jobs[job_id] = merged.model_dump(mode="json")
         _write(d, jobs)

@@ -1,0 +1,79 @@
+"""The command line as users of Typer/click tools expect: usage errors, --json, ids and prefixes, attach, completion."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from dflashctl import registry
+from dflashctl.registry import JobRecord
+from tests.conftest import run_cli
+
+
+@pytest.mark.parametrize("args, expect", [(["statuss"], "No such command 'statuss'"),
+                                          (["launch"], "Missing argument"), (["ls", "--colour"], "No such option")])
+def test_usage_errors_are_one_line_exit_2(args, expect):
+    res = run_cli(*args)
+    lines = res.stderr.strip().splitlines()
+    assert res.code == 2 and len(lines) == 1 and expect in lines[0] and "internal error" not in res.stderr, lines
+
+
+def test_errors_under_json_are_also_an_object_on_stdout(client):
+    res = run_cli("status", "nope", "--json")
+    assert res.code == 2 and json.loads(res.stdout) == {"error": res.stderr.strip().removeprefix("dflashctl: error: "),
+                                                        "exit": 2}  # fmt: skip
+
+
+def test_help_reads_well():
+    res = run_cli("kill", "--help")
+    assert res.code == 0 and "--json" in res.stdout
+    assert not [ln for ln in res.stdout.splitlines() if "--json" in ln and "<bool>" in ln]
+
+
+def record(client, job_id: str, state: str = "RUNNING", project: str | None = None) -> None:
+    registry.record(JobRecord(id=job_id, name=job_id.rsplit("-", 2)[0], project=project or str(client.project),
+                              job_file="/x.yaml", host_name="testbox", host={"name": "testbox", "ssh": "testbox"},
+                              release="r1", command="sleep 1", run_dir=f"/tmp/runs/{job_id}", session=job_id,
+                              launched_at=time.time(), state=state))  # fmt: skip
+
+
+def test_ls_json_is_an_object_and_prefixes_must_be_unique(client, monkeypatch):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    record(client, "exp-20261130T100000Z-aaaa")
+    record(client, "exp-20261130T100001Z-bbbb")
+    listed = json.loads(run_cli("ls", "--json").stdout)
+    assert [j["id"] for j in listed["jobs"]] == ["exp-20261130T100001Z-bbbb", "exp-20261130T100000Z-aaaa"]
+    assert set(listed["jobs"][0]) >= {"id", "host", "state", "checked_at", "run_dir"}
+    res = run_cli("attach", "exp-2026", "--dry-run")
+    assert res.code == 2 and "prefix of 2 jobs" in res.stderr and "exp-20261130T100000Z-aaaa" in res.stderr
+    res = run_cli("attach", "exp-20261130T100000", "--dry-run")
+    assert res.code == 0 and res.stdout.split()[:2] == ["ssh", "-t"]
+    assert "attach -t =exp-20261130T100000Z-aaaa -r" in res.stdout
+
+
+def test_ls_from_another_project_points_at_all_projects(client, monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    record(client, "other-20261130T100000Z-cccc", project="/somewhere/else")
+    res = run_cli("ls")
+    assert res.code == 0 and "--all-projects" in res.stderr
+    assert "other-20261130T100000Z-cccc" in run_cli("ls", "--all-projects").stdout
+
+
+def test_kill_of_a_finished_job_is_a_no_op(client, monkeypatch):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    record(client, "done-20261130T100000Z-dddd", state="FINISHED")
+    res = run_cli("kill", "done-20261130T100000Z-dddd", "--json")
+    assert res.code == 0 and "already FINISHED" in res.stderr and json.loads(res.stdout)["exit"] == 0
+    assert registry.get("done-20261130T100000Z-dddd").state == "FINISHED"
+
+
+def test_completion_offers_job_ids_and_hosts(client, monkeypatch):
+    from dflashctl.cli import _complete_hosts, _complete_jobs
+
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    record(client, "exp-20261130T100000Z-aaaa")
+    client.write_hosts("hosts:\n  gpu-box: {ssh: testbox}\n")
+    assert _complete_jobs("exp") == ["exp-20261130T100000Z-aaaa"]
+    assert set(_complete_hosts("")) >= {"local", "gpu-box"}
