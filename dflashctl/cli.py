@@ -223,10 +223,11 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
               f"{st['processes']} processes, restarts {st['restarts']}")  # fmt: skip
     r = st["last_step"]
     if r and isinstance(r.get("step"), int):
-        loss = f", loss {r['loss']:.4f}" if isinstance(r.get("loss"), (int, float)) else ""
+        loss = f", loss {st['first_loss']:.4f} → {st['last_loss']:.4f}" if st["last_loss"] is not None else ""
         tps = f", {st['mean_tokens_per_s']:,.0f} tok/s (mean)" if st["mean_tokens_per_s"] is not None else ""
         tau = f", tau {st['tau']:.3f}" if st["tau"] is not None else ""
-        out.print(f"step {r['step']}{loss}{tps}{tau}")
+        took = f" in {st['elapsed_s']:.0f} s" if st["elapsed_s"] is not None else ""
+        out.print(f"step {r['step']}{took}{loss}{tps}{tau}")
     ev = st["last_event"]
     if ev:
         fields = ", ".join(f"{k} {v}" for k, v in ev.items() if k not in ("event", "time", "config") and

@@ -154,6 +154,8 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     events = [r for r in records if "event" in r]
     evals = [r for r in events if r.get("event") == "eval" and isinstance(r.get("tau"), (int, float))]
     tps = [r["tokens_per_s"] for r in steps if isinstance(r.get("tokens_per_s"), (int, float))]
+    losses = [r["loss"] for r in steps if isinstance(r.get("loss"), (int, float))]
+    times = [r["time"] for r in records if isinstance(r.get("time"), (int, float))]
     pane = snap["session"]
     alive = pane.get("exists") and not pane.get("pane_dead")
     v = judge(job, snap)
@@ -168,6 +170,8 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
         "heartbeat_age_s": (snap.get("heartbeat") or {}).get("age_s"),
         "tau": evals[-1]["tau"] if evals else None,
         "mean_tokens_per_s": round(sum(tps) / len(tps), 1) if tps else None,
+        "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+        "elapsed_s": round(times[-1] - times[0], 1) if len(times) > 1 else None,
     }  # fmt: skip
 
 

@@ -155,8 +155,48 @@ def hash_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def build_manifest(root: Path, files: list[str] | None = None) -> Manifest:
+class HashCache:
+    """sha256 of files keyed by (path, size, mtime_ns, inode, ctime_ns): unchanged files are not read again. Kept in
+    the state dir (0600), one file per project root; a cache that cannot be read is simply rebuilt."""
+
+    def __init__(self, root: Path) -> None:
+        from dflashctl.registry import state_dir
+
+        key = hashlib.sha256(str(root.resolve()).encode("utf-8", "surrogateescape")).hexdigest()[:16]
+        self.path = state_dir() / "hash-cache" / f"{key}.json"
+        try:
+            data = json.loads(self.path.read_text())
+            self.entries: dict = data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            self.entries = {}
+        self.fresh: dict = {}
+
+    def sha256(self, rel: str, path: Path, st: os.stat_result) -> str:
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
+        hit = self.entries.get(rel)
+        # a file changed within the same clock tick as its last hashing could keep its mtime: not trusted
+        if isinstance(hit, list) and hit[:4] == stamp and time.time_ns() - st.st_mtime_ns > 2_000_000_000:
+            self.fresh[rel] = hit
+            return hit[4]
+        digest = hash_file(path)
+        self.fresh[rel] = [*stamp, digest]
+        return digest
+
+    def save(self) -> None:
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.fresh, f, separators=(",", ":"))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # only a cache
+
+
+def build_manifest(root: Path, files: list[str] | None = None, cache: bool = True) -> Manifest:
     manifest: Manifest = {}
+    hashes = HashCache(root) if cache else None
     for rel in files if files is not None else list_files(root):
         p = root / rel
         st = p.lstat()
@@ -164,7 +204,10 @@ def build_manifest(root: Path, files: list[str] | None = None) -> Manifest:
             target = os.readlink(p).encode("utf-8", "surrogateescape")
             manifest[rel] = Entry(hashlib.sha256(target).hexdigest(), len(target), S_IFLNK | 0o777)
         else:
-            manifest[rel] = Entry(hash_file(p), st.st_size, st.st_mode & 0o777)
+            digest = hashes.sha256(rel, p, st) if hashes else hash_file(p)
+            manifest[rel] = Entry(digest, st.st_size, st.st_mode & 0o777)
+    if hashes:
+        hashes.save()
     return manifest
 
 

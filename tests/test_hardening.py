@@ -162,7 +162,7 @@ def run_agent(wd: Path, req: dict, stream: bytes) -> dict:
 
 
 def tar_of(root: Path, files: list[str]) -> tuple[bytes, str]:
-    manifest = sync.build_manifest(root, files)
+    manifest = sync.build_manifest(root, files, cache=False)
     stream, _ = sync.build_tar(root, files, manifest)
     return stream.read(), sync.manifest_version(manifest)
 
@@ -323,3 +323,21 @@ def test_releases_no_live_job_uses_are_collected(tmp_path):
     kept = set(os.listdir(wd / "releases"))
     assert kept == {versions[1], *versions[-3:]}, (kept, versions)
     assert os.readlink(wd / "code") == f"releases/{versions[-1]}"
+
+
+def test_the_hash_cache_never_hides_a_change(client, tmp_path):
+    """Same size, same mtime restored by hand: the ctime still moves, so the file is hashed again."""
+    root = tmp_path / "tree"
+    root.mkdir()
+    f = root / "a.py"
+    f.write_text("A = 1\n")
+    old = time.time() - 60
+    os.utime(f, (old, old))
+    first = sync.build_manifest(root, ["a.py"])
+    assert sync.build_manifest(root, ["a.py"]) == first  # served from the cache
+    f.write_text("B = 2\n")
+    os.utime(f, (old, old))
+    again = sync.build_manifest(root, ["a.py"])
+    assert again["a.py"].sha256 == sync.hash_file(f) != first["a.py"].sha256
+    cache = sync.HashCache(root).path
+    assert cache.stat().st_mode & 0o777 == 0o600
