@@ -322,7 +322,7 @@ def assess(h: History, th: Thresholds) -> Verdict:
             ev = [f"{waited:.0f} s since start, budget {th.startup_budget_s:.0f} s", f"phase {h.phase}"]
             return _verdict("STALLED", "no first step within the startup budget", ev, h)
         phase = h.phase or "waiting for the first heartbeat"
-        return _verdict("STARTING", f"{phase} for {waited:.0f} s", [f"phase {phase}"], h)
+        return _verdict("STARTING", f"{phase} ({waited:.0f} s since start)", [f"phase {phase}"], h)
     idle = max(0.0, h.now - (h.last_step_time or h.now))
     if idle > th.stall_after_s:
         ev = [f"no new step for {idle:.0f} s (limit {th.stall_after_s:.0f})", f"last step {h.last_step}"]

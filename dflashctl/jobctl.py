@@ -95,7 +95,8 @@ def launch(
         id=job_id, name=job.name, project=str(root), job_file=str(job_path.resolve()), host_name=host.name,
         host=host, release=local_version, command=command, run_dir=report.run_dir, session=report.session,
         pane_pid=report.pane_pid, gpus=job.gpu_indices, launched_at=time.time(), kill_grace_s=job.kill_grace_s,
-        is_trainer=job.trainer is not None, overrides=report.overrides, watch=job.watch, tmux_socket=socket,
+        is_trainer=job.trainer is not None, overrides=report.overrides, tmux_socket=socket,
+        watch=job.watch.model_copy(update={"startup_budget_s": job.startup_budget(trainer_cfg)}),
         steps=(trainer_cfg or {}).get("steps"),
     ))  # fmt: skip
     return report

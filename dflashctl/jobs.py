@@ -71,7 +71,9 @@ class WatchConfig(BaseModel):
 
     interval_s: float = Field(60.0, gt=0, le=86400, description="seconds between polls")
     stall_after_s: float = Field(600.0, gt=0, le=604800, description="no step progress this long while alive: STALLED")
-    startup_budget_s: float = Field(3600.0, gt=0, le=604800, description="time allowed before the first step")
+    startup_budget_s: float | None = Field(
+        None, gt=0, le=604800, description="time allowed before the first step; default: from the trainer's buckets"
+    )
     heartbeat_max_age_s: float = Field(120.0, gt=0, le=86400, description="an older heartbeat (frozen): STALLED")
     throughput_floor: float | None = Field(None, ge=0, description="tokens/s under this for `slow_polls`: STALLED")
     throughput_drop: float = Field(0.3, gt=0, lt=1, description="under this fraction of its rolling median: STALLED")
@@ -154,6 +156,17 @@ class JobConfig(BaseModel):
         if (self.trainer is None) == (self.command is None):
             raise ValueError("set exactly one of `trainer` and `command`")
         return self
+
+    def startup_budget(self, trainer_cfg: dict | None) -> float:
+        """The job's own budget, else for the trainer a base plus a preflight allowance per shape bucket (measured
+        cold: about 10 s per bucket on an H200 with the mask built from anchors; 120 s leaves room for slow
+        hosts and 8 ranks compiling at once), else an hour."""
+        if self.watch.startup_budget_s is not None:
+            return self.watch.startup_budget_s
+        if trainer_cfg is not None:
+            buckets = (trainer_cfg.get("data") or {}).get("seq_buckets") or [1024, 2048, 3072]  # the trainer's default
+            return 300.0 + 120.0 * len(buckets)
+        return 3600.0
 
     @property
     def gpu_indices(self) -> list[int]:

@@ -91,7 +91,7 @@ class Watcher:
     @property
     def thresholds(self) -> Thresholds:
         c = self.cfg
-        return Thresholds(c.stall_after_s, c.startup_budget_s, c.heartbeat_max_age_s, c.throughput_floor,
+        return Thresholds(c.stall_after_s, c.startup_budget_s or 3600.0, c.heartbeat_max_age_s, c.throughput_floor,
                           c.throughput_drop, c.slow_polls)  # fmt: skip
 
     def _connect(self) -> Runner:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dflashctl import probe, session
 from dflashctl.config import HostConfig
-from dflashctl.transport import SshRunner
+from dflashctl.ssh import SshRunner
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "nvidia-smi"
 

@@ -58,3 +58,54 @@ def test_anchors_reproducible_and_among_response_positions():
     a3 = sample_anchors(lm, 200, 16, anchor_generator(1, 1, 5))
     assert torch.equal(a1, a2) and not torch.equal(a1, a3)
     assert ((a1 >= 50) & (a1 < 150)).all() and torch.equal(a1, a1.sort().values) and a1.unique().numel() == 16
+
+
+def _check_tiles(anchors, valid, seq_len, bs):
+    """The tile maps against the dense mask: no allowed tile missed, full tiles all allowed, empty tiles empty."""
+    from trainer.mask import TILE, tile_maps
+
+    partial, full = tile_maps(anchors, valid, seq_len, bs)
+    dense = dense_mask(anchors, valid, seq_len, bs)[:, 0]  # [B, Q, KV]
+    B, Q, KV = dense.shape
+    qt, kt = -(-Q // TILE), -(-KV // TILE)
+    padded = torch.zeros(B, qt * TILE, kt * TILE, dtype=torch.bool)
+    padded[:, :Q, :KV] = dense
+    tiles = padded.view(B, qt, TILE, kt, TILE)
+    any_allowed = tiles.any(dim=(2, 4))  # [B, Qt, KVt]
+    inside = torch.zeros(B, qt * TILE, kt * TILE, dtype=torch.bool)
+    inside[:, :Q, :KV] = True
+    all_allowed = (tiles | ~inside.view(B, qt, TILE, kt, TILE)).all(dim=(2, 4))
+    assert not (partial & full).any()
+    assert torch.equal(any_allowed & ~(partial | full), torch.zeros_like(any_allowed)), "an allowed tile was missed"
+    assert bool((~full | all_allowed).all()), "a full tile is not allowed everywhere"
+    assert not ((partial | full) & ~any_allowed).any(), "an empty tile is marked"
+
+
+def test_tile_maps_are_exact_for_random_unsorted_and_padding_anchors():
+    g = torch.Generator().manual_seed(0)
+    for bs in (8, 16, 32):
+        for seq_len in (128, 256, 384, 1024):
+            A = 128 * 2 // bs  # two query tiles
+            for trial in range(3):
+                lengths = [seq_len, max(3, seq_len // 3), 5, seq_len - 1]
+                anchors = torch.zeros(len(lengths), A, dtype=torch.long)
+                valid = torch.zeros(len(lengths), A, dtype=torch.bool)
+                for b, length in enumerate(lengths):
+                    n = int(torch.randint(0, A + 1, (1,), generator=g)) if trial else A
+                    pos = torch.randint(0, max(1, length - 1), (n,), generator=g)
+                    if trial == 2:
+                        pos = pos.sort(descending=True).values  # unsorted on purpose
+                    anchors[b, :n], valid[b, :n] = pos, True
+                _check_tiles(anchors, valid, seq_len, bs)
+
+
+def test_every_allowed_entry_lies_in_a_tile_the_block_mask_lists():
+    from trainer.mask import block_mask_from_anchors
+
+    anchors = torch.tensor([[5, 200, 130, 0] * 4, [300, 17, 0, 0] * 4])  # 16 blocks of 8: one query tile
+    valid = torch.tensor([[True] * 16, [True, True, False, False] * 4])
+    bm = block_mask_from_anchors(anchors, valid, 384, 8)
+    dense = dense_mask(anchors, valid, 384, 8)[:, 0]
+    assert bm.shape[-2:] == (128, 384 + 128)
+    assert torch.equal(bm.to_dense()[:, 0].bool().repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :128, :512]
+                       | ~dense, torch.ones_like(dense))  # fmt: skip

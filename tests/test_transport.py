@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from dflashctl.config import HostConfig, resolve_host
 from dflashctl.errors import HostKeyError, UnreachableError
-from dflashctl.transport import LocalRunner, SshRunner, open_runner
+from dflashctl.ssh import SshRunner
+from dflashctl.transport import LocalRunner, open_runner
 from tests.conftest import free_port
 
 ECHO_ARGV = [sys.executable, "-c", "import sys, json; sys.stdout.write(json.dumps(sys.argv[1:]))"]

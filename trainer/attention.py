@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from trainer.errors import ConfigError, DenseFallbackError
-from trainer.mask import dense_mask, dense_score_gib, make_mask_mod
+from trainer.mask import block_mask_from_anchors, dense_mask, dense_score_gib
 
 
 def _likely_cause(limit_hit: bool = False) -> str:
@@ -51,19 +51,8 @@ def _mask_shape(anchors: torch.Tensor, seq_len: int, block_size: int) -> tuple[i
     return B, A * block_size, seq_len + A * block_size
 
 
-def _guarded_block_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: int, block_size: int, heads: int):
-    """create_block_mask under the same guard: run eagerly it evaluates the mask over all Q x KV pairs (about 1 GiB
-    of temporaries at seq 8192), so an eager run is refused before it starts, like the attention itself."""
-    B, q_len, kv_len = _mask_shape(anchors, seq_len, block_size)
-    if not torch.compiler.is_compiling():
-        raise DenseFallbackError(_fallback_message(B, heads, q_len, kv_len))
-    mod = make_mask_mod(anchors, anchor_valid, seq_len, block_size)
-    return create_block_mask(mod, B, None, q_len, kv_len, device=anchors.device)
-
-
 # Compiled once, at module level. dynamic=False: shapes are bucketed, and the preflight compiles every bucket.
 _compiled_flex = torch.compile(_guarded_flex, dynamic=False, fullgraph=True)
-_compiled_block_mask = torch.compile(_guarded_block_mask, dynamic=False, fullgraph=True)
 # With fullgraph=True, recent torch raises this at the recompile limit instead of running the frame eagerly (older
 # torch runs it eagerly, and the guard raises). Either way the user sees DenseFallbackError.
 _LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
@@ -77,21 +66,14 @@ def guarded_flex(q, k, v, block_mask):
         raise DenseFallbackError(_fallback_message(B, H, Q, k.shape[2], limit_hit=True)) from e
 
 
-def guarded_block_mask(anchors, anchor_valid, seq_len: int, block_size: int, heads: int):
-    try:
-        return _compiled_block_mask(anchors, anchor_valid, seq_len, block_size, heads)
-    except _LIMIT_HIT as e:
-        B, q_len, kv_len = _mask_shape(anchors, seq_len, block_size)
-        raise DenseFallbackError(_fallback_message(B, heads, q_len, kv_len, limit_hit=True)) from e
-
-
 class FlexBackend:
-    """Compiled, guarded flex_attention with a block-sparse mask built by a compiled, guarded create_block_mask."""
+    """Compiled, guarded flex_attention with a block-sparse mask built from the anchors (no compile, nothing
+    quadratic: trainer.mask.block_mask_from_anchors)."""
 
     name = "flex"
 
     def build_mask(self, anchors, anchor_valid, seq_len: int, block_size: int, num_heads: int) -> BlockMask:
-        return guarded_block_mask(anchors, anchor_valid, seq_len, block_size, num_heads)
+        return block_mask_from_anchors(anchors, anchor_valid, seq_len, block_size)
 
     def __call__(self, q_BHQD, k_BGKD, v_BGKD, mask: BlockMask) -> torch.Tensor:
         return guarded_flex(q_BHQD, k_BGKD, v_BGKD, mask)

@@ -160,8 +160,9 @@ def _build(cls: type, data: dict, source: str, prefix: str = "") -> Any:
 def validate(cfg: TrainConfig, source: str) -> TrainConfig:
     """Cross-field checks that the types alone cannot express."""
     d = cfg.drafter
-    if d.block_size < 2:
-        raise ConfigError(source, "drafter.block_size", "must be at least 2")
+    if d.block_size < 2 or 128 % d.block_size:
+        raise ConfigError(source, "drafter.block_size", "must divide 128 (2, 4, 8, 16, 32, 64 or 128): a flex tile "
+                          "holds whole blocks")  # fmt: skip
     if d.num_layers < 1:
         raise ConfigError(source, "drafter.num_layers", "must be at least 1")
     if cfg.data.anchors_per_seq < 1:

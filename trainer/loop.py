@@ -165,6 +165,7 @@ def preflight(
     freeze: bool = True,
     drafter: torch.nn.Module | None = None,
     eval_anchors: int | None = None,
+    progress: Callable[[str, dict], None] | None = None,
 ) -> PreflightReport:
     """Run every bucket once under the real conditions (grad on, backward, same autocast and checkpointing) so that
     every compiled variant exists before step 1; with `eval_anchors`, also the no-grad shapes evaluation uses. Then
@@ -173,17 +174,33 @@ def preflight(
     module = drafter or parts.drafter
     seconds, peaks = {}, {}
     cuda = parts.device.type == "cuda"
-    for S in buckets:
+    start = time.perf_counter()
+
+    def say(i: int, S: int, part: str) -> None:  # where the preflight is, with an estimate once a bucket is done
+        if progress is None:
+            return
+        done = list(seconds.values())
+        left = sum(done) / len(done) * (len(buckets) - len(done)) if done else None
+        detail = {"bucket": i + 1, "of": len(buckets), "seq_len": S, "part": part,
+                  "elapsed_s": round(time.perf_counter() - start, 1),
+                  "left_s": round(left, 1) if left is not None else None}  # fmt: skip
+        eta = f", about {left:.0f} s left" if left is not None else ""
+        progress(f"preflight bucket {i + 1}/{len(buckets)} (seq {S}): {part}, {detail['elapsed_s']:.0f} s{eta}", detail)
+
+    for i, S in enumerate(buckets):
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
+        say(i, S, "forward")
         with torch.set_grad_enabled(backward):
             loss_sum, w_sum, _ = forward_loss(parts, dummy_batch(parts, S), module)
             if backward:
+                say(i, S, "backward")
                 (loss_sum / w_sum.clamp(min=1)).backward()
                 parts.drafter.zero_grad(set_to_none=True)
         if eval_anchors:
+            say(i, S, "decoding shapes")
             with torch.no_grad():
                 eval_batch = dummy_batch(parts, S, 1, eval_anchors).to(parts.device)
                 drafter_output(parts, parts.drafter, eval_batch, parts.eval_backend)

@@ -123,6 +123,67 @@ def make_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: in
     return mask_mod
 
 
+TILE = 128  # flex_attention's block size: the mask is described per 128 x 128 tile
+
+
+def tile_maps(
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: int, block_size: int, tile: int = TILE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which (query tile, kv tile) pairs hold allowed entries, from the anchors alone: (partial, full), each
+    [B, Qt, KVt] bool. A full tile is allowed everywhere (flex skips the mask there); a partial tile needs the
+    mask_mod; every other tile is empty. No Q x KV evaluation and nothing to compile: a few small tensor ops.
+
+    A query tile of `tile` rows holds `tile / block_size` blocks (padded blocks count as invalid). Its context tiles
+    are full below its smallest anchor when all its blocks are valid, partial up to its largest anchor; its own
+    blocks' keys ([seq_len + q0, seq_len + q1)) are partial tiles (block-diagonal)."""
+    B, A = anchors.shape
+    q_len, kv_len = A * block_size, seq_len + A * block_size
+    per = max(1, tile // block_size)  # blocks per query tile (block_size divides the tile: checked by the config)
+    q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
+    pad = q_tiles * per - A
+    anc = torch.nn.functional.pad(anchors, (0, pad)).view(B, q_tiles, per)  # [B, Qt, per]
+    val = torch.nn.functional.pad(anchor_valid, (0, pad)).view(B, q_tiles, per)  # [B, Qt, per]
+    big = torch.iinfo(anc.dtype).max
+    lo = torch.where(val, anc, big).amin(-1)  # [B, Qt] smallest valid anchor
+    hi = torch.where(val, anc, -1).amax(-1)  # [B, Qt] largest valid anchor (-1: none)
+    all_valid = val.all(-1)  # [B, Qt]
+    start = torch.arange(kv_tiles, device=anchors.device) * tile  # [KVt] first kv index of each tile
+    end = start + tile  # one past the last
+    is_ctx_tile = start < seq_len  # [KVt]
+    ctx_full = (end <= seq_len)[None, None, :] & all_valid[..., None] & (end[None, None, :] <= lo[..., None])
+    ctx_partial = is_ctx_tile[None, None, :] & (start[None, None, :] < hi[..., None]) & ~ctx_full  # [B, Qt, KVt]
+    q0 = torch.arange(q_tiles, device=anchors.device) * tile  # [Qt] first query row of each tile
+    q1 = torch.clamp(q0 + tile, max=q_len)  # one past its last row
+    own = (start[None, :] < seq_len + q1[:, None]) & (end[None, :] > seq_len + q0[:, None])  # [Qt, KVt]
+    partial = ctx_partial | own[None]  # [B, Qt, KVt]
+    return partial & ~ctx_full, ctx_full
+
+
+def _as_blocks(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, Qt, KVt] bool -> (num [B, 1, Qt] int32, indices [B, 1, Qt, KVt] int32, the set tiles first, ascending)."""
+    num = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return num[:, None], order[:, None]
+
+
+def block_mask_from_anchors(anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: int, block_size: int):
+    """The flex BlockMask of the DFlash layout, built from the tile maps with the public `BlockMask.from_kv_blocks`
+    and the shared `mask_mod` for partial tiles. Exact (tests compare it with the dense mask tile by tile)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    partial, full = tile_maps(anchors, anchor_valid, seq_len, block_size)
+    kv_num, kv_idx = _as_blocks(partial)
+    full_num, full_idx = _as_blocks(full)
+    B, A = anchors.shape
+    lengths = (A * block_size, seq_len + A * block_size)
+    mod = make_mask_mod(anchors, anchor_valid, seq_len, block_size)
+    try:
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE, mask_mod=mod,
+                                        seq_lengths=lengths)  # fmt: skip
+    except TypeError:  # torch releases before seq_lengths: the lengths are the tiles' (the buckets are multiples)
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE, mask_mod=mod)
+
+
 def dense_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
     """The same mask materialised: [B, 1, Q_LEN, KV_LEN] bool. For the dense reference and tests only."""
     B, A = anchors.shape

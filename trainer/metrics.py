@@ -28,6 +28,7 @@ EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "start": {"world_size": int, "resumed_from": (int, type(None)), "config": dict},
     "data": {"samples": int, "dropped_too_short": int, "dropped_too_long": int, "holdout": int},
     "preflight": {"buckets": list, "seconds": dict, "peak_mem_gib": dict},
+    "preflight_progress": {"rank": int, "bucket": int, "of": int, "seq_len": int, "part": str, "elapsed_s": float},
     "recompile": {"step": int, "graphs": int},
     "checkpoint": {"path": str, "step": int},
     "checkpoint_fallback": {"skipped": list, "using": (str, type(None))},
@@ -90,6 +91,7 @@ class Heartbeat:
         self.interval = interval
         self.step = 0
         self.phase = "starting"
+        self.detail: dict | None = None  # what the phase is doing (the preflight's bucket, part, estimate)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -100,7 +102,10 @@ class Heartbeat:
 
     def beat(self) -> None:
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"time": time.time(), "step": self.step, "phase": self.phase, "pid": os.getpid()}))
+        body = {"time": time.time(), "step": self.step, "phase": self.phase, "pid": os.getpid()}
+        if self.detail is not None:
+            body["detail"] = self.detail
+        tmp.write_text(json.dumps(body))
         os.replace(tmp, self.path)
 
     def _run(self) -> None:

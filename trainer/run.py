@@ -151,8 +151,17 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
     do_eval = cfg.eval.every > 0 or cfg.eval.at_end
     if heartbeat:
         heartbeat.phase = "preflight"
+
+    def preflight_progress(text: str, detail: dict) -> None:  # a start the user can watch: heartbeat and metrics
+        if heartbeat:
+            heartbeat.phase, heartbeat.detail = text, detail
+        if metrics:
+            metrics.write({"event": "preflight_progress", "rank": world.rank, **detail}, always=True)
+
     report = preflight(parts, backward=True, drafter=model, eval_anchors=eval_anchors(cfg.drafter.block_size)
-                       if do_eval else None)  # fmt: skip
+                       if do_eval else None, progress=preflight_progress)  # fmt: skip
+    if heartbeat:
+        heartbeat.detail = None
     say(f"preflight: buckets {report.buckets}, seconds {report.to_record()['seconds']}")
     if metrics:  # every rank: preflight time and buckets per rank
         metrics.write({**report.to_record(), "rank": world.rank}, always=True)
