@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dflashctl.config import parse_destination, resolve_host
@@ -78,7 +80,8 @@ def test_unreachable_host_cli(cli, client):
     (client.project / "m.py").write_text("x = 1\n")
     client.write_hosts(f"hosts:\n  gone:\n    ssh: root@127.0.0.1\n    port: {free_port()}\n    connect_timeout: 2\n")
     res = cli("deploy", "gone", "--workdir", "/tmp/x", "--json")
-    assert res.code == 2 and res.stdout == "" and res.stderr.count("\n") == 1 and "cannot connect" in res.stderr
+    assert res.code == 2 and res.stderr.count("\n") == 1 and "cannot connect" in res.stderr
+    assert json.loads(res.stdout) == {"error": res.stderr.strip().removeprefix("dflashctl: error: "), "exit": 2}
 
 
 def test_unknown_host_key_cli_says_how(cli, client):

@@ -106,7 +106,7 @@ def test_escaped_descendants_are_killed_and_decoys_survive(proj):
 
 def test_a_dead_pane_contributes_no_process(proj):
     """remain-on-exit keeps a dead pane's old pid: it must never be signalled (it may be someone else's now)."""
-    job_id = cli_json("launch", job_file(proj, "quick", "exit 0"))["id"]
+    job_id = cli_json("launch", job_file(proj, "quick", "exit 3"))["id"]  # CRASHED: a kill is still allowed
     run = run_dir_of(job_id)
     wait_until(lambda: (run / "exit_code").exists())
     pane_pid = json.loads((run / "wrapper.pid").read_text())["pid"]

@@ -48,9 +48,11 @@ def test_flex_equals_dense_reference(seq_len, anchors, block):
 
 
 def test_zero_recompiles_after_preflight():
+    """With the target's layers compiled too (regional compilation, as on CUDA): their output equals eager, and
+    after the preflight no shape of real data compiles anything."""
     cfg = from_dict(
         {
-            "target": {"random_preset": "tiny-qwen3", "dtype": "float32"},
+            "target": {"random_preset": "tiny-qwen3", "dtype": "float32", "compile": "on"},
             "drafter": {"num_layers": 1, "block_size": 8},
             "attention": {"backend": "flex"},
             "data": {"anchors_per_seq": 16, "seq_buckets": [128, 256], "batch_size": 1, "synthetic_samples": 12},
@@ -71,6 +73,10 @@ def test_zero_recompiles_after_preflight():
                 loss_sum, w_sum, _ = forward_loss(parts, make_batch(parts, ds, bucket, [i], epoch=0))
                 assert torch.isfinite(loss_sum) and w_sum > 0
         assert len(lengths) >= 4  # really varied lengths
+        assert graphs_compiled() - baseline == 0
+        ids = make_batch(parts, ds, 128, [0], epoch=0).input_ids
+        eager, compiled = parts.target.hidden_states(ids), parts.target.hidden_states(ids, compiled=True)
+        assert (eager - compiled).abs().max().item() < 1e-4
         assert graphs_compiled() - baseline == 0
     finally:
         unfreeze_compiles()

@@ -75,7 +75,8 @@ def test_run_dir_follows_the_metrics_contract(tmp_path):
     for rec in recs:
         assert validate_record(rec) == [], rec
     events = [r.get("event") for r in recs]
-    assert events[:3] == ["data", "start", "preflight"] and events[-1] == "finished"
+    assert [e for e in events if e != "preflight_progress"][:3] == ["data", "start", "preflight"]
+    assert events[-1] == "finished" and events.index("preflight_progress") < events.index("preflight")
     assert [r["step"] for r in recs if "event" not in r] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in recs if r.get("event") == "checkpoint"] == [3, 6]
     assert any(r.get("event") == "eval" and r["tau"] >= 1.0 for r in recs)

@@ -62,6 +62,8 @@ def build(
         check_backend_supports_training(cfg, device, source)
     apply_compile_policy(cfg.attention.recompile_limit)
     target = load_target(cfg.target, cfg.drafter.num_layers, device, source)
+    if cfg.target.compile == "on" or (cfg.target.compile == "auto" and device.type == "cuda"):
+        target.compile_layers()
     d = cfg.drafter
     if d.hidden_size is not None and d.hidden_size != target.hidden_size:
         raise ConfigError(
@@ -122,7 +124,7 @@ def drafter_output(parts: Parts, drafter: torch.nn.Module, b: BlockBatch, backen
     the training attention.
     """
     backend = backend or parts.backend
-    hidden = parts.target.hidden_states(b.input_ids)  # [B, S, n*C], no grad
+    hidden = parts.target.hidden_states(b.input_ids, compiled=True)  # [B, S, n*C], no grad
     block_emb = parts.target.embed(b.block_ids)  # [B, Q, C], frozen
     heads = parts.drafter.d.num_heads
     mask = backend.build_mask(b.anchors, b.anchor_valid, b.seq_len, b.block_size, heads)

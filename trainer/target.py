@@ -70,6 +70,7 @@ class Target:
         self.model.requires_grad_(False)
         self.model.eval()
         self.layers = _decoder_layers(self.model)
+        self._compiled: list = []
         self.embed: nn.Module = self.model.get_input_embeddings()
         self.lm_head: nn.Module = self.model.get_output_embeddings()
         self.config = self.model.config
@@ -78,9 +79,28 @@ class Target:
     def hidden_size(self) -> int:
         return int(self.config.hidden_size)
 
+    def compile_layers(self) -> None:
+        """Regional compilation: each needed decoder layer's forward through torch.compile (dynamic=False). The layers
+        share one code object and their weights are graph inputs, so one graph per shape bucket serves all of them;
+        the preflight compiles every bucket, like the attention. Used by training only (`compiled=True`): decoding
+        runs other lengths and stays eager."""
+        last = max(self.layer_ids)
+        self._compiled = [torch.compile(layer.forward, dynamic=False) for layer in self.layers[: last + 1]]
+
     @torch.no_grad()
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, compiled: bool = False) -> torch.Tensor:
         """[B, S] token ids -> [B, S, len(layer_ids) * hidden] outputs of the chosen layers, concatenated."""
+        if compiled and self._compiled:
+            for layer, fn in zip(self.layers, self._compiled, strict=False):
+                layer.forward = fn  # an instance attribute: deleting it restores the class's forward
+            try:
+                return self._hidden_states(input_ids)
+            finally:
+                for layer in self.layers[: len(self._compiled)]:
+                    del layer.forward
+        return self._hidden_states(input_ids)
+
+    def _hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         captured: dict[int, torch.Tensor] = {}
         last = max(self.layer_ids)
 
