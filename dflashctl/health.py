@@ -251,7 +251,8 @@ def _ended(h: History, lines: list[str]) -> Verdict:
         ev = [h.fatal.get("message", "")] + (found.evidence if found and found.state != "CRASHED" else [])
         return _verdict(FATAL_STATE[h.fatal["kind"]], f"fatal record: {h.fatal['kind']} (exit {code})", ev, h)
     if code == 0 and (h.finished or not h.is_trainer):
-        return _verdict("FINISHED", f"exit 0 at step {h.last_step}", [f"exit_code 0, step {h.last_step}"], h)
+        at = f" at step {h.last_step}" if h.last_step is not None else ""
+        return _verdict("FINISHED", f"exit 0{at}", [f"exit_code 0{at.replace(' at', ',')}"], h)
     found = classify_log(lines, h.gpu_total_gib)
     early = h.last_step is None and (h.is_trainer or (h.now - h.started_at) < EARLY_S)
     if found and found.state == "CRASHED" and early and START_ERRORS.match(found.evidence[0]):
@@ -285,7 +286,7 @@ def _slow(h: History, th: Thresholds) -> str | None:
 def assess(h: History, th: Thresholds) -> Verdict:
     """The job's state now. Failure evidence in the logs outranks progress numbers; progress alone proves RUNNING."""
     if not h.reachable:
-        v = _verdict("UNREACHABLE", "the host did not answer", [f"last state {h.last_state}"], h)
+        v = _verdict("UNREACHABLE", "the host did not answer", [f"last state {h.last_state or 'not seen yet'}"], h)
         return v
     if h.probe_error is not None:
         return _verdict("PROBE_FAILED", "the host answered but the probe failed there", [h.probe_error], h)
@@ -306,7 +307,8 @@ def assess(h: History, th: Thresholds) -> Verdict:
     if found and found.state in ("DENSE_FALLBACK", "NCCL_TIMEOUT", "RECOMPILE_LIMIT"):
         return _verdict(found.state, found.reason, found.evidence, h)
     if h.heartbeat_age_s is not None and h.heartbeat_age_s > th.heartbeat_max_age_s:
-        ev = [f"heartbeat {h.heartbeat_age_s:.0f} s old (limit {th.heartbeat_max_age_s:.0f})", f"step {h.last_step}"]
+        step = f"step {h.last_step}" if h.last_step is not None else "before the first step"
+        ev = [f"heartbeat {h.heartbeat_age_s:.0f} s old (limit {th.heartbeat_max_age_s:.0f})", step]
         return _verdict("STALLED", "the trainer's heartbeat stopped (process frozen or stopped)", ev, h)
     if h.last_step is None and not h.is_trainer:  # any command: progress from its log, CPU time and GPUs
         quiet = h.now - (h.activity_at if h.activity_at is not None else h.now)

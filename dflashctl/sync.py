@@ -20,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 import subprocess
 import tarfile
 import tempfile
@@ -137,12 +138,16 @@ def list_files(root: Path) -> list[str]:
         if rp.name == MANIFEST_NAME:
             continue
         path = root / rel
-        if path.is_symlink():
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:  # tracked but deleted in the work tree
+            continue
+        if stat.S_ISLNK(mode):
             if not _inside(root, path):
                 raise ConfigError(str(path), None, f"symlink to {os.readlink(path)!r} leads outside the project; "
                                   "deploy refuses to send what it points to")  # fmt: skip
             files.add(rp.as_posix())
-        elif path.is_file():  # tracked but deleted in the work tree, or a submodule: not sent
+        elif stat.S_ISREG(mode):  # a submodule (a directory) is not sent
             files.add(rp.as_posix())
     return sorted(files)
 
@@ -197,14 +202,15 @@ class HashCache:
 def build_manifest(root: Path, files: list[str] | None = None, cache: bool = True) -> Manifest:
     manifest: Manifest = {}
     hashes = HashCache(root) if cache else None
+    base = str(root)
     for rel in files if files is not None else list_files(root):
-        p = root / rel
-        st = p.lstat()
-        if p.is_symlink():
-            target = os.readlink(p).encode("utf-8", "surrogateescape")
+        path = os.path.join(base, rel)
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(path).encode("utf-8", "surrogateescape")
             manifest[rel] = Entry(hashlib.sha256(target).hexdigest(), len(target), S_IFLNK | 0o777)
         else:
-            digest = hashes.sha256(rel, p, st) if hashes else hash_file(p)
+            digest = hashes.sha256(rel, Path(path), st) if hashes else hash_file(Path(path))
             manifest[rel] = Entry(digest, st.st_size, st.st_mode & 0o777)
     if hashes:
         hashes.save()
