@@ -38,6 +38,8 @@ def _safe(rel: str) -> bool:
 
 @contextlib.contextmanager
 def locked(path: str, timeout: float = 600.0):
+    # the same lock as probe.locked: each agent is shipped to the remote as one file and runs alone, so the two
+    # cannot share a module
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     deadline = time.monotonic() + timeout
     try:
