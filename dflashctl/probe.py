@@ -709,6 +709,8 @@ def restart(req: dict) -> dict:
     run = req["run_dir"]
     if not os.path.isdir(run):
         return {"restarted": False, "why": "the run dir is gone"}
+    if not os.path.isfile(os.path.join(run, "launcher.py")):
+        return {"restarted": False, "why": "launched by an older dflashctl (no launcher in its run dir): relaunch it"}
     with locked(os.path.join(run, ".restart.lock"), timeout=float(req.get("grace_s", 40)) + 60):
         if os.path.exists(os.path.join(run, STOP_REQUEST)):
             return {"restarted": False, "why": "a stop was requested (dflashctl kill)"}

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dflashctl.config import HostConfig
 from dflashctl.errors import RecordsCorruptError
@@ -59,6 +59,14 @@ class JobRecord(BaseModel):
     tmux_socket: str = "dflashctl"
     steps: int | None = None
     killed_at: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_older_records(cls, data):
+        """Records written before releases named the deployed tree `code_version`."""
+        if isinstance(data, dict) and "release" not in data and "code_version" in data:
+            data = {**data, "release": data["code_version"]}
+        return data
 
     @property
     def live(self) -> bool:

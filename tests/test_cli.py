@@ -77,3 +77,19 @@ def test_completion_offers_job_ids_and_hosts(client, monkeypatch):
     client.write_hosts("hosts:\n  gpu-box: {ssh: testbox}\n")
     assert _complete_jobs("exp") == ["exp-20261130T100000Z-aaaa"]
     assert set(_complete_hosts("")) >= {"local", "gpu-box"}
+
+
+def test_records_of_the_previous_version_still_read(client, monkeypatch):
+    """A jobs.json written before releases (`code_version`, no `release`) is read, not refused as corrupt."""
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    old = {"old-20261129T100000Z": {
+        "id": "old-20261129T100000Z", "name": "old", "project": str(client.project), "job_file": "/x.yaml",
+        "host_name": "local", "host": {"name": "local"}, "code_version": "abc123", "command": "sleep 1",
+        "run_dir": "/tmp/r", "session": "old-20261129T100000Z", "pane_pid": 1, "gpus": [], "launched_at": 1.0,
+        "state": "FINISHED", "restarts": 0, "kill_grace_s": 40.0, "is_trainer": False, "overrides": [],
+        "watch": {"interval_s": 60.0, "startup_budget_s": 3600.0}, "tmux_socket": "dflashctl", "steps": None}}
+    (client.home / "state").mkdir(parents=True)
+    (client.home / "state" / "jobs.json").write_text(json.dumps(old))
+    listed = json.loads(run_cli("ls", "--json").stdout)["jobs"]
+    assert [j["id"] for j in listed] == ["old-20261129T100000Z"]
+    assert registry.get("old-20261129T100000Z").release == "abc123"
