@@ -361,3 +361,13 @@ def test_a_command_job_that_hangs_is_stalled_and_one_that_works_is_not(proj):
     finally:
         for job_id in (hung, busy):
             run_cli("kill", job_id)
+
+
+def test_watch_into_a_pipe_prints_a_line_per_poll(proj):
+    job_id = cli_json("launch", job_file(proj, "piped", "sleep 300"))["id"]
+    try:
+        res = run_cli("watch", job_id, "--once")  # stdout is a pipe here, as with `| tee` or nohup
+        lines = res.stdout.strip().splitlines()
+        assert res.code == 0 and len(lines) == 1 and f"{job_id} RUNNING: alive" in lines[0], res.stdout
+    finally:
+        run_cli("kill", job_id)
