@@ -38,6 +38,7 @@ class DrafterConfig:
     block_size: int = 16  # tokens per drafted block: the anchor token then block_size - 1 mask tokens
     mask_token_id: int | None = None  # token that fills blocks; None = the tokenizer's pad/eos id, else 0
     activation_checkpointing: bool = False  # recompute each drafter layer in backward (use_reentrant=False)
+    init_from: str | None = None  # a drafter in the public DFlash format (config.json, model.safetensors) to start from
 
 
 @dataclass

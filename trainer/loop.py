@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -54,6 +55,16 @@ class Parts:
     autocast_dtype: torch.dtype | None
 
 
+def resolve_mask_token(cfg: TrainConfig, target_config) -> int:
+    """The token that fills blocks: the configured one, else the target's pad, else its eos, else 0."""
+    tc = target_config
+    mask_id = cfg.drafter.mask_token_id
+    if mask_id is None:
+        mask_id = next((t for t in (getattr(tc, "pad_token_id", None), getattr(tc, "eos_token_id", None)) if t), 0)
+        mask_id = mask_id[0] if isinstance(mask_id, list) else mask_id
+    return int(mask_id)
+
+
 def build(
     cfg: TrainConfig, source: str = "<config>", for_training: bool = True, device: torch.device | None = None
 ) -> Parts:
@@ -73,11 +84,14 @@ def build(
     dims = drafter_dims(target.config, d.num_layers, len(target.layer_ids), overrides)
     torch.manual_seed(cfg.seed)
     drafter = Drafter(dims, d.activation_checkpointing).to(device)
-    tc = target.config
-    mask_id = d.mask_token_id
-    if mask_id is None:
-        mask_id = next((t for t in (getattr(tc, "pad_token_id", None), getattr(tc, "eos_token_id", None)) if t), 0)
-        mask_id = mask_id[0] if isinstance(mask_id, list) else mask_id
+    mask_id = resolve_mask_token(cfg, target.config)
+    if d.init_from:  # fine-tune a drafter in the public DFlash format
+        from trainer.export import check_matches, draft_config, read_export
+
+        config, weights = read_export(Path(d.init_from), source)
+        expected = draft_config(dims, d.block_size, target.layer_ids, mask_id, target.config)
+        check_matches(config, expected, source)
+        drafter.load_state_dict(weights, strict=True)
     backend = make_backend(cfg.attention.backend, cfg.attention.dense_max_gib, source)
     eval_name = cfg.eval.backend or cfg.attention.backend
     same = eval_name == cfg.attention.backend

@@ -32,6 +32,7 @@ EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "recompile": {"step": int, "graphs": int},
     "checkpoint": {"path": str, "step": int},
     "checkpoint_fallback": {"skipped": list, "using": (str, type(None))},
+    "export": {"path": str, "step": int},
     "eval": {"step": int, "tau": float, "prompts": int, "draft_steps": int},
     "fatal": {"kind": str, "message": str},
     "finished": {"step": int},

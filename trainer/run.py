@@ -251,5 +251,14 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
         evaluate(cfg.steps)
     if start_step < cfg.steps:
         save(cfg.steps)
+    if run_dir and world.is_main:  # the drafter in the public DFlash format, ready to serve
+        from trainer.export import draft_config, write_export
+
+        d = parts.drafter.d
+        config = draft_config(d, cfg.drafter.block_size, parts.target.layer_ids, parts.mask_token_id,
+                              parts.target.config)  # fmt: skip
+        path = write_export(run_dir / "export", drafter.state_dict(), config)
+        event("export", path=str(path), step=cfg.steps)
+        say(f"exported {path}")
     event("finished", step=cfg.steps)
     return result
