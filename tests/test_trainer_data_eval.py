@@ -138,7 +138,7 @@ TAU_CONFIG = {
     "optim": {"lr": 3e-3},
     "device": "cpu",
     "log_every": 1000,
-    "eval": {"prompts": 8, "max_new_tokens": 48, "prompt_tokens": 4},
+    "eval": {"prompts": 8, "max_new_tokens": 48},
 }
 
 
@@ -152,8 +152,9 @@ def test_a_drafter_that_copies_the_target_reaches_tau_equal_block_size(monkeypat
         return out[seq.numel() :].tolist()
 
     monkeypatch.setattr(spec, "draft_block", oracle)
-    r = spec.measure_tau(parts, parts.drafter, [torch.tensor([3, 1, 4, 1])], max_new_tokens=40)
-    assert r.steps > 0 and r.tau == 8.0
+    # 1 token from the target alone, then five whole blocks of 8: no step capped by max_new_tokens
+    r = spec.measure_tau(parts, parts.drafter, [torch.tensor([3, 1, 4, 1])], max_new_tokens=41)
+    assert r.steps == 5 and r.tau == 8.0 and r.tau_prompt_mean == 8.0
 
 
 @pytest.mark.slow
@@ -191,3 +192,37 @@ def test_training_on_target_greedy_continuations_raises_tau(tmp_path):
     trained = train(from_dict({**base, "steps": 300}), log=lambda s: None).taus[-1]
     print(f"tau untrained {untrained:.3f}, trained {trained:.3f}")
     assert untrained < 1.2 and trained > untrained + 0.3
+
+
+def test_tau_keeps_whole_prompts_and_stops_at_an_eos_inside_a_block(monkeypatch):
+    """B1: a prompt is never cut (a chat prompt would lose its assistant header): too long is skipped.
+    B2: an EOS accepted in the middle of a block ends the generation there; nothing after it counts; the last step
+    is capped at max_new_tokens."""
+    ids = torch.arange(100) % 200
+    mask = torch.zeros(100, dtype=torch.long)
+    mask[49:] = 1  # a 49-token prompt
+    assert spec.prompt_of((ids, mask), 120).tolist() == ids[:49].tolist()
+    assert spec.prompt_of((ids, mask), 32) is None
+
+    parts = build(from_dict({**TAU_CONFIG, "steps": 1}), for_training=False)
+
+    def oracle(parts_, _drafter, seq):
+        out = seq.clone()
+        for _ in range(parts_.cfg.drafter.block_size - 1):
+            out = torch.cat([out, parts_.target.logits(out[None])[0, -1].argmax()[None]])
+        return out[seq.numel() :].tolist()
+
+    prompt = torch.tensor([3, 1, 4, 1, 5])
+    greedy = prompt.clone()
+    for _ in range(30):
+        greedy = torch.cat([greedy, parts.target.logits(greedy[None])[0, -1].argmax()[None]])
+    plain = greedy[prompt.numel() :].tolist()
+    monkeypatch.setattr(spec, "draft_block", oracle)
+    stop = plain[6]  # a token the target produces inside the first drafted block
+    monkeypatch.setattr(spec, "eos_ids", lambda _parts: {stop})
+    out, gained = spec.speculative_decode(parts, parts.drafter, prompt, max_new_tokens=40)
+    first = plain.index(stop)
+    assert out == plain[: first + 1] and sum(gained) == len(out) - 1  # the first token is the target's alone
+    monkeypatch.setattr(spec, "eos_ids", lambda _parts: set())
+    out, gained = spec.speculative_decode(parts, parts.drafter, prompt, max_new_tokens=12)
+    assert out == plain[:12] and sum(gained) == 11

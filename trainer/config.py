@@ -64,7 +64,7 @@ class DataConfig:
 class OptimConfig:
     lr: float = 6e-4  # peak AdamW learning rate (paper)
     weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW's (beta1, beta2)
     warmup_ratio: float = 0.04  # fraction of steps of linear warmup before the cosine decay
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
     grad_clip: float = 1.0  # max global grad norm
@@ -84,7 +84,9 @@ class EvalConfig:
     at_end: bool = True
     prompts: int = 8  # held-out prompts decoded per evaluation (shared out across ranks)
     max_new_tokens: int = 64
-    prompt_tokens: int = 32  # the prompt is at most this many tokens of a held-out sample (its prompt part)
+    # prompts longer than this are skipped and counted, never cut (a cut chat prompt loses its assistant header and
+    # tau would measure text the drafter never trained on); None = the largest bucket less one block
+    prompt_tokens: int | None = None
     backend: Literal["flex", "dense"] | None = None  # attention for decoding; None = the training backend
 
 
@@ -188,7 +190,8 @@ def validate(cfg: TrainConfig, source: str) -> TrainConfig:
     for key, value in (("grad_accum", cfg.grad_accum), ("checkpoint.keep", cfg.checkpoint.keep)):
         if value < 1:
             raise ConfigError(source, key, "must be at least 1")
-    if cfg.eval.prompt_tokens < 1 or cfg.eval.prompt_tokens + d.block_size > cfg.data.seq_buckets[-1]:
+    pt = cfg.eval.prompt_tokens
+    if pt is not None and (pt < 1 or pt + d.block_size > cfg.data.seq_buckets[-1]):
         raise ConfigError(source, "eval.prompt_tokens", "prompt plus one block must fit the largest bucket")
     if cfg.device not in ("auto", "cpu", "cuda") and not cfg.device.startswith("cuda:"):
         raise ConfigError(source, "device", "expected auto, cpu, cuda or cuda:N")

@@ -10,7 +10,7 @@ drafter that always agrees with the target reaches the block size.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,18 +28,40 @@ class TauResult:
     accepted: int  # tokens gained over all drafting steps (bonus included)
     steps: int  # drafting steps (= target verification passes)
     prompts: int
+    per_prompt: list[float] = field(default_factory=list)  # each prompt's own tau (prompts with at least one step)
 
     @property
     def tau(self) -> float:
+        """Pooled: all tokens gained over all drafting steps."""
         return self.accepted / self.steps if self.steps else 0.0
 
+    @property
+    def tau_prompt_mean(self) -> float:
+        """The mean of per-prompt means, as the published evaluators report it."""
+        return sum(self.per_prompt) / len(self.per_prompt) if self.per_prompt else 0.0
 
-def prompt_of(sample: tuple[torch.Tensor, torch.Tensor], max_tokens: int) -> torch.Tensor:
-    """The sample's prompt (tokens before the first response token), at most `max_tokens` long."""
+
+NO_PROMPT_TOKENS = 32  # a sample whose response starts at once: its first tokens serve as the prompt
+
+
+def prompt_of(sample: tuple[torch.Tensor, torch.Tensor], max_tokens: int) -> torch.Tensor | None:
+    """The sample's whole prompt (the tokens before its first response token), or None when it is longer than
+    `max_tokens`: such a prompt is skipped, never cut."""
     ids, mask = sample
     resp = torch.nonzero(mask, as_tuple=False).flatten()
-    n = int(resp[0]) if resp.numel() and int(resp[0]) > 0 else max_tokens
-    return ids[: max(1, min(n, max_tokens))]
+    if resp.numel() and int(resp[0]) > 0:
+        n = int(resp[0])
+        return ids[:n] if n <= max_tokens else None
+    return ids[: max(1, min(NO_PROMPT_TOKENS, max_tokens, ids.numel()))]
+
+
+def eos_ids(parts: Parts) -> set[int]:
+    """Every id that ends generation: the model config's and the generation config's (chat models list several)."""
+    found: set[int] = set()
+    for source in (parts.target.config, getattr(parts.target.model, "generation_config", None)):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        found |= set(eos if isinstance(eos, (list, tuple)) else [eos])
+    return {int(t) for t in found if t is not None}
 
 
 @torch.no_grad()
@@ -65,8 +87,7 @@ def speculative_decode(
     """Greedy speculative decoding of one prompt: (generated tokens, tokens gained per drafting step)."""
     bs = parts.cfg.drafter.block_size
     limit = parts.cfg.data.seq_buckets[-1]
-    eos = getattr(parts.target.config, "eos_token_id", None)
-    eos = set(eos if isinstance(eos, list) else [eos]) - {None}
+    eos = eos_ids(parts)
     seq = prompt.to(parts.device)
     if seq.numel() == 0:
         return [], []
@@ -82,9 +103,14 @@ def speculative_decode(
         n = 0
         while n < len(drafts) and drafts[n] == preds[n]:
             n += 1
-        new = drafts[:n] + [preds[n]]
+        new = (drafts[:n] + [preds[n]])[: max_new_tokens - (seq.numel() - prompt.numel())]  # the last step: capped
+        end = next((i for i, t in enumerate(new) if t in eos), None)
+        if end is not None:  # an EOS accepted inside the block ends the generation there: nothing after it counts
+            new = new[: end + 1]
         seq = torch.cat([seq, seq.new_tensor(new)])
         gained.append(len(new))
+        if end is not None:
+            break
     return seq[prompt.numel() :].tolist(), gained
 
 
@@ -92,11 +118,14 @@ def measure_tau(parts: Parts, drafter: torch.nn.Module, prompts: list[torch.Tens
     was_training = drafter.training
     drafter.eval()
     accepted = steps = 0
+    per_prompt = []
     try:
         for prompt in prompts:
             _, gained = speculative_decode(parts, drafter, prompt, max_new_tokens)
             accepted += sum(gained)
             steps += len(gained)
+            if gained:
+                per_prompt.append(sum(gained) / len(gained))
     finally:
         drafter.train(was_training)
-    return TauResult(accepted, steps, len(prompts))
+    return TauResult(accepted, steps, len(prompts), per_prompt)

@@ -167,17 +167,23 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
         metrics.write({**report.to_record(), "rank": world.rank}, always=True)
     baseline = graphs_compiled()
     result = TrainResult(preflight=report, start_step=start_step, parts=parts)
-    prompts = [prompt_of(s, cfg.eval.prompt_tokens) for s in ds.heldout[: cfg.eval.prompts]]
+    limit = cfg.eval.prompt_tokens or cfg.data.seq_buckets[-1] - cfg.drafter.block_size
+    found = [prompt_of(s, limit) for s in ds.heldout[: cfg.eval.prompts]]
+    prompts = [p for p in found if p is not None]
+    skipped_prompts = len(found) - len(prompts)
 
     def evaluate(step: int) -> None:
         mine = prompts[world.rank :: world.size]
         r = measure_tau(parts, drafter, mine, cfg.eval.max_new_tokens)
-        totals = all_reduce_sum(torch.tensor([r.accepted, r.steps, r.prompts], dtype=torch.float64,
-                                             device=world.device), world).tolist()  # fmt: skip
+        totals = all_reduce_sum(torch.tensor([r.accepted, r.steps, r.prompts, sum(r.per_prompt), len(r.per_prompt)],
+                                             dtype=torch.float64, device=world.device), world).tolist()  # fmt: skip
         tau = totals[0] / totals[1] if totals[1] else 0.0
+        prompt_mean = totals[3] / totals[4] if totals[4] else 0.0
         result.taus.append(tau)
-        say(f"eval step {step}: tau {tau:.3f} over {int(totals[2])} prompts, {int(totals[1])} draft steps")
-        event("eval", step=step, tau=round(tau, 4), prompts=int(totals[2]), draft_steps=int(totals[1]))
+        say(f"eval step {step}: tau {prompt_mean:.3f} (mean of per-prompt means; pooled {tau:.3f}) over "
+            f"{int(totals[2])} prompts, {int(totals[1])} draft steps, {skipped_prompts} prompts skipped as too long")
+        event("eval", step=step, tau=round(tau, 4), tau_pooled=round(tau, 4), tau_prompt_mean=round(prompt_mean, 4),
+              prompts=int(totals[2]), prompts_skipped=skipped_prompts, draft_steps=int(totals[1]))  # fmt: skip
 
     def save(step: int) -> None:
         rngs = all_gather_objects(checkpoint.rng_state(), world)
