@@ -49,7 +49,7 @@ def test_loss_mask_covers_assistant_turns_only():
     assert tok.decode(ids2[mask2.bool()].tolist()).split() == ["two", "three", ".", "<|im_end|>"]
 
 
-def test_dataset_drops_and_counts_samples_too_short_for_a_block(tmp_path):
+def test_dataset_drops_samples_too_short_for_a_block_and_truncates_long_ones(tmp_path):
     path = tmp_path / "d.jsonl"
     rows = [
         {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1]},
@@ -66,7 +66,9 @@ def test_dataset_drops_and_counts_samples_too_short_for_a_block(tmp_path):
         }
     )
     ds = make_dataset(cfg.data, 256, 8, 0)
-    assert (len(ds.samples), len(ds.heldout), ds.dropped_too_short, ds.dropped_too_long) == (1, 1, 1, 1)
+    assert (len(ds.samples) + len(ds.heldout), ds.dropped_too_short, ds.truncated) == (3, 1, 1)
+    long = next(s for s in ds.samples + ds.heldout if s[0].numel() == 128)  # cut to the largest bucket
+    assert long[0].tolist() == list(range(128)) and long[1].tolist() == [1] * 128
 
 
 def test_chat_training_from_a_target_directory(tmp_path, tiny_dir):

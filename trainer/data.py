@@ -126,8 +126,9 @@ class Dataset:
     samples: list[Sample]
     buckets: list[int]
     heldout: list[Sample]
-    dropped_too_long: int = 0
+    dropped_too_long: int = 0  # kept for the record's shape: long samples are truncated now, never dropped
     dropped_too_short: int = 0
+    truncated: int = 0  # samples longer than the largest bucket, cut to it with their loss mask (as SpecForge does)
 
 
 def greedy_samples(n: int, lengths: list[int], seed: int, generate: Generate, alphabet: int = 16) -> list[Sample]:
@@ -151,7 +152,8 @@ def make_dataset(
     cfg: DataConfig, vocab: int, block_size: int, seed: int, tok=None, source: str = "<config>",
     generate: Generate | None = None,
 ) -> Dataset:  # fmt: skip
-    """Read or synthesise samples, drop what cannot make one block or fits no bucket, hold out `cfg.holdout`.
+    """Read or synthesise samples, truncate what is longer than the largest bucket, drop what cannot make one block,
+    hold out `cfg.holdout`.
 
     `generate(prompts, max_new_tokens) -> continuations` is the target's greedy decoder (for `target_greedy`).
     """
@@ -163,18 +165,20 @@ def make_dataset(
     else:
         lengths = [max(block_size * 2, int(b * f)) for b in cfg.seq_buckets for f in (0.6, 0.9)]
         raw = synthetic_samples(cfg.synthetic_samples + cfg.holdout, vocab, lengths, seed)
-    kept, too_long, too_short = [], 0, 0
+    kept, truncated, too_short = [], 0, 0
+    longest = cfg.seq_buckets[-1]
     for ids, mask in raw:
         if bucket_for(ids.numel(), cfg.seq_buckets) is None:
-            too_long += 1
-        elif int(mask[1:].sum()) < 1 or ids.numel() < 2:
+            ids, mask = ids[:longest], mask[:longest]
+            truncated += 1
+        if int(mask[1:].sum()) < 1 or ids.numel() < 2:
             too_short += 1  # no response position with a label after it: not even one block
         else:
             kept.append((ids, mask))
     holdout = min(cfg.holdout, max(0, len(kept) - 1))
     if not kept[holdout:]:
-        raise ConfigError(source, "data", "no usable samples (all too long for the buckets, or no response)")
-    return Dataset(kept[holdout:], cfg.seq_buckets, kept[:holdout], too_long, too_short)
+        raise ConfigError(source, "data", "no usable samples (none has a response position to learn from)")
+    return Dataset(kept[holdout:], cfg.seq_buckets, kept[:holdout], 0, too_short, truncated)
 
 
 def epoch_batches(ds: Dataset, global_batch: int, seed: int, epoch: int) -> list[tuple[int, list[int]]]:

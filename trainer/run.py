@@ -109,9 +109,9 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
     vocab = int(parts.target.config.vocab_size)
     ds = make_dataset(cfg.data, vocab, cfg.drafter.block_size, cfg.seed, tok, source, greedy_generator(parts))
     say(f"data: {len(ds.samples)} samples, {len(ds.heldout)} held out, dropped {ds.dropped_too_short} too short, "
-        f"{ds.dropped_too_long} too long")  # fmt: skip
+        f"{ds.truncated} truncated to the largest bucket")  # fmt: skip
     event("data", samples=len(ds.samples), dropped_too_short=ds.dropped_too_short,
-          dropped_too_long=ds.dropped_too_long, holdout=len(ds.heldout))  # fmt: skip
+          dropped_too_long=ds.dropped_too_long, truncated=ds.truncated, holdout=len(ds.heldout))  # fmt: skip
 
     drafter = parts.drafter
     model = drafter
