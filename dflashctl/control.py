@@ -47,7 +47,7 @@ def stop(runner: Runner, job: JobRecord, grace_s: float | None = None) -> KillRe
     holders, check = ans["gpu_holders"], ans["gpu_check"]
     if on_host:
         every = set(ans["every"])
-        seen = session.host_gpu_holders(runner)
+        seen = session.call_agent(runner, {"action": "gpu_holders"}, on_host=True)  # pids in every namespace
         holders = [a for a in seen["apps"] if not a.get("gone") and (a.get("nspid") or [a["pid"]])[-1] in every]
         check = f"{seen['source']} on the container's host after the kill, pids mapped through NSpid"
         if holders and ans["result"] == "KILLED":

@@ -105,12 +105,12 @@ def launch(
 def find_job(spec: str | None, project: str | None, live_only: bool = False) -> JobRecord:
     """A job by id, id prefix or name (newest match), or the newest job of the project. For a kill (live_only), a
     job whose last kill failed comes first: retrying `dflashctl kill` must reach the same job, never the next one."""
-    jobs = registry.all_jobs(project)
+    everywhere = registry.all_jobs()  # one read of the records serves every lookup below
+    jobs = [j for j in everywhere if project is None or j.project == project]
     if live_only:
         jobs = [j for j in jobs if j.live]
         jobs.sort(key=lambda j: j.state != "KILL_FAILED")  # stable: newest first within each group
     if spec:
-        everywhere = registry.all_jobs()
         exact = [j for j in everywhere if j.id == spec]
         named = [j for j in jobs if j.name == spec]
         prefixed = [j for j in everywhere if j.id.startswith(spec)]
@@ -120,7 +120,7 @@ def find_job(spec: str | None, project: str | None, live_only: bool = False) -> 
         jobs = exact or named or prefixed
     if not jobs:
         what = f"matching {spec!r}" if spec else ("live " if live_only else "") + "in this project"
-        elsewhere = "" if spec or not registry.all_jobs() else "; jobs of other projects: `dflashctl ls --all-projects`"
+        elsewhere = "" if spec or not everywhere else "; jobs of other projects: `dflashctl ls --all-projects`"
         raise NoSuchJobError(f"no job {what} (see `dflashctl ls`){elsewhere}")
     return jobs[0]
 
@@ -149,7 +149,7 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     else:
         job = find_job(spec, project)
     with open_runner(job.host, accept_new) as runner:
-        snap = session.call_probe(runner, {**session.probe_request(job, capture_lines=5), "gpus": False})
+        snap = session.call_agent(runner, {**session.probe_request(job, capture_lines=5), "gpus": False})
     records = snap.get("metrics", {}).get("records", [])
     steps = [r for r in records if "event" not in r]
     events = [r for r in records if "event" in r]
@@ -196,7 +196,7 @@ def logs(
         snap: dict = {}
         while follow:
             req = {**session.probe_request(job, log_offset=offset, capture_lines=0), "gpus": False}
-            snap = session.call_probe(runner, req)
+            snap = session.call_agent(runner, req)
             new = snap.get("log", {})
             if new.get("text"):
                 emit(new["text"].rstrip("\n"))

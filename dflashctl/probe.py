@@ -588,32 +588,24 @@ def start_session(run_dir: str, session: str, python: str, args: list[str]) -> i
     return int(info.get("pane_pid") or 0)
 
 
-def collect_dead_sessions(workdir: str) -> list[str]:
-    """Close the tmux sessions of our jobs that have ended (dead pane, exit_code written): their state is in the run
-    dir; the dead pane only kept a pid that may belong to someone else by now."""
-    dead = {s["name"] for s in list_sessions() if s["dead"]}
-    closed = []
-    runs = os.path.join(workdir, "runs")
-    for name in os.listdir(runs) if dead and os.path.isdir(runs) else []:
-        meta = read_json(os.path.join(runs, name, "job.json"))
-        session = meta.get("session") if isinstance(meta, dict) else None
-        if session in dead and os.path.exists(os.path.join(runs, name, "exit_code")):
-            _run([*TMUX, "kill-session", "-t", f"={session}"])
-            closed.append(session)
-    return closed
-
-
 def our_live_jobs(workdir: str) -> list[dict]:
-    """Jobs of ours whose tmux session is alive on this socket, from their run dirs' job.json."""
-    live = {s["name"] for s in list_sessions() if not s["dead"]}
+    """Jobs of ours whose tmux session is alive on this socket (from their run dirs' job.json), after closing the
+    sessions of our jobs that have ended (dead pane, exit_code written): their state is in the run dir, and a dead
+    pane only kept a pid that may belong to someone else by now. One look at the sessions and the run dirs."""
+    sessions = {s["name"]: s["dead"] for s in list_sessions()}
     jobs = []
     runs = os.path.join(workdir, "runs")
-    for name in os.listdir(runs) if os.path.isdir(runs) else []:
-        meta = read_json(os.path.join(runs, name, "job.json"))
-        if isinstance(meta, dict) and meta.get("session") in live and not os.path.exists(
-            os.path.join(runs, name, STOP_RESULT)
-        ):
-            jobs.append({**meta, "run_dir": os.path.join(runs, name)})
+    for name in os.listdir(runs) if sessions and os.path.isdir(runs) else []:
+        run = os.path.join(runs, name)
+        meta = read_json(os.path.join(run, "job.json"))
+        session = meta.get("session") if isinstance(meta, dict) else None
+        if session not in sessions:
+            continue
+        if sessions[session]:
+            if os.path.exists(os.path.join(run, "exit_code")):
+                _run([*TMUX, "kill-session", "-t", f"={session}"])
+        elif not os.path.exists(os.path.join(run, STOP_RESULT)):
+            jobs.append({**meta, "run_dir": run})
     return jobs
 
 
@@ -656,7 +648,6 @@ def launch(req: dict, payload: bytes) -> dict:
         release = os.path.join(wd, "releases", req["release"])
         if not os.path.isfile(os.path.join(release, ".dflashctl-manifest.json")):
             return {"refused": [f"release {req['release']} is not deployed in {wd} (run dflashctl deploy)"]}
-        collect_dead_sessions(wd)
         refused, overrides = [], []
         live = our_live_jobs(wd)
         wanted = set(req.get("gpus") or [])

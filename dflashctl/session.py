@@ -125,16 +125,21 @@ def run_files(
     return files
 
 
-def call_agent(runner: Runner, request: dict, payload: bytes = b"", timeout: float = 60) -> dict:
+def call_agent(
+    runner: Runner, request: dict, payload: bytes = b"", timeout: float = 60, on_host: bool = False
+) -> dict:
     """One remote command: the probe (inside the container) runs one action, with host-side GPU readings when the
-    host is configured so. A host that answers but whose probe fails raises ProbeFailedError with its stderr."""
+    host is configured so; with `on_host`, the probe runs on the container's host itself (its python3). A host that
+    answers but whose probe fails raises ProbeFailedError with its stderr."""
     host: HostConfig = runner.host
     req = json.dumps(request, separators=(",", ":"))
     if len(req) > MAX_REQUEST_BYTES:
         raise ConfigError("request", None, f"too large for one remote command ({len(req)} bytes)")
-    inner = [host.python, "-c", BOOT, str(len(PROBE_SOURCE)), req]
+    inner = ["python3" if on_host else host.python, "-c", BOOT, str(len(PROBE_SOURCE)), req]
     stdin = PROBE_SOURCE + payload
-    if host.container and host.gpu_query == "host" and request.get("gpus", True):
+    if on_host:
+        res = runner.run(inner, stdin=stdin, on_host=True, timeout=timeout)
+    elif host.container and host.gpu_query == "host" and request.get("gpus", True):
         argv = ["bash", "--noprofile", "--norc", "-c", HOST_GPU_SCRIPT, "dflashctl", *container_prefix(host), *inner]
         res = runner.run(argv, stdin=stdin, on_host=True, timeout=timeout)
     else:
@@ -147,21 +152,6 @@ def call_agent(runner: Runner, request: dict, payload: bytes = b"", timeout: flo
     except ValueError:
         detail = (res.err or res.out).strip()[-400:] or f"exit status {res.returncode}, no output"
         raise ProbeFailedError(f"probe on {host.name} failed (exit {res.returncode}): {detail}") from None
-
-
-def call_probe(runner: Runner, request: dict, timeout: float = 60) -> dict:
-    return call_agent(runner, request, timeout=timeout)
-
-
-def host_gpu_holders(runner: Runner) -> dict:
-    """GPU processes read on the container's host, with their pids in every namespace (after a kill)."""
-    host = runner.host
-    req = json.dumps({"action": "gpu_holders"}, separators=(",", ":"))
-    res = runner.run(["python3", "-c", BOOT, str(len(PROBE_SOURCE)), req], stdin=PROBE_SOURCE, on_host=True)
-    try:
-        return json.loads(res.out)
-    except ValueError:
-        raise ProbeFailedError(f"GPU check on {host.name}'s host failed: {res.err.strip()[-300:]}") from None
 
 
 def probe_request(job, log_offset: int = 0, metrics_offset: int = 0, capture_lines: int = 40) -> dict:

@@ -115,7 +115,7 @@ class Watcher:
         try:
             runner = self._connect()
             before = runner.commands_run
-            snap = session.call_probe(runner, req)
+            snap = session.call_agent(runner, req)
             self.remote_commands = runner.commands_run - before
         except ProbeFailedError as e:  # the host answered: not UNREACHABLE
             self.history.reachable = True

@@ -48,7 +48,7 @@ def test_one_command_reads_gpus_on_the_container_host(client, sshd):
         host = HostConfig(name="boxpct", ssh="testbox", container="pct:7", python=sys.executable, gpu_query=gpu_query)
         with SshRunner(host) as runner:
             before = runner.commands_run
-            snap = session.call_probe(runner, {"gpus": True})
+            snap = session.call_agent(runner, {"gpus": True})
             assert runner.commands_run - before == 1
         assert snap["gpu"]["source"] == source
         assert snap["gpu"]["gpus"][0]["name"] == "NVIDIA H200" and snap["gpu"]["gpus"][0]["mem_total_mib"] == 143771
