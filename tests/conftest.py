@@ -198,3 +198,18 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, timeou
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny target directory (weights, tokenizer with a chat template and a mask token) and a chat dataset."""
+    import json
+
+    from trainer.tiny import chat_samples, write_tiny_target
+
+    out = tmp_path_factory.mktemp("tiny")
+    write_tiny_target(out / "target")
+    with open(out / "chat.jsonl", "w") as f:
+        for rec in chat_samples(24, seed=1):
+            f.write(json.dumps(rec) + "\n")
+    return out

@@ -17,19 +17,9 @@ from trainer.config import from_dict
 from trainer.data import make_dataset, parse_record
 from trainer.loop import build
 from trainer.run import train
-from trainer.tiny import build_tokenizer, chat_samples, write_tiny_target
+from trainer.tiny import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    write_tiny_target(out / "target")
-    with open(out / "chat.jsonl", "w") as f:
-        for rec in chat_samples(24, seed=1):
-            f.write(json.dumps(rec) + "\n")
-    return out
 
 
 def test_loss_mask_covers_assistant_turns_only():

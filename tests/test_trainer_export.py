@@ -146,3 +146,38 @@ def test_export_of_something_that_is_no_run_is_one_line_exit_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "trainer.export", "--run-dir", str(tmp_path), "--out",
                            str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "metrics.jsonl" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------- the mask token
+
+
+def test_mask_token_is_dedicated_never_pad_or_eos(tiny_dir):
+    """The tokenizer's mask token first; else the family's published id; else a config error naming the key."""
+    from types import SimpleNamespace
+
+    from trainer.data import load_tokenizer
+    from trainer.errors import ConfigError
+    from trainer.loop import resolve_mask_token
+
+    cfg = from_dict(CONFIG)
+    tok = load_tokenizer(str(tiny_dir / "target"))
+    tiny = SimpleNamespace(model_type="qwen3", vocab_size=len(tok), pad_token_id=0, eos_token_id=tok.eos_token_id)
+    got = resolve_mask_token(cfg, tiny, tok)
+    assert got == tok.mask_token_id == len(tok) - 1 and got not in (tok.pad_token_id, tok.eos_token_id)
+    qwen3 = SimpleNamespace(model_type="qwen3", vocab_size=151936, pad_token_id=151643, eos_token_id=151645)
+    assert resolve_mask_token(cfg, qwen3, None) == 151669
+    for unknown in (SimpleNamespace(model_type="llama", vocab_size=128256), SimpleNamespace(model_type="qwen3",
+                                                                                            vocab_size=1000)):
+        with pytest.raises(ConfigError, match=r"job.yaml: drafter.mask_token_id: no dedicated mask token"):
+            resolve_mask_token(cfg, unknown, None, "job.yaml")
+    cfg.drafter.mask_token_id = 128256
+    with pytest.raises(ConfigError, match=r"drafter.mask_token_id: 128256 is outside the vocabulary"):
+        resolve_mask_token(cfg, SimpleNamespace(model_type="llama", vocab_size=128256), None, "job.yaml")
+    cfg.drafter.mask_token_id = 128002
+    assert resolve_mask_token(cfg, SimpleNamespace(model_type="llama", vocab_size=128256), None) == 128002
+
+
+def test_export_records_the_mask_token_the_run_trained_with(run_dir):
+    start = next(json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"start"' in x)
+    config = json.loads((run_dir / "export" / "config.json").read_text())
+    assert config["dflash_config"]["mask_token_id"] == start["mask_token_id"] == 255  # the tiny preset's reserved row

@@ -36,7 +36,8 @@ class DrafterConfig:
     num_kv_heads: int | None = None  # key/value heads; None = the target's
     head_dim: int | None = None  # None = the target's
     block_size: int = 16  # tokens per drafted block: the anchor token then block_size - 1 mask tokens
-    mask_token_id: int | None = None  # token that fills blocks; None = the tokenizer's pad/eos id, else 0
+    # token that fills blocks; None = the tokenizer's mask token, else the family's published id (Qwen3: 151669)
+    mask_token_id: int | None = None
     activation_checkpointing: bool = False  # recompute each drafter layer in backward (use_reentrant=False)
     init_from: str | None = None  # a drafter in the public DFlash format (config.json, model.safetensors) to start from
 

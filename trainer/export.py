@@ -124,7 +124,7 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, dtype: str = "
     """Export a checkpoint of a run (`step`, or the newest intact one) with the run's own config."""
     from trainer import checkpoint
     from trainer.config import from_dict
-    from trainer.loop import resolve_mask_token
+    from trainer.loop import resolve_mask_token, soft_tokenizer
     from trainer.model import drafter_dims
     from trainer.target import RANDOM_PRESETS, default_layer_ids
 
@@ -132,7 +132,8 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, dtype: str = "
     src = str(run_dir / "metrics.jsonl")
     try:
         starts = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"start"' in x]
-        cfg = from_dict(next(r for r in reversed(starts) if r.get("event") == "start")["config"], src)
+        start = next(r for r in reversed(starts) if r.get("event") == "start")
+        cfg = from_dict(start["config"], src)
     except (OSError, ValueError, StopIteration):
         raise ConfigError(src, None, "no start record with the run's config: not a run dir of this trainer") from None
     ckpts = run_dir / "checkpoints"
@@ -157,7 +158,10 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, dtype: str = "
     d = cfg.drafter
     overrides = {k: getattr(d, k) for k in ("intermediate_size", "num_heads", "num_kv_heads", "head_dim")}
     dims = drafter_dims(tc, n, len(layer_ids), overrides)
-    config = draft_config(dims, d.block_size, layer_ids, resolve_mask_token(cfg, tc), tc)
+    mask_id = start.get("mask_token_id")  # what the run trained with; older runs: resolved again
+    if not isinstance(mask_id, int):
+        mask_id = resolve_mask_token(cfg, tc, soft_tokenizer(cfg), src)
+    config = draft_config(dims, d.block_size, layer_ids, mask_id, tc)
     return write_export(out, weights, config, dtype)
 
 

@@ -55,14 +55,48 @@ class Parts:
     autocast_dtype: torch.dtype | None
 
 
-def resolve_mask_token(cfg: TrainConfig, target_config) -> int:
-    """The token that fills blocks: the configured one, else the target's pad, else its eos, else 0."""
-    tc = target_config
-    mask_id = cfg.drafter.mask_token_id
-    if mask_id is None:
-        mask_id = next((t for t in (getattr(tc, "pad_token_id", None), getattr(tc, "eos_token_id", None)) if t), 0)
-        mask_id = mask_id[0] if isinstance(mask_id, list) else mask_id
-    return int(mask_id)
+# Mask ids of the published DFlash drafters, by target family: a row the family's vocabulary reserves and never emits.
+PUBLISHED_MASK_IDS = {"qwen3": 151669, "qwen3_moe": 151669}
+
+
+def resolve_mask_token(cfg: TrainConfig, target_config, tokenizer=None, source: str = "<config>") -> int:
+    """The token that fills blocks: a dedicated one, never a token the target emits (pad or eos would teach the
+    drafter that a real token means "unknown").
+
+    In order: `drafter.mask_token_id`; the tokenizer's mask token; the target config's own `mask_token_id` (the tiny
+    preset declares one); the family's published id when the vocabulary has that row; else a config error.
+    """
+    vocab = int(getattr(target_config, "vocab_size", 0) or 0)
+    configured = cfg.drafter.mask_token_id
+    if configured is not None:
+        if not 0 <= configured < vocab:
+            raise ConfigError(source, "drafter.mask_token_id", f"{configured} is outside the vocabulary 0..{vocab - 1}")
+        return int(configured)
+    for candidate in (getattr(tokenizer, "mask_token_id", None), getattr(target_config, "mask_token_id", None)):
+        if isinstance(candidate, int) and 0 <= candidate < vocab:
+            return candidate
+    family = getattr(target_config, "model_type", None)
+    published = PUBLISHED_MASK_IDS.get(family)
+    if published is not None and published < vocab:
+        return published
+    raise ConfigError(
+        source, "drafter.mask_token_id",
+        f"no dedicated mask token: the tokenizer has none and no published DFlash id is known for {family!r} "
+        "targets; set it to a reserved token the target never emits",
+    )  # fmt: skip
+
+
+def soft_tokenizer(cfg: TrainConfig):
+    """The tokenizer when one can be read (for its mask token); a target directory without one is not an error."""
+    path = cfg.data.tokenizer or cfg.target.path
+    if path is None:
+        return None
+    try:
+        from trainer.data import load_tokenizer
+
+        return load_tokenizer(path)
+    except (ConfigError, ImportError):
+        return None
 
 
 def build(
@@ -84,7 +118,7 @@ def build(
     dims = drafter_dims(target.config, d.num_layers, len(target.layer_ids), overrides)
     torch.manual_seed(cfg.seed)
     drafter = Drafter(dims, d.activation_checkpointing).to(device)
-    mask_id = resolve_mask_token(cfg, target.config)
+    mask_id = resolve_mask_token(cfg, target.config, soft_tokenizer(cfg), source)
     if d.init_from:  # fine-tune a drafter in the public DFlash format
         from trainer.export import check_matches, draft_config, read_export
 

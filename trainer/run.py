@@ -146,7 +146,8 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
         if world.rank < len(loaded.rng):
             checkpoint.set_rng_state(loaded.rng[world.rank])
         say(f"resumed from {latest} at step {start_step}")
-    event("start", world_size=world.size, resumed_from=resumed_from, config=to_dict(cfg))
+    event("start", world_size=world.size, resumed_from=resumed_from, mask_token_id=parts.mask_token_id,
+          config=to_dict(cfg))
 
     do_eval = cfg.eval.every > 0 or cfg.eval.at_end
     if heartbeat:

@@ -33,6 +33,7 @@ def tiny_qwen3_config() -> dict:
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
         rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
         initializer_range=0.3,  # a trained LM head is far from the 0.02 init: make logits of a normed state matter
+        mask_token_id=255,  # the last row, reserved as the drafter's mask token
     )  # fmt: skip
 
 

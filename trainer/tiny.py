@@ -12,6 +12,7 @@ import random
 from pathlib import Path
 
 SPECIALS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+MASK = "<|mask|>"  # the drafter's mask token: the last id, never in a conversation
 ROLES = ["system", "user", "assistant"]
 WORDS = (  # noqa: SIM905
     "the a one two three four five six seven eight nine ten red green blue cat dog bird fish tree river stone "
@@ -28,11 +29,12 @@ def build_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(SPECIALS + ROLES + WORDS)}
+    vocab = {w: i for i, w in enumerate(SPECIALS + ROLES + WORDS + [MASK])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>", bos_token=None
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>", bos_token=None,
+        mask_token=MASK,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
