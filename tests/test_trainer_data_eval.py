@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,37 +78,66 @@ eval: {{prompts: 2, max_new_tokens: 8}}
     assert "data: 22 samples, 2 held out" in proc.stdout and "step 2/2" in proc.stdout
 
 
-def test_regenerate_rewrites_responses_with_the_target(tmp_path, tiny_dir):
+def regenerate(tmp_path, tiny_dir, inp: Path, out: Path, *extra: str) -> list[str]:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"target: {{path: {tiny_dir / 'target'}, dtype: float32}}\ndevice: cpu\n")
-    out = tmp_path / "out.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.regenerate",
-        "--config",
-        str(cfg),
-        "--input",
-        str(tiny_dir / "chat.jsonl"),
-        "--output",
-        str(out),
-        "--max-new-tokens",
-        "6",
-        "--batch-size",
-        "5",
-    ]
+    return [sys.executable, "-m", "trainer.regenerate", "--config", str(cfg), "--input", str(inp), "--output",
+            str(out), "--max-new-tokens", "6", "--quiet", *extra]  # fmt: skip
+
+
+def multi_turn(first_answer: str) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": "please count after two ."},
+                          {"role": "assistant", "content": first_answer},
+                          {"role": "user", "content": "then count after five ."},
+                          {"role": "assistant", "content": "six seven"}]},
+            {"prompt": "list colours after red ?", "response": "green"}]  # fmt: skip
+
+
+def test_regenerate_rewrites_every_assistant_turn_on_the_rewritten_history(tmp_path, tiny_dir):
+    """Two datasets that differ only in the first answer come out identical: the second turn was conditioned on the
+    regenerated first answer, not on the dataset's own."""
+    outs = []
+    for name, answer in (("a", "three four"), ("b", "nine nine nine red")):
+        inp, out = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.out.jsonl"
+        inp.write_text("".join(json.dumps(r) + "\n" for r in multi_turn(answer)))
+        proc = subprocess.run(regenerate(tmp_path, tiny_dir, inp, out, "--batch-size", "2"), capture_output=True,
+                              text=True, timeout=300, cwd=ROOT)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert "wrote 2 records (3 turns)" in proc.stdout and not out.with_name(out.name + ".partial").exists()
+        outs.append([json.loads(x) for x in out.read_text().splitlines()])
+    a, b = outs
+    assert a == b
+    msgs = a[0]["messages"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
+    assert msgs[0]["content"] == "please count after two ." and msgs[2]["content"] == "then count after five ."
+    assert msgs[1]["content"] != "three four" or msgs[3]["content"] != "six seven"
+    assert set(a[1]) == {"prompt", "response"}
+
+
+def test_regenerate_resumes_after_a_kill_and_equals_an_uninterrupted_run(tmp_path, tiny_dir):
+    whole = tmp_path / "whole.jsonl"
+    cmd = regenerate(tmp_path, tiny_dir, tiny_dir / "chat.jsonl", whole, "--batch-size", "1")
+    subprocess.run(cmd, capture_output=True, timeout=300, cwd=ROOT, check=True)
+    out = tmp_path / "resumed.jsonl"
+    partial = out.with_name(out.name + ".partial")
+    cmd[cmd.index(str(whole))] = str(out)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not partial.exists() or len(partial.read_text().splitlines()) < 4):
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    assert not out.exists(), "the output appears only whole"
+    done = len(partial.read_text().splitlines()) - 1
+    with open(partial, "a") as f:
+        f.write('{"record": 7, "tu')  # a line cut by the kill
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    before = [json.loads(x) for x in (tiny_dir / "chat.jsonl").read_text().splitlines()]
-    after = [json.loads(x) for x in out.read_text().splitlines()]
-    assert len(after) == len(before)
-    for a, b in zip(after, before, strict=True):
-        assert a["messages"][:-1] == b["messages"][:-1] and a["messages"][-1]["role"] == "assistant"
-    assert any(a["messages"][-1] != b["messages"][-1] for a, b in zip(after, before, strict=True))
-    again = tmp_path / "again.jsonl"
-    cmd[cmd.index(str(out))] = str(again)
-    subprocess.run(cmd, capture_output=True, timeout=300, cwd=ROOT, check=True)
-    assert again.read_text() == out.read_text(), "greedy regeneration must be deterministic"
+    assert 3 <= done <= 24 and out.read_text() == whole.read_text() and not partial.exists()
+    # a partial file of other settings is refused, not mixed in
+    partial.write_text(json.dumps({"input_sha256": "x"}) + "\n")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and f"{partial}: left by a run with other input" in proc.stderr
 
 
 def test_bad_records_name_file_and_line(tmp_path, tiny_dir):
