@@ -225,7 +225,7 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
     if r and isinstance(r.get("step"), int):
         loss = f", loss {st['first_loss']:.4f} → {st['last_loss']:.4f}" if st["last_loss"] is not None else ""
         tps = f", {st['mean_tokens_per_s']:,.0f} tok/s (mean)" if st["mean_tokens_per_s"] is not None else ""
-        tau = f", tau {st['tau']:.3f}" if st["tau"] is not None else ""
+        tau = f", tau {st['tau']:.3f} on {st['tau_set']}" if st["tau"] is not None else ""
         took = f" in {st['elapsed_s']:.0f} s" if st["elapsed_s"] is not None else ""
         out.print(f"step {r['step']}{took}{loss}{tps}{tau}")
     ev = st["last_event"]

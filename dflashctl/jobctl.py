@@ -170,6 +170,7 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
         "state": v.state, "reason": v.reason, "restarts": snap.get("restarts", job.restarts),
         "heartbeat_age_s": (snap.get("heartbeat") or {}).get("age_s"),
         "tau": evals[-1]["tau"] if evals else None,
+        "tau_set": str(evals[-1].get("prompt_set") or "holdout")[:64] if evals else None,
         "mean_tokens_per_s": round(sum(tps) / len(tps), 1) if tps else None,
         "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
         "elapsed_s": round(times[-1] - times[0], 1) if len(times) > 1 else None,

@@ -49,7 +49,8 @@ def render(w: Watcher, v: Verdict, next_poll_s: float | None = None, log_lines: 
     stats.add_row("step", step, "epoch", str(h.epoch if h.epoch is not None else "-"))
     stats.add_row("tokens/s", f"{tps:,.0f}" if tps else "-", "trend", sparkline(w.tps_all))
     stats.add_row("loss", f"{h.loss:.4f}" if h.loss is not None else "-", "ETA", _duration(w.eta_s()))
-    stats.add_row("restarts", f"{w.restarts} of {w.cfg.max_restarts}", "tau", f"{w.tau:.2f}" if w.tau else "-")
+    tau = f"{w.tau:.2f} on {neutralise(w.tau_set or 'holdout')}" if w.tau else "-"
+    stats.add_row("restarts", f"{w.restarts} of {w.cfg.max_restarts}", "tau", tau)
     parts: list = [head, stats]
     if v.state not in ("RUNNING", "STARTING") and v.evidence:
         parts.append(Text(neutralise("\n".join(v.evidence[:6])), style=colour))

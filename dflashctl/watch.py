@@ -77,6 +77,7 @@ class Watcher:
     since: float = 0.0
     restarts: int = 0
     tau: float | None = None
+    tau_set: str | None = None  # the prompt set the tau was measured on (eval.prompt_file's stem, or holdout)
     pending_events: list[dict] = field(default_factory=list)
     remote_commands: int = 0
     notes: list[str] = field(default_factory=list)
@@ -181,6 +182,7 @@ class Watcher:
                 h.finished = True
             elif ev == "eval":
                 self.tau = _number(rec.get("tau"))
+                self.tau_set = str(rec.get("prompt_set") or "holdout")[:64]
         if new_tps:
             h.tokens_per_s.append(sum(new_tps) / len(new_tps))
             self.tps_all.extend(new_tps)

@@ -71,11 +71,19 @@ attention: {{backend: dense}}
 data: {{path: {tiny_dir / "chat.jsonl"}, anchors_per_seq: 16, seq_buckets: [128], holdout: 2}}
 device: cpu
 steps: 2
-eval: {{prompts: 2, max_new_tokens: 8}}
+eval: {{prompts: 2, max_new_tokens: 8, prompt_file: {tmp_path / "gsm8k.jsonl"}}}
 """)
+    lines = ['{"question": "please count after two ."}', '{"question": "' + "count " * 200 + '"}']
+    (tmp_path / "gsm8k.jsonl").write_text("\n".join(lines) + "\n")
     proc = run_trainer_cli(cfg)
     assert proc.returncode == 0, proc.stderr
     assert "data: 22 samples, 2 held out" in proc.stdout and "step 2/2" in proc.stdout
+    # tau on the named prompt set, through the chat template; the prompt too long for the bucket skipped, not cut
+    assert "eval step 2 on gsm8k: tau" in proc.stdout and "over 1 prompts" in proc.stdout
+    assert "1 prompts skipped as too long" in proc.stdout
+    (tmp_path / "gsm8k.jsonl").write_text('{"question": "count after two ."}\n{"answer": 4}\n')
+    proc = run_trainer_cli(cfg)
+    assert proc.returncode == 2 and f"{tmp_path / 'gsm8k.jsonl'}:2: expected one of" in proc.stderr
 
 
 def regenerate(tmp_path, tiny_dir, inp: Path, out: Path, *extra: str) -> list[str]:

@@ -89,6 +89,10 @@ class EvalConfig:
     # tau would measure text the drafter never trained on); None = the largest bucket less one block
     prompt_tokens: int | None = None
     backend: Literal["flex", "dense"] | None = None  # attention for decoding; None = the training backend
+    # a prompt file (GSM8K, HumanEval, MT-Bench or chat JSONL, see trainer/prompts.py) instead of the held-out
+    # samples; its stem names the set in the eval event and in watch/status. First turns only, through the template.
+    prompt_file: str | None = None
+    thinking: bool = False  # the chat template's enable_thinking for prompt_file
 
 
 @dataclass

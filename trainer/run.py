@@ -62,6 +62,24 @@ class DataStream:
         return self.epoch, b
 
 
+def eval_prompts(cfg: TrainConfig, ds: Dataset, limit: int, source: str) -> tuple[str, list]:
+    """(set name, prompts) for tau: the configured prompt file's first turns, else the held-out samples' prompts.
+    A prompt over `limit` tokens is None (skipped and counted, never cut)."""
+    if cfg.eval.prompt_file is None:
+        return "holdout", [prompt_of(s, limit) for s in ds.heldout[: cfg.eval.prompts]]
+    from trainer.prompts import read_prompts, render
+
+    tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, source)
+    if tok is None:
+        raise ConfigError(source, "eval.prompt_file", "needs a tokenizer (data.tokenizer or target.path)")
+    name, convs = read_prompts(cfg.eval.prompt_file, "eval.prompt_file")
+    out = []
+    for c in convs[: cfg.eval.prompts]:
+        ids = render(tok, c.history + [{"role": "user", "content": c.turns[0]}], cfg.eval.thinking)
+        out.append(torch.tensor(ids) if len(ids) <= limit else None)
+    return name, out
+
+
 def greedy_generator(parts: Parts) -> Callable[[list[list[int]], int], list[list[int]]]:
     """The target's greedy decoder, for data made of the target's own continuations."""
     from trainer.regenerate import generate
@@ -108,6 +126,8 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
     tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, source) if cfg.data.path else None
     vocab = int(parts.target.config.vocab_size)
     ds = make_dataset(cfg.data, vocab, cfg.drafter.block_size, cfg.seed, tok, source, greedy_generator(parts))
+    limit = cfg.eval.prompt_tokens or cfg.data.seq_buckets[-1] - cfg.drafter.block_size
+    prompt_set, found = eval_prompts(cfg, ds, limit, source)
     say(f"data: {len(ds.samples)} samples, {len(ds.heldout)} held out, dropped {ds.dropped_too_short} too short, "
         f"{ds.truncated} truncated to the largest bucket")  # fmt: skip
     event("data", samples=len(ds.samples), dropped_too_short=ds.dropped_too_short,
@@ -168,8 +188,6 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
         metrics.write({**report.to_record(), "rank": world.rank}, always=True)
     baseline = graphs_compiled()
     result = TrainResult(preflight=report, start_step=start_step, parts=parts)
-    limit = cfg.eval.prompt_tokens or cfg.data.seq_buckets[-1] - cfg.drafter.block_size
-    found = [prompt_of(s, limit) for s in ds.heldout[: cfg.eval.prompts]]
     prompts = [p for p in found if p is not None]
     skipped_prompts = len(found) - len(prompts)
 
@@ -180,11 +198,13 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
                                              dtype=torch.float64, device=world.device), world).tolist()  # fmt: skip
         tau = totals[0] / totals[1] if totals[1] else 0.0
         prompt_mean = totals[3] / totals[4] if totals[4] else 0.0
-        result.taus.append(tau)
-        say(f"eval step {step}: tau {prompt_mean:.3f} (mean of per-prompt means; pooled {tau:.3f}) over "
-            f"{int(totals[2])} prompts, {int(totals[1])} draft steps, {skipped_prompts} prompts skipped as too long")
-        event("eval", step=step, tau=round(tau, 4), tau_pooled=round(tau, 4), tau_prompt_mean=round(prompt_mean, 4),
-              prompts=int(totals[2]), prompts_skipped=skipped_prompts, draft_steps=int(totals[1]))  # fmt: skip
+        result.taus.append(prompt_mean)  # the headline: the mean of per-prompt means, as published evaluators report
+        say(f"eval step {step} on {prompt_set}: tau {prompt_mean:.3f} (mean of per-prompt means; pooled {tau:.3f})"
+            f" over {int(totals[2])} prompts, {int(totals[1])} draft steps, {skipped_prompts} prompts skipped as too "
+            "long")  # fmt: skip
+        event("eval", step=step, prompt_set=prompt_set, tau=round(prompt_mean, 4),
+              tau_prompt_mean=round(prompt_mean, 4), tau_pooled=round(tau, 4), prompts=int(totals[2]),
+              prompts_skipped=skipped_prompts, draft_steps=int(totals[1]))  # fmt: skip
 
     def save(step: int) -> None:
         rngs = all_gather_objects(checkpoint.rng_state(), world)
