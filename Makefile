@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_CPU)"
-	$(PY) -m pip install -q -e ".[trainer,dev]"
+	$(PY) -m pip install -q -e ".[trainer,report,tensorboard,dev]"
 	touch $@
 
 venv: $(VENV)/.installed

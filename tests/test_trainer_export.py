@@ -27,6 +27,7 @@ CONFIG = {
     "device": "cpu",
     "steps": 3,
     "eval": {"at_end": False},
+    "metrics": {"tensorboard": True},  # the same run serves the TensorBoard test (tests/test_run_history.py)
 }
 
 

@@ -96,6 +96,21 @@ class EvalConfig:
 
 
 @dataclass
+class WandbConfig:
+    project: str = "dflash"
+    mode: Literal["offline", "online"] = "offline"  # offline: recorded in the run dir; `wandb sync` uploads later
+    entity: str | None = None
+    name: str | None = None  # None = the run dir's name
+
+
+@dataclass
+class MetricsConfig:
+    gpu_history: bool = True  # RUN/gpu.jsonl from NVML every heartbeat (nothing without NVML)
+    tensorboard: bool = False  # event files in RUN/tensorboard (needs the tensorboard package)
+    wandb: WandbConfig | None = None  # log to Weights & Biases (needs the wandb package)
+
+
+@dataclass
 class TrainConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -107,6 +122,7 @@ class TrainConfig:
     grad_reduce_dtype: Literal["float32", "bfloat16"] = "float32"  # dtype of the gradient all-reduce across ranks
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     heartbeat_s: float = 5.0  # seconds between heartbeat writes (rank 0)
     seed: int = 0
     device: str = "auto"  # "auto" = cuda if available else cpu

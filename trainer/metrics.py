@@ -66,9 +66,10 @@ def validate_record(rec: dict) -> list[str]:
 class MetricsWriter:
     """Appends records to `<run_dir>/metrics.jsonl`; only the main rank writes unless `always` is set."""
 
-    def __init__(self, run_dir: Path, is_main: bool) -> None:
+    def __init__(self, run_dir: Path, is_main: bool, sinks: list | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.is_main = is_main
+        self.sinks = sinks or []  # TensorBoard, W&B (trainer.loggers): the main rank's records, after the line
 
     def write(self, record: dict, always: bool = False) -> None:
         if not (self.is_main or always):
@@ -79,6 +80,9 @@ class MetricsWriter:
             os.write(fd, line.encode())
         finally:
             os.close(fd)
+        if self.is_main:
+            for sink in self.sinks:
+                sink.record(record)
 
     def event(self, name: str, always: bool = False, **fields) -> None:
         self.write({"event": name, **fields}, always=always)
@@ -87,9 +91,10 @@ class MetricsWriter:
 class Heartbeat:
     """A daemon thread rewriting `<run_dir>/heartbeat` every `interval` s: {"time", "step", "phase", "pid"}."""
 
-    def __init__(self, run_dir: Path, interval: float) -> None:
+    def __init__(self, run_dir: Path, interval: float, on_beat=None) -> None:
         self.path = Path(run_dir) / "heartbeat"
         self.interval = interval
+        self.on_beat = on_beat  # called after each beat in the thread (the GPU history); its failures are ignored
         self.step = 0
         self.phase = "starting"
         self.detail: dict | None = None  # what the phase is doing (the preflight's bucket, part, estimate)
@@ -115,6 +120,11 @@ class Heartbeat:
                 self.beat()
             except OSError:
                 pass  # a full disk or a removed run dir must not kill training; the watcher sees the age grow
+            if self.on_beat is not None:
+                try:
+                    self.on_beat()
+                except Exception:  # a GPU reading that fails must never stop the heartbeat
+                    pass
 
     def stop(self) -> None:
         self._stop.set()

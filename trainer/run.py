@@ -24,6 +24,8 @@ from trainer.data import Dataset, epoch_batches, load_tokenizer, make_dataset, s
 from trainer.distributed import World, all_gather_objects, all_reduce_sum, barrier, init_world
 from trainer.errors import ConfigError
 from trainer.eval import eval_anchors, measure_tau, prompt_of
+from trainer.gpu_history import GpuHistory
+from trainer.loggers import check_available, open_sinks
 from trainer.loop import Parts, build, forward_loss, lr_lambda, make_batch, preflight
 from trainer.metrics import Heartbeat, MetricsWriter
 
@@ -107,14 +109,23 @@ def train(
     run_dir = Path(run_dir) if run_dir else None
     if run_dir:
         run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = MetricsWriter(run_dir, world.is_main) if run_dir else None
-    heartbeat = Heartbeat(run_dir, cfg.heartbeat_s).start() if run_dir and world.is_main else None
+    check_available(cfg, source)  # a logger asked for and not installed: exit 2 before anything loads
+    main_dir = run_dir if run_dir and world.is_main else None
+    sinks = open_sinks(cfg, main_dir, to_dict(cfg), say) if main_dir else []
+    metrics = MetricsWriter(run_dir, world.is_main, sinks) if run_dir else None
+    gpus = GpuHistory(main_dir) if main_dir and cfg.metrics.gpu_history and world.device.type == "cuda" else None
+    on_beat = gpus.sample if gpus is not None and gpus.active else None
+    heartbeat = Heartbeat(main_dir, cfg.heartbeat_s, on_beat).start() if main_dir else None
     try:
         return _train(cfg, source, run_dir, resume, say, world, metrics, heartbeat)
     finally:
         unfreeze_compiles()  # the stance is process-wide: leave the process as it was found
         if heartbeat:
             heartbeat.stop()
+        if gpus is not None:
+            gpus.close()
+        for sink in sinks:
+            sink.close()
 
 
 def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) -> TrainResult:
