@@ -237,6 +237,58 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
     raise typer.Exit(code)
 
 
+@app.command()
+def report(
+    jobs: list[str] | None = typer.Argument(None, help="job ids or names (default: the newest job); several overlay",
+                                            autocompletion=_complete_jobs),
+    out_file: Path | None = typer.Option(None, "--out", "-o", help="write FILE.png or FILE.html (needs matplotlib)"),
+    as_json: bool = JsonOpt,
+    accept_new: bool = AcceptNewOpt,
+) -> None:
+    """Curves of a run, running or finished: loss and accuracy, tokens/s, tau with its prompt set, lr and grad
+    norm, each GPU's util, memory and power, the preflight, restarts and verdicts. Without --out, in the terminal."""
+    from dflashctl import jobctl
+    from dflashctl import report as reporting
+    from dflashctl.config import find_project_root
+    from dflashctl.errors import ConfigError
+    from dflashctl.render import err, out, print_json
+
+    suffix = out_file.suffix.lower() if out_file else None
+    if suffix not in (None, ".png", ".html"):
+        raise ConfigError(str(out_file), "--out", "must end in .png or .html")
+    if out_file is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ConfigError(str(out_file), "--out", "drawing a file needs matplotlib: pip install "
+                              "'dflashctl[report]'") from None  # fmt: skip
+    got = jobctl.histories(list(jobs or []), str(find_project_root()), accept_new)
+    runs = [reporting.series(job.id, hist) for job, hist in got]
+    summaries = [reporting.summary(r, hist, len(job.gpus)) for r, (job, hist) in zip(runs, got, strict=True)]
+    if out_file is not None:
+        from dflashctl import plots
+
+        (plots.write_png if suffix == ".png" else lambda r, p: plots.write_html(r, summaries, p))(runs, out_file)
+        err.print(f"wrote {out_file}")
+    if as_json:
+        print_json({"jobs": summaries, "out": str(out_file) if out_file else None})
+        return
+    if out_file is None:
+        from rich.text import Text
+
+        from dflashctl import plots
+
+        out.print(Text.from_ansi(plots.terminal(runs, min(80, out.width))))
+    for s in summaries:
+        loss = "no step yet"
+        if s["last_loss"] is not None:
+            loss = f"loss {s['first_loss']:.4f} → {s['last_loss']:.4f} (min {s['min_loss']:.4f})"
+        tau = f", best tau {s['best_tau']:.2f} on {s['best_tau_set']}" if s["best_tau"] is not None else ""
+        tps = f", {s['mean_tokens_per_s']:,.0f} tok/s" if s["mean_tokens_per_s"] else ""
+        out.print(f"{s['job']}: {s['steps']} steps in {s['elapsed_s'] or 0:.0f} s, {loss}{tps}{tau}, restarts "
+                  f"{s['restarts']}, {s['gpu_hours'] or 0:.2f} GPU-hours", markup=False, highlight=False)
+
+
 @app.command("ls")
 def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt) -> None:
     """Jobs launched from this project, newest first (from the local registry)."""

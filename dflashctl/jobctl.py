@@ -177,6 +177,20 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     }  # fmt: skip
 
 
+def histories(specs: list[str], project: str, accept_new: bool = False) -> list[tuple[JobRecord, dict]]:
+    """Each job's metrics, GPU history and watch decisions, one remote call per job (running or finished).
+    No spec: the newest job of the project."""
+    jobs = [find_job(s, project) for s in specs] if specs else [find_job(None, project)]
+    out = []
+    for job in jobs:
+        with open_runner(job.host, accept_new) as runner:
+            hist = session.call_agent(runner, {"action": "history", "run_dir": job.run_dir})
+        if not hist.get("run_dir_exists"):
+            raise NothingToDoError(f"{job.id}: its run dir {job.run_dir} is gone from {job.host_name}")
+        out.append((job, hist))
+    return out
+
+
 LOG_TAIL_BYTES = 4 << 20  # `logs -n N` reads at most this much from the end, however long the lines are
 
 

@@ -6,7 +6,8 @@ container's host by the same command. Actions:
 
 - `snapshot` (default): the pane (alive or dead, exit status, last lines), the job's processes, new train.log bytes
   (bounded), new metrics.jsonl records (malformed ones counted, never fatal), the heartbeat as seen on this clock, the
-  stop request and restart count, exit_code, GPU readings, free disk, our tmux sessions.
+  stop request and restart count, exit_code, GPU readings, free disk, our tmux sessions. With `record_gpu` (a
+  `command:` job) the readings of the job's GPUs are appended to RUN/gpu.jsonl too.
 - `launch`: under a host-wide lock, refuse GPUs held by our live jobs or unknown processes and a live job of the
   same name (unless forced), then create the run dir (0700, files 0600) and start the tmux session.
 - `restart`: under the run dir's lock, refuse when a stop was requested, when another watcher already restarted this
@@ -14,6 +15,7 @@ container's host by the same command. Actions:
 - `reap` (kill): record a stop request under the run dir's lock, SIGTERM the job's processes, wait, SIGKILL what is
   left (and anything spawned meanwhile), verify, close the session, record the result in the run dir.
 - `gpu_holders`: the GPU processes of this (host) machine with their pids in every pid namespace (`NSpid`).
+- `history`: what `report` draws: metrics, GPU history and watch decisions of a run, thinned, in one answer.
 - `tail`: the last lines of a file, read from its end (bounded however long its lines are).
 
 A process of the job is a descendant of the job's launcher (a child subreaper, so nothing escapes by double-forking
@@ -343,6 +345,51 @@ def tail_lines(path: str, lines: int, limit: int) -> dict:
     return {"exists": True, "size": size, "truncated": size > limit, "text": b"\n".join(chunk).decode(errors="replace")}
 
 
+def thin(items: list, max_points: int) -> list:
+    """Every k-th item (the last always kept) so that at most about `max_points` remain."""
+    if max_points <= 0 or len(items) <= max_points:
+        return items
+    k = -(-len(items) // max_points)
+    return items[::k] + ([items[-1]] if (len(items) - 1) % k else [])
+
+
+def history(req: dict) -> dict:
+    """Everything `report` draws, in one call: the run's metrics, GPU history and watch decisions (each file read up
+    to `max_bytes` from its end), step records and GPU samples thinned to `max_points`; events all kept."""
+    run = req["run_dir"]
+    limit, points = int(req.get("max_bytes", 64 << 20)), int(req.get("max_points", 4000))
+    out: dict = {"run_dir": run, "run_dir_exists": os.path.isdir(run), "time": time.time()}
+    for name in ("metrics.jsonl", "gpu.jsonl", "events.jsonl"):
+        got = read_metrics(os.path.join(run, name), 0, limit)
+        key = name.split(".")[0]
+        if key == "metrics":
+            steps = [r for r in got["records"] if "event" not in r and type(r.get("step")) is int]
+            rest = [r for r in got["records"] if "event" in r or type(r.get("step")) is not int]
+            out[key] = thin(steps, points) + rest
+            out["step_records"] = len(steps)
+        else:
+            out[key] = thin(got["records"], points) if key == "gpu" else got["records"]
+        out[f"{key}_malformed"] = got["malformed"]
+        out[f"{key}_skipped_bytes"] = got["skipped"]
+    out["heartbeat"] = read_heartbeat(run, out["time"]) if out["run_dir_exists"] else None
+    out["exit_code"] = read_int(os.path.join(run, "exit_code"))
+    out["restarts"] = read_int(os.path.join(run, RESTARTS)) or 0
+    return out
+
+
+def append_gpu_sample(run_dir: str, gpu: dict, indices: list[int]) -> None:
+    """A `command:` job has no trainer to record its GPUs: each poll appends what it read to RUN/gpu.jsonl."""
+    wanted = set(indices)
+    keep = ("index", "util_pct", "mem_used_mib", "mem_total_mib", "power_w", "temp_c", "sm_mhz", "throttle")
+    gpus = [{k: g.get(k) for k in keep} for g in gpu.get("gpus", []) if not wanted or g.get("index") in wanted]
+    if not gpus:
+        return
+    line = {"time": round(time.time(), 3), "source": f"probe:{gpu.get('source')}", "gpus": gpus}
+    fd = os.open(os.path.join(run_dir, "gpu.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write(json.dumps(line, separators=(",", ":")) + "\n")
+
+
 def read_int(path: str) -> int | None:
     try:
         with open(path) as f:
@@ -412,6 +459,8 @@ def snapshot(req: dict) -> dict:
             snap["disk_free_gib"] = None
     if req.get("gpus", True):
         snap["gpu"] = read_gpus(req)
+        if req.get("record_gpu") and snap["run_dir_exists"]:
+            append_gpu_sample(run_dir, snap["gpu"], list(req.get("job_gpus") or []))
     if req.get("sessions"):
         snap["sessions"] = list_sessions()
     return snap
@@ -744,6 +793,8 @@ def main() -> int:
     elif action == "stop_result":
         record_stop_result(req["run_dir"], req["report"])
         answer = {"ok": True}
+    elif action == "history":
+        answer = history(req)
     elif action == "tail":
         answer = tail_lines(req["path"], int(req.get("lines", 50)), int(req.get("limit", 1 << 20)))
     else:

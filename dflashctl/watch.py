@@ -113,6 +113,8 @@ class Watcher:
         req = {**session.probe_request(self.job, self.log_offset, self.metrics_offset, capture_lines=40)}
         if self.pending_events:
             req["append_events"] = self.pending_events
+        if not self.job.is_trainer:  # no trainer records the GPUs of a `command:` job: each poll does
+            req.update(record_gpu=True, job_gpus=self.job.gpus)
         try:
             runner = self._connect()
             before = runner.commands_run

@@ -1,0 +1,169 @@
+"""`dflashctl report`: a run dir with a few hundred records, a crash and a restart, drawn as a PNG (checked through
+matplotlib's own objects), as HTML, as a terminal chart inside tmux, and summed up as --json."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflashctl import probe, report
+from tests.conftest import run_cli
+from tests.test_cli import record
+
+T0 = 1_764_000_000.0
+
+
+def write_run(run: Path, resume_at: int = 150, steps: int = 300) -> dict:
+    """Two attempts (the second resumed from `resume_at`), evals on a named prompt set, two ranks' preflight
+    records, two GPUs' history, watch's decisions, and garbage lines of every shape."""
+    run.mkdir(parents=True)
+    lines, t = [], T0
+    losses = {}
+    for attempt, (first, last) in enumerate([(1, resume_at + 10), (resume_at + 1, steps)]):
+        resumed = None if attempt == 0 else resume_at
+        lines.append({"time": t, "event": "start", "world_size": 2, "resumed_from": resumed, "config": {}})
+        for rank, dt in ((0, 11.0), (1, 12.5)):
+            lines.append({"time": t + dt, "event": "preflight", "rank": rank, "buckets": [1024], "seconds": {},
+                          "peak_mem_gib": {}})  # fmt: skip
+        t += 13
+        for step in range(first, last + 1):
+            t += 0.5
+            losses[step] = 8.0 * math.exp(-step / 80) + 0.5
+            lines.append({"time": t, "step": step, "epoch": 0, "loss": losses[step], "acc": 1 - losses[step] / 9,
+                          "tokens_per_s": 12000.0 + step, "lr": 6e-4, "grad_norm": 1.5})  # fmt: skip
+            if step % 100 == 0:
+                lines.append({"time": t, "event": "eval", "step": step, "prompt_set": "gsm8k", "tau": 1 + step / 100,
+                              "tau_pooled": 1 + step / 100, "prompts": 8, "draft_steps": 40})  # fmt: skip
+        if attempt == 0:
+            crash_at = t + 1
+            t += 30
+    text = "".join(json.dumps(x) + "\n" for x in lines)
+    text += '[1, 2, 3]\n"a string"\n{"step": 7, "loss": 1.0}\n{"time": 6, "step": "8", "loss": NaN}\n'
+    (run / "metrics.jsonl").write_text(text)
+    gpu = [{"time": T0 + i * 2.5, "source": "trainer",
+            "gpus": [{"index": i_, "util_pct": 90 + i_, "mem_used_mib": 40000 + 1000 * i_, "power_w": 500.0 + i_}
+                     for i_ in (0, 1)]} for i in range(int((t - T0) / 2.5))]  # fmt: skip
+    (run / "gpu.jsonl").write_text("".join(json.dumps(x) + "\n" for x in gpu) + "{cut\n")
+    decisions = [{"time": crash_at, "decision": "state", "state": "CRASHED", "previous": "RUNNING"},
+                 {"time": crash_at + 1, "decision": "restart", "after": "CRASHED", "attempt": 1},
+                 {"time": crash_at + 2, "decision": "state", "state": "RUNNING"}]  # fmt: skip
+    (run / "events.jsonl").write_text("".join(json.dumps(x) + "\n" for x in decisions))
+    (run / "restarts").write_text("1\n")
+    kept = [losses[s] for s in sorted(losses)]
+    return {"losses": kept, "last_time": t, "gpu_samples": len(gpu)}
+
+
+def test_series_and_summary_from_one_history_answer(tmp_path):
+    truth = write_run(tmp_path / "run")
+    hist = probe.history({"run_dir": str(tmp_path / "run")})
+    s = report.series("exp", hist)
+    assert len(s.steps) == 310 and s.steps[-1] == 300 and s.malformed == 5  # a list, a string, a cut
+    # line, a record without a time and one whose step is a string
+    assert [m.step for m in s.markers if m.kind == "restart" and m.step is not None] == [150]
+    assert [m.label for m in s.markers if m.kind == "verdict"] == ["CRASHED"]
+    assert [e[:1] + e[2:] for e in s.evals] == [(100, "gsm8k"), (200, "gsm8k"), (300, "gsm8k")]
+    assert [round(b - a, 1) for a, b in s.preflight] == [12.5, 12.5]  # to the slower rank's record
+    assert set(s.gpu) == {0, 1} and len(s.gpu[0]["time"]) == truth["gpu_samples"]
+    sm = report.summary(s, hist, gpus_asked=1)
+    assert sm["steps"] == 300 and sm["restarts"] == 1 and sm["best_tau"] == 4.0 and sm["best_tau_set"] == "gsm8k"
+    assert sm["first_loss"] == pytest.approx(8.0 * math.exp(-1 / 80) + 0.5)
+    assert sm["last_loss"] == pytest.approx(8.0 * math.exp(-300 / 80) + 0.5) == pytest.approx(sm["min_loss"])
+    assert sm["gpus"] == 2 and sm["gpu_hours"] == pytest.approx(2 * sm["elapsed_s"] / 3600, abs=1e-3)
+    assert sm["elapsed_s"] == pytest.approx(truth["last_time"] - T0, abs=0.2)
+    # thinning keeps the shape of a long run and its last point
+    thin = probe.history({"run_dir": str(tmp_path / "run"), "max_points": 50})
+    steps = [r["step"] for r in thin["metrics"] if type(r.get("step")) is int]
+    assert len(steps) <= 52 and steps[-1] == 300 and thin["step_records"] == 311
+
+
+def test_the_figure_has_every_panel_and_marks_the_restart(tmp_path):
+    from dflashctl import plots
+
+    write_run(tmp_path / "a")
+    write_run(tmp_path / "b", resume_at=100)
+    runs = [report.series(n, probe.history({"run_dir": str(tmp_path / n)})) for n in ("a", "b")]
+    fig = plots.figure(runs)
+    axes = {ax.get_title(): ax for ax in fig.axes}
+    assert set(axes) == {"loss", "accuracy", "tokens/s", "tau", "lr", "grad norm", "GPU util %", "GPU memory GiB",
+                         "GPU power W"}  # fmt: skip
+    loss = axes["loss"]
+    labels = [ln.get_label() for ln in loss.get_lines()]
+    assert {"a raw", "a smoothed", "b raw", "b smoothed"} <= set(labels)  # two runs overlaid
+    resume_lines = [ln for ln in loss.get_lines() if ln.get_label().startswith("resumed from")]
+    assert sorted(ln.get_xdata()[0] for ln in resume_lines) == [100, 150]
+    raw = next(ln for ln in loss.get_lines() if ln.get_label() == "a raw")
+    assert len(raw.get_xdata()) == 310
+    tau = [ln for ln in axes["tau"].get_lines() if not ln.get_label().startswith("resumed")]
+    assert [ln.get_label() for ln in tau] == ["a (gsm8k)", "b (gsm8k)"] and list(tau[0].get_ydata()) == [2, 3, 4]
+    util = axes["GPU util %"]
+    assert {"a gpu0", "a gpu1", "b gpu0", "b gpu1"} <= {ln.get_label() for ln in util.get_lines()}
+    assert sum(1 for p in util.patches if p.get_label().endswith("preflight")) == 4  # two attempts x two runs
+    assert "CRASHED" in {ln.get_label() for ln in util.get_lines()}
+    assert util.get_xlabel() == "minutes" and loss.get_xlabel() == "step"
+    plots._close(fig)
+
+
+def test_report_through_the_cli_json_png_html(client, monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    write_run(tmp_path / "runs" / "one")
+    write_run(tmp_path / "runs" / "two", resume_at=80)
+    for name in ("one", "two"):
+        record(client, f"{name}-20261201T100000Z-aaaa", state="FINISHED")
+        from dflashctl import registry
+
+        registry.update(f"{name}-20261201T100000Z-aaaa", run_dir=str(tmp_path / "runs" / name))
+    res = run_cli("report", "one-2026", "two-2026", "--json")
+    assert res.code == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert [j["job"] for j in got["jobs"]] == ["one-20261201T100000Z-aaaa", "two-20261201T100000Z-aaaa"]
+    assert set(got["jobs"][0]) >= {"steps", "elapsed_s", "first_loss", "last_loss", "min_loss", "mean_tokens_per_s",
+                                   "best_tau", "restarts", "gpu_hours"}  # fmt: skip
+    png = tmp_path / "r.png"
+    res = run_cli("report", "one-2026", "--out", str(png))
+    assert res.code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(str(png)).shape[:2] == (1100, 1500)
+    page = tmp_path / "r.html"
+    assert run_cli("report", "one-2026", "two-2026", "--out", str(page)).code == 0
+    text = page.read_text()
+    assert text.count("<svg") == 1 and "<td>one-20261201T100000Z-aaaa</td>" in text
+    res = run_cli("report", "one-2026", "--out", str(tmp_path / "r.txt"))
+    assert res.code == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert "--out: must end in .png or .html" in res.stderr
+    assert not (tmp_path / "r.txt").exists()
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_the_terminal_report_fits_80_columns_inside_tmux(client, monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    write_run(tmp_path / "runs" / "one")
+    record(client, "one-20261201T100000Z-aaaa", state="FINISHED")
+    from dflashctl import registry
+
+    registry.update("one-20261201T100000Z-aaaa", run_dir=str(tmp_path / "runs" / "one"))
+    sock, done = f"report-{tmp_path.name}", tmp_path / "done"
+    cmd = f"{sys.executable} -m dflashctl report one-2026; echo $? > {done}; sleep 60"
+    tmux = ["tmux", "-L", sock]
+    subprocess.run([*tmux, "new-session", "-d", "-x", "80", "-y", "70", "-s", "r", "-c", str(client.project),
+                    "-e", f"HOME={client.home}", "-e", f"DFLASHCTL_STATE_DIR={client.home / 'state'}", cmd],
+                   check=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "r", "-S", "-200"], capture_output=True,
+                                text=True, check=True).stdout  # fmt: skip
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+    assert done.read_text().strip() == "0", screen
+    assert "loss by step" in screen and "tokens/s by step" in screen and "GPU util % by minute" in screen
+    assert "one-20261201T100000Z-aaaa: 300 steps" in screen and "best tau 4.00 on gsm8k" in screen
+    assert max(len(line.rstrip()) for line in screen.splitlines()) <= 80
