@@ -289,6 +289,43 @@ def report(
                   f"{s['restarts']}, {s['gpu_hours'] or 0:.2f} GPU-hours", markup=False, highlight=False)
 
 
+@app.command()
+def pull(
+    job: str | None = JobArg,
+    export: bool = Flag("--export", help="The drafter in the public DFlash format (RUN/export)."),
+    checkpoint: str | None = typer.Option(None, "--checkpoint", help="'latest' or a step number."),
+    metrics: bool = Flag("--metrics", help="metrics.jsonl, gpu.jsonl, events.jsonl, train.log, job.json."),
+    to: Path = typer.Option(Path("pulled"), "--to", help="Directory to pull into (as TO/<job id>/...)."),
+    chunk_mib: int = typer.Option(16, "--chunk-mib", min=1, max=1024, help="Transfer size of one remote read."),
+    as_json: bool = JsonOpt,
+    accept_new: bool = AcceptNewOpt,
+) -> None:
+    """Bring a run's results back over the job's own transport (through its container too): resumable,
+    hash-verified, never a partial file under its final name. Default: the export, else the newest checkpoint."""
+    from dflashctl import jobctl
+    from dflashctl.config import find_project_root
+    from dflashctl.errors import ConfigError
+    from dflashctl.pull import pull as pull_files
+    from dflashctl.render import byte_progress, err, out, print_json
+
+    if checkpoint is not None and checkpoint != "latest" and not checkpoint.isdigit():
+        raise ConfigError("--checkpoint", None, f"{checkpoint!r} is neither 'latest' nor a step number")
+    select = {k: v for k, v in (("export", export), ("checkpoint", checkpoint), ("metrics", metrics)) if v}
+    record = jobctl.find_job(job, str(find_project_root()))
+    with byte_progress(f"pull {record.id}", enabled=not as_json) as start_bar:
+        report = pull_files(record, to, select, chunk_mib << 20, accept_new, start_bar)
+    if as_json:
+        from dataclasses import asdict
+
+        print_json({**asdict(report), "bytes_fetched": report.bytes_fetched})
+        return
+    for f in report.files:
+        how = "already here" if f.skipped else (f"resumed at {f.resumed_from:,} B" if f.resumed_from else "fetched")
+        out.print(f"{report.to}/{f.path}  {f.size:,} B  {how}", markup=False, highlight=False)
+    err.print(f"pulled {', '.join(report.chose)} of {report.job} into "
+              f"{report.to} ({report.bytes_fetched:,} bytes fetched, every file sha256-verified)")
+
+
 @app.command("ls")
 def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt) -> None:
     """Jobs launched from this project, newest first (from the local registry)."""

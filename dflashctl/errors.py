@@ -49,7 +49,8 @@ class RemoteCommandError(DflashError):
 
 
 class RefusedError(DflashError):
-    """A launch that would collide with what is there (stale code, GPUs in use): refused before anything ran."""
+    """Refused before anything ran: a launch that would collide (stale code, GPUs in use), a pull or report of
+    something the run does not have."""
 
     exit_code = EXIT_USAGE
 

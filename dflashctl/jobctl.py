@@ -184,9 +184,9 @@ def histories(specs: list[str], project: str, accept_new: bool = False) -> list[
     out = []
     for job in jobs:
         with open_runner(job.host, accept_new) as runner:
-            hist = session.call_agent(runner, {"action": "history", "run_dir": job.run_dir})
+            hist = session.call_agent(runner, {"action": "history", "run_dir": job.run_dir, "gpus": False})
         if not hist.get("run_dir_exists"):
-            raise NothingToDoError(f"{job.id}: its run dir {job.run_dir} is gone from {job.host_name}")
+            raise RefusedError(f"{job.id}: its run dir {job.run_dir} is gone from {job.host_name}")
         out.append((job, hist))
     return out
 

@@ -16,6 +16,7 @@ container's host by the same command. Actions:
   left (and anything spawned meanwhile), verify, close the session, record the result in the run dir.
 - `gpu_holders`: the GPU processes of this (host) machine with their pids in every pid namespace (`NSpid`).
 - `history`: what `report` draws: metrics, GPU history and watch decisions of a run, thinned, in one answer.
+- `files`, `chunk` (pull): files to bring back with their sha256; then raw bytes of one of them, a chunk at a time.
 - `tail`: the last lines of a file, read from its end (bounded however long its lines are).
 
 A process of the job is a descendant of the job's launcher (a child subreaper, so nothing escapes by double-forking
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -375,6 +377,85 @@ def history(req: dict) -> dict:
     out["exit_code"] = read_int(os.path.join(run, "exit_code"))
     out["restarts"] = read_int(os.path.join(run, RESTARTS)) or 0
     return out
+
+
+def sha256_prefix(path: str, size: int) -> str:
+    """sha256 of the first `size` bytes: a file still being appended to is named as it was when listed."""
+    h, left = hashlib.sha256(), size
+    with open(path, "rb") as f:
+        while left > 0:
+            block = f.read(min(left, 8 << 20))
+            if not block:
+                break
+            h.update(block)
+            left -= len(block)
+    return h.hexdigest()
+
+
+def checkpoint_dirs(run: str) -> list[str]:
+    """Complete checkpoints (step-NNNNNNNN, no .tmp), oldest first."""
+    root = os.path.join(run, "checkpoints")
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return sorted(os.path.join("checkpoints", n) for n in names
+                  if len(n) == 13 and n.startswith("step-") and n[5:].isdigit())  # fmt: skip
+
+
+def pull_files(req: dict) -> dict:
+    """What `pull` asked for, as files relative to the run dir with size and sha256. Default: the export when it
+    exists, else the newest checkpoint. Symlinks and anything resolving outside the run dir are left out."""
+    run = os.path.realpath(req["run_dir"])
+    if not os.path.isdir(run):
+        return {"error": "the run dir is gone"}
+    dirs, singles, chose = [], [], []
+    ckpts = checkpoint_dirs(run)
+    want_export, ckpt, metrics = req.get("export"), req.get("checkpoint"), req.get("metrics")
+    if not (want_export or ckpt or metrics):
+        want_export = os.path.isfile(os.path.join(run, "export", "config.json"))
+        ckpt = None if want_export else "latest"
+    if want_export:
+        if not os.path.isdir(os.path.join(run, "export")):
+            return {"error": "the run has no export yet (it is written at the end of training)"}
+        dirs.append("export")
+        chose.append("export")
+    if ckpt is not None:
+        if not ckpts:
+            return {"error": "the run has no complete checkpoint"}
+        name = ckpts[-1] if ckpt == "latest" else os.path.join("checkpoints", f"step-{int(ckpt):08d}")
+        if name not in ckpts:
+            return {"error": f"no checkpoint {ckpt}: there are {', '.join(c[-8:].lstrip('0') or '0' for c in ckpts)}"}
+        dirs.append(name)
+        chose.append(name)
+    if metrics:
+        singles += ["metrics.jsonl", "gpu.jsonl", "events.jsonl", "train.log", "job.json"]
+        chose.append("metrics")
+    rels = [r for r in singles if os.path.isfile(os.path.join(run, r))]
+    for d in dirs:
+        for root, subdirs, names in os.walk(os.path.join(run, d)):
+            subdirs[:] = sorted(x for x in subdirs if not os.path.islink(os.path.join(root, x)))
+            rels += [os.path.relpath(os.path.join(root, n), run) for n in sorted(names)]
+    files = []
+    for rel in rels:
+        path = os.path.join(run, rel)
+        real = os.path.realpath(path)
+        if os.path.islink(path) or not real.startswith(run + os.sep) or not os.path.isfile(real):
+            continue
+        size = os.path.getsize(real)
+        files.append({"path": rel, "size": size, "sha256": sha256_prefix(real, size)})
+    return {"files": files, "chose": chose}
+
+
+def read_chunk(req: dict) -> bytes:
+    """Bytes [offset, offset + length) of a file under the run dir (never outside it)."""
+    run = os.path.realpath(req["run_dir"])
+    real = os.path.realpath(os.path.join(run, req["path"]))
+    if not real.startswith(run + os.sep):
+        return b""
+    with open(real, "rb") as f:
+        f.seek(int(req["offset"]))
+        return f.read(int(req["length"]))
 
 
 def append_gpu_sample(run_dir: str, gpu: dict, indices: list[int]) -> None:
@@ -793,6 +874,11 @@ def main() -> int:
     elif action == "stop_result":
         record_stop_result(req["run_dir"], req["report"])
         answer = {"ok": True}
+    elif action == "files":
+        answer = pull_files(req)
+    elif action == "chunk":  # raw bytes, not JSON: the only action that answers so
+        sys.stdout.buffer.write(read_chunk(req))
+        return 0
     elif action == "history":
         answer = history(req)
     elif action == "tail":

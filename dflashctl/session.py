@@ -154,6 +154,17 @@ def call_agent(
         raise ProbeFailedError(f"probe on {host.name} failed (exit {res.returncode}): {detail}") from None
 
 
+def fetch_chunk(runner: Runner, run_dir: str, path: str, offset: int, length: int, timeout: float = 300) -> bytes:
+    """Raw bytes [offset, offset + length) of a file of a run dir (pull), read by the agent inside the container."""
+    req = json.dumps({"action": "chunk", "run_dir": run_dir, "path": path, "offset": offset, "length": length})
+    res = runner.run([runner.host.python, "-c", BOOT, str(len(PROBE_SOURCE)), req], stdin=PROBE_SOURCE,
+                     timeout=timeout)  # fmt: skip
+    if res.returncode != 0:
+        detail = res.err.strip()[-400:] or f"exit status {res.returncode}"
+        raise ProbeFailedError(f"reading {path} on {runner.host.name} failed: {detail}")
+    return res.stdout
+
+
 def probe_request(job, log_offset: int = 0, metrics_offset: int = 0, capture_lines: int = 40) -> dict:
     return {
         "run_dir": job.run_dir,

@@ -1,0 +1,114 @@
+"""`dflashctl pull` over the real ssh transport: default selection, a transfer killed halfway and resumed, a damaged
+partial file, what the run does not have, and names the remote must not be trusted with."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflashctl import registry
+from tests.conftest import run_cli
+from tests.test_cli import record
+
+JOB = "exp-20261201T100000Z-aaaa"
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def run(client, monkeypatch, tmp_path) -> Path:
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    run = tmp_path / "remote" / "run"
+    (run / "export").mkdir(parents=True)
+    (run / "export" / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    (run / "export" / "model.safetensors").write_bytes(os.urandom(3 << 20))
+    (run / "export" / "leak").symlink_to("/etc/hostname")  # a link out of the run dir is never followed
+    for step, mib in ((5, 1), (10, 12)):
+        d = run / "checkpoints" / f"step-{step:08d}"
+        d.mkdir(parents=True)
+        (d / "drafter.safetensors").write_bytes(os.urandom(mib << 20))
+        (d / "manifest.json").write_text("{}")
+    (run / "checkpoints" / "step-00000015.tmp").mkdir()  # an interrupted save: never chosen
+    (run / "metrics.jsonl").write_text('{"time": 1, "step": 1}\n')
+    record(client, JOB, state="FINISHED")
+    registry.update(JOB, run_dir=str(run))
+    return run
+
+
+def pull(*args: str):
+    return run_cli("pull", JOB, "--json", *args, timeout=300)
+
+
+def test_default_is_the_export_and_a_second_pull_fetches_nothing(run, client):
+    res = pull()
+    assert res.code == 0, res.stderr
+    got = json.loads(res.stdout)
+    dest = client.project / "pulled" / JOB
+    assert got["chose"] == ["export"] and sorted(f["path"] for f in got["files"]) == ["export/config.json",
+                                                                                    "export/model.safetensors"]
+    for name in ("config.json", "model.safetensors"):
+        assert sha(dest / "export" / name) == sha(run / "export" / name)
+    assert not (dest / "export" / "leak").exists() and not list(dest.rglob("*.part"))
+    assert oct(dest.stat().st_mode & 0o777) == "0o700"
+    again = json.loads(pull().stdout)
+    assert again["bytes_fetched"] == 0 and all(f["skipped"] for f in again["files"])
+
+
+def test_a_killed_transfer_resumes_and_ends_hash_equal(run, client):
+    target = client.project / "pulled" / JOB / "checkpoints" / "step-00000010" / "drafter.safetensors"
+    part = target.with_name(target.name + ".part")
+    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "pull", JOB, "--checkpoint", "latest", "--chunk-mib",
+                             "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (part.exists() and part.stat().st_size >= 2 << 20):
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not target.exists(), "a partial file never carries the final name"
+    have = part.stat().st_size
+    assert have < 12 << 20
+    res = pull("--checkpoint", "latest", "--chunk-mib", "4")
+    assert res.code == 0, res.stderr
+    f = next(x for x in json.loads(res.stdout)["files"] if x["path"].endswith("drafter.safetensors"))
+    assert f["resumed_from"] == have and f["fetched"] == (12 << 20) - have
+    assert sha(target) == sha(run / "checkpoints" / "step-00000010" / "drafter.safetensors") and not part.exists()
+
+
+def test_a_damaged_partial_file_is_fetched_again(run, client):
+    target = client.project / "pulled" / JOB / "export" / "model.safetensors"
+    target.parent.mkdir(parents=True)
+    target.with_name("model.safetensors.part").write_bytes(b"\0" * 4096)  # not the remote's first bytes
+    res = pull("--export")
+    assert res.code == 0, res.stderr
+    assert sha(target) == sha(run / "export" / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "args, expect",
+    [(["--checkpoint", "7"], "no checkpoint 7: there are 5, 10"), (["--checkpoint", "soon"], "--checkpoint"),
+     (["--export"], "no export yet")],
+)  # fmt: skip
+def test_what_the_run_lacks_is_one_line_exit_2(run, client, args, expect):
+    if args == ["--export"]:
+        for f in (run / "export").iterdir():
+            f.unlink()
+        (run / "export").rmdir()
+    res = run_cli("pull", JOB, *args)
+    assert res.code == 2 and len(res.stderr.strip().splitlines()) == 1 and expect in res.stderr
+    assert not (client.project / "pulled").exists() or not list((client.project / "pulled").rglob("*.part"))
+
+
+def test_metrics_come_back_as_the_run_dir_has_them(run, client):
+    res = pull("--metrics")
+    assert res.code == 0, res.stderr
+    assert (client.project / "pulled" / JOB / "metrics.jsonl").read_text() == '{"time": 1, "step": 1}\n'
