@@ -326,6 +326,51 @@ def pull(
               f"{report.to} ({report.bytes_fetched:,} bytes fetched, every file sha256-verified)")
 
 
+@app.command()
+def tunnel(
+    job: str = typer.Argument(..., help="Job id, a prefix of it, or a job name.", autocompletion=_complete_jobs),
+    port: int = typer.Argument(..., min=1, max=65535, help="The port on the job's machine (or container)."),
+    local_port: int | None = typer.Option(None, "--local-port", min=1, max=65535, help="Default: the same port."),
+    tensorboard: bool = Flag("--tensorboard", help="Start TensorBoard on the run dir there first (needs it there)."),
+    dry_run: bool = Flag("--dry-run", help="Print the ssh command and start nothing."),
+    accept_new: bool = AcceptNewOpt,
+) -> None:
+    """Forward a port of the job's machine to localhost (through pct/docker containers too), until Ctrl-C."""
+    import subprocess
+
+    from dflashctl import jobctl
+    from dflashctl import tunnel as tunnelling
+    from dflashctl.config import find_project_root
+    from dflashctl.render import err, out
+    from dflashctl.transport import open_runner
+
+    record = jobctl.find_job(job, str(find_project_root()))
+    local_port = local_port or port
+    with open_runner(record.host, accept_new) as runner:
+        address = tunnelling.remote_address(record, runner)
+        if tensorboard and not dry_run:
+            err.print(f"started on {record.host_name}: {tunnelling.start_tensorboard(record, runner, port)}")
+    if record.host.is_local:
+        out.print(f"the job runs on this machine: http://{address}:{port}/")
+        return
+    argv = tunnelling.ssh_argv(record, local_port, address, port)
+    if dry_run:
+        import shlex
+
+        out.print(shlex.join(argv), markup=False, highlight=False)
+        return
+    err.print(f"http://127.0.0.1:{local_port}/ → {address}:{port} on {record.host_name} (Ctrl-C to stop)")
+    proc = subprocess.Popen(argv)
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait()
+        return
+    if code != 0:
+        raise typer.Exit(EXIT_FAILED)
+
+
 @app.command("ls")
 def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt) -> None:
     """Jobs launched from this project, newest first (from the local registry)."""

@@ -193,6 +193,16 @@ def resolve_ssh_target(host: HostConfig) -> SshTarget:
     )
 
 
+def client_options(host: HostConfig) -> list[str]:
+    """Options for the system's ssh (`tunnel`) so that it reads the files dflashctl reads: OpenSSH takes `~` from
+    the passwd entry, dflashctl from $HOME; when they differ, name $HOME's config and known_hosts."""
+    if str(Path.home()) == _passwd_home():
+        return []
+    target = resolve_ssh_target(host)
+    config = str(ssh_config_path()) if ssh_config_path().is_file() else os.devnull
+    return ["-F", config, "-o", f"UserKnownHostsFile={target.known_hosts}"]
+
+
 def _expand_proxy_command(cmd: str, target: SshTarget) -> str:
     """ProxyCommand's tokens, as ssh expands them."""
     out, i = [], 0

@@ -1,0 +1,101 @@
+"""`dflashctl tunnel` over the real ssh client and server: a port of the job's machine answers on localhost; a job
+in a (Proxmox) container is reached at the container's address, asked of its host."""
+
+from __future__ import annotations
+
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from dflashctl import registry
+from tests.conftest import run_cli
+from tests.test_cli import record
+
+JOB = "tb-20261201T100000Z-aaaa"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fetch(url: str, deadline_s: float = 30) -> bytes:
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return r.read()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_a_remote_port_answers_on_localhost_until_interrupted(client, monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    record(client, JOB)
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "hello.txt").write_text("from the job's machine\n")
+    port, local = free_port(), free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                              cwd=tmp_path / "www", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    tun = subprocess.Popen([sys.executable, "-m", "dflashctl", "tunnel", JOB, str(port), "--local-port", str(local)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        try:
+            body = fetch(f"http://127.0.0.1:{local}/hello.txt")
+        except OSError:
+            tun.kill()
+            raise AssertionError(tun.communicate()[1]) from None
+        assert body == b"from the job's machine\n"
+        tun.send_signal(signal.SIGINT)
+        assert tun.wait(timeout=20) == 0
+        assert f"http://127.0.0.1:{local}/ → 127.0.0.1:{port} on testbox" in tun.stderr.read()
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{local}/hello.txt", timeout=2)
+    finally:
+        tun.kill()
+        server.kill()
+
+
+def test_a_container_job_is_forwarded_to_the_containers_address(client, monkeypatch):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    record(client, JOB)
+    registry.update(JOB, host={"name": "testbox", "ssh": "testbox", "container": "pct:7"})
+    res = run_cli("tunnel", JOB, "6006", "--local-port", "16006", "--dry-run")
+    assert res.code == 0, res.stderr
+    argv = shlex.split(res.stdout.strip())
+    forward = argv[argv.index("-L") + 1]
+    bind, lport, address, rport = forward.split(":")
+    own = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()  # the fake pct's answer
+    assert (bind, lport, rport) == ("127.0.0.1", "16006", "6006") and address == own[0] and argv[-1] == "testbox"
+
+
+def test_tensorboard_starts_in_a_window_of_the_jobs_session_and_opens_locally(client, monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    record(client, JOB)
+    sock = f"tbtest-{tmp_path.name}"[-40:]
+    run_dir = tmp_path / "run"
+    (run_dir / "tensorboard").mkdir(parents=True)
+    registry.update(JOB, tmux_socket=sock, session=JOB, run_dir=str(run_dir),
+                    host={"name": "testbox", "ssh": "testbox", "python": sys.executable})  # fmt: skip
+    subprocess.run(["tmux", "-L", sock, "new-session", "-d", "-s", JOB, "sleep 300"], check=True)
+    port, local = free_port(), free_port()
+    tun = subprocess.Popen([sys.executable, "-m", "dflashctl", "tunnel", JOB, str(port), "--local-port", str(local),
+                            "--tensorboard"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        body = fetch(f"http://127.0.0.1:{local}/", deadline_s=90)
+        assert b"tensorboard" in body.lower()
+        windows = subprocess.run(["tmux", "-L", sock, "list-windows", "-t", f"={JOB}", "-F", "#{window_name}"],
+                                 capture_output=True, text=True).stdout.split()  # fmt: skip
+        assert "tensorboard" in windows and len(windows) == 2
+    finally:
+        tun.kill()
+        subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
