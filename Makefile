@@ -44,6 +44,7 @@ demo: system-deps venv
 	$(VENV)/bin/dflashctl launch jobs/tiny-cpu.yaml
 	$(VENV)/bin/dflashctl watch --until-done
 	$(VENV)/bin/dflashctl status
+	$(VENV)/bin/dflashctl report
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -167,3 +167,24 @@ def test_the_terminal_report_fits_80_columns_inside_tmux(client, monkeypatch, tm
     assert "loss by step" in screen and "tokens/s by step" in screen and "GPU util % by minute" in screen
     assert "one-20261201T100000Z-aaaa: 300 steps" in screen and "best tau 4.00 on gsm8k" in screen
     assert max(len(line.rstrip()) for line in screen.splitlines()) <= 80
+
+
+def test_a_real_h200_run_reads_as_it_ran(tmp_path):
+    """The files a 300-step run wrote on an H200 (NVML readings included), summed up and drawn."""
+    from dflashctl import plots
+
+    fixture = Path(__file__).parent / "fixtures" / "h200-run"
+    hist = probe.history({"run_dir": str(fixture)})
+    s = report.series("h200", hist)
+    recs = [json.loads(x) for x in (fixture / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "event" not in r]
+    sm = report.summary(s, hist, 1)
+    assert sm["steps"] == 300 and sm["malformed_records"] == 0 and sm["gpus"] == 1
+    assert sm["mean_tokens_per_s"] == pytest.approx(sum(r["tokens_per_s"] for r in steps) / 300, abs=0.1)
+    assert sm["first_loss"] == steps[0]["loss"] and sm["last_loss"] == steps[-1]["loss"]
+    assert len(sm["preflight_s"]) == 1 and 5 < sm["preflight_s"][0] < 60
+    util = s.gpu[0]["util"]
+    assert max(util) == 100 and min(util) == 0 and max(s.gpu[0]["power_w"]) > 600  # busy while training, idle after
+    fig = plots.figure([s])
+    assert len(next(ax for ax in fig.axes if ax.get_title() == "GPU power W").get_lines()) == 1
+    plots._close(fig)

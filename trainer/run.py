@@ -88,7 +88,7 @@ def greedy_generator(parts: Parts) -> Callable[[list[list[int]], int], list[list
 
     model = parts.target.model
     pad = getattr(model.config, "pad_token_id", None) or 0
-    return lambda prompts, n: generate(model, prompts, n, 0.0, 1.0, pad, None)
+    return lambda prompts, n: generate(model, prompts, n, 0.0, 1.0, pad, set())  # continuations run their full length
 
 
 def _max_rss_gib() -> float:
