@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import loopback_sshd, timed  # noqa: E402
 from dflashctl.config import HostConfig  # noqa: E402
-from dflashctl.ssh import SshRunner  # noqa: E402
-from dflashctl.sync import deploy  # noqa: E402
+from dflashctl.remote.ssh import SshRunner  # noqa: E402
+from dflashctl.remote.sync import deploy  # noqa: E402
 
 
 def make_tree(root: Path, files: int, total_mb: int) -> None:

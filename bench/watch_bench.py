@@ -55,8 +55,8 @@ def main() -> None:
         once_s = timed(lambda: cli("watch", job_id, "--once", "--json"), args.repeat)
         rec = json.loads(cli("watch", job_id, "--once", "--json").stdout)
 
-        from dflashctl import registry
-        from dflashctl.watch import make_watcher
+        from dflashctl.jobs import registry
+        from dflashctl.jobs.watch import make_watcher
 
         w = make_watcher(registry.get(job_id))
         w.poll()

@@ -35,7 +35,7 @@ def Flag(*names: str, help: str, **kwargs) -> bool:  # noqa: N802 - reads like t
 def _complete_jobs(incomplete: str) -> list[str]:
     """Shell completion of job ids (from the local registry; nothing remote)."""
     try:
-        from dflashctl import registry
+        from dflashctl.jobs import registry
 
         return [j.id for j in registry.all_jobs() if j.id.startswith(incomplete)]
     except Exception:
@@ -83,9 +83,9 @@ def deploy(
 ) -> None:
     """Make the project's files (git-tracked, untracked-not-ignored) the current release on HOST, atomically."""
     from dflashctl.config import find_project_root, resolve_host
-    from dflashctl.render import byte_progress, out, print_json
-    from dflashctl.sync import deploy as deploy_tree
-    from dflashctl.transport import open_runner
+    from dflashctl.remote.connect import open_runner
+    from dflashctl.remote.sync import deploy as deploy_tree
+    from dflashctl.show.render import byte_progress, out, print_json
 
     root_dir = find_project_root()
     cfg = resolve_host(host, root_dir, workdir)
@@ -112,9 +112,9 @@ def doctor(host: str = HostArg, as_json: bool = JsonOpt, accept_new: bool = Acce
     from rich.table import Table
 
     from dflashctl.config import find_project_root, resolve_host
-    from dflashctl.doctor import run_doctor
-    from dflashctl.render import out, print_json
-    from dflashctl.transport import open_runner
+    from dflashctl.remote.connect import open_runner
+    from dflashctl.remote.doctor import run_doctor
+    from dflashctl.show.render import out, print_json
 
     cfg = resolve_host(host, find_project_root())
     with open_runner(cfg, accept_new) as runner:
@@ -148,9 +148,9 @@ def launch(
     accept_new: bool = AcceptNewOpt,
 ) -> None:
     """Start JOB_FILE's job in its own tmux session on its host and record it locally."""
-    from dflashctl import jobctl
     from dflashctl.config import find_project_root
-    from dflashctl.render import byte_progress, err, out, print_json
+    from dflashctl.jobs import jobctl
+    from dflashctl.show.render import byte_progress, err, out, print_json
 
     root_dir = find_project_root()
     with byte_progress("deploy", not as_json) as progress:
@@ -181,9 +181,9 @@ def kill(
     accept_new: bool = AcceptNewOpt,
 ) -> None:
     """Stop a job (default: one whose kill failed, else the newest live one): SIGTERM, wait, SIGKILL, verify."""
-    from dflashctl import jobctl
     from dflashctl.config import find_project_root
-    from dflashctl.render import err, out, print_json
+    from dflashctl.jobs import jobctl
+    from dflashctl.show.render import err, out, print_json
 
     report = jobctl.kill(job, str(find_project_root()), grace, accept_new)
     if as_json:
@@ -204,10 +204,10 @@ def kill(
 def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool = AcceptNewOpt) -> None:
     """One look at a job (default: the newest live one, as `kill` picks): its state with the reason, the process,
     the last step. Exits with the state's code, as `watch --once` does."""
-    from dflashctl import jobctl
     from dflashctl.config import find_project_root
-    from dflashctl.render import err, out, print_json
-    from dflashctl.states import EXIT_BY_STATE
+    from dflashctl.jobs import jobctl
+    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.show.render import err, out, print_json
 
     st = jobctl.status(job, str(find_project_root()), accept_new)
     code = EXIT_BY_STATE.get(st["state"], EXIT_FAILED)
@@ -247,11 +247,11 @@ def report(
 ) -> None:
     """Curves of a run, running or finished: loss and accuracy, tokens/s, tau with its prompt set, lr and grad
     norm, each GPU's util, memory and power, the preflight, restarts and verdicts. Without --out, in the terminal."""
-    from dflashctl import jobctl
-    from dflashctl import report as reporting
     from dflashctl.config import find_project_root
     from dflashctl.errors import ConfigError
-    from dflashctl.render import err, out, print_json
+    from dflashctl.jobs import jobctl
+    from dflashctl.show import report as reporting
+    from dflashctl.show.render import err, out, print_json
 
     suffix = out_file.suffix.lower() if out_file else None
     if suffix not in (None, ".png", ".html"):
@@ -266,7 +266,7 @@ def report(
     runs = [reporting.series(job.id, hist) for job, hist in got]
     summaries = [reporting.summary(r, hist, len(job.gpus)) for r, (job, hist) in zip(runs, got, strict=True)]
     if out_file is not None:
-        from dflashctl import plots
+        from dflashctl.show import plots
 
         (plots.write_png if suffix == ".png" else lambda r, p: plots.write_html(r, summaries, p))(runs, out_file)
         err.print(f"wrote {out_file}")
@@ -276,7 +276,7 @@ def report(
     if out_file is None:
         from rich.text import Text
 
-        from dflashctl import plots
+        from dflashctl.show import plots
 
         out.print(Text.from_ansi(plots.terminal(runs, min(80, out.width))))
     for s in summaries:
@@ -302,11 +302,11 @@ def pull(
 ) -> None:
     """Bring a run's results back over the job's own transport (through its container too): resumable,
     hash-verified, never a partial file under its final name. Default: the export, else the newest checkpoint."""
-    from dflashctl import jobctl
     from dflashctl.config import find_project_root
     from dflashctl.errors import ConfigError
-    from dflashctl.pull import pull as pull_files
-    from dflashctl.render import byte_progress, err, out, print_json
+    from dflashctl.jobs import jobctl
+    from dflashctl.remote.pull import pull as pull_files
+    from dflashctl.show.render import byte_progress, err, out, print_json
 
     if checkpoint is not None and checkpoint != "latest" and not checkpoint.isdigit():
         raise ConfigError("--checkpoint", None, f"{checkpoint!r} is neither 'latest' nor a step number")
@@ -338,11 +338,11 @@ def tunnel(
     """Forward a port of the job's machine to localhost (through pct/docker containers too), until Ctrl-C."""
     import subprocess
 
-    from dflashctl import jobctl
-    from dflashctl import tunnel as tunnelling
     from dflashctl.config import find_project_root
-    from dflashctl.render import err, out
-    from dflashctl.transport import open_runner
+    from dflashctl.jobs import jobctl
+    from dflashctl.remote import tunnel as tunnelling
+    from dflashctl.remote.connect import open_runner
+    from dflashctl.show.render import err, out
 
     record = jobctl.find_job(job, str(find_project_root()))
     local_port = local_port or port
@@ -376,9 +376,9 @@ def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt) -> None:
     """Jobs launched from this project, newest first (from the local registry)."""
     from rich.table import Table
 
-    from dflashctl import registry
     from dflashctl.config import find_project_root
-    from dflashctl.render import err, out, print_json
+    from dflashctl.jobs import registry
+    from dflashctl.show.render import err, out, print_json
 
     jobs = registry.all_jobs(None if all_projects else str(find_project_root()))
     if as_json:
@@ -408,9 +408,9 @@ def logs(
     accept_new: bool = AcceptNewOpt,
 ) -> None:
     """Print the end of a job's train.log (everything the job printed)."""
-    from dflashctl import jobctl
     from dflashctl.config import find_project_root
-    from dflashctl.render import neutralise, out, print_json
+    from dflashctl.jobs import jobctl
+    from dflashctl.show.render import neutralise, out, print_json
 
     root_dir = str(find_project_root())
     if as_json:
@@ -441,11 +441,12 @@ def watch(
     16 LOST; 17 CONFIG_ERROR; 18 UNREACHABLE (after 10 minutes, unless --until-done); 19 PROBE_FAILED;
     20 KILLED; 21 KILL_FAILED; 130 Ctrl-C.
     """
-    from dflashctl import jobctl, view
-    from dflashctl import watch as watching
     from dflashctl.config import find_project_root
-    from dflashctl.render import err, out, print_json
-    from dflashctl.states import EXIT_BY_STATE
+    from dflashctl.jobs import jobctl
+    from dflashctl.jobs import watch as watching
+    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.show import view
+    from dflashctl.show.render import err, out, print_json
 
     job_rec = jobctl.find_job(job, str(find_project_root()))
     w = watching.make_watcher(job_rec, accept_new)
@@ -494,8 +495,8 @@ def attach(
     import os
     import shlex
 
-    from dflashctl import jobctl
     from dflashctl.config import find_project_root
+    from dflashctl.jobs import jobctl
 
     argv = jobctl.attach_argv(jobctl.find_job(job, str(find_project_root())), write)
     if dry_run:
@@ -510,9 +511,9 @@ def diagnose(
     as_json: bool = Flag("--json", help="Print {state, reason, evidence} as JSON."),
 ) -> None:
     """Classify any training log with the same rules `watch` uses, and say what to do next."""
-    from dflashctl.diagnosis import diagnose_text
-    from dflashctl.render import out, print_json
-    from dflashctl.states import EXIT_BY_STATE
+    from dflashctl.judge.diagnosis import diagnose_text
+    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.show.render import out, print_json
 
     text = sys.stdin.read() if log_file == "-" else _read_log(log_file)
     v = diagnose_text(text)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from dflashctl import registry
-from dflashctl.registry import JobRecord
+from dflashctl.jobs import registry
+from dflashctl.jobs.registry import JobRecord
 from tests.conftest import run_cli
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflashctl.doctor import parse_gpu_csv
+from dflashctl.remote.doctor import parse_gpu_csv
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-smi"
 

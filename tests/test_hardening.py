@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl import probe, release_agent, sync
-from dflashctl.health import assess
-from dflashctl.jobs import WatchConfig
-from dflashctl.registry import JobRecord
-from dflashctl.watch import Watcher
+from dflashctl.jobs.jobfile import WatchConfig
+from dflashctl.jobs.registry import JobRecord
+from dflashctl.jobs.watch import Watcher
+from dflashctl.judge.health import assess
+from dflashctl.remote import probe, release_agent, sync
 from tests.conftest import run_cli
 
 # --------------------------------------------------------------------------------------------- input edges
@@ -133,7 +133,7 @@ def test_a_heartbeat_from_the_future_cannot_keep_a_frozen_job_running(tmp_path):
 
 def test_probe_answers_for_a_job_whose_files_are_garbage(tmp_path):
     """Through the real bootstrap on a bare interpreter: exit 0 with JSON, whatever the run dir holds."""
-    from dflashctl.session import BOOT, PROBE_SOURCE
+    from dflashctl.remote.session import BOOT, PROBE_SOURCE
 
     run = tmp_path / "run"
     run.mkdir()
@@ -153,7 +153,7 @@ def test_probe_answers_for_a_job_whose_files_are_garbage(tmp_path):
 
 
 def run_agent(wd: Path, req: dict, stream: bytes) -> dict:
-    from dflashctl.session import BOOT
+    from dflashctl.remote.session import BOOT
 
     src = Path(release_agent.__file__).read_bytes()
     proc = subprocess.run([sys.executable, "-c", BOOT, str(len(src)), json.dumps({"workdir": str(wd), **req})],

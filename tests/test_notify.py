@@ -6,7 +6,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from dflashctl.notify import Message, body, post, redact
+from dflashctl.jobs.notify import Message, body, post, redact
 
 MSG = Message("run-1", "gpu8", "CRASHED", "KeyError on rank0", ["KeyError: 'x'", 'File "a.py", line 3'],
               "fix it", 1, 1.0)  # fmt: skip

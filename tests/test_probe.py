@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflashctl import probe, session
 from dflashctl.config import HostConfig
-from dflashctl.ssh import SshRunner
+from dflashctl.remote import probe, session
+from dflashctl.remote.ssh import SshRunner
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "nvidia-smi"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl import registry
+from dflashctl.jobs import registry
 from tests.conftest import run_cli
 from tests.test_cli import record
 

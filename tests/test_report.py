@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl import probe, report
+from dflashctl.remote import probe
+from dflashctl.show import report
 from tests.conftest import run_cli
 from tests.test_cli import record
 
@@ -84,7 +85,7 @@ def test_series_and_summary_from_one_history_answer(tmp_path):
 
 
 def test_the_figure_has_every_panel_and_marks_the_restart(tmp_path):
-    from dflashctl import plots
+    from dflashctl.show import plots
 
     write_run(tmp_path / "a")
     write_run(tmp_path / "b", resume_at=100)
@@ -116,7 +117,7 @@ def test_report_through_the_cli_json_png_html(client, monkeypatch, tmp_path):
     write_run(tmp_path / "runs" / "two", resume_at=80)
     for name in ("one", "two"):
         record(client, f"{name}-20261201T100000Z-aaaa", state="FINISHED")
-        from dflashctl import registry
+        from dflashctl.jobs import registry
 
         registry.update(f"{name}-20261201T100000Z-aaaa", run_dir=str(tmp_path / "runs" / name))
     res = run_cli("report", "one-2026", "two-2026", "--json")
@@ -146,7 +147,7 @@ def test_the_terminal_report_fits_80_columns_inside_tmux(client, monkeypatch, tm
     monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
     write_run(tmp_path / "runs" / "one")
     record(client, "one-20261201T100000Z-aaaa", state="FINISHED")
-    from dflashctl import registry
+    from dflashctl.jobs import registry
 
     registry.update("one-20261201T100000Z-aaaa", run_dir=str(tmp_path / "runs" / "one"))
     sock, done = f"report-{tmp_path.name}", tmp_path / "done"
@@ -171,7 +172,7 @@ def test_the_terminal_report_fits_80_columns_inside_tmux(client, monkeypatch, tm
 
 def test_a_real_h200_run_reads_as_it_ran(tmp_path):
     """The files a 300-step run wrote on an H200 (NVML readings included), summed up and drawn."""
-    from dflashctl import plots
+    from dflashctl.show import plots
 
     fixture = Path(__file__).parent / "fixtures" / "h200-run"
     hist = probe.history({"run_dir": str(fixture)})

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl import probe
+from dflashctl.remote import probe
 from tests.conftest import run_cli
 from tests.test_launch import alive, cli_json, status_json, wait_until, write_project
 
@@ -75,8 +75,8 @@ def test_two_watchers_restart_once_per_failure_and_keep_max_restarts(proj):
 
 def test_restart_never_follows_a_stop_request(proj):
     """The restart action itself refuses after a kill, whoever calls it (a watcher that saw CRASHED before the kill)."""
-    from dflashctl import control, registry
-    from dflashctl.transport import open_runner
+    from dflashctl.jobs import control, registry
+    from dflashctl.remote.connect import open_runner
 
     job_id = cli_json("launch", job_file(proj, "stopme", "sleep 300"))["id"]
     assert cli_json("kill", job_id)["result"] == "KILLED"
@@ -233,7 +233,7 @@ def test_bad_webhook_urls_are_load_errors_that_never_print_the_url(proj, url, ex
 
 
 def test_records_are_private_atomic_and_a_corrupt_file_is_never_overwritten(proj, tmp_path):
-    from dflashctl import registry
+    from dflashctl.jobs import registry
 
     job_id = cli_json("launch", job_file(proj, "rec", "sleep 300"))["id"]
     status_json(job_id)  # a second write: the first file becomes the last good copy
@@ -261,7 +261,7 @@ def test_probe_failure_is_its_own_state_not_unreachable(client, tmp_path):
     (client.project / "j.yaml").write_text("name: pf\nhost: box\ncommand: sleep 300\n")
     assert run_cli("deploy", "box").code == 0
     job_id = cli_json("launch", "j.yaml")["id"]
-    from dflashctl import registry
+    from dflashctl.jobs import registry
 
     rec = registry.get(job_id)
     registry.update(job_id, host=rec.host.model_copy(update={"python": "/nonexistent/python3"}).model_dump())

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from dflashctl.config import HostConfig, resolve_host
 from dflashctl.errors import HostKeyError, UnreachableError
-from dflashctl.ssh import SshRunner
-from dflashctl.transport import LocalRunner, open_runner
+from dflashctl.remote.connect import open_runner
+from dflashctl.remote.ssh import SshRunner
+from dflashctl.remote.transport import LocalRunner
 from tests.conftest import free_port
 
 ECHO_ARGV = [sys.executable, "-c", "import sys, json; sys.stdout.write(json.dumps(sys.argv[1:]))"]

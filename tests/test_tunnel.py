@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from dflashctl import registry
+from dflashctl.jobs import registry
 from tests.conftest import run_cli
 from tests.test_cli import record
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.watch import PollRecord
+from dflashctl.jobs.watch import PollRecord
 from tests.conftest import TEST_TMUX_SOCKET, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,14 +13,16 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from dflashctl import control, registry, session
 from dflashctl.errors import ProbeFailedError
-from dflashctl.health import FAILURES, TERMINAL, History, Thresholds, Verdict, assess
-from dflashctl.jobs import WatchConfig
-from dflashctl.notify import Message, post
-from dflashctl.registry import JobRecord
-from dflashctl.states import EXIT_BY_STATE  # noqa: E402,F401 - re-exported for callers of watch
-from dflashctl.transport import Runner, open_runner
+from dflashctl.jobs import control, registry
+from dflashctl.jobs.jobfile import WatchConfig
+from dflashctl.jobs.notify import Message, post
+from dflashctl.jobs.registry import JobRecord
+from dflashctl.judge.health import FAILURES, TERMINAL, History, Thresholds, Verdict, assess
+from dflashctl.judge.states import EXIT_BY_STATE  # noqa: E402,F401 - re-exported for callers of watch
+from dflashctl.remote import session
+from dflashctl.remote.connect import open_runner
+from dflashctl.remote.transport import Runner
 
 SPARK = "▁▂▃▄▅▆▇█"
 

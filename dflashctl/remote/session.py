@@ -17,11 +17,11 @@ from pathlib import Path
 
 import yaml
 
-from dflashctl import launcher, probe
 from dflashctl.config import SAFE_NAME, HostConfig
 from dflashctl.errors import ConfigError, ProbeFailedError
-from dflashctl.jobs import JobConfig, redact_env
-from dflashctl.transport import Runner, container_prefix
+from dflashctl.jobs.jobfile import JobConfig, redact_env
+from dflashctl.remote import launcher, probe
+from dflashctl.remote.transport import Runner, container_prefix
 
 PROBE_SOURCE = Path(probe.__file__).read_bytes()
 LAUNCHER_SOURCE = Path(launcher.__file__).read_text()

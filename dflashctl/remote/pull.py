@@ -14,10 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflashctl import session
 from dflashctl.errors import RefusedError, RemoteCommandError
-from dflashctl.registry import JobRecord
-from dflashctl.transport import open_runner
+from dflashctl.jobs.registry import JobRecord
+from dflashctl.remote import session
+from dflashctl.remote.connect import open_runner
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The ssh runner: paramiko, with the destination resolved as the user's own `ssh` resolves it (`ssh -G`), host keys
 checked like OpenSSH (`@revoked` refused, unknown keys refused unless accepted), one connection per runner.
 
-Kept apart from dflashctl.transport so that commands on the `local` host never import paramiko.
+Kept apart from dflashctl.remote.transport so that commands on the `local` host never import paramiko.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import paramiko
 
 from dflashctl.config import HostConfig
 from dflashctl.errors import ConfigError, HostKeyError, UnreachableError
-from dflashctl.transport import CHUNK, MAX_OUTPUT_CAPTURED, Result, Runner, _feed
+from dflashctl.remote.transport import CHUNK, MAX_OUTPUT_CAPTURED, Result, Runner, _feed
 
 # paramiko logs a failed handshake with a 20-line traceback to stderr; our one-line error says it instead
 logging.getLogger("paramiko").addHandler(logging.NullHandler())

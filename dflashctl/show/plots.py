@@ -10,7 +10,7 @@ import html
 import io
 from pathlib import Path
 
-from dflashctl.report import RunSeries, smooth
+from dflashctl.show.report import RunSeries, smooth
 
 STEP_PANELS = [("loss", "loss"), ("acc", "accuracy"), ("tokens_per_s", "tokens/s"), ("tau", "tau"), ("lr", "lr"),
                ("grad_norm", "grad norm")]  # fmt: skip

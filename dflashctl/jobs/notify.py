@@ -13,7 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from dflashctl.health import FAILURES
+from dflashctl.judge.health import FAILURES
 
 
 def redact(url: str) -> str:

@@ -15,15 +15,16 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflashctl import control, registry, session
 from dflashctl.config import resolve_host
-from dflashctl.control import KillReport
 from dflashctl.errors import ConfigError, NoSuchJobError, NothingToDoError, RefusedError, RemoteCommandError
-from dflashctl.jobs import load_job
-from dflashctl.registry import JobRecord
-from dflashctl.sync import build_manifest, deploy, manifest_version, read_remote_state
-from dflashctl.transport import open_runner
-from dflashctl.watch import judge
+from dflashctl.jobs import control, registry
+from dflashctl.jobs.control import KillReport
+from dflashctl.jobs.jobfile import load_job
+from dflashctl.jobs.registry import JobRecord
+from dflashctl.jobs.watch import judge
+from dflashctl.remote import session
+from dflashctl.remote.connect import open_runner
+from dflashctl.remote.sync import build_manifest, deploy, manifest_version, read_remote_state
 
 
 def new_job_id(name: str, now: datetime | None = None) -> str:
@@ -226,7 +227,7 @@ def logs(
 def attach_argv(job: JobRecord, write: bool = False) -> list[str]:
     """The command that opens the job's pane: `ssh -t HOST [pct exec CT --] tmux -L SOCK attach -r -t =SESSION`.
     The system's ssh is used, so the user's own config, agent and known_hosts apply."""
-    from dflashctl.transport import container_prefix
+    from dflashctl.remote.transport import container_prefix
 
     tmux = ["tmux", "-L", job.tmux_socket, "attach", "-t", f"={job.session}", *([] if write else ["-r"])]
     host = job.host

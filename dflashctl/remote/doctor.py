@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from dflashctl.transport import WORKDIR_PRELUDE, Runner
+from dflashctl.remote.transport import WORKDIR_PRELUDE, Runner
 
 MIN_FREE_GIB = 20.0  # checkpoints of an 8B-target drafter run are a few GiB each; keep room for several
 MAX_CLOCK_OFFSET_S = 5.0  # heartbeat ages and stall timers compare remote timestamps with ours

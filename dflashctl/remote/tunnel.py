@@ -12,8 +12,8 @@ import ipaddress
 import shlex
 
 from dflashctl.errors import RemoteCommandError
-from dflashctl.registry import JobRecord
-from dflashctl.transport import Runner
+from dflashctl.jobs.registry import JobRecord
+from dflashctl.remote.transport import Runner
 
 DOCKER_ADDRESS = "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}"
 
@@ -47,7 +47,7 @@ def remote_address(job: JobRecord, runner: Runner | None) -> str:
 
 
 def ssh_argv(job: JobRecord, local_port: int, address: str, port: int) -> list[str]:
-    from dflashctl.ssh import client_options
+    from dflashctl.remote.ssh import client_options
 
     host = job.host
     return ["ssh", *client_options(host), "-N", "-o", "ExitOnForwardFailure=yes", "-o", "ServerAliveInterval=30",

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
-from dflashctl import release_agent
 from dflashctl.errors import ConfigError, DflashError, RemoteCommandError
-from dflashctl.transport import WORKDIR_PRELUDE, Runner
+from dflashctl.remote import release_agent
+from dflashctl.remote.transport import WORKDIR_PRELUDE, Runner
 
 RELEASE_SOURCE = Path(release_agent.__file__).read_bytes()
 S_IFLNK = 0o120000
@@ -165,7 +165,7 @@ class HashCache:
     the state dir (0600), one file per project root; a cache that cannot be read is simply rebuilt."""
 
     def __init__(self, root: Path) -> None:
-        from dflashctl.registry import state_dir
+        from dflashctl.jobs.registry import state_dir
 
         key = hashlib.sha256(str(root.resolve()).encode("utf-8", "surrogateescape")).hexdigest()[:16]
         self.path = state_dir() / "hash-cache" / f"{key}.json"
@@ -313,7 +313,7 @@ def deploy(
     progress: ProgressFactory | None = None,
 ) -> DeployReport:
     """Make the local tree at root the current release on the host (atomically, verified)."""
-    from dflashctl.session import BOOT  # one bootstrap for every remote agent
+    from dflashctl.remote.session import BOOT  # one bootstrap for every remote agent
 
     start = time.monotonic()
     commands_before = runner.commands_run

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from dflashctl.health import ADVICE, Verdict, classify_log
+from dflashctl.judge.health import ADVICE, Verdict, classify_log
 
 FINISHED = re.compile(r"^(finished: \d+ steps|\[dflashctl\] \S+ exit 0$)")
 

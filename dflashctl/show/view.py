@@ -9,9 +9,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from dflashctl.health import Verdict
-from dflashctl.render import neutralise
-from dflashctl.watch import Watcher, sparkline
+from dflashctl.jobs.watch import Watcher, sparkline
+from dflashctl.judge.health import Verdict
+from dflashctl.show.render import neutralise
 
 COLOURS = {"RUNNING": "green", "STARTING": "cyan", "FINISHED": "bold green", "STALLED": "yellow",
            "UNREACHABLE": "magenta"}  # fmt: skip

@@ -176,21 +176,3 @@ class LocalRunner(Runner):
         for t in readers:
             t.join()
         return Result(argv, proc.returncode, bytes(out), bytes(err))
-
-
-def open_runner(host: HostConfig, accept_new_host_key: bool = False) -> Runner:
-    """The runner for a host. Connecting is lazy: nothing touches the network until the first command."""
-    if host.is_local:
-        return LocalRunner(host)
-    from dflashctl.ssh import SshRunner  # paramiko is imported only for a remote host
-
-    return SshRunner(host, accept_new_host_key)
-
-
-def __getattr__(name: str):
-    """`SshRunner` and the ssh helpers live in dflashctl.ssh (which imports paramiko); reachable here too."""
-    if name in ("SshRunner", "SshTarget", "resolve_ssh_target", "fingerprint", "load_known_hosts"):
-        from dflashctl import ssh
-
-        return getattr(ssh, name)
-    raise AttributeError(name)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from dflashctl import session
-from dflashctl.registry import JobRecord
-from dflashctl.transport import Runner
+from dflashctl.jobs.registry import JobRecord
+from dflashctl.remote import session
+from dflashctl.remote.transport import Runner
 
 
 @dataclass

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dflashctl.config import HostConfig
 from dflashctl.errors import RecordsCorruptError
-from dflashctl.jobs import WatchConfig
+from dflashctl.jobs.jobfile import WatchConfig
 
 STATE_ENV = "DFLASHCTL_STATE_DIR"
 LIVE_STATES = ("KILLED", "FINISHED", "LOST")  # states after which a job is not live

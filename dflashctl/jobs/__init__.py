@@ -1,0 +1,1 @@
+"""Jobs: their files, the registry of launched jobs, launch and kill, and the watcher."""

@@ -1,0 +1,1 @@
+"""The judge: what state a job is in, from what its files and processes say. Pure."""

@@ -1,0 +1,1 @@
+"""Where commands run: the transport (ssh, containers), deploys, and the agents shipped to the remote."""

@@ -1,0 +1,1 @@
+"""What the user sees: the live view, terminal output, reports and plots."""

@@ -1,0 +1,64 @@
+"""The house's rules, read from the source: the agents shipped to the remote use the standard library only, the
+judge is pure, dflashctl and the trainer never import each other, and no two dflashctl modules import each other."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB = set(sys.stdlib_module_names)
+
+
+def imports(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (a lazy import inside a function counts)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def test_agents_shipped_to_the_remote_use_the_standard_library_only():
+    for name in ("probe", "launcher", "release_agent"):
+        tops = {m.split(".")[0] for m in imports(ROOT / "dflashctl" / "remote" / f"{name}.py")}
+        assert tops - STDLIB - {"__future__", "pynvml"} == set(), name  # pynvml: optional, imported inside a try
+
+
+def test_the_judge_is_pure():
+    for path in (ROOT / "dflashctl" / "judge").glob("*.py"):
+        outside = {m for m in imports(path) if m.split(".")[0] not in STDLIB | {"__future__"}}
+        assert all(m.startswith("dflashctl.judge") for m in outside), (path.name, outside)
+
+
+def test_dflashctl_and_the_trainer_never_import_each_other():
+    for pkg, other in (("dflashctl", "trainer"), ("trainer", "dflashctl")):
+        for path in (ROOT / pkg).rglob("*.py"):
+            assert not any(m == other or m.startswith(other + ".") for m in imports(path)), path
+
+
+def test_no_import_cycle_between_dflashctl_modules():
+    mods = {module_name(p): p for p in (ROOT / "dflashctl").rglob("*.py")}
+    graph = {m: {i for i in imports(p) if i in mods and i != m and mods[i].name != "__init__.py"}
+             for m, p in mods.items()}  # fmt: skip
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in graph[m]:
+            assert state.get(n) != 1, " -> ".join(path + [m, n])
+            if n not in state:
+                visit(n, path + [m])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [])
