@@ -217,6 +217,8 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
     if job is None:
         err.print(f"(no job given: {st['id']}, the newest {'live ' if st['picked'] == 'live' else ''}job)")
     out.print(f"[bold]{st['state']}[/]: {st['reason']}", markup=True)
+    if st["nodes"]:
+        out.print("nodes: " + ", ".join(f"{n['host']} {n['state']}" for n in st["nodes"]), markup=False)
     up = f"up {st['uptime_s']:.0f} s" if st["uptime_s"] is not None else "ended"
     exit_code = f"exit code {st['exit_code']}" if st["exit_code"] is not None else "no exit code yet"
     out.print(f"[bold]{st['id']}[/] on {st['host']}: session {st['session']}, {exit_code}, {up}, "
@@ -405,6 +407,8 @@ def logs(
     follow: bool = Flag("-f", "--follow", help="Keep printing new lines until the job ends."),
     as_json: bool = Flag("--json", help='One {"id", "text"} object per chunk of the log.'),
     raw: bool = Flag("--raw", help="Pass terminal escape sequences through (default: shown, inert)."),
+    node: str | None = typer.Option(None, "--node", help="A multi-node job's node (host name or number; default "
+                                    "the head)."),
     accept_new: bool = AcceptNewOpt,
 ) -> None:
     """Print the end of a job's train.log (everything the job printed)."""
@@ -420,7 +424,7 @@ def logs(
         emit = lambda s: (sys.stdout.write(s + "\n"), sys.stdout.flush())  # noqa: E731
     else:
         emit = lambda s: out.print(neutralise(s), markup=False)  # noqa: E731
-    res = jobctl.logs(job, root_dir, lines, follow, emit, accept_new=accept_new)
+    res = jobctl.logs(job, root_dir, lines, follow, emit, accept_new=accept_new, node=node)
     if follow and res["exit_code"] not in (None, 0):
         raise typer.Exit(EXIT_FAILED)
 

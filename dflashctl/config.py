@@ -47,6 +47,10 @@ class HostConfig(BaseModel):
         "container", description="where nvidia-smi/NVML run: inside the container or on its host (Proxmox)"
     )
     connect_timeout: float = Field(10.0, gt=0, le=300, description="seconds to wait for the ssh handshake")
+    rdzv_host: str | None = Field(
+        None, description="the address other nodes reach this host at for a multi-node job's rendezvous (a "
+        "container's own address differs from its host's); default: the ssh HostName, 127.0.0.1 for `local`",
+    )  # fmt: skip
 
     @field_validator("container")
     @classmethod
@@ -63,6 +67,13 @@ class HostConfig(BaseModel):
         user, _, host = value.rpartition("@")
         if (user and not SAFE_NAME.fullmatch(user)) or not HOSTNAME.fullmatch(host):
             raise ValueError("expected an ssh destination `host` or `user@host` with no shell characters")
+        return value
+
+    @field_validator("rdzv_host")
+    @classmethod
+    def _rdzv_host(cls, value: str | None) -> str | None:
+        if value is not None and not HOSTNAME.fullmatch(value):
+            raise ValueError("expected a host name or address with no shell characters")
         return value
 
     @field_validator("user")

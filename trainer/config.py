@@ -77,6 +77,9 @@ class OptimConfig:
 class CheckpointConfig:
     every: int = 0  # steps between checkpoints; 0 = only at the end
     keep: int = 2  # newest complete checkpoints kept
+    # every node's local rank 0 writes a copy into its own run dir (nodes without a shared file system: each can
+    # resume); dflashctl sets it for jobs over several hosts
+    per_node: bool = False
 
 
 @dataclass

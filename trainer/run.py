@@ -167,6 +167,10 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
         if latest is None:  # repeating the run cannot fix the files: not a crash to restart
             raise ConfigError(str(ckpt_root), "--resume", f"no intact checkpoint: {skipped[0]['why']} "
                               f"({len(skipped)} checked); move the run dir's checkpoints/ away to start afresh")
+    steps_found = all_gather_objects(loaded.position.step if loaded is not None else None, world)
+    if len(set(steps_found)) > 1:  # every rank must continue from the same step, or the ranks train apart
+        raise ConfigError(str(ckpt_root), "--resume", f"ranks would resume from different steps {steps_found} (a "
+                          "node lacks the checkpoint: set checkpoint.per_node, or share the run dir)")  # fmt: skip
     if loaded is not None:
         drafter.load_state_dict(loaded.weights)
         opt.load_state_dict(loaded.optimizer)
@@ -219,7 +223,8 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
 
     def save(step: int) -> None:
         rngs = all_gather_objects(checkpoint.rng_state(), world)
-        if world.is_main and ckpt_root:
+        writer = world.is_main or (cfg.checkpoint.per_node and world.local_rank == 0)
+        if writer and ckpt_root:
             pos = checkpoint.Position(step, stream.epoch, stream.batch_in_epoch)
             path = checkpoint.save(ckpt_root, pos, drafter, opt, sched, rngs, cfg.checkpoint.keep)
             event("checkpoint", path=str(path), step=step)

@@ -7,8 +7,11 @@ never beyond `max_restarts` (the count is a file in the run dir).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+from dflashctl.config import HostConfig
 from dflashctl.jobs.registry import JobRecord
 from dflashctl.remote import session
 from dflashctl.remote.transport import Runner
@@ -41,7 +44,7 @@ def stop(runner: Runner, job: JobRecord, grace_s: float | None = None) -> KillRe
     grace = job.kill_grace_s if grace_s is None else grace_s
     host = runner.host
     on_host = bool(host.container and host.gpu_query == "host")
-    req = {"action": "reap", "run_dir": job.run_dir, "session": job.session, "job_id": job.id, "grace_s": grace,
+    req = {"action": "reap", "run_dir": job.run_dir, "session": job.session, "job_id": job.tag, "grace_s": grace,
            "tmux_socket": job.tmux_socket, "gpus": not on_host}  # fmt: skip
     ans = session.call_agent(runner, req, timeout=grace + 90)
     holders, check = ans["gpu_holders"], ans["gpu_check"]
@@ -70,10 +73,55 @@ class RestartOutcome:
 def restart(runner: Runner, job: JobRecord, attempt: int) -> RestartOutcome:
     """Restart the attempt numbered `attempt` (0 for the first launch) with --resume for the trainer, unless the
     remote says no (stop requested, someone else restarted it, budget spent)."""
-    req = {"action": "restart", "run_dir": job.run_dir, "session": job.session, "job_id": job.id,
+    req = {"action": "restart", "run_dir": job.run_dir, "session": job.session, "job_id": job.tag,
            "tmux_socket": job.tmux_socket, "attempt": attempt, "max_restarts": job.watch.max_restarts,
            "grace_s": job.kill_grace_s, "python": runner.host.python,
            "args": ["--resume"] if job.is_trainer else [], "gpus": False}  # fmt: skip
     ans = session.call_agent(runner, req, timeout=job.kill_grace_s + 120)
     return RestartOutcome(bool(ans.get("restarted")), int(ans.get("restarts", attempt)), ans.get("why", ""),
                           ans.get("pane_pid"))  # fmt: skip
+
+
+def each_member(job: JobRecord, open_runner: Callable[[HostConfig], Runner], fn: Callable[[Runner, JobRecord], object]):
+    """fn(runner, member record) for every node of the job, all at once; results in node order."""
+    members = job.member_records()
+
+    def one(rec: JobRecord):
+        with open_runner(rec.host) as runner:
+            return fn(runner, rec)
+
+    if len(members) == 1:
+        return [one(members[0])]
+    with ThreadPoolExecutor(max_workers=min(16, len(members))) as pool:
+        return list(pool.map(one, members))
+
+
+def stop_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], grace_s: float | None = None) -> KillReport:
+    """Stop every node of a job and verify each: KILLED only when every node says so."""
+    reports = each_member(job, open_runner, lambda r, rec: stop(r, rec, grace_s))
+    if len(reports) == 1:
+        return reports[0]
+    tag = lambda rep, items: [{**x, "node": rep.host} if isinstance(x, dict) else x for x in items]  # noqa: E731
+    return KillReport(
+        job.id, ",".join(r.host for r in reports),
+        "KILLED" if all(r.clean for r in reports) else "KILL_FAILED",
+        [x for r in reports for x in tag(r, r.found)], [p for r in reports for p in r.term],
+        [p for r in reports for p in r.kill], [p for r in reports for p in r.remaining],
+        [x for r in reports for x in tag(r, r.gpu_holders)], "; ".join(f"{r.host}: {r.gpu_check}" for r in reports),
+        all(r.session_closed for r in reports),
+    )  # fmt: skip
+
+
+def restart_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], attempt: int) -> RestartOutcome:
+    """Restart every node of a job (each stopped, then started with --resume, under its run dir's lock), head
+    first. The outcome is the head's; a node that refuses is named."""
+    outcomes = []
+    for rec in job.member_records():
+        with open_runner(rec.host) as runner:
+            outcomes.append(restart(runner, rec, attempt))
+    head = outcomes[0]
+    refused = [f"{rec.host_name}: {o.why}" for rec, o in zip(job.member_records(), outcomes, strict=True)
+               if not o.restarted]  # fmt: skip
+    if refused and head.restarted:
+        return RestartOutcome(False, head.restarts, "; ".join(refused), head.pane_pid)
+    return head

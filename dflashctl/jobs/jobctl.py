@@ -6,6 +6,7 @@ launch, so later commands need nothing but the id (or a prefix of it, or nothing
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import shlex
@@ -15,13 +16,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflashctl.config import resolve_host
+from dflashctl.config import HostConfig, resolve_host
 from dflashctl.errors import ConfigError, NoSuchJobError, NothingToDoError, RefusedError, RemoteCommandError
 from dflashctl.jobs import control, registry
 from dflashctl.jobs.control import KillReport
 from dflashctl.jobs.jobfile import load_job
-from dflashctl.jobs.registry import JobRecord
-from dflashctl.jobs.watch import judge
+from dflashctl.jobs.registry import JobRecord, Member
+from dflashctl.jobs.watch import judge, make_watcher
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner
 from dflashctl.remote.sync import build_manifest, deploy, manifest_version, read_remote_state
@@ -46,6 +47,7 @@ class LaunchReport:
     dry_run: bool
     files: dict[str, str] = field(default_factory=dict)
     remote_commands: list[str] = field(default_factory=list)
+    nodes: list[dict] = field(default_factory=list)  # a multi-node job: host, run_dir, session, pane_pid, gpus each
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,9 +62,14 @@ def launch(
     socket = session.tmux_socket()
     registry.all_jobs()  # records that cannot be read refuse the launch before anything starts remotely
     job, trainer_cfg = load_job(job_path, root)
-    host = resolve_host(job.host, root)
+    hosts = [resolve_host(n.host, root) for n in job.nodes]
     job_id = new_job_id(job.name)
     local_version = manifest_version(build_manifest(root))
+    if job.multi_node:
+        return launch_nodes(job_path, root, job, trainer_cfg, hosts, job_id, local_version, socket,
+                            deploy_first=deploy_first, force=force, dry_run=dry_run, accept_new=accept_new,
+                            progress=progress)  # fmt: skip
+    host = hosts[0]
     with open_runner(host, accept_new) as runner:
         if deploy_first and not dry_run:
             deploy(runner, root, host.workdir, progress=progress)
@@ -103,6 +110,113 @@ def launch(
     return report
 
 
+def rdzv_port_for(job_id: str) -> int:
+    """A port of the job's own, so that two multi-node jobs with one head do not meet in one rendezvous."""
+    return 29500 + int(hashlib.sha256(job_id.encode()).hexdigest(), 16) % 400
+
+
+def rendezvous_address(host: HostConfig) -> str:
+    """The head's address as the other nodes reach it: `rdzv_host`, else the ssh HostName, else loopback."""
+    if host.rdzv_host:
+        return host.rdzv_host
+    if host.is_local:
+        return "127.0.0.1"
+    from dflashctl.remote.ssh import resolve_ssh_target
+
+    return resolve_ssh_target(host).hostname
+
+
+def launch_nodes(
+    job_path: Path, root: Path, job, trainer_cfg: dict | None, hosts: list[HostConfig], job_id: str, version: str,
+    socket: str, *, deploy_first: bool, force: bool, dry_run: bool, accept_new: bool, progress,
+) -> LaunchReport:  # fmt: skip
+    """One job over several hosts: the same release checked on every node, every node's launch checks passed
+    before any starts, then one tmux session per node (head first); a node that refuses at the start stops the
+    nodes already started."""
+    from dflashctl.remote.session import NodePlace
+
+    port = job.rdzv_port or rdzv_port_for(job_id)
+    head = rendezvous_address(hosts[0])
+    places = [NodePlace(i, len(hosts), head, port, tuple(job.node_gpus(n)), tuple(n.env.items()))
+              for i, n in enumerate(job.nodes)]  # fmt: skip
+    runners = [open_runner(h, accept_new) for h in hosts]
+    try:
+        workdirs, stale = [], []
+        for host, runner in zip(hosts, runners, strict=True):
+            if deploy_first and not dry_run:
+                deploy(runner, root, host.workdir, progress=progress)
+            abs_wd, current, _ = read_remote_state(runner, host.workdir)
+            workdirs.append(abs_wd)
+            if current != version and not (deploy_first and dry_run):
+                stale.append(f"{host.name}: deployed code is {current or 'nothing'}")
+        if stale:
+            raise RefusedError(f"{'; '.join(stale)}; the local tree is {version}: run `dflashctl deploy` on each "
+                               "host or launch with --deploy")  # fmt: skip
+        sess = session.session_name(job_id)
+        # node i > 0 gets a session name of its own: two nodes may share one machine (and its tmux server)
+        sessions = [session.node_session(job_id, pl) for pl in places]
+        command = job.command or session.trainer_command(job, hosts[0].python, places[0])
+        report = LaunchReport(
+            id=job_id, host=",".join(h.name for h in hosts), run_dir=f"{workdirs[0]}/runs/{job_id}", session=sess,
+            pane_pid=None, release=version, command=command, gpus=list(places[0].gpus), overrides=[], dry_run=dry_run,
+        )  # fmt: skip
+        report.nodes = [{"host": h.name, "run_dir": f"{wd}/runs/{job_id}", "session": sessions[pl.rank],
+                         "pane_pid": None, "gpus": list(pl.gpus), "node_rank": pl.rank}
+                        for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
+        files = [session.run_files(job, job_id, h.python, trainer_cfg, version, redact=dry_run, node=pl)
+                 for h, pl in zip(hosts, places, strict=True)]  # fmt: skip
+        if dry_run:
+            report.files = files[0]
+            report.remote_commands = [r.describe([h.python, "-c", "<dflashctl probe>", "launch", job_id])
+                                      for h, r in zip(hosts, runners, strict=True)]  # fmt: skip
+            return report
+        reqs = [{"action": "launch", "workdir": wd, "job_id": job_id, "name": job.name, "session": sessions[pl.rank],
+                 "gpus": list(pl.gpus), "force": force, "release": version, "python": h.python, "tmux_socket": socket,
+                 "needs": {"torch": job.trainer is not None, "cuda": bool(pl.gpus)}}
+                for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
+        for h, r, req in zip(hosts, runners, reqs, strict=True):  # every node must pass before any starts
+            ans = session.call_agent(r, {**req, "check_only": True})
+            _raise_refusal(ans, h, job_path)
+        members: list[Member] = []
+        try:
+            for i, (h, r, req, f) in enumerate(zip(hosts, runners, reqs, files, strict=True)):
+                ans = session.call_agent(r, req, payload=json.dumps(f).encode())
+                _raise_refusal(ans, h, job_path)
+                members.append(Member(node=i, host_name=h.name, host=h, run_dir=ans["run_dir"], session=sessions[i],
+                                      pane_pid=ans["pane_pid"], gpus=list(places[i].gpus)))  # fmt: skip
+                report.overrides += [f"{h.name}: {o}" for o in ans.get("overrides", [])]
+        except Exception:
+            for m, r in zip(members, runners, strict=False):  # never leave half a job running
+                rec = JobRecord(id=job_id, name=job.name, project=str(root), job_file=str(job_path),
+                                host_name=m.host_name, host=m.host, release=version, command=command,
+                                run_dir=m.run_dir, session=m.session, launched_at=time.time(), tmux_socket=socket,
+                                kill_grace_s=5.0)  # fmt: skip
+                control.stop(r, rec, 5.0)
+            raise
+    finally:
+        for r in runners:
+            r.close()
+    report.run_dir, report.pane_pid = members[0].run_dir, members[0].pane_pid
+    for node, m in zip(report.nodes, members, strict=True):
+        node.update(run_dir=m.run_dir, pane_pid=m.pane_pid)
+    registry.record(JobRecord(
+        id=job_id, name=job.name, project=str(root), job_file=str(job_path.resolve()), host_name=hosts[0].name,
+        host=hosts[0], release=version, command=command, run_dir=members[0].run_dir, session=sess,
+        pane_pid=members[0].pane_pid, gpus=members[0].gpus, launched_at=time.time(), kill_grace_s=job.kill_grace_s,
+        is_trainer=job.trainer is not None, overrides=report.overrides, tmux_socket=socket,
+        watch=job.watch.model_copy(update={"startup_budget_s": job.startup_budget(trainer_cfg)}),
+        steps=(trainer_cfg or {}).get("steps"), members=members,
+    ))  # fmt: skip
+    return report
+
+
+def _raise_refusal(ans: dict, host: HostConfig, job_path: Path) -> None:
+    if ans.get("refused"):
+        if ans.get("config"):
+            raise ConfigError(str(job_path), ans.get("key"), f"{'; '.join(ans['refused'])} (host {host.name})")
+        raise RefusedError(f"{host.name}: {'; '.join(ans['refused'])} (use --force to launch anyway)")
+
+
 def find_job(spec: str | None, project: str | None, live_only: bool = False) -> JobRecord:
     """A job by id, id prefix or name (newest match), or the newest job of the project. For a kill (live_only), a
     job whose last kill failed comes first: retrying `dflashctl kill` must reach the same job, never the next one."""
@@ -131,8 +245,7 @@ def kill(spec: str | None, project: str, grace_s: float | None = None, accept_ne
     job = find_job(spec, project, live_only=spec is None)
     if job.state in ("FINISHED", "KILLED"):  # nothing to stop: say so, rewrite nothing
         raise NothingToDoError(f"{job.id} is already {job.state}: nothing to kill")
-    with open_runner(job.host, accept_new) as runner:
-        report = control.stop(runner, job, grace_s)
+    report = control.stop_all(job, lambda h: open_runner(h, accept_new), grace_s)
     registry.update(job.id, state=report.result, killed_at=time.time())
     registry.append_event(job.id, {"decision": "kill", "result": report.result, "signalled": report.term,
                                    "remaining": report.remaining})  # fmt: skip
@@ -161,7 +274,14 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     pane = snap["session"]
     alive = pane.get("exists") and not pane.get("pane_dead")
     v = judge(job, snap)
+    nodes = None
+    if job.members:  # every node, one call each, judged together (the head's call above gave the metrics)
+        w = make_watcher(job, accept_new)
+        v = w.poll()
+        registry.update(job.id, state=v.state, reason=v.reason)
+        nodes = [{"host": n.job.host_name, "state": st} for n, st in zip(w.nodes, w.node_states, strict=True)]
     return {
+        "nodes": nodes,
         "id": job.id, "host": job.host_name, "run_dir": job.run_dir, "picked": picked,
         "alive": bool(alive), "session": "alive" if alive else ("dead" if pane.get("exists") else "gone"),
         "run_dir_exists": snap["run_dir_exists"], "exit_code": snap.get("exit_code"),
@@ -197,10 +317,13 @@ LOG_TAIL_BYTES = 4 << 20  # `logs -n N` reads at most this much from the end, ho
 
 def logs(
     spec: str | None, project: str, lines: int = 50, follow: bool = False, emit: Callable[[str], None] = print,
-    poll_s: float = 2.0, accept_new: bool = False,
+    poll_s: float = 2.0, accept_new: bool = False, node: str | None = None,
 ) -> dict:  # fmt: skip
-    """Print the last `lines` lines of train.log; with follow, keep printing until the job has ended."""
+    """Print the last `lines` lines of train.log (a multi-node job: the head's, or `node`'s); with follow, keep
+    printing until the job has ended."""
     job = find_job(spec, project)
+    if node is not None:
+        job = job.member(node)
     with open_runner(job.host, accept_new) as runner:
         got = session.call_agent(runner, {"action": "tail", "path": f"{job.run_dir}/train.log", "lines": lines,
                                           "limit": LOG_TAIL_BYTES, "gpus": False})  # fmt: skip

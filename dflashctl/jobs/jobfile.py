@@ -92,11 +92,40 @@ class WatchConfig(BaseModel):
         return value
 
 
+class NodeSpec(BaseModel):
+    """One node of a job over several hosts (`hosts:`): its host, and optionally its own GPUs and environment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field(..., description="a host name from dflashctl.yaml / hosts.yaml")
+    gpus: list[int] | int | None = Field(None, description="this node's GPUs (default: the job's `gpus`)")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment for this node only")
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        if not SAFE_NAME.fullmatch(value):
+            raise ValueError("expected a host name of [A-Za-z0-9._-]")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str]) -> dict[str, str]:
+        for k, v in value.items():
+            if not ENV_NAME.fullmatch(k) or "\0" in v:
+                raise ValueError(f"{k!r}: not a valid environment variable")
+        return value
+
+
 class JobConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     name: str = Field(..., description="job name, [A-Za-z0-9._-]; the job id is name + UTC timestamp")
-    host: str = Field("local", description="a host name from dflashctl.yaml / hosts.yaml, or `local`")
+    host: str | list[str] = Field("local", description="a host name from dflashctl.yaml / hosts.yaml, or `local`; a "
+                                  "list runs one job over several hosts (the first is the rendezvous head)")
+    hosts: list[NodeSpec] | None = Field(None, description="several hosts, each with its own gpus/env (not with host)")
+    rdzv_port: int | None = Field(None, ge=1024, le=65535, description="the head's rendezvous port (multi-node); "
+                                  "default: one derived from the job id, 29500-29899")
     gpus: list[int] | int | None = Field(None, description="GPU indices, or a count (0..N-1); none = CPU")
     trainer: dict[str, Any] | str | None = Field(None, description="the bundled trainer's config, inline or a path")
     command: str | None = Field(None, description="any command line, run in the deployed code directory")
@@ -118,9 +147,10 @@ class JobConfig(BaseModel):
 
     @field_validator("host")
     @classmethod
-    def _host(cls, value: str) -> str:
-        if not SAFE_NAME.fullmatch(value):
-            raise ValueError("expected a host name of [A-Za-z0-9._-]")
+    def _host(cls, value: str | list[str]) -> str | list[str]:
+        names = value if isinstance(value, list) else [value]
+        if not names or not all(SAFE_NAME.fullmatch(n) for n in names):
+            raise ValueError("expected a host name of [A-Za-z0-9._-], or a non-empty list of them")
         return value
 
     @field_validator("gpus")
@@ -155,7 +185,32 @@ class JobConfig(BaseModel):
     def _one_of(self) -> JobConfig:
         if (self.trainer is None) == (self.command is None):
             raise ValueError("set exactly one of `trainer` and `command`")
+        if self.hosts is not None and "host" in self.model_fields_set:
+            raise ValueError("set `host` or `hosts`, not both")
+        names = [n.host for n in self.nodes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a host appears twice among the nodes: {names}")
+        if len(names) > 64:
+            raise ValueError("at most 64 nodes")
         return self
+
+    @property
+    def nodes(self) -> list[NodeSpec]:
+        """The job's nodes in order (the first is the rendezvous head); a single-host job has one."""
+        if self.hosts is not None:
+            return self.hosts
+        names = self.host if isinstance(self.host, list) else [self.host]
+        return [NodeSpec(host=n) for n in names]
+
+    @property
+    def multi_node(self) -> bool:
+        return len(self.nodes) > 1
+
+    def node_gpus(self, node: NodeSpec) -> list[int]:
+        gpus = node.gpus if node.gpus is not None else self.gpus
+        if gpus is None:
+            return []
+        return list(range(gpus)) if isinstance(gpus, int) else list(gpus)
 
     def startup_budget(self, trainer_cfg: dict | None) -> float:
         """The job's own budget, else for the trainer a base plus a preflight allowance per shape bucket (measured

@@ -21,11 +21,26 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dflashctl.config import HostConfig
-from dflashctl.errors import RecordsCorruptError
+from dflashctl.errors import NoSuchJobError, RecordsCorruptError
 from dflashctl.jobs.jobfile import WatchConfig
 
 STATE_ENV = "DFLASHCTL_STATE_DIR"
 LIVE_STATES = ("KILLED", "FINISHED", "LOST")  # states after which a job is not live
+
+
+class Member(BaseModel):
+    """One node of a job over several hosts: where its part runs. The record's own host, run dir and session are
+    the head's (node 0)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    node: int
+    host_name: str
+    host: HostConfig
+    run_dir: str
+    session: str
+    pane_pid: int | None = None
+    gpus: list[int] = Field(default_factory=list)
 
 
 class JobRecord(BaseModel):
@@ -59,6 +74,8 @@ class JobRecord(BaseModel):
     tmux_socket: str = "dflashctl"
     steps: int | None = None
     killed_at: float | None = None
+    members: list[Member] = Field(default_factory=list, description="the nodes of a multi-node job, head first")
+    node_tag: str | None = None  # a node's process tag when it is not the job id (node i > 0: `<id>.node<i>`)
 
     @model_validator(mode="before")
     @classmethod
@@ -71,6 +88,28 @@ class JobRecord(BaseModel):
     @property
     def live(self) -> bool:
         return self.state not in LIVE_STATES
+
+    @property
+    def tag(self) -> str:
+        """The value of DFLASHCTL_JOB_ID in the environment of this job's (or node's) processes."""
+        return self.node_tag or self.id
+
+    def member_records(self) -> list[JobRecord]:
+        """One record per node, each as a single-host job would have it (this record alone for a single host)."""
+        if not self.members:
+            return [self]
+        return [self.model_copy(update={"host_name": m.host_name, "host": m.host, "run_dir": m.run_dir,
+                                        "session": m.session, "pane_pid": m.pane_pid, "gpus": m.gpus,
+                                        "members": [], "node_tag": f"{self.id}.node{m.node}" if m.node else None})
+                for m in self.members]  # fmt: skip
+
+    def member(self, node: str) -> JobRecord:
+        """The node's record by host name or node number."""
+        for i, rec in enumerate(self.member_records()):
+            if node in (rec.host_name, str(i)):
+                return rec
+        names = ", ".join(r.host_name for r in self.member_records())
+        raise NoSuchJobError(f"{self.id} has no node {node!r} (its nodes: {names})")
 
 
 def state_dir() -> Path:

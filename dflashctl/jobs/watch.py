@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
@@ -83,6 +84,7 @@ class Watcher:
     pending_events: list[dict] = field(default_factory=list)
     remote_commands: int = 0
     notes: list[str] = field(default_factory=list)
+    exit_time: float | None = None  # when the attempt ended, on the remote's clock
     heartbeat_seen: tuple | None = None  # (what the heartbeat said, remote time it was first seen so)
     activity_seen: tuple | None = None  # (log size, CPU seconds, GPU memory) at the previous poll
 
@@ -138,6 +140,9 @@ class Watcher:
         self.fold(snap)
         return assess(self.history, self.thresholds)
 
+    def restart_remote(self, attempt: int) -> control.RestartOutcome:
+        return control.restart(self._connect(), self.job, attempt)
+
     def fold(self, snap: dict) -> None:
         """Take one snapshot into the history (offsets, steps, fatal/finished records, heartbeat, GPUs). Every value
         that comes from the job's files is checked for its type: a malformed one is skipped and counted."""
@@ -156,6 +161,7 @@ class Watcher:
             h.started_at = float(pane["created"])
         h.run_dir_exists = snap["run_dir_exists"]
         h.exit_code = snap.get("exit_code")
+        self.exit_time = snap.get("exit_time") if isinstance(snap.get("exit_time"), (int, float)) else None
         h.stop_request, h.stop_result = snap.get("stop_request"), snap.get("stop_result")
         log = snap.get("log") or {}
         self.log_offset = log.get("offset", self.log_offset)
@@ -325,7 +331,7 @@ def restart(w: Watcher, v: Verdict, say: Callable[[str], None], wait: Callable[[
     delay = w.cfg.backoff_s * (2**w.restarts)
     say(f"{v.state}: restarting in {delay:.0f} s (restart {w.restarts + 1} of {w.cfg.max_restarts})")
     wait(delay, w)
-    outcome = control.restart(w._connect(), w.job, w.restarts)
+    outcome = w.restart_remote(w.restarts)
     if not outcome.restarted and "another watcher" not in outcome.why:
         say(f"not restarted: {outcome.why}")
         w.log_event({"decision": "no_restart", "after": v.state, "why": outcome.why})
@@ -358,8 +364,87 @@ def notify(w: Watcher, v: Verdict, say: Callable[[str], None]) -> None:
         say(line)
 
 
+CONSEQUENCES = ("NCCL_TIMEOUT", "STALLED", "LOST")  # what the other nodes show when one of them failed first
+
+
+@dataclass
+class NodesWatcher(Watcher):
+    """A job over several hosts. The head (node 0, where rank 0 writes metrics and the heartbeat) is this watcher;
+    every other node has a Watcher of its own, judged like a `command:` job (process, log and exit code). One poll is
+    one remote call per node, all at once; the job's verdict is the worst node's, named: the first to fail when
+    several did (the others' NCCL timeouts are its consequence). An unreachable node is said, and changes nothing
+    else."""
+
+    others: list[Watcher] = field(default_factory=list)
+    bad_since: dict[int, float] = field(default_factory=dict)
+    node_states: list[str] = field(default_factory=list)
+    accept_new: bool = False
+
+    @property
+    def nodes(self) -> list[Watcher]:
+        return [self, *self.others]
+
+    def poll(self) -> Verdict:
+        with ThreadPoolExecutor(max_workers=len(self.nodes)) as pool:
+            futures = [pool.submit(Watcher.poll, self)] + [pool.submit(o.poll) for o in self.others]
+            verdicts = [f.result() for f in futures]
+        self.remote_commands = sum(n.remote_commands for n in self.nodes)
+        self.gpus = [{**g, "node": n.job.host_name} for n in self.nodes for g in n.gpus]
+        return self.combine(verdicts)
+
+    def combine(self, verdicts: list[Verdict]) -> Verdict:
+        now = time.time()
+        names = [n.job.host_name for n in self.nodes]
+        self.node_states = [v.state for v in verdicts]
+        for i, v in enumerate(verdicts):
+            if v.state in FAILURES:
+                self.bad_since.setdefault(i, now)
+            else:
+                self.bad_since.pop(i, None)
+        others = [f"node {names[i]}: {v.state}: {v.reason}" for i, v in enumerate(verdicts)]
+        reachable = [(i, v) for i, v in enumerate(verdicts) if v.state != "UNREACHABLE"]
+        if not reachable:
+            return Verdict("UNREACHABLE", f"no node answers ({', '.join(names)})", others, verdicts[0].advice)
+        bad = [(i, v) for i, v in reachable if v.state in FAILURES]
+        if bad:
+            def first(item):
+                i, v = item
+                ended = self.nodes[i].exit_time
+                return (self.bad_since[i], ended if ended is not None else float("inf"), v.state in CONSEQUENCES, i)
+
+            i, v = min(bad, key=first)
+            return Verdict(v.state, f"node {names[i]}: {v.reason}", [*v.evidence, *others], v.advice, v.step)
+        head = verdicts[0]
+        if head.state == "UNREACHABLE":
+            head = Verdict("RUNNING", "the head cannot be reached; the other nodes run", others)
+        if head.state == "FINISHED":
+            running = [names[i] for i, v in reachable if v.state not in ("FINISHED",)]
+            if running:
+                return Verdict("RUNNING", f"the head finished; waiting for {', '.join(running)}", others, None,
+                               head.step)  # fmt: skip
+        return Verdict(head.state, head.reason, [*head.evidence, *others[1:]], head.advice, head.step)
+
+    def restart_remote(self, attempt: int) -> control.RestartOutcome:
+        outcome = control.restart_all(self.job, lambda h: open_runner(h, self.accept_new), attempt)
+        if outcome.restarted:
+            for o in self.others:
+                o.restarts = outcome.restarts
+                o.reset_after_restart()
+        return outcome
+
+
 def make_watcher(job: JobRecord, accept_new: bool = False) -> Watcher:
-    return Watcher(job, job.watch, lambda: open_runner(job.host, accept_new))
+    if not job.members:
+        return Watcher(job, job.watch, lambda: open_runner(job.host, accept_new))
+    recs = job.member_records()
+    others = []
+    for rec in recs[1:]:
+        o = Watcher(rec, job.watch, lambda h=rec.host: open_runner(h, accept_new))
+        o.history.is_trainer = False  # only the head writes metrics and the heartbeat
+        others.append(o)
+    w = NodesWatcher(recs[0], job.watch, lambda: open_runner(recs[0].host, accept_new), others=others)
+    w.job, w.accept_new = job, accept_new  # the record keeps its members (restarts reach every node)
+    return w
 
 
 def judge(job: JobRecord, snap: dict) -> Verdict:

@@ -527,6 +527,10 @@ def snapshot(req: dict) -> dict:
                                        int(req.get("max_metrics_bytes", 1 << 20)))  # fmt: skip
         snap["heartbeat"] = read_heartbeat(run_dir, now)
         snap["exit_code"] = read_int(os.path.join(run_dir, "exit_code"))
+        try:  # when it ended, on this clock: over several nodes, which one failed first
+            snap["exit_time"] = os.path.getmtime(os.path.join(run_dir, "exit_code"))
+        except OSError:
+            snap["exit_time"] = None
         snap["restarts"] = read_int(os.path.join(run_dir, RESTARTS)) or 0
         stop = read_json(os.path.join(run_dir, STOP_REQUEST))
         present = os.path.exists(os.path.join(run_dir, STOP_REQUEST))
@@ -812,6 +816,8 @@ def launch(req: dict, payload: bytes) -> dict:
                     (overrides if req.get("force") else refused).append(what)
         if refused:
             return {"refused": refused}
+        if req.get("check_only"):  # a multi-node launch asks every node before starting any
+            return {"ok": True, "overrides": overrides}
         run = os.path.join(wd, "runs", req["job_id"])
         try:
             os.mkdir(run, 0o700)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -58,26 +59,64 @@ def session_name(job_id: str) -> str:
     return job_id.replace(".", "_").replace(":", "_")
 
 
-def trainer_command(job: JobConfig, python: str) -> str:
-    """The bundled trainer under torchrun (several processes) or alone; "$@" carries --resume on a restart."""
+@dataclass(frozen=True)
+class NodePlace:
+    """Where one node of a multi-node job stands: its rank among the nodes and the head's rendezvous address."""
+
+    rank: int
+    count: int
+    head_addr: str
+    port: int
+    gpus: tuple[int, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def node_session(job_id: str, node: NodePlace | None) -> str:
+    """The tmux session of a job's node: node 0 (or a single host) the job's own name, node i `-node<i>` after it
+    (two nodes may share one machine and its tmux server)."""
+    base = session_name(job_id)
+    return base if node is None or node.rank == 0 else f"{base}-node{node.rank}"
+
+
+def trainer_command(job: JobConfig, python: str, node: NodePlace | None = None) -> str:
+    """The bundled trainer under torchrun (several processes or nodes) or alone; "$@" carries --resume on a restart.
+
+    Over several nodes, torchrun's static rendezvous with `--node-rank`: global rank 0 is on the head, so the head's
+    run dir holds metrics.jsonl, the heartbeat and the export (c10d's rendezvous orders nodes by address and pid,
+    not by node rank)."""
     q = shlex.quote(python)
     args = '-m trainer.train --config "$RUN/trainer.yaml" --run-dir "$RUN" "$@"'
+    if node is not None:
+        head = f"--master-addr {shlex.quote(node.head_addr)} --master-port {node.port}"
+        return (f"{q} -m torch.distributed.run --nnodes {node.count} --node-rank {node.rank} --nproc-per-node "
+                f"{job.nproc} {head} {args}")  # fmt: skip
     if job.nproc > 1:
         return f"{q} -m torch.distributed.run --standalone --nproc-per-node {job.nproc} {args}"
     return f"{q} {args}"
 
 
-def job_env(job: JobConfig, job_id: str) -> dict[str, str]:
+def job_env(job: JobConfig, job_id: str, node: NodePlace | None = None) -> dict[str, str]:
+    gpus = list(node.gpus) if node is not None else job.gpu_indices
+    asked = job.gpus is not None or (node is not None and bool(node.gpus))
+    place = {}
+    if node is not None:  # a `command:` job over several nodes starts its own torchrun from these
+        place = {"NNODES": str(node.count), "NODE_RANK": str(node.rank), "MASTER_ADDR": node.head_addr,
+                 "MASTER_PORT": str(node.port)}  # fmt: skip
+    tag = job_id if node is None or node.rank == 0 else f"{job_id}.node{node.rank}"  # one machine may hold two nodes
     return {
-        "DFLASHCTL_JOB_ID": job_id,
+        "DFLASHCTL_JOB_ID": tag,
         "PYTHONUNBUFFERED": "1",
-        **({"CUDA_VISIBLE_DEVICES": ",".join(map(str, job.gpu_indices))} if job.gpus is not None else {}),
+        **({"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if asked else {}),
+        **place,
         **job.env,
+        **dict(node.env if node is not None else ()),
     }
 
 
-def render_wrapper(job: JobConfig, job_id: str, release: str, redact: bool = False) -> str:
-    env = job_env(job, job_id)
+def render_wrapper(
+    job: JobConfig, job_id: str, release: str, redact: bool = False, node: NodePlace | None = None
+) -> str:
+    env = job_env(job, job_id, node)
     if redact:
         env = redact_env(env, job.secret_env)
     exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
@@ -105,22 +144,30 @@ exit "$rc"
 
 
 def run_files(
-    job: JobConfig, job_id: str, python: str, trainer_cfg: dict | None, release: str, redact: bool = False
-) -> dict[str, str]:
+    job: JobConfig, job_id: str, python: str, trainer_cfg: dict | None, release: str, redact: bool = False,
+    node: NodePlace | None = None,
+) -> dict[str, str]:  # fmt: skip
     """The files of a run dir, as written at launch; restarts reuse them (the job file is snapshotted here)."""
-    command = trainer_command(job, python) if job.trainer is not None else job.command
+    command = trainer_command(job, python, node) if job.trainer is not None else job.command
     snapshot = job.model_dump(mode="json")
     if redact:
         snapshot["env"] = redact_env(snapshot["env"], job.secret_env)
+        for n in snapshot.get("hosts") or []:
+            n["env"] = redact_env(n["env"], job.secret_env)
+    gpus = list(node.gpus) if node is not None else job.gpu_indices
+    where = {"node_rank": node.rank, "nodes": node.count, "head": f"{node.head_addr}:{node.port}"} if node else {}
     files = {
-        "run.sh": render_wrapper(job, job_id, release, redact),
+        "run.sh": render_wrapper(job, job_id, release, redact, node),
         "command.sh": f"# the job's command ({job.name})\n{command}\n",
         "launcher.py": LAUNCHER_SOURCE,
         "tmux.conf": TMUX_CONF,
-        "job.json": json.dumps({"id": job_id, "name": job.name, "session": session_name(job_id), "release": release,
-                                "gpus": job.gpu_indices, "job": snapshot}, indent=1),  # fmt: skip
+        "job.json": json.dumps({"id": job_id, "name": job.name, "session": node_session(job_id, node),
+                                "release": release, "gpus": gpus, **where, "job": snapshot}, indent=1),  # fmt: skip
     }
     if trainer_cfg is not None:
+        if node is not None:  # no shared file system assumed: every node keeps checkpoints to resume from
+            ckpt = dict(trainer_cfg.get("checkpoint") or {})
+            trainer_cfg = {**trainer_cfg, "checkpoint": {**ckpt, "per_node": True}}
         files["trainer.yaml"] = yaml.safe_dump(trainer_cfg, sort_keys=False)
     return files
 
@@ -169,7 +216,7 @@ def probe_request(job, log_offset: int = 0, metrics_offset: int = 0, capture_lin
     return {
         "run_dir": job.run_dir,
         "session": job.session,
-        "job_id": job.id,
+        "job_id": job.tag,
         "log_offset": log_offset,
         "metrics_offset": metrics_offset,
         "capture_lines": capture_lines,
