@@ -108,28 +108,41 @@ def deploy(
 
 @app.command()
 def doctor(host: str = HostArg, as_json: bool = JsonOpt, accept_new: bool = AcceptNewOpt) -> None:
-    """Check that HOST can run jobs: ssh, container, Python, torch, GPUs, tmux, rsync, disk, clock."""
+    """Check that HOST can run jobs: ssh, container, Python, torch, GPUs, tmux, rsync, disk, clock. Given a job file
+    over several hosts, check every node, then that each reaches the head's rendezvous port and all run the same
+    torch and NCCL."""
     from rich.table import Table
 
     from dflashctl.config import find_project_root, resolve_host
     from dflashctl.remote.connect import open_runner
-    from dflashctl.remote.doctor import run_doctor
+    from dflashctl.remote.doctor import run_doctor, run_nodes_doctor
     from dflashctl.show.render import out, print_json
 
-    cfg = resolve_host(host, find_project_root())
-    with open_runner(cfg, accept_new) as runner:
-        report = run_doctor(runner)
-    if as_json:
-        print_json(report.to_dict())
+    root = find_project_root()
+    if host.endswith((".yaml", ".yml")) and Path(host).is_file():
+        from dflashctl.jobs.jobctl import rdzv_port_for, rendezvous_address
+        from dflashctl.jobs.jobfile import load_job
+
+        job, _ = load_job(Path(host), root)
+        hosts = [resolve_host(n.host, root) for n in job.nodes]
+        reports = run_nodes_doctor(hosts, lambda h: open_runner(h, accept_new), rendezvous_address(hosts[0]),
+                                   job.rdzv_port or rdzv_port_for(job.name))  # fmt: skip
     else:
-        table = Table(title=f"doctor: {cfg.name}", title_justify="left")
-        for col in ("check", "verdict", "detail"):
-            table.add_column(col)
+        with open_runner(resolve_host(host, root), accept_new) as runner:
+            reports = [run_doctor(runner)]
+    if as_json:
+        print_json(reports[0].to_dict() if len(reports) == 1 else {"ok": all(r.ok for r in reports),
+                                                                     "reports": [r.to_dict() for r in reports]})
+    else:
         style = {"ok": "green", "warn": "yellow", "fail": "red"}
-        for c in report.checks:
-            table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.detail)
-        out.print(table)
-    if not report.ok:
+        for report in reports:
+            table = Table(title=f"doctor: {report.host}", title_justify="left")
+            for col in ("check", "verdict", "detail"):
+                table.add_column(col)
+            for c in report.checks:
+                table.add_row(c.name, f"[{style[c.status]}]{c.status}[/]", c.detail)
+            out.print(table)
+    if not all(r.ok for r in reports):
         raise typer.Exit(EXIT_FAILED)
 
 

@@ -95,8 +95,8 @@ def test_a_kill_stops_every_node_and_verifies_each(two_hosts, tmp_path):
     for host in ("nodea", "nodeb"):
         assert run_cli("deploy", host, cwd=ROOT).code == 0
     job = tmp_path / "cmd.yaml"
-    job.write_text("name: mncmd\nhost: [nodea, nodeb]\nkill_grace_s: 3\n"
-                   'command: echo "node $NODE_RANK of $NNODES, head $MASTER_ADDR:$MASTER_PORT"; sleep 300\n')  # fmt: skip
+    job.write_text("name: mncmd\nhost: [nodea, nodeb]\nkill_grace_s: 3\ncommand: echo \"node $NODE_RANK of $NNODES, "
+                   'head $MASTER_ADDR:$MASTER_PORT"; sleep 300\n')  # fmt: skip
     rep = cli_json_in(ROOT, "launch", str(job))
     job_id = rep["id"]
     wait_until(lambda: all(n["state"] == "RUNNING" for n in status_json(job_id, ROOT)["nodes"]), 60)
@@ -122,3 +122,25 @@ def test_a_node_with_stale_code_refuses_the_launch_and_nothing_starts(two_hosts,
     bad.write_text("name: x\nhost: [nodea, nodea]\ncommand: sleep 1\n")
     res = run_cli("launch", str(bad), cwd=ROOT)
     assert res.code == 2 and "a host appears twice" in res.stderr
+
+
+def test_doctor_checks_every_node_the_rendezvous_port_and_versions(two_hosts, tmp_path):
+    job = tmp_path / "mn.yaml"
+    job.write_text("name: mndoc\nhost: [nodea, nodeb]\nrdzv_port: 29911\ncommand: sleep 1\n")
+    res = run_cli("doctor", str(job), "--json", cwd=ROOT, timeout=120)
+    got = json.loads(res.stdout)
+    assert [r["host"] for r in got["reports"]] == ["nodea", "nodeb", "job"], res.stderr
+    checks = {c["name"]: c for c in got["reports"][2]["checks"]}
+    assert checks["rendezvous from nodeb"]["status"] == "ok" and "127.0.0.1:29911 reached" in \
+        checks["rendezvous from nodeb"]["detail"]  # fmt: skip
+    assert checks["torch versions"]["status"] == "ok"
+    # the port taken by someone else on the head: said, and the job would not start
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("0.0.0.0", 29911))
+        s.listen(1)
+        got = json.loads(run_cli("doctor", str(job), "--json", cwd=ROOT, timeout=120).stdout)
+    checks = {c["name"]: c for c in got["reports"][2]["checks"]}
+    assert checks["rendezvous port"]["status"] == "fail" and not got["ok"]

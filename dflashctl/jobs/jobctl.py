@@ -110,9 +110,10 @@ def launch(
     return report
 
 
-def rdzv_port_for(job_id: str) -> int:
-    """A port of the job's own, so that two multi-node jobs with one head do not meet in one rendezvous."""
-    return 29500 + int(hashlib.sha256(job_id.encode()).hexdigest(), 16) % 400
+def rdzv_port_for(name: str) -> int:
+    """A port of the job name's own (two live jobs of one name on one head are refused), known before the launch so
+    that `doctor JOB.yaml` checks the port the job will use."""
+    return 29500 + int(hashlib.sha256(name.encode()).hexdigest(), 16) % 400
 
 
 def rendezvous_address(host: HostConfig) -> str:
@@ -135,7 +136,7 @@ def launch_nodes(
     nodes already started."""
     from dflashctl.remote.session import NodePlace
 
-    port = job.rdzv_port or rdzv_port_for(job_id)
+    port = job.rdzv_port or rdzv_port_for(job.name)
     head = rendezvous_address(hosts[0])
     places = [NodePlace(i, len(hosts), head, port, tuple(job.node_gpus(n)), tuple(n.env.items()))
               for i, n in enumerate(job.nodes)]  # fmt: skip

@@ -125,7 +125,7 @@ class JobConfig(BaseModel):
                                   "list runs one job over several hosts (the first is the rendezvous head)")
     hosts: list[NodeSpec] | None = Field(None, description="several hosts, each with its own gpus/env (not with host)")
     rdzv_port: int | None = Field(None, ge=1024, le=65535, description="the head's rendezvous port (multi-node); "
-                                  "default: one derived from the job id, 29500-29899")
+                                  "default: one derived from the job name, 29500-29899")
     gpus: list[int] | int | None = Field(None, description="GPU indices, or a count (0..N-1); none = CPU")
     trainer: dict[str, Any] | str | None = Field(None, description="the bundled trainer's config, inline or a path")
     command: str | None = Field(None, description="any command line, run in the deployed code directory")

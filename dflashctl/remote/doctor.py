@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
 from dflashctl.remote.transport import WORKDIR_PRELUDE, Runner
 
@@ -18,6 +20,7 @@ FACTS_SCRIPT = (
 echo "python=$("$py" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null)"
 echo "torch=$("$py" -c 'import torch as t; c = t.cuda
 print(t.__version__, t.version.cuda, c.is_available(), c.device_count())' 2>/dev/null)"
+echo "nccl=$("$py" -c 'import torch as t; print(".".join(map(str, t.cuda.nccl.version())))' 2>/dev/null)"
 echo "tmux=$(tmux -V 2>/dev/null)"
 echo "rsync=$(rsync --version 2>/dev/null | head -n 1)"
 d="$wd"; while [ ! -d "$d" ] && [ "$d" != / ]; do d=$(dirname -- "$d"); done
@@ -39,6 +42,7 @@ class Check:
 class DoctorReport:
     host: str
     checks: list[Check]
+    facts: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -134,4 +138,64 @@ def run_doctor(runner: Runner) -> DoctorReport:
         checks.append(Check("clock", status, f"offset {offset:+.2f} s (round trip {t1 - t0:.2f} s)"))
     except ValueError:
         checks.append(Check("clock", "warn", "remote date gave no reading"))
-    return DoctorReport(host.name, checks)
+    return DoctorReport(host.name, checks, facts)
+
+
+# The head listens on the rendezvous port for a few seconds and counts who connected; every other node connects.
+LISTEN = (
+    "import socket,sys,time\ns=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+    "try:\n s.bind(('0.0.0.0',int(sys.argv[1])))\nexcept OSError as e:\n print('busy',e.strerror);sys.exit(0)\n"
+    "s.listen(64);s.settimeout(0.2);end=time.time()+float(sys.argv[2]);n=0;print('listening',flush=True)\n"
+    "while time.time()<end and n<int(sys.argv[3]):\n try:\n  c,_=s.accept();n+=1;c.close()\n except OSError:\n  pass\n"
+    "print('accepted',n)"
+)
+CONNECT = (
+    "import socket,sys,time\nend=time.time()+float(sys.argv[3]);err='timed out'\n"
+    "while time.time()<end:\n try:\n  socket.create_connection((sys.argv[1],int(sys.argv[2])),timeout=2).close()"
+    ";print('ok');sys.exit(0)\n except OSError as e:\n  err=e.strerror or str(e);time.sleep(0.2)\nprint('fail',err)"
+)
+
+
+def node_checks(reports: list[DoctorReport], runners: list[Runner], head_addr: str, port: int,
+                listen_s: float = 8.0) -> DoctorReport:  # fmt: skip
+    """What only a multi-node job needs: every node reaches the head's rendezvous port, and the nodes run the same
+    torch and NCCL (a mismatch hangs or crashes the first collective)."""
+    checks = []
+    for fact, what in (("torch", "torch"), ("nccl", "NCCL")):
+        seen = {r.host: (r.facts.get(fact) or "").split(" ")[0] or "none" for r in reports}
+        same = len(set(seen.values())) == 1
+        checks.append(Check(f"{what} versions", "ok" if same else "fail",
+                            ", ".join(f"{h} {v}" for h, v in seen.items()), required=fact == "torch"))  # fmt: skip
+    head = runners[0]
+    answer: dict = {}
+
+    def listen() -> None:
+        argv = [head.host.python, "-c", LISTEN, str(port), str(listen_s), str(len(runners) - 1)]
+        answer["res"] = head.run(argv, timeout=listen_s + 30)
+
+    t = threading.Thread(target=listen)
+    t.start()
+    for r, rep in zip(runners[1:], reports[1:], strict=True):
+        res = r.run([r.host.python, "-c", CONNECT, head_addr, str(port), str(listen_s - 2)], timeout=listen_s + 30)
+        ok = res.out.strip() == "ok"
+        detail = f"{head_addr}:{port} " + ("reached" if ok else f"not reached: {res.out.strip()[5:] or res.err[-120:]}")
+        checks.append(Check(f"rendezvous from {rep.host}", "ok" if ok else "fail", detail, required=True))
+    t.join()
+    said = answer["res"].out.strip().splitlines()
+    if said and said[0].startswith("busy"):
+        checks.append(Check("rendezvous port", "fail", f"{port} is in use on {reports[0].host}: {said[0][5:]}",
+                            required=True))  # fmt: skip
+    return DoctorReport("job", checks)
+
+
+def run_nodes_doctor(hosts: list, open_runner: Callable, head_addr: str, port: int) -> list[DoctorReport]:
+    """Every node's own checks, then the job's: one report per node and one named `job`."""
+    runners = [open_runner(h) for h in hosts]
+    try:
+        reports = [run_doctor(r) for r in runners]
+        if all(r.ok for r in reports):
+            reports.append(node_checks(reports, runners, head_addr, port))
+        return reports
+    finally:
+        for r in runners:
+            r.close()
