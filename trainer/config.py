@@ -25,6 +25,10 @@ class TargetConfig:
     # Qwen3-8B target forward at seq 3072 goes from 95 to 70 ms for about 7 s of compile per bucket (paid back in
     # under 300 steps). auto = on for CUDA, off on the CPU (where Inductor's compile costs more than it saves).
     compile: Literal["auto", "on", "off"] = "auto"
+    # where the frozen target lives (trainer/parallel.py): replicate (every rank, the default), {tensor: N} (each
+    # layer split over N ranks), fsdp (layers sharded over all ranks); the drafter stays data-parallel
+    parallel: Any = "replicate"
+    memory_gib: float | None = None  # per-rank budget for the memory plan; None = the GPU's memory (CPU: unplanned)
 
 
 @dataclass
@@ -132,8 +136,25 @@ class TrainConfig:
     log_every: int = 1  # steps between progress lines
 
 
+def parse_parallel(value: object, source: str = "<config>") -> tuple[str, int]:
+    """("replicate", 1) | ("tensor", N) | ("fsdp", 1) from `replicate`, `fsdp`, `{tensor: N}` or `tensor:N`."""
+    if value in ("replicate", "fsdp"):
+        return str(value), 1
+    n = None
+    if isinstance(value, dict) and set(value) == {"tensor"}:
+        n = value["tensor"]
+    elif isinstance(value, str) and value.startswith("tensor:") and value[7:].isdigit():
+        n = int(value[7:])
+    if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 64:
+        return ("replicate", 1) if n == 1 else ("tensor", n)
+    raise ConfigError(source, "target.parallel", f"expected replicate, fsdp or {{tensor: N}} (N from 1 to 64), got "
+                      f"{value!r}")  # fmt: skip
+
+
 def _check_type(value: Any, tp: Any, source: str, key: str) -> Any:
     """Validate (and lightly coerce) one value against a dataclass field type; raise ConfigError naming the key."""
+    if tp is Any:
+        return value
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -189,6 +210,11 @@ def _build(cls: type, data: dict, source: str, prefix: str = "") -> Any:
 
 
 def validate(cfg: TrainConfig, source: str) -> TrainConfig:
+    mode, _ = parse_parallel(cfg.target.parallel, source)
+    if mode != "replicate" and cfg.target.compile == "on":
+        raise ConfigError(source, "target.compile", "on is for a replicated target (leave it auto with parallel)")
+    if cfg.target.memory_gib is not None and not cfg.target.memory_gib > 0:
+        raise ConfigError(source, "target.memory_gib", "must be a positive number of GiB")
     """Cross-field checks that the types alone cannot express."""
     d = cfg.drafter
     if d.block_size < 2 or 128 % d.block_size:

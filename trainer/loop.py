@@ -53,6 +53,8 @@ class Parts:
     eval_backend: object
     mask_token_id: int
     autocast_dtype: torch.dtype | None
+    layout: object = None  # trainer.parallel.Layout
+    memory_plan: dict | None = None  # GiB per rank by part, as planned before loading
 
 
 # Mask ids of the published DFlash drafters, by target family: a row the family's vocabulary reserves and never emits.
@@ -99,15 +101,48 @@ def soft_tokenizer(cfg: TrainConfig):
         return None
 
 
+def plan_memory(cfg: TrainConfig, device: torch.device, layout, source: str) -> dict | None:
+    """Per-rank memory from the configs alone (trainer/memory_plan.py), checked against the GPU (or
+    `target.memory_gib`) before the target is loaded: a plan that does not fit is a config error naming a mode that
+    would. None when there is nothing to check against (the CPU without memory_gib)."""
+    from trainer import memory_plan
+    from trainer.target import DTYPES, default_layer_ids, target_config
+
+    if cfg.target.memory_gib is not None:
+        budget = cfg.target.memory_gib * memory_plan.GiB
+    elif device.type == "cuda":
+        budget = float(torch.cuda.get_device_properties(device).total_memory)
+    else:
+        return None
+    hf = target_config(cfg.target, source)
+    d = cfg.drafter
+    n_ids = len(cfg.target.layer_ids or default_layer_ids(int(hf.num_hidden_layers), d.num_layers))
+    overrides = {k: getattr(d, k) for k in ("intermediate_size", "num_heads", "num_kv_heads", "head_dim")}
+    dims = drafter_dims(hf, d.num_layers, n_ids, overrides)
+    shapes = memory_plan.target_shapes(hf, dims, n_ids, torch.tensor([], dtype=DTYPES[cfg.target.dtype]).element_size())
+    mode, ways = layout.mode, (layout.tp if layout.mode == "tensor" else layout.dp)
+    world = layout.tp * layout.dp
+    queries = cfg.data.anchors_per_seq * d.block_size
+    need = memory_plan.check(shapes, mode, ways, world, cfg.data.seq_buckets[-1], queries, cfg.data.batch_size,
+                             budget, source)  # fmt: skip
+    return {k: round(v / memory_plan.GiB, 2) for k, v in need.items()} | {"budget": round(budget / memory_plan.GiB, 2)}
+
+
 def build(
-    cfg: TrainConfig, source: str = "<config>", for_training: bool = True, device: torch.device | None = None
-) -> Parts:
+    cfg: TrainConfig, source: str = "<config>", for_training: bool = True, device: torch.device | None = None,
+    layout=None,
+) -> Parts:  # fmt: skip
+    from trainer.parallel import Layout
+
     device = device or resolve_device(cfg.device)
+    layout = layout or Layout("replicate", 1, 1, 0)
     if for_training:
         check_backend_supports_training(cfg, device, source)
     apply_compile_policy(cfg.attention.recompile_limit)
-    target = load_target(cfg.target, cfg.drafter.num_layers, device, source)
-    if cfg.target.compile == "on" or (cfg.target.compile == "auto" and device.type == "cuda"):
+    memory = plan_memory(cfg, device, layout, source) if for_training else None
+    target = load_target(cfg.target, cfg.drafter.num_layers, device, source, layout)
+    compile_target = cfg.target.compile == "on" or (cfg.target.compile == "auto" and device.type == "cuda")
+    if compile_target and layout.mode == "replicate":  # sharded layers run eager (DTensor and FSDP hooks)
         target.compile_layers()
     d = cfg.drafter
     if d.hidden_size is not None and d.hidden_size != target.hidden_size:
@@ -131,7 +166,7 @@ def build(
     same = eval_name == cfg.attention.backend
     eval_backend = backend if same else make_backend(eval_name, cfg.attention.dense_max_gib, source)
     autocast = torch.bfloat16 if device.type == "cuda" else None
-    return Parts(cfg, device, target, drafter, backend, eval_backend, int(mask_id), autocast)
+    return Parts(cfg, device, target, drafter, backend, eval_backend, int(mask_id), autocast, layout, memory)
 
 
 def make_batch(parts: Parts, ds: Dataset, seq_len: int, indices: list[int], epoch: int) -> BlockBatch:

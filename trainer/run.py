@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer import checkpoint, faults
 from trainer.compile_policy import graphs_compiled, unfreeze_compiles
-from trainer.config import TrainConfig, to_dict
+from trainer.config import TrainConfig, parse_parallel, to_dict
 from trainer.data import Dataset, epoch_batches, load_tokenizer, make_dataset, shard
 from trainer.distributed import World, all_gather_objects, all_reduce_sum, barrier, init_world
 from trainer.errors import ConfigError
@@ -28,6 +28,7 @@ from trainer.gpu_history import GpuHistory
 from trainer.loggers import check_available, open_sinks
 from trainer.loop import Parts, build, forward_loss, lr_lambda, make_batch, preflight
 from trainer.metrics import Heartbeat, MetricsWriter
+from trainer.parallel import make_layout
 
 
 @dataclass
@@ -133,7 +134,8 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
         if metrics:
             metrics.event(name, **fields)
 
-    parts: Parts = build(cfg, source, device=world.device)
+    layout = make_layout(*parse_parallel(cfg.target.parallel, source), world, source)
+    parts: Parts = build(cfg, source, device=world.device, layout=layout)
     tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, source) if cfg.data.path else None
     vocab = int(parts.target.config.vocab_size)
     ds = make_dataset(cfg.data, vocab, cfg.drafter.block_size, cfg.seed, tok, source, greedy_generator(parts))
@@ -155,7 +157,7 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                             weight_decay=cfg.optim.weight_decay, fused=world.device.type == "cuda")  # fmt: skip
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    global_batch = cfg.data.batch_size * world.size
+    global_batch = cfg.data.batch_size * layout.dp  # the ranks of a tensor group share their batch
     stream = DataStream(ds, global_batch, cfg.seed)
     start_step, resumed_from = 0, None
     ckpt_root = run_dir / "checkpoints" if run_dir else None
@@ -182,6 +184,7 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
             checkpoint.set_rng_state(loaded.rng[world.rank])
         say(f"resumed from {latest} at step {start_step}")
     event("start", world_size=world.size, resumed_from=resumed_from, mask_token_id=parts.mask_token_id,
+          mesh=layout.describe(), memory_plan=parts.memory_plan,
           config=to_dict(cfg))
 
     do_eval = cfg.eval.every > 0 or cfg.eval.at_end
@@ -207,10 +210,12 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
     skipped_prompts = len(found) - len(prompts)
 
     def evaluate(step: int) -> None:
-        mine = prompts[world.rank :: world.size]
+        # a sharded target runs collectives in each forward: then every rank decodes every prompt, in step
+        mine = prompts if layout.lockstep_eval else prompts[world.rank :: world.size]
         r = measure_tau(parts, drafter, mine, cfg.eval.max_new_tokens)
-        totals = all_reduce_sum(torch.tensor([r.accepted, r.steps, r.prompts, sum(r.per_prompt), len(r.per_prompt)],
-                                             dtype=torch.float64, device=world.device), world).tolist()  # fmt: skip
+        totals = torch.tensor([r.accepted, r.steps, r.prompts, sum(r.per_prompt), len(r.per_prompt)],
+                              dtype=torch.float64, device=world.device)  # fmt: skip
+        totals = (totals if layout.lockstep_eval else all_reduce_sum(totals, world)).tolist()
         tau = totals[0] / totals[1] if totals[1] else 0.0
         prompt_mean = totals[3] / totals[4] if totals[4] else 0.0
         result.taus.append(prompt_mean)  # the headline: the mean of per-prompt means, as published evaluators report
@@ -241,7 +246,7 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
         micro = []
         for _ in range(cfg.grad_accum):
             epoch, gb = stream.next()
-            seq_len, idx = shard(gb, world.rank, cfg.data.batch_size)
+            seq_len, idx = shard(gb, layout.dp_rank, cfg.data.batch_size)
             micro.append(make_batch(parts, ds, seq_len, idx, epoch))
         w_local = sum(float(b.weights.sum()) for b in micro)
         w_global = all_reduce_sum(torch.tensor([w_local], dtype=torch.float64, device=world.device), world).item()
@@ -266,7 +271,7 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
         reduced = all_reduce_sum(torch.cat([sums, peaks]), world).tolist()  # one collective, one sync per step
         loss_v, acc_v = (v / max(w_global, 1e-6) for v in reduced[:2])
         dt = time.perf_counter() - t0
-        tps = tokens * world.size / dt  # target tokens per second, all ranks
+        tps = tokens * layout.dp / dt  # target tokens per second, all ranks (a tensor group's batch counted once)
         result.losses.append(loss_v)
         result.accs.append(acc_v)
         result.tokens_per_s.append(tps)

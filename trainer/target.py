@@ -37,7 +37,17 @@ def tiny_qwen3_config() -> dict:
     )  # fmt: skip
 
 
-RANDOM_PRESETS = {"qwen3-8b": qwen3_8b_config, "tiny-qwen3": tiny_qwen3_config}
+def llama3_70b_config() -> dict:
+    """Llama-3.3-70B's shape: 141 GB in bf16, more than one H200 holds next to a drafter."""
+    return dict(
+        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+RANDOM_PRESETS = {"qwen3-8b": qwen3_8b_config, "tiny-qwen3": tiny_qwen3_config, "llama3-70b": llama3_70b_config}
+BUILD_WHOLE_MAX = 2e9  # a sharded random target above this many parameters is built on the meta device
 
 
 def default_layer_ids(num_target_layers: int, num_drafter_layers: int) -> list[int]:
@@ -129,12 +139,10 @@ class Target:
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
-def build_model(cfg: TargetConfig, device: torch.device, source: str = "<config>") -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+def target_config(cfg: TargetConfig, source: str = "<config>"):
+    """The target's HF config alone (no weights): for the memory plan and shapes before anything is loaded."""
+    from transformers import AutoConfig
 
-    hf_logging.disable_progress_bar()  # the log is for the trainer's lines; a bar per load only adds noise
-    dtype = DTYPES[cfg.dtype]
     if cfg.random_preset is not None:
         if cfg.random_preset not in RANDOM_PRESETS:
             known = ", ".join(RANDOM_PRESETS)
@@ -142,19 +150,52 @@ def build_model(cfg: TargetConfig, device: torch.device, source: str = "<config>
         kwargs = RANDOM_PRESETS[cfg.random_preset]()
         if cfg.init_std is not None:
             kwargs["initializer_range"] = cfg.init_std
-        hf_config = AutoConfig.for_model(**kwargs)
-        with torch.device(device):
-            torch.manual_seed(0)  # the same random target on every rank and every run
-            return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        return AutoConfig.for_model(**kwargs)
     try:
-        return AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype, local_files_only=True).to(device)
+        return AutoConfig.from_pretrained(cfg.path, local_files_only=True)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(source, "target.path", f"cannot load a causal LM from {cfg.path}: {first}") from None
 
 
-def load_target(cfg: TargetConfig, num_drafter_layers: int, device: torch.device, source: str = "<config>") -> Target:
-    model = build_model(cfg, device, source)
+def build_model(cfg: TargetConfig, device: torch.device, source: str = "<config>", layout=None) -> nn.Module:
+    """The target on `device`, sharded by `layout` (trainer/parallel.py) when it is not replicated."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from trainer.parallel import init_meta_target, shard_target
+
+    hf_logging.disable_progress_bar()  # the log is for the trainer's lines; a bar per load only adds noise
+    dtype = DTYPES[cfg.dtype]
+    sharded = layout is not None and layout.mode != "replicate"
+    hf_config = target_config(cfg, source)
+    if cfg.random_preset is not None:
+        rough = 12 * int(hf_config.hidden_size) ** 2 * int(hf_config.num_hidden_layers)
+        if sharded and rough > BUILD_WHOLE_MAX:  # each rank allocates only its shard
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+            shard_target(model, _decoder_layers(model), layout, source)
+            torch.manual_seed(0)
+            init_meta_target(model, device, float(getattr(hf_config, "initializer_range", 0.02)))
+            return model
+        with torch.device("cpu" if sharded else device):
+            torch.manual_seed(0)  # the same random target on every rank and every run
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype, local_files_only=True)
+        except (OSError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(source, "target.path", f"cannot load a causal LM from {cfg.path}: {first}") from None
+    if sharded:  # every rank holds the same whole model here: each keeps its shard of it
+        shard_target(model, _decoder_layers(model), layout, source)
+    return model.to(device)
+
+
+def load_target(
+    cfg: TargetConfig, num_drafter_layers: int, device: torch.device, source: str = "<config>", layout=None
+) -> Target:
+    model = build_model(cfg, device, source, layout)
     n_layers = int(model.config.num_hidden_layers)
     layer_ids = cfg.layer_ids or default_layer_ids(n_layers, num_drafter_layers)
     bad = [i for i in layer_ids if not 0 <= i < n_layers]
