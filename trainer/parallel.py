@@ -97,9 +97,6 @@ def init_meta_target(model: nn.Module, device: torch.device, std: float) -> None
                 p.normal_(0.0, std)
         base = getattr(model, "model", model)
         rotary = getattr(base, "rotary_emb", None)
-        if rotary is not None and hasattr(rotary, "inv_freq"):  # a buffer: recompute it where it now lives
-            fn = getattr(rotary, "rope_init_fn", None)
-            if fn is not None:
-                inv_freq, _ = fn(rotary.config, device)
-                rotary.inv_freq = inv_freq
-                rotary.original_inv_freq = inv_freq
+        if rotary is not None:  # its buffers were never computed on the meta device: build it again where it lives
+            with torch.device(device):  # transformers 4.x takes a device argument, 5.x follows the default device
+                base.rotary_emb = type(rotary)(config=model.config)
