@@ -111,7 +111,23 @@ def non_attention_flops(S: int, A: int, bs: int) -> float:
     return float(target + drafter + head)
 
 
-def run_tp(work: Path) -> dict:
+def run_plan_check(work: Path) -> dict:
+    """One GPU: the memory plan of the Qwen3-8B workload against the peak the run then measures."""
+    conf = work / "q8b.json"
+    conf.write_text(json.dumps({**QWEN3_8B_WORKLOAD, "steps": 12, "log_every": 4}))
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(conf), "--run-dir",
+                           str(work / "q8b")], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    recs = [json.loads(x) for x in (work / "q8b" / "metrics.jsonl").read_text().splitlines()]
+    start = next(r for r in recs if r.get("event") == "start")
+    steps = [r for r in recs if "event" not in r]
+    out = {"exit": proc.returncode, "memory_plan_gib": start.get("memory_plan"),
+           "measured_peak_gib": max(r["peak_mem_gib"] for r in steps) if steps else None,
+           "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in steps[3:]), 1) if steps else None}
+    print("plan", out, flush=True)
+    return out
+
+
+def run_tp(work: Path, refuse_only: bool = False) -> dict:
     out: dict = {}
     env = {**os.environ, "OMP_NUM_THREADS": "4"}
     refuse = work / "70b-replicate.json"
@@ -123,6 +139,9 @@ def run_tp(work: Path) -> dict:
     out["replicate_on_one_gpu"] = {"exit": proc.returncode, "seconds": round(time.perf_counter() - t0, 1),
                                    "message": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""}
     print("refusal", out["replicate_on_one_gpu"], flush=True)
+    if refuse_only:
+        out["plan_against_a_run"] = run_plan_check(work)
+        return out
     for anchors in (512, 256):
         conf = work / f"70b-tp2-{anchors}.json"
         conf.write_text(json.dumps(llama_cfg({"tensor": 2}, anchors)))
@@ -160,7 +179,7 @@ def run_tp(work: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--part", choices=["nodes", "tp", "all"], default="all")
+    ap.add_argument("--part", choices=["nodes", "tp", "all", "one-gpu"], default="all")
     ap.add_argument("--steps", type=int, default=60)
     args = ap.parse_args()
     import torch
@@ -170,6 +189,8 @@ def main() -> int:
                "torch": torch.__version__}  # fmt: skip
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
+        if args.part == "one-gpu":
+            results["tp"] = run_tp(work, refuse_only=True)
         if args.part in ("tp", "all"):
             results["tp"] = run_tp(work)
             Path(args.out).write_text(json.dumps(results, indent=1))
