@@ -144,3 +144,24 @@ def test_doctor_checks_every_node_the_rendezvous_port_and_versions(two_hosts, tm
         got = json.loads(run_cli("doctor", str(job), "--json", cwd=ROOT, timeout=120).stdout)
     checks = {c["name"]: c for c in got["reports"][2]["checks"]}
     assert checks["rendezvous port"]["status"] == "fail" and not got["ok"]
+
+
+def test_the_first_node_to_fail_is_named_not_the_one_that_lost_its_peer(client, monkeypatch):
+    """Both nodes crashed in the same poll: the head's log shows gloo losing its peer, node b's the real error."""
+    from dflashctl.jobs.registry import JobRecord
+    from dflashctl.jobs.watch import make_watcher
+    from dflashctl.judge.health import Verdict
+
+    host = {"name": "nodea", "ssh": "testbox"}
+    members = [{"node": i, "host_name": n, "host": {"name": n, "ssh": "testbox"}, "run_dir": f"/r/{n}",
+                "session": f"s{i}"} for i, n in enumerate(("nodea", "nodeb"))]  # fmt: skip
+    job = JobRecord(id="mn-1", name="mn", project="/p", job_file="/j.yaml", host_name="nodea", host=host, release="r",
+                    command="c", run_dir="/r/nodea", session="s0", launched_at=0.0, members=members)  # fmt: skip
+    w = make_watcher(job)
+    w.tail.extend(["RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer."])
+    w.others[0].tail.extend(["RuntimeError: injected fault at step 5"])
+    w.exit_time, w.others[0].exit_time = 100.0, 100.5  # the head even wrote its exit code first
+    v = w.combine([Verdict("CRASHED", "ChildFailedError (exit 1)"), Verdict("CRASHED", "ChildFailedError (exit 1)")])
+    assert v.state == "CRASHED" and v.reason.startswith("node nodeb:")
+    v = w.combine([Verdict("RUNNING", "step 3"), Verdict("UNREACHABLE", "no route")])
+    assert v.state == "RUNNING" and any("node nodeb: UNREACHABLE" in e for e in v.evidence)

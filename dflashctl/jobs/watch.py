@@ -6,6 +6,7 @@ Every decision (state change, restart, notification) is appended to the local re
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -365,6 +366,9 @@ def notify(w: Watcher, v: Verdict, say: Callable[[str], None]) -> None:
 
 
 CONSEQUENCES = ("NCCL_TIMEOUT", "STALLED", "LOST")  # what the other nodes show when one of them failed first
+# A rank that died because a peer did: gloo's and NCCL's words for a connection the other side dropped
+PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|remote process exited|Check the logs of the remote worker|"
+                       r"ncclRemoteError|Broken pipe|NCCL communicator was aborted", re.I)  # fmt: skip
 
 
 @dataclass
@@ -410,7 +414,8 @@ class NodesWatcher(Watcher):
             def first(item):
                 i, v = item
                 ended = self.nodes[i].exit_time
-                return (self.bad_since[i], ended if ended is not None else float("inf"), v.state in CONSEQUENCES, i)
+                peer = v.state in CONSEQUENCES or any(PEER_LOST.search(line) for line in self.nodes[i].tail)
+                return (self.bad_since[i], peer, ended if ended is not None else float("inf"), i)
 
             i, v = min(bad, key=first)
             return Verdict(v.state, f"node {names[i]}: {v.reason}", [*v.evidence, *others], v.advice, v.step)

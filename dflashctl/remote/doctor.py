@@ -190,9 +190,12 @@ def node_checks(reports: list[DoctorReport], runners: list[Runner], head_addr: s
 
 def run_nodes_doctor(hosts: list, open_runner: Callable, head_addr: str, port: int) -> list[DoctorReport]:
     """Every node's own checks, then the job's: one report per node and one named `job`."""
+    from concurrent.futures import ThreadPoolExecutor
+
     runners = [open_runner(h) for h in hosts]
     try:
-        reports = [run_doctor(r) for r in runners]
+        with ThreadPoolExecutor(max_workers=min(16, len(runners))) as pool:  # every node at once
+            reports = list(pool.map(run_doctor, runners))
         if all(r.ok for r in reports):
             reports.append(node_checks(reports, runners, head_addr, port))
         return reports
