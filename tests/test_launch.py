@@ -198,10 +198,10 @@ def test_bad_job_files_are_one_line_exit_2_and_touch_nothing(client, tmp_path, b
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("host", ["boxpct", "local"])
+@pytest.mark.parametrize("host", ["boxpct"])
 def test_demo_trainer_job(client, tmp_path, monkeypatch, host):
-    """The bundled trainer (two ranks under torchrun, gloo) launched inside pct over ssh, and on `local` (plain ssh:
-    test_multinode, whose nodes are plain ssh hosts)."""
+    """The bundled trainer (two ranks under torchrun, gloo) launched inside pct over ssh (plain ssh: test_multinode,
+    whose nodes are plain ssh hosts; `local`: `make demo`, and the local-host command jobs above)."""
     remote = tmp_path / "remote"
     hosts = (
         f"hosts:\n  box: {{ssh: testbox, python: {sys.executable}, workdir: {remote}}}\n"
