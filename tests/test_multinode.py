@@ -48,15 +48,14 @@ def steps_of(run_dir: str) -> list[dict]:
     return [r for r in map(json.loads, Path(run_dir, "metrics.jsonl").read_text().splitlines()) if "event" not in r]
 
 
-def reference_losses(tmp_path: Path) -> list[float]:
-    """The same training as one host with two processes."""
+def start_reference(tmp_path: Path) -> subprocess.Popen:
+    """The same training as one host with two processes (run while the two-node job runs: both mostly wait)."""
     cfg = tmp_path / "ref.yaml"
     cfg.write_text(yaml.safe_dump(TRAINER))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                    "trainer.train", "--config", str(cfg), "--run-dir", str(tmp_path / "ref")], cwd=ROOT, env=env,
-                   check=True, capture_output=True, timeout=300)  # fmt: skip
-    return [r["loss"] for r in steps_of(str(tmp_path / "ref"))]
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "trainer.train", "--config", str(cfg), "--run-dir", str(tmp_path / "ref")],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
 @pytest.mark.slow
@@ -69,6 +68,7 @@ def test_two_nodes_crash_on_node_b_restart_both_and_finish_like_one_host(two_hos
         "nproc_per_node": 1, "env": {"OMP_NUM_THREADS": "1"}, "kill_grace_s": 5, "trainer": TRAINER,
         "watch": {"interval_s": 1, "restart_on": ["CRASHED", "NCCL_TIMEOUT"], "max_restarts": 1, "backoff_s": 0},
     }))  # fmt: skip
+    reference = start_reference(tmp_path)
     rep = cli_json_in(ROOT, "launch", str(job))
     assert [n["host"] for n in rep["nodes"]] == ["nodea", "nodeb"] and rep["nodes"][1]["node_rank"] == 1
     assert "--nnodes 2 --node-rank 0" in rep["command"] and "--master-addr 127.0.0.1" in rep["command"]
@@ -84,7 +84,9 @@ def test_two_nodes_crash_on_node_b_restart_both_and_finish_like_one_host(two_hos
     assert (Path(rep["nodes"][1]["run_dir"]) / "checkpoints" / "step-00000004").is_dir()
     mine = {r["step"]: r["loss"] for r in steps_of(head)}  # the second attempt's steps 5-8 replace nothing
     assert sorted(mine) == list(range(1, 9))
-    assert [mine[s] for s in range(1, 9)] == pytest.approx(reference_losses(tmp_path), rel=1e-6)
+    assert reference.wait(timeout=300) == 0
+    ref = [r["loss"] for r in steps_of(str(tmp_path / "ref"))]
+    assert [mine[s] for s in range(1, 9)] == pytest.approx(ref, rel=1e-6)
     logs = run_cli("logs", rep["id"], "--node", "nodeb", "-n", "400", cwd=ROOT)
     assert logs.code == 0 and "injected fault at step 5" in logs.stdout
     st = status_json(rep["id"], ROOT)
@@ -125,25 +127,24 @@ def test_a_node_with_stale_code_refuses_the_launch_and_nothing_starts(two_hosts,
 
 
 def test_doctor_checks_every_node_the_rendezvous_port_and_versions(two_hosts, tmp_path):
-    job = tmp_path / "mn.yaml"
-    job.write_text("name: mndoc\nhost: [nodea, nodeb]\nrdzv_port: 29911\ncommand: sleep 1\n")
-    res = run_cli("doctor", str(job), "--json", cwd=ROOT, timeout=120)
-    got = json.loads(res.stdout)
-    assert [r["host"] for r in got["reports"]] == ["nodea", "nodeb", "job"], res.stderr
-    checks = {c["name"]: c for c in got["reports"][2]["checks"]}
-    assert checks["rendezvous from nodeb"]["status"] == "ok" and "127.0.0.1:29911 reached" in \
-        checks["rendezvous from nodeb"]["detail"]  # fmt: skip
-    assert checks["torch versions"]["status"] == "ok"
-    # the port taken by someone else on the head: said, and the job would not start
+    """Every node's checks, the versions across nodes, the head's port reached from node b; here the port is taken
+    on the head by someone else: said, and the job would not start."""
     import socket
 
+    job = tmp_path / "mn.yaml"
+    job.write_text("name: mndoc\nhost: [nodea, nodeb]\nrdzv_port: 29911\ncommand: sleep 1\n")
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("0.0.0.0", 29911))
         s.listen(1)
-        got = json.loads(run_cli("doctor", str(job), "--json", cwd=ROOT, timeout=120).stdout)
+        res = run_cli("doctor", str(job), "--json", cwd=ROOT, timeout=120)
+    got = json.loads(res.stdout)
+    assert [r["host"] for r in got["reports"]] == ["nodea", "nodeb", "job"] and res.code == 1, res.stderr
     checks = {c["name"]: c for c in got["reports"][2]["checks"]}
-    assert checks["rendezvous port"]["status"] == "fail" and not got["ok"]
+    assert checks["rendezvous from nodeb"]["status"] == "ok" and "127.0.0.1:29911 reached" in \
+        checks["rendezvous from nodeb"]["detail"]  # fmt: skip
+    assert checks["torch versions"]["status"] == "ok" and checks["rendezvous port"]["status"] == "fail"
+    assert "29911 is in use on nodea" in checks["rendezvous port"]["detail"] and not got["ok"]
 
 
 def test_the_first_node_to_fail_is_named_not_the_one_that_lost_its_peer(client, monkeypatch):

@@ -81,9 +81,6 @@ eval: {{prompts: 2, max_new_tokens: 8, prompt_file: {tmp_path / "gsm8k.jsonl"}}}
     # tau on the named prompt set, through the chat template; the prompt too long for the bucket skipped, not cut
     assert "eval step 2 on gsm8k: tau" in proc.stdout and "over 1 prompts" in proc.stdout
     assert "1 prompts skipped as too long" in proc.stdout
-    (tmp_path / "gsm8k.jsonl").write_text('{"question": "count after two ."}\n{"answer": 4}\n')
-    proc = run_trainer_cli(cfg)
-    assert proc.returncode == 2 and f"{tmp_path / 'gsm8k.jsonl'}:2: expected one of" in proc.stderr
 
 
 def regenerate(tmp_path, tiny_dir, inp: Path, out: Path, *extra: str) -> list[str]:
@@ -101,17 +98,24 @@ def multi_turn(first_answer: str) -> list[dict]:
             {"prompt": "list colours after red ?", "response": "green"}]  # fmt: skip
 
 
-def test_regenerate_rewrites_every_assistant_turn_on_the_rewritten_history(tmp_path, tiny_dir):
+def regenerate_here(cmd: list[str], capsys) -> tuple[int, str]:
+    """`python -m trainer.regenerate ARGS` in this process (its model load costs a second, not a new interpreter)."""
+    from trainer import regenerate as regen
+
+    code = regen.main(cmd[cmd.index("trainer.regenerate") + 1 :])
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+def test_regenerate_rewrites_every_assistant_turn_on_the_rewritten_history(tmp_path, tiny_dir, capsys):
     """Two datasets that differ only in the first answer come out identical: the second turn was conditioned on the
     regenerated first answer, not on the dataset's own."""
     outs = []
     for name, answer in (("a", "three four"), ("b", "nine nine nine red")):
         inp, out = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.out.jsonl"
         inp.write_text("".join(json.dumps(r) + "\n" for r in multi_turn(answer)))
-        proc = subprocess.run(regenerate(tmp_path, tiny_dir, inp, out, "--batch-size", "2"), capture_output=True,
-                              text=True, timeout=300, cwd=ROOT)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr
-        assert "wrote 2 records (3 turns)" in proc.stdout and not out.with_name(out.name + ".partial").exists()
+        code, said = regenerate_here(regenerate(tmp_path, tiny_dir, inp, out, "--batch-size", "2"), capsys)
+        assert code == 0 and "wrote 2 records (3 turns)" in said and not out.with_name(out.name + ".partial").exists()
         outs.append([json.loads(x) for x in out.read_text().splitlines()])
     a, b = outs
     assert a == b
@@ -122,11 +126,11 @@ def test_regenerate_rewrites_every_assistant_turn_on_the_rewritten_history(tmp_p
     assert set(a[1]) == {"prompt", "response"}
 
 
-def test_regenerate_resumes_after_a_kill_and_equals_an_uninterrupted_run(tmp_path, tiny_dir):
+def test_regenerate_resumes_after_a_kill_and_equals_an_uninterrupted_run(tmp_path, tiny_dir, capsys):
     whole, inp = tmp_path / "whole.jsonl", tmp_path / "in.jsonl"
     inp.write_text("".join((tiny_dir / "chat.jsonl").read_text().splitlines(keepends=True)[:8]))
     cmd = regenerate(tmp_path, tiny_dir, inp, whole, "--batch-size", "1")
-    subprocess.run(cmd, capture_output=True, timeout=300, cwd=ROOT, check=True)
+    assert regenerate_here(cmd, capsys)[0] == 0
     out = tmp_path / "resumed.jsonl"
     partial = out.with_name(out.name + ".partial")
     cmd[cmd.index(str(whole))] = str(out)
@@ -140,13 +144,13 @@ def test_regenerate_resumes_after_a_kill_and_equals_an_uninterrupted_run(tmp_pat
     done = len(partial.read_text().splitlines()) - 1
     with open(partial, "a") as f:
         f.write('{"record": 7, "tu')  # a line cut by the kill
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr
+    code, said = regenerate_here(cmd, capsys)
+    assert code == 0, said
     assert 3 <= done <= 8 and out.read_text() == whole.read_text() and not partial.exists()
     # a partial file of other settings is refused, not mixed in
     partial.write_text(json.dumps({"input_sha256": "x"}) + "\n")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 2 and f"{partial}: left by a run with other input" in proc.stderr
+    code, said = regenerate_here(cmd, capsys)
+    assert code == 2 and f"{partial}: left by a run with other input" in said
 
 
 def test_bad_records_name_file_and_line(tmp_path, tiny_dir):
