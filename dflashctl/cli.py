@@ -108,9 +108,10 @@ def deploy(
 
 @app.command()
 def doctor(host: str = HostArg, as_json: bool = JsonOpt, accept_new: bool = AcceptNewOpt) -> None:
-    """Check that HOST can run jobs: ssh, container, Python, torch, GPUs, tmux, rsync, disk, clock. Given a job file
-    over several hosts, check every node, then that each reaches the head's rendezvous port and all run the same
-    torch and NCCL."""
+    """Check that HOST can run jobs: ssh, container, Python, torch, GPUs, tmux, rsync, disk, clock.
+
+    Given a job file over several hosts, check every node, then that each reaches the head's rendezvous port and
+    that all run the same torch and NCCL."""
     from rich.table import Table
 
     from dflashctl.config import find_project_root, resolve_host
@@ -215,8 +216,9 @@ def kill(
 
 @app.command()
 def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool = AcceptNewOpt) -> None:
-    """One look at a job (default: the newest live one, as `kill` picks): its state with the reason, the process,
-    the last step. Exits with the state's code, as `watch --once` does."""
+    """One look at a job: its state with the reason, the process, the last step.
+
+    Default: the newest live job, as `kill` picks. Exits with the state's code, as `watch --once` does."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
     from dflashctl.judge.states import EXIT_BY_STATE
@@ -260,8 +262,10 @@ def report(
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Curves of a run, running or finished: loss and accuracy, tokens/s, tau with its prompt set, lr and grad
-    norm, each GPU's util, memory and power, the preflight, restarts and verdicts. Without --out, in the terminal."""
+    """Draw a run's curves, running or finished (in the terminal, or --out FILE.png|.html).
+
+    Loss and accuracy, tokens/s, tau with its prompt set, lr and grad norm by step; each GPU's util, memory and power
+    by time; the preflight, restarts and verdicts marked. Several jobs overlay."""
     from dflashctl.config import find_project_root
     from dflashctl.errors import ConfigError
     from dflashctl.jobs import jobctl
@@ -315,8 +319,10 @@ def pull(
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Bring a run's results back over the job's own transport (through its container too): resumable,
-    hash-verified, never a partial file under its final name. Default: the export, else the newest checkpoint."""
+    """Bring a run's export, checkpoint or metrics back here: resumable, hash-verified.
+
+    Over the job's own transport (through its container too), never a partial file under its final name. Default:
+    the export, else the newest checkpoint."""
     from dflashctl.config import find_project_root
     from dflashctl.errors import ConfigError
     from dflashctl.jobs import jobctl
@@ -351,37 +357,14 @@ def tunnel(
     accept_new: bool = AcceptNewOpt,
 ) -> None:
     """Forward a port of the job's machine to localhost (through pct/docker containers too), until Ctrl-C."""
-    import subprocess
-
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
-    from dflashctl.remote import tunnel as tunnelling
-    from dflashctl.remote.connect import open_runner
+    from dflashctl.remote.tunnel import forward
     from dflashctl.show.render import err, out
 
     record = jobctl.find_job(job, str(find_project_root()))
-    local_port = local_port or port
-    with open_runner(record.host, accept_new) as runner:
-        address = tunnelling.remote_address(record, runner)
-        if tensorboard and not dry_run:
-            err.print(f"started on {record.host_name}: {tunnelling.start_tensorboard(record, runner, port)}")
-    if record.host.is_local:
-        out.print(f"the job runs on this machine: http://{address}:{port}/")
-        return
-    argv = tunnelling.ssh_argv(record, local_port, address, port)
-    if dry_run:
-        import shlex
-
-        out.print(shlex.join(argv), markup=False, highlight=False)
-        return
-    err.print(f"http://127.0.0.1:{local_port}/ → {address}:{port} on {record.host_name} (Ctrl-C to stop)")
-    proc = subprocess.Popen(argv)
-    try:
-        code = proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        proc.wait()
-        return
+    code = forward(record, port, local_port or port, tensorboard, dry_run, accept_new,
+                   say=lambda s: err.print(s, markup=False), show=lambda s: out.print(s, markup=False, highlight=False))
     if code != 0:
         raise typer.Exit(EXIT_FAILED)
 

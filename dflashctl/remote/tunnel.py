@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import shlex
+from collections.abc import Callable
 
 from dflashctl.errors import RemoteCommandError
 from dflashctl.jobs.registry import JobRecord
@@ -70,3 +71,32 @@ def start_tensorboard(job: JobRecord, runner: Runner, port: int) -> str:
                       shlex.join(tb)], timeout=30)  # fmt: skip
     res.check("starting tensorboard")
     return shlex.join(tb)
+
+
+def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_run: bool, accept_new: bool,
+            say: Callable[[str], None], show: Callable[[str], None]) -> int:  # fmt: skip
+    """Resolve where the port lives, optionally start TensorBoard there, then hold the forward until Ctrl-C (exit
+    0) or ssh's own end (its exit status). `dry_run` shows the ssh command and starts nothing."""
+    import subprocess
+
+    from dflashctl.remote.connect import open_runner
+
+    with open_runner(job.host, accept_new) as runner:
+        address = remote_address(job, runner)
+        if tensorboard and not dry_run:
+            say(f"started on {job.host_name}: {start_tensorboard(job, runner, port)}")
+    if job.host.is_local:
+        show(f"the job runs on this machine: http://{address}:{port}/")
+        return 0
+    argv = ssh_argv(job, local_port, address, port)
+    if dry_run:
+        show(shlex.join(argv))
+        return 0
+    say(f"http://127.0.0.1:{local_port}/ → {address}:{port} on {job.host_name} (Ctrl-C to stop)")
+    proc = subprocess.Popen(argv)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait()
+        return 0
