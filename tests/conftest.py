@@ -12,8 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 TESTS = Path(__file__).resolve().parent
+# This process keeps every core for its own torch work; the processes the tests start (torchrun's ranks, trainer
+# runs, remote jobs) get one thread each, so that two ranks on a 2-core machine do not oversubscribe it.
+torch.set_num_threads(max(1, os.cpu_count() or 1))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Jobs the tests start live on a tmux server of their own: a test that kills "the" server must never reach the
 # developer's real jobs on the default `dflashctl` socket.
 TEST_TMUX_SOCKET = f"dflashctl-test-{os.getpid()}"
