@@ -42,14 +42,26 @@ def length_limit(prompt_lens: list[int], turns: int, max_new_tokens: int, block_
     return 128 * math.ceil(need / 128)
 
 
-def build_parts(target: str, drafter: str, limit: int, device: str, dtype: str):
+def read_draft_config(drafter: str) -> dict:
+    """The export's config.json (its weights are loaded once, by the trainer's `drafter.init_from`)."""
+    path = Path(drafter) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or e
+        raise ConfigError(str(path), "--drafter", f"not a drafter export: {why}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(str(path), "--drafter", "not a drafter export: expected a JSON object")
+    return config
+
+
+def build_parts(target: str, drafter: str, limit: int, device: str, dtype: str, config: dict | None = None):
     """A model pair from a target directory and a drafter export; dense attention (a decoding block is 128 queries:
     dense is cheap there and never recompiles for a new length)."""
     from trainer.config import from_dict
-    from trainer.export import read_export
     from trainer.loop import build
 
-    config, _ = read_export(Path(drafter), "--drafter")
+    config = config if config is not None else read_draft_config(drafter)
     dc = config.get("dflash_config") or {}
     buckets = sorted({*range(512, limit, 512), limit})
     cfg = from_dict({
@@ -130,13 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         sets = [read_prompts(p) for p in args.prompts]
         sets = [(name, convs[: args.limit]) for name, convs in sets]
         tok = load_tokenizer(args.target, "--target")
-        config = json.loads((Path(args.drafter) / "config.json").read_text()) if Path(args.drafter).is_dir() else {}
+        config = read_draft_config(args.drafter)
         bs = int((config.get("dflash_config") or {}).get("block_size") or config.get("block_size") or 16)
         firsts = [len(render(tok, c.history + [{"role": "user", "content": c.turns[0]}], args.thinking == "on"))
                   for _, convs in sets for c in convs]  # fmt: skip
         turns = max(len(c.turns) for _, convs in sets for c in convs)
         limit = length_limit(firsts, turns, args.max_new_tokens, bs)
-        parts = build_parts(args.target, args.drafter, limit, args.device, args.dtype)
+        parts = build_parts(args.target, args.drafter, limit, args.device, args.dtype, config)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return EXIT_CONFIG

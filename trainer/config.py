@@ -45,6 +45,10 @@ class DrafterConfig:
     activation_checkpointing: bool = False  # recompute each drafter layer in backward (use_reentrant=False)
     init_from: str | None = None  # a drafter in the public DFlash format (config.json, model.safetensors) to start from
 
+    def shape_overrides(self) -> dict:
+        """The widths that differ from the target's when set (model.drafter_dims takes them)."""
+        return {k: getattr(self, k) for k in ("intermediate_size", "num_heads", "num_kv_heads", "head_dim")}
+
 
 @dataclass
 class AttentionConfig:

@@ -16,6 +16,7 @@ import torch
 
 from trainer.loop import Parts, drafter_output
 from trainer.mask import bucket_for, build_blocks
+from trainer.target import end_token_ids
 
 
 def eval_anchors(block_size: int) -> int:
@@ -56,12 +57,8 @@ def prompt_of(sample: tuple[torch.Tensor, torch.Tensor], max_tokens: int) -> tor
 
 
 def eos_ids(parts: Parts) -> set[int]:
-    """Every id that ends generation: the model config's and the generation config's (chat models list several)."""
-    found: set[int] = set()
-    for source in (parts.target.config, getattr(parts.target.model, "generation_config", None)):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        found |= set(eos if isinstance(eos, (list, tuple)) else [eos])
-    return {int(t) for t in found if t is not None}
+    """Every id that ends generation (trainer.target.end_token_ids)."""
+    return end_token_ids(parts.target.model)
 
 
 @torch.no_grad()

@@ -156,7 +156,7 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, dtype: str = "
     n = cfg.drafter.num_layers
     layer_ids = sorted(cfg.target.layer_ids or default_layer_ids(int(tc.num_hidden_layers), n))
     d = cfg.drafter
-    overrides = {k: getattr(d, k) for k in ("intermediate_size", "num_heads", "num_kv_heads", "head_dim")}
+    overrides = d.shape_overrides()
     dims = drafter_dims(tc, n, len(layer_ids), overrides)
     mask_id = start.get("mask_token_id")  # what the run trained with; older runs: resolved again
     if not isinstance(mask_id, int):

@@ -117,7 +117,7 @@ def plan_memory(cfg: TrainConfig, device: torch.device, layout, source: str) -> 
     hf = target_config(cfg.target, source)
     d = cfg.drafter
     n_ids = len(cfg.target.layer_ids or default_layer_ids(int(hf.num_hidden_layers), d.num_layers))
-    overrides = {k: getattr(d, k) for k in ("intermediate_size", "num_heads", "num_kv_heads", "head_dim")}
+    overrides = d.shape_overrides()
     dims = drafter_dims(hf, d.num_layers, n_ids, overrides)
     shapes = memory_plan.target_shapes(hf, dims, n_ids, torch.tensor([], dtype=DTYPES[cfg.target.dtype]).element_size())
     mode, ways = layout.mode, (layout.tp if layout.mode == "tensor" else layout.dp)
@@ -149,7 +149,7 @@ def build(
         raise ConfigError(
             source, "drafter.hidden_size", f"must equal the target's ({target.hidden_size}): embedding is shared"
         )
-    overrides = {k: getattr(d, k) for k in ("intermediate_size", "num_heads", "num_kv_heads", "head_dim")}
+    overrides = d.shape_overrides()
     dims = drafter_dims(target.config, d.num_layers, len(target.layer_ids), overrides)
     torch.manual_seed(cfg.seed)
     drafter = Drafter(dims, d.activation_checkpointing).to(device)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from trainer.config import parse_parallel  # noqa: F401 - the one definition, used with make_layout
 from trainer.errors import ConfigError
 
 TP_PLAN = {  # a Llama/Qwen decoder layer; HF attention reshapes with -1 heads, so local shards need no changes

@@ -88,15 +88,6 @@ def rebuild(item: Item, prompt_of_ids: list[int] | None) -> dict:
     return {**rec, "messages": msgs}
 
 
-def end_ids(model) -> set[int]:
-    """Every id that ends a turn: the model config's and the generation config's (chat models list several)."""
-    found: set[int] = set()
-    for source in (model.config, getattr(model, "generation_config", None)):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        found |= set(eos if isinstance(eos, (list, tuple)) else [eos])
-    return {int(t) for t in found if t is not None}
-
-
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, pad: int, ends):
     """Left-padded batched generation; returns the new tokens of each prompt, cut at the first end token."""
@@ -195,12 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from trainer.loop import resolve_device
-    from trainer.target import build_model
+    from trainer.target import build_model, end_token_ids
 
     model = build_model(cfg.target, resolve_device(cfg.device), args.config).eval()
     torch.manual_seed(args.seed)
     pad = getattr(model.config, "pad_token_id", None) or 0
-    ends = end_ids(model)
+    ends = end_token_ids(model)
     for (r, t), new in progress.done.items():
         items[r].new[t] = new
     total = sum(len(it.turns) for it in items)

@@ -139,6 +139,15 @@ class Target:
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
+def end_token_ids(model: nn.Module) -> set[int]:
+    """Every id that ends generation: the model config's and the generation config's (chat models list several)."""
+    found: set[int] = set()
+    for source in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        found |= set(eos if isinstance(eos, (list, tuple)) else [eos])
+    return {int(t) for t in found if t is not None}
+
+
 def target_config(cfg: TargetConfig, source: str = "<config>"):
     """The target's HF config alone (no weights): for the memory plan and shapes before anything is loaded."""
     from transformers import AutoConfig

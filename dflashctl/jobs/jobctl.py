@@ -274,13 +274,14 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     times = [r["time"] for r in records if isinstance(r.get("time"), (int, float))]
     pane = snap["session"]
     alive = pane.get("exists") and not pane.get("pane_dead")
-    v = judge(job, snap)
     nodes = None
     if job.members:  # every node, one call each, judged together (the head's call above gave the metrics)
         w = make_watcher(job, accept_new)
         v = w.poll()
         registry.update(job.id, state=v.state, reason=v.reason)
         nodes = [{"host": n.job.host_name, "state": st} for n, st in zip(w.nodes, w.node_states, strict=True)]
+    else:
+        v = judge(job, snap)
     return {
         "nodes": nodes,
         "id": job.id, "host": job.host_name, "run_dir": job.run_dir, "picked": picked,

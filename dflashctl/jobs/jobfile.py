@@ -278,6 +278,12 @@ def load_job(path: Path, project_root: Path) -> tuple[JobConfig, dict | None]:
     return job, trainer_cfg
 
 
+def node_tag(job_id: str, rank: int) -> str:
+    """DFLASHCTL_JOB_ID of a node's processes: the job id on the head, `<id>.node<i>` on node i, so that two nodes
+    sharing one machine never take each other's processes for their own."""
+    return job_id if rank == 0 else f"{job_id}.node{rank}"
+
+
 def is_secret(name: str, extra: list[str] | tuple[str, ...] = ()) -> bool:
     return bool(SECRET_NAME.search(name)) or name in extra
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dflashctl.config import HostConfig
 from dflashctl.errors import NoSuchJobError, RecordsCorruptError
-from dflashctl.jobs.jobfile import WatchConfig
+from dflashctl.jobs.jobfile import WatchConfig, node_tag
 
 STATE_ENV = "DFLASHCTL_STATE_DIR"
 LIVE_STATES = ("KILLED", "FINISHED", "LOST")  # states after which a job is not live
@@ -100,7 +100,7 @@ class JobRecord(BaseModel):
             return [self]
         return [self.model_copy(update={"host_name": m.host_name, "host": m.host, "run_dir": m.run_dir,
                                         "session": m.session, "pane_pid": m.pane_pid, "gpus": m.gpus,
-                                        "members": [], "node_tag": f"{self.id}.node{m.node}" if m.node else None})
+                                        "members": [], "node_tag": node_tag(self.id, m.node) if m.node else None})
                 for m in self.members]  # fmt: skip
 
     def member(self, node: str) -> JobRecord:

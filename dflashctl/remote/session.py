@@ -20,7 +20,7 @@ import yaml
 
 from dflashctl.config import SAFE_NAME, HostConfig
 from dflashctl.errors import ConfigError, ProbeFailedError
-from dflashctl.jobs.jobfile import JobConfig, redact_env
+from dflashctl.jobs.jobfile import JobConfig, node_tag, redact_env
 from dflashctl.remote import launcher, probe
 from dflashctl.remote.transport import Runner, container_prefix
 
@@ -102,7 +102,7 @@ def job_env(job: JobConfig, job_id: str, node: NodePlace | None = None) -> dict[
     if node is not None:  # a `command:` job over several nodes starts its own torchrun from these
         place = {"NNODES": str(node.count), "NODE_RANK": str(node.rank), "MASTER_ADDR": node.head_addr,
                  "MASTER_PORT": str(node.port)}  # fmt: skip
-    tag = job_id if node is None or node.rank == 0 else f"{job_id}.node{node.rank}"  # one machine may hold two nodes
+    tag = node_tag(job_id, node.rank if node is not None else 0)
     return {
         "DFLASHCTL_JOB_ID": tag,
         "PYTHONUNBUFFERED": "1",
