@@ -42,11 +42,15 @@ def test_interleaved_ranks_give_the_root_cause_rank_and_its_frames():
     assert not any("ChildFailedError" in e for e in found.evidence)
 
 
-def test_an_ordinary_oom_is_not_a_dense_fallback_but_a_huge_one_is():
+def test_an_ordinary_oom_is_not_a_dense_fallback_even_a_huge_one_without_flex_in_sight():
     assert classify_log(log("oom-plain.log")).state == "OOM"
     huge = log("oom-plain.log").replace("Tried to allocate 2.32 GiB", "Tried to allocate 96.00 GiB")
-    assert classify_log(huge).state == "DENSE_FALLBACK"  # more than half the GPU in one allocation
-    assert classify_log(log("oom-plain.log"), gpu_total_gib=4.0).state == "DENSE_FALLBACK"
+    found = classify_log(huge)  # more than half the GPU in one allocation, but nothing of attention in the log
+    assert found.state == "OOM" and "asked for 96.00 GiB of a 139.80 GiB GPU" in found.reason
+    assert classify_log(log("oom-plain.log"), gpu_total_gib=4.0).state == "OOM"
+    # the same huge allocation with flex_attention's frame names in the (cut) log: the dense fallback
+    flexy = huge.replace("torch/_tensor.py", "torch/_higher_order_ops/flex_attention.py")
+    assert classify_log(flexy).state == "DENSE_FALLBACK"
 
 
 def test_clean_log_has_no_finding():
@@ -77,7 +81,7 @@ def running(**kw) -> History:
         (running(exit_code=3, fatal={"kind": "dense_fallback", "message": "flex guard: ..."}), "DENSE_FALLBACK", ""),
         (running(exit_code=2, fatal={"kind": "config", "message": "x: steps: bad"}), "CONFIG_ERROR", "config"),
         (running(exit_code=1, log_tail=log("trainer-crash.log").splitlines()), "CRASHED", "RuntimeError"),
-        (running(pane_dead=True, pane_status=137), "CRASHED", "exit status 137"),
+        (running(pane_dead=True, pane_status=137), "HOST_OOM", "SIGKILL (exit 137)"),
         (running(session_exists=False), "LOST", "tmux session"),
         (running(session_exists=False, run_dir_exists=False), "LOST", "run dir"),
         (running(log_tail=log("nccl-timeout.log").splitlines()), "NCCL_TIMEOUT", "NCCL"),
@@ -110,7 +114,8 @@ def test_a_recompile_limit_then_eager_flex_then_oom_names_the_terminal_failure_a
 
 def test_an_oom_on_one_rank_is_the_cause_of_the_others_nccl_timeouts():
     found = classify_log(log("nccl-after-oom.log"))
-    assert found.state == "OOM" and found.reason == "CUDA out of memory on rank1 (then NCCL timeouts on rank0, rank3)"
+    assert found.state == "OOM" and found.reason == ("CUDA out of memory on rank1: asked for 2.32 GiB of a 139.80 GiB "
+                                                     "GPU (then NCCL timeouts on rank0, rank3)")
     assert "Tried to allocate 2.32 GiB" in found.evidence[0] and "Watchdog" in found.evidence[-1]
 
 

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer import faults
+from trainer.errors import NonFiniteWeightsError
 
 NAME = re.compile(r"^step-(\d{8})$")
 
@@ -59,6 +60,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def nonfinite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding NaN or inf (one reduction per tensor; no copy)."""
+    return [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
 def save(
     ckpt_root: Path,
     pos: Position,
@@ -68,7 +74,13 @@ def save(
     rng_states: list[dict],
     keep: int,
 ) -> Path:
-    """Write a complete checkpoint for `pos.step` and keep only the newest `keep`. Main rank only."""
+    """Write a complete checkpoint for `pos.step` and keep only the newest `keep`. Main rank only. Weights with NaN or
+    inf are refused before anything is written (NonFiniteWeightsError), so every checkpoint kept is finite and the
+    rotation can never push out the last good one."""
+    bad = nonfinite(drafter.state_dict())
+    if bad:
+        raise NonFiniteWeightsError(f"step {pos.step}: {len(bad)} drafter tensors are non-finite ({bad[0]}, ...); the "
+                                    "checkpoint was not written", step=pos.step)  # fmt: skip
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step-{pos.step:08d}"
     tmp = ckpt_root / f"step-{pos.step:08d}.tmp"
@@ -85,7 +97,7 @@ def save(
     }
     torch.save(state, tmp / "state.pt")
     files = {f.name: {"sha256": _sha256(f), "size": f.stat().st_size} for f in sorted(tmp.iterdir())}
-    (tmp / "manifest.json").write_text(json.dumps({"step": pos.step, "files": files}))
+    (tmp / "manifest.json").write_text(json.dumps({"step": pos.step, "files": files, "finite": True}))
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -163,7 +175,11 @@ def load_newest_intact(ckpt_root: Path) -> tuple[Path | None, Loaded | None, lis
         why = problem(path)
         if why is None:
             try:
-                return path, load(path), skipped
+                loaded = load(path)
+                bad = nonfinite(loaded.weights)
+                if not bad:
+                    return path, loaded, skipped
+                why = f"weights are not finite ({bad[0]}, {len(bad)} tensors): written during a divergence"
             except Exception as e:  # safetensors, pickle and zip errors alike: this one cannot be used
                 why = f"cannot be loaded: {type(e).__name__}: {str(e)[:120]}"
         skipped.append({"path": str(path), "why": why})

@@ -79,6 +79,8 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global grad norm
     gamma: float = 7.0  # loss weight exp(-(k - 1) / gamma) at block position k (paper: 7 for block 16)
     chunked_loss: bool = False  # LM head + CE in chunks, logits never stored: less memory, a little slower (bench)
+    # a step whose loss or grad norm is NaN/inf is skipped (no update); this many in a row stop the run (exit 4)
+    max_nonfinite_steps: int = 10
 
 
 @dataclass
@@ -241,6 +243,8 @@ def validate(cfg: TrainConfig, source: str) -> TrainConfig:
         raise ConfigError(source, "target", "set exactly one of `path` and `random_preset`")
     if cfg.steps < 1:
         raise ConfigError(source, "steps", "must be at least 1")
+    if cfg.optim.max_nonfinite_steps < 1:
+        raise ConfigError(source, "optim.max_nonfinite_steps", "must be at least 1")
     for key, value in (("grad_accum", cfg.grad_accum), ("checkpoint.keep", cfg.checkpoint.keep)):
         if value < 1:
             raise ConfigError(source, key, "must be at least 1")

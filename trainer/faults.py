@@ -1,6 +1,7 @@
 """Fault injection for testing the tools that watch the trainer: `TRAINER_FAULT=<kind>@<step>`.
 
-kinds: `crash` (raise at the start of the step, once per run dir), `hang` (sleep at the start of the step, so that
+kinds: `crash` (raise at the start of the step, once per run dir), `nan` (the loss is NaN from that step on, as a
+diverging run's is), `hang` (sleep at the start of the step, so that
 a test can SIGKILL a process that is known to be alive), `hang-in-checkpoint` (sleep after the checkpoint's weights
 are written but before it is complete). Unset in normal use; a malformed value is ignored.
 """
@@ -33,3 +34,12 @@ def at_step_start(step: int, run_dir: Path | None) -> None:
 def in_checkpoint(step: int) -> None:
     if _armed("hang-in-checkpoint", step):
         time.sleep(3600)
+
+
+def poison_loss(step: int, loss):
+    """`nan@N`: from step N on the loss is NaN (and with it every gradient), as in a run that diverges."""
+    spec = os.environ.get(ENV, "")
+    want, _, at = spec.partition("@")
+    if want == "nan" and at.isdigit() and step >= int(at):
+        return loss * float("nan")
+    return loss

@@ -32,12 +32,13 @@ EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "recompile": {"step": int, "graphs": int},
     "checkpoint": {"path": str, "step": int},
     "checkpoint_fallback": {"skipped": list, "using": (str, type(None))},
+    "checkpoint_skipped": {"step": int, "nonfinite_steps": int},
     "export": {"path": str, "step": int},
     "eval": {"step": int, "tau": float, "prompts": int, "draft_steps": int},
     "fatal": {"kind": str, "message": str},
     "finished": {"step": int},
 }
-FATAL_KINDS = ("dense_fallback", "config", "crash")
+FATAL_KINDS = ("dense_fallback", "config", "crash", "diverged")
 
 
 def validate_record(rec: dict) -> list[str]:
@@ -54,6 +55,8 @@ def validate_record(rec: dict) -> list[str]:
     for name, tp in fields.items():
         if name not in rec:
             problems.append(f"missing `{name}`")
+        elif name in ("loss", "grad_norm") and rec[name] is None and rec.get("skipped") is True:
+            continue  # a skipped non-finite step: NaN is not JSON, null stands for it
         elif tp is float and not isinstance(rec[name], (int, float)):
             problems.append(f"`{name}` is not a number")
         elif tp is not float and not isinstance(rec[name], tp):

@@ -8,6 +8,7 @@ ranks and micro-steps): DDP averages gradients over ranks, so each rank scales i
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 import time
 from collections.abc import Callable
@@ -22,13 +23,56 @@ from trainer.compile_policy import graphs_compiled, unfreeze_compiles
 from trainer.config import TrainConfig, parse_parallel, to_dict
 from trainer.data import Dataset, epoch_batches, load_tokenizer, make_dataset, shard
 from trainer.distributed import World, all_gather_objects, all_reduce_sum, barrier, init_world
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, DivergedError
 from trainer.eval import eval_anchors, measure_tau, prompt_of
 from trainer.gpu_history import GpuHistory
 from trainer.loggers import check_available, open_sinks
 from trainer.loop import Parts, build, forward_loss, lr_lambda, make_batch, preflight
 from trainer.metrics import Heartbeat, MetricsWriter
 from trainer.parallel import make_layout
+
+
+def _json_number(value: float, digits: int) -> float | None:
+    """A finite value rounded; NaN and inf are not JSON: null (the step record says `skipped`)."""
+    return round(value, digits) if math.isfinite(value) else None
+
+
+class DivergenceGuard:
+    """Non-finite steps are skipped (no optimizer update) and counted; `limit` in a row stop the run with a
+    DivergedError naming the first bad step, the last finite loss, the lr and the newest checkpoint from before.
+    Decided from the loss and grad norm the step already brought to the host: no extra sync."""
+
+    def __init__(self, limit: int, say: Callable[[str], None]) -> None:
+        self.limit, self.say = limit, say
+        self.streak = 0
+        self.first_bad: int | None = None
+        self.bad_lr: float | None = None
+        self.last_finite: tuple[int, float] | None = None
+        self.last_checkpoint: str | None = None
+        self.total = 0
+
+    def check(self, step: int, loss: float, grad_norm: float, lr: float) -> bool:
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.streak, self.first_bad = 0, None
+            self.last_finite = (step, loss)
+            return True
+        self.streak += 1
+        self.total += 1
+        if self.first_bad is None:
+            self.first_bad, self.bad_lr = step, lr
+        return False
+
+    def stop_if_diverged(self) -> None:
+        if self.streak < self.limit:
+            return
+        last = f"step {self.last_finite[0]} loss {self.last_finite[1]:.4f}" if self.last_finite else "none"
+        ckpt = self.last_checkpoint or "none"
+        raise DivergedError(
+            f"loss or grad norm non-finite for {self.streak} steps in a row from step {self.first_bad} (lr "
+            f"{self.bad_lr:.3e}); last finite: {last}; newest checkpoint from before: {ckpt}",
+            first_bad_step=self.first_bad, last_finite_step=self.last_finite[0] if self.last_finite else None,
+            last_finite_loss=self.last_finite[1] if self.last_finite else None, lr=self.bad_lr,
+            checkpoint=self.last_checkpoint, nonfinite_steps=self.streak)  # fmt: skip
 
 
 @dataclass
@@ -226,12 +270,20 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
               tau_prompt_mean=round(prompt_mean, 4), tau_pooled=round(tau, 4), prompts=int(totals[2]),
               prompts_skipped=skipped_prompts, draft_steps=int(totals[1]))  # fmt: skip
 
+    guard = DivergenceGuard(cfg.optim.max_nonfinite_steps, say)
+    guard.last_checkpoint = str(latest) if loaded is not None else None
+
     def save(step: int) -> None:
+        if guard.streak:  # weights are those of before the streak; a checkpoint now would only push out good ones
+            say(f"checkpoint at step {step} skipped: {guard.streak} non-finite steps in a row")
+            event("checkpoint_skipped", step=step, nonfinite_steps=guard.streak)
+            return
         rngs = all_gather_objects(checkpoint.rng_state(), world)
         writer = world.is_main or (cfg.checkpoint.per_node and world.local_rank == 0)
         if writer and ckpt_root:
             pos = checkpoint.Position(step, stream.epoch, stream.batch_in_epoch)
             path = checkpoint.save(ckpt_root, pos, drafter, opt, sched, rngs, cfg.checkpoint.keep)
+            guard.last_checkpoint = str(path)
             event("checkpoint", path=str(path), step=step)
         barrier(world)
 
@@ -258,18 +310,22 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
             ctx = model.no_sync() if not sync else contextlib.nullcontext()
             with ctx:
                 loss_sum, _, correct = forward_loss(parts, batch, model)
+                loss_sum = faults.poison_loss(step, loss_sum)
                 (loss_sum * scale).backward()
             sums += torch.stack([loss_sum.detach().double(), correct.detach().double()])
             tokens += batch.input_ids.numel()
         grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.optim.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
         peak = torch.cuda.max_memory_allocated(world.device) / 2**30 if cuda else _max_rss_gib()
         peaks = torch.zeros(world.size, dtype=torch.float64, device=world.device)
         peaks[world.rank] = peak
         reduced = all_reduce_sum(torch.cat([sums, peaks]), world).tolist()  # one collective, one sync per step
         loss_v, acc_v = (v / max(w_global, 1e-6) for v in reduced[:2])
+        gnorm = float(grad_norm)  # computed before the collective: the sync above already waited for it
+        finite = guard.check(step, loss_v, gnorm, sched.get_last_lr()[0])  # the same on every rank
+        if finite:
+            opt.step()
+        sched.step()  # a skipped step still counts: the schedule follows the step number
+        opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         tps = tokens * layout.dp / dt  # target tokens per second, all ranks (a tensor group's batch counted once)
         result.losses.append(loss_v)
@@ -279,13 +335,17 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
         if heartbeat:
             heartbeat.step = step
         if metrics:
-            metrics.write({"step": step, "epoch": epoch, "tokens_per_s": round(tps, 1), "loss": round(loss_v, 6),
-                           "acc": round(acc_v, 6), "lr": lr, "grad_norm": round(float(grad_norm), 6),
-                           "peak_mem_gib": round(peak, 3),
-                           "peak_mem_gib_ranks": [round(x, 3) for x in reduced[2:]]})  # fmt: skip
-        if step % cfg.log_every == 0 or step == cfg.steps:
+            rec = {"step": step, "epoch": epoch, "tokens_per_s": round(tps, 1), "loss": _json_number(loss_v, 6),
+                   "acc": round(acc_v, 6), "lr": lr, "grad_norm": _json_number(gnorm, 6),
+                   "peak_mem_gib": round(peak, 3), "peak_mem_gib_ranks": [round(x, 3) for x in reduced[2:]]}
+            if not finite:
+                rec.update(skipped=True, nonfinite_steps=guard.streak)
+            metrics.write(rec)
+        if step % cfg.log_every == 0 or step == cfg.steps or not finite:
+            skipped = f" (non-finite: skipped, {guard.streak} in a row)" if not finite else ""
             say(f"step {step}/{cfg.steps} epoch {epoch} loss {loss_v:.4f} acc {acc_v:.3f} lr {lr:.2e} "
-                f"grad_norm {float(grad_norm):.3f} {tps:,.0f} tok/s peak {peak:.1f} GiB")  # fmt: skip
+                f"grad_norm {gnorm:.3f} {tps:,.0f} tok/s peak {peak:.1f} GiB{skipped}")  # fmt: skip
+        guard.stop_if_diverged()
         recompiled = graphs_compiled() - baseline
         if recompiled > result.recompiles_after_preflight:
             if metrics:  # every rank reports its own
@@ -299,6 +359,8 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
         evaluate(cfg.steps)
     if start_step < cfg.steps:
         save(cfg.steps)
+    if guard.streak:  # ended inside a streak (fewer than the limit): the weights are from before it, but say so
+        say(f"the last {guard.streak} steps were non-finite and skipped")
     if run_dir and world.is_main:  # the drafter in the public DFlash format, ready to serve
         from trainer.export import draft_config, write_export
 

@@ -1,6 +1,7 @@
 """Entry point: `[torchrun --nproc-per-node N] python -m trainer.train --config FILE [--run-dir DIR] [--resume]`.
 
-Exit codes: 0 finished, 1 crash, 2 config error, 3 dense fallback refused. With a run dir, a failure also appends a
+Exit codes: 0 finished, 1 crash, 2 config error, 3 dense fallback refused, 4 diverged (NaN/inf loss or weights).
+With a run dir, a failure also appends a
 `fatal` record to `metrics.jsonl` (docs/metrics.md), so a watcher need not parse the log to know what happened.
 """
 
@@ -12,7 +13,15 @@ import sys
 import traceback
 from pathlib import Path
 
-from trainer.errors import EXIT_CONFIG, EXIT_CRASH, EXIT_DENSE_FALLBACK, ConfigError, DenseFallbackError
+from trainer.errors import (
+    EXIT_CONFIG,
+    EXIT_CRASH,
+    EXIT_DENSE_FALLBACK,
+    EXIT_DIVERGED,
+    ConfigError,
+    DenseFallbackError,
+    DivergedError,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,12 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else None
     rank = os.environ.get("RANK", "0")
 
-    def fatal(kind: str, message: str) -> None:
+    def fatal(kind: str, message: str, **fields) -> None:
         if run_dir is None:
             return
         from trainer.metrics import MetricsWriter
 
-        MetricsWriter(run_dir, True).event("fatal", always=True, kind=kind, message=message, rank=int(rank))
+        MetricsWriter(run_dir, True).event("fatal", always=True, kind=kind, message=message, rank=int(rank), **fields)
 
     world = None
     try:
@@ -54,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         fatal("config", str(e))
         return EXIT_CONFIG
+    except DivergedError as e:
+        print(f"DivergedError: {e}", file=sys.stderr, flush=True)
+        if rank == "0":
+            fatal("diverged", str(e), **e.fields)
+        return EXIT_DIVERGED
     except DenseFallbackError as e:
         print(f"DenseFallbackError: {e}", file=sys.stderr, flush=True)
         fatal("dense_fallback", str(e))

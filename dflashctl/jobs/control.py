@@ -70,13 +70,14 @@ class RestartOutcome:
     pane_pid: int | None = None
 
 
-def restart(runner: Runner, job: JobRecord, attempt: int) -> RestartOutcome:
+def restart(runner: Runner, job: JobRecord, attempt: int, min_free_gib: float | None = None) -> RestartOutcome:
     """Restart the attempt numbered `attempt` (0 for the first launch) with --resume for the trainer, unless the
-    remote says no (stop requested, someone else restarted it, budget spent)."""
+    remote says no (stop requested, someone else restarted it, budget spent, less than `min_free_gib` free at the
+    run dir: a job that filled its disk is not restarted into the same full disk)."""
     req = {"action": "restart", "run_dir": job.run_dir, "session": job.session, "job_id": job.tag,
            "tmux_socket": job.tmux_socket, "attempt": attempt, "max_restarts": job.watch.max_restarts,
            "grace_s": job.kill_grace_s, "python": runner.host.python,
-           "args": ["--resume"] if job.is_trainer else [], "gpus": False}  # fmt: skip
+           "args": ["--resume"] if job.is_trainer else [], "gpus": False, "min_free_gib": min_free_gib}  # fmt: skip
     ans = session.call_agent(runner, req, timeout=job.kill_grace_s + 120)
     return RestartOutcome(bool(ans.get("restarted")), int(ans.get("restarts", attempt)), ans.get("why", ""),
                           ans.get("pane_pid"))  # fmt: skip
@@ -112,13 +113,14 @@ def stop_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], grace_
     )  # fmt: skip
 
 
-def restart_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], attempt: int) -> RestartOutcome:
+def restart_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], attempt: int,
+                min_free_gib: float | None = None) -> RestartOutcome:  # fmt: skip
     """Restart every node of a job (each stopped, then started with --resume, under its run dir's lock), head
     first. The outcome is the head's; a node that refuses is named."""
     outcomes = []
     for rec in job.member_records():
         with open_runner(rec.host) as runner:
-            outcomes.append(restart(runner, rec, attempt))
+            outcomes.append(restart(runner, rec, attempt, min_free_gib))
     head = outcomes[0]
     refused = [f"{rec.host_name}: {o.why}" for rec, o in zip(job.member_records(), outcomes, strict=True)
                if not o.restarted]  # fmt: skip

@@ -6,7 +6,6 @@ Every decision (state change, restart, notification) is appended to the local re
 
 from __future__ import annotations
 
-import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -20,13 +19,14 @@ from dflashctl.jobs import control, registry
 from dflashctl.jobs.jobfile import WatchConfig
 from dflashctl.jobs.notify import Message, post
 from dflashctl.jobs.registry import JobRecord
-from dflashctl.judge.health import FAILURES, TERMINAL, History, Thresholds, Verdict, assess
+from dflashctl.judge.health import ADVICE, FAILURES, PEER_LOST, TERMINAL, History, Thresholds, Verdict, assess
 from dflashctl.judge.states import EXIT_BY_STATE  # noqa: E402,F401 - re-exported for callers of watch
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner
 from dflashctl.remote.transport import Runner
 
 SPARK = "▁▂▃▄▅▆▇█"
+MIN_FREE_GIB = 1.0  # what a launch needs free (remote/probe.MIN_FREE_GIB)
 
 
 class PollRecord(BaseModel):
@@ -48,6 +48,7 @@ class PollRecord(BaseModel):
     restarts: int
     gpus: list[dict]
     remote_commands: int
+    warnings: list[str] = []
 
 
 def sparkline(values: list[float], width: int = 30) -> str:
@@ -84,10 +85,9 @@ class Watcher:
     tau_set: str | None = None  # the prompt set the tau was measured on (eval.prompt_file's stem, or holdout)
     pending_events: list[dict] = field(default_factory=list)
     remote_commands: int = 0
+    disk_warned: bool = False
     notes: list[str] = field(default_factory=list)
     exit_time: float | None = None  # when the attempt ended, on the remote's clock
-    heartbeat_seen: tuple | None = None  # (what the heartbeat said, remote time it was first seen so)
-    activity_seen: tuple | None = None  # (log size, CPU seconds, GPU memory) at the previous poll
 
     def __post_init__(self) -> None:
         self.restarts = self.job.restarts
@@ -118,8 +118,9 @@ class Watcher:
         req = {**session.probe_request(self.job, self.log_offset, self.metrics_offset, capture_lines=40)}
         if self.pending_events:
             req["append_events"] = self.pending_events
+        req["job_gpus"] = self.job.gpus
         if not self.job.is_trainer:  # no trainer records the GPUs of a `command:` job: each poll does
-            req.update(record_gpu=True, job_gpus=self.job.gpus)
+            req["record_gpu"] = True
         try:
             runner = self._connect()
             before = runner.commands_run
@@ -141,8 +142,12 @@ class Watcher:
         self.fold(snap)
         return assess(self.history, self.thresholds)
 
-    def restart_remote(self, attempt: int) -> control.RestartOutcome:
-        return control.restart(self._connect(), self.job, attempt)
+    def min_free_gib(self, state: str) -> float | None:
+        """A restart after DISK_FULL needs room for a checkpoint (at least MIN_FREE_GIB)."""
+        return max(self.history.checkpoint_gib or 0.0, MIN_FREE_GIB) if state == "DISK_FULL" else None
+
+    def restart_remote(self, attempt: int, state: str = "") -> control.RestartOutcome:
+        return control.restart(self._connect(), self.job, attempt, self.min_free_gib(state))
 
     def fold(self, snap: dict) -> None:
         """Take one snapshot into the history (offsets, steps, fatal/finished records, heartbeat, GPUs). Every value
@@ -197,54 +202,53 @@ class Watcher:
         if new_tps:
             h.tokens_per_s.append(sum(new_tps) / len(new_tps))
             self.tps_all.extend(new_tps)
-        self._fold_heartbeat(snap.get("heartbeat"), h)
         gpu = snap.get("gpu") or {}
         wanted = set(self.job.gpus)
-        self.gpus = [g for g in gpu.get("gpus", []) if not wanted or g.get("index") in wanted]
-        self._fold_activity(snap, h)
+        self.gpus = [g for g in gpu.get("gpus", []) if not wanted or g.get("index") in wanted or g.get("lost")]
+        h.gpus, h.job_gpus = self.gpus, list(self.job.gpus)
         totals = [g["mem_total_mib"] / 1024 for g in self.gpus if isinstance(g.get("mem_total_mib"), (int, float))]
         h.gpu_total_gib = max(totals) if totals else None
+        h.disk_free_gib = _number(snap.get("disk_free_gib"))
+        h.checkpoint_gib = _number(snap.get("checkpoint_gib"))
+        oom = snap.get("host_oom") or {}
+        h.oom_kills = oom.get("oom_kills") if isinstance(oom.get("oom_kills"), int) else None
+        h.kernel_oom = [str(x)[:300] for x in oom.get("kernel_oom") or []][-5:]
+        self._fold_progress(snap, h)
 
-    def _fold_activity(self, snap: dict, h: History) -> None:
-        """For jobs without metrics: did anything move since the last poll? The log grew, the job's processes used
-        CPU time, or a GPU of the job is busy in a way a hang is not (a hung NCCL collective pins utilisation at
-        100% with memory frozen; an idle one has low utilisation)."""
-        size = int((snap.get("log") or {}).get("size") or 0)
-        cpu = round(sum(p.get("cpu_s") or 0 for p in snap.get("procs", [])), 2)
-        mem = tuple(g.get("mem_used_mib") for g in self.gpus)
-        utils = [g.get("util_pct") for g in self.gpus if isinstance(g.get("util_pct"), (int, float))]
-        prev, self.activity_seen = self.activity_seen, (size, cpu, mem)
-        if prev is None:
-            h.activity_at, h.activity = h.now, ""
-            return
-        moved = []
-        if size > prev[0]:
-            moved.append("log grew")
-        if cpu > prev[1] + 0.2:
-            moved.append(f"CPU +{cpu - prev[1]:.1f} s")
-        if any(5 < u < 99 for u in utils) or (utils and max(utils) >= 99 and mem != prev[2]):
-            moved.append("GPU busy")
-        if moved:
-            h.activity_at, h.activity = h.now, ", ".join(moved)
+    def _fold_progress(self, snap: dict, h: History) -> None:
+        """Stall and staleness come from the run dir's progress history (remote/probe.update_progress): when the
+        heartbeat's content, the log, the CPU time, the GPUs and the newest step last changed, on the remote's
+        clock, as every probe of this job saw them. So `status`, `watch --once`, a second watcher and a cron job
+        judge from the same facts as a long-running watch: a future mtime cannot keep a frozen job RUNNING."""
+        prog = snap.get("progress") if isinstance(snap.get("progress"), dict) else {}
+        hb = snap.get("heartbeat")
+        h.heartbeat_age_s = None
+        if isinstance(hb, dict):
+            if hb.get("malformed"):
+                h.malformed += 1
+            h.phase = hb.get("phase") if isinstance(hb.get("phase"), str) else h.phase
+            changed = _number(prog.get("heartbeat_changed_at"))
+            stale = h.started_at and isinstance(hb.get("time"), (int, float)) and hb["time"] < h.started_at - 1
+            if changed is not None and not stale and not (h.pane_dead or h.exit_code is not None):
+                h.heartbeat_age_s = round(max(0.0, h.now - changed), 2)  # a finished job's heartbeat ages by design
+        at = _number(prog.get("activity_at"))
+        h.activity_at = at if at is not None else (h.activity_at or h.now)
+        h.activity = str(prog.get("activity") or "")
+        step = prog.get("step")
+        if isinstance(step, int) and not isinstance(step, bool) and (h.last_step is None or step >= h.last_step):
+            h.step_changed_at = _number(prog.get("step_changed_at"))
+            if h.last_step is None:  # a reader that started past the records (offsets): the history knows
+                h.last_step = step
+        n = prog.get("nonfinite_steps")
+        h.nonfinite_steps = n if isinstance(n, int) and not isinstance(n, bool) else 0
 
-    def _fold_heartbeat(self, hb: dict | None, h: History) -> None:
-        """The heartbeat's age is how long it has not changed, on the remote's clock: an mtime in the future (a
-        skewed clock, a touched file) cannot keep a frozen job looking alive."""
-        if not isinstance(hb, dict):
-            h.heartbeat_age_s = None
-            return
-        if hb.get("malformed"):
-            h.malformed += 1
-        if h.started_at and isinstance(hb.get("time"), (int, float)) and hb["time"] < h.started_at - 1:
-            h.heartbeat_age_s = None  # written by the attempt before a restart
-            return
-        said = (hb.get("mtime"), hb.get("time"), hb.get("step"))
-        if self.heartbeat_seen is None or self.heartbeat_seen[0] != said:
-            self.heartbeat_seen = (said, h.now - (hb.get("age_s") or 0.0))
-        h.heartbeat_age_s = round(h.now - self.heartbeat_seen[1], 2)
-        h.phase = hb.get("phase") if isinstance(hb.get("phase"), str) else h.phase
-        if h.pane_dead or h.exit_code is not None:
-            h.heartbeat_age_s = None  # a finished job's heartbeat ages by design
+    def warnings(self) -> list[str]:
+        """Trouble ahead, said before it is a failure: less free space at the run dir than two checkpoints."""
+        h = self.history
+        if h.disk_free_gib is not None and h.checkpoint_gib and h.disk_free_gib < 2 * h.checkpoint_gib:
+            return [f"disk low: {h.disk_free_gib:g} GiB free at the run dir, under two checkpoints "
+                    f"({2 * h.checkpoint_gib:g} GiB): the next checkpoints may not fit"]  # fmt: skip
+        return []
 
     def eta_s(self) -> float | None:
         total = self.job.steps
@@ -261,7 +265,7 @@ class Watcher:
                           reason=v.reason, evidence=v.evidence, advice=v.advice, since=self.since, step=h.last_step,
                           epoch=h.epoch, loss=h.loss, tokens_per_s=h.tokens_per_s[-1] if h.tokens_per_s else None,
                           eta_s=self.eta_s(), restarts=self.restarts, gpus=self.gpus,
-                          remote_commands=self.remote_commands)  # fmt: skip
+                          remote_commands=self.remote_commands, warnings=self.warnings())  # fmt: skip
 
     def log_event(self, event: dict) -> None:
         registry.append_event(self.job.id, event)
@@ -272,8 +276,6 @@ class Watcher:
                                kill_grace_s=self.job.kill_grace_s)  # fmt: skip
         self.tail.clear()
         self.step_times.clear()
-        self.heartbeat_seen = None
-        self.activity_seen = None
 
 
 @dataclass
@@ -307,6 +309,18 @@ def run(
             if opts.notify and (v.state not in ("RUNNING", "STARTING", "STOPPING") or recovered):
                 notify(w, v, say)
         v.since = w.since
+        warned = w.warnings()
+        if warned and not w.disk_warned and v.state not in TERMINAL:
+            w.disk_warned = True
+            say(f"warning: {warned[0]}")
+            w.log_event({"decision": "warning", "warning": warned[0]})
+            if opts.notify and w.cfg.notify.webhook:
+                n = w.cfg.notify
+                msg = Message(w.job.id, w.job.host_name, "DISK_LOW", warned[0], [], ADVICE["DISK_FULL"], w.restarts,
+                              time.time())  # fmt: skip
+                say(post(n.webhook, msg, n.format, n.timeout_s, n.retries))
+        elif not warned:
+            w.disk_warned = False
         emit(w, v, w.record(v))
         if v.state == "UNREACHABLE":
             unreachable_since = unreachable_since or time.time()
@@ -332,7 +346,7 @@ def restart(w: Watcher, v: Verdict, say: Callable[[str], None], wait: Callable[[
     delay = w.cfg.backoff_s * (2**w.restarts)
     say(f"{v.state}: restarting in {delay:.0f} s (restart {w.restarts + 1} of {w.cfg.max_restarts})")
     wait(delay, w)
-    outcome = w.restart_remote(w.restarts)
+    outcome = w.restart_remote(w.restarts, v.state)
     if not outcome.restarted and "another watcher" not in outcome.why:
         say(f"not restarted: {outcome.why}")
         w.log_event({"decision": "no_restart", "after": v.state, "why": outcome.why})
@@ -366,10 +380,6 @@ def notify(w: Watcher, v: Verdict, say: Callable[[str], None]) -> None:
 
 
 CONSEQUENCES = ("NCCL_TIMEOUT", "STALLED", "LOST")  # what the other nodes show when one of them failed first
-# A rank that died because a peer did: gloo's and NCCL's words for a connection the other side dropped
-PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|remote process exited|Check the logs of the remote worker|"
-                       r"ncclRemoteError|Broken pipe|NCCL communicator was aborted", re.I)  # fmt: skip
-
 
 @dataclass
 class NodesWatcher(Watcher):
@@ -429,8 +439,9 @@ class NodesWatcher(Watcher):
                                head.step)  # fmt: skip
         return Verdict(head.state, head.reason, [*head.evidence, *others[1:]], head.advice, head.step)
 
-    def restart_remote(self, attempt: int) -> control.RestartOutcome:
-        outcome = control.restart_all(self.job, lambda h: open_runner(h, self.accept_new), attempt)
+    def restart_remote(self, attempt: int, state: str = "") -> control.RestartOutcome:
+        outcome = control.restart_all(self.job, lambda h: open_runner(h, self.accept_new), attempt,
+                                      self.min_free_gib(state))  # fmt: skip
         if outcome.restarted:
             for o in self.others:
                 o.restarts = outcome.restarts

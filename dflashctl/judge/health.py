@@ -6,14 +6,15 @@ the snapshots' facts (pane, exit code, metrics records, heartbeat, throughput hi
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from dataclasses import asdict, dataclass, field
 
 FAILURES = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "STALLED", "LOST",
-            "PROBE_FAILED", "KILL_FAILED")  # fmt: skip
+            "PROBE_FAILED", "KILL_FAILED", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL")  # fmt: skip
 TERMINAL = ("FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "LOST",
-            "PROBE_FAILED", "KILLED", "KILL_FAILED")  # fmt: skip
+            "PROBE_FAILED", "KILLED", "KILL_FAILED", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL")  # fmt: skip
 STOP_RESULT_GRACE_S = 120.0  # after grace_s, how long a kill may take to record its result before it is presumed dead
 ADVICE = {
     "DENSE_FALLBACK": "flex_attention ran, or was about to run, without compile: check TORCH_COMPILE_DISABLE, the "
@@ -24,8 +25,9 @@ ADVICE = {
     "bucket.",
     "NCCL_TIMEOUT": "a rank hung or died inside a collective: read the other ranks' lines and check the GPUs; a "
     "restart with --resume usually helps.",
-    "CRASHED": "fix the exception shown; a restart resumes from the newest checkpoint.",
-    "CONFIG_ERROR": "fix the config key named; the job did not start training. Not restarted: it would repeat.",
+    "CRASHED": "fix the exception shown; where it was transient, a restart resumes from the newest checkpoint.",
+    "CONFIG_ERROR": "fix the config key, module or file named; the job did not start training. Not restarted: it "
+    "would repeat.",
     "STALLED": "read `dflashctl logs` and dump the processes (py-spy); a restart resumes from the newest checkpoint.",
     "LOST": "the tmux session or the run dir disappeared (reboot, or killed by someone): relaunch it.",
     "UNREACHABLE": "the host does not answer; the job's last known state is kept until it does.",
@@ -33,6 +35,15 @@ ADVICE = {
     "disk; the error is shown.",
     "KILL_FAILED": "run `dflashctl kill` again on this job: it retries the same job and names what survived.",
     "STOPPING": "a stop was requested (`dflashctl kill`); no watcher restarts this job.",
+    "DIVERGED": "the loss or the gradient norm is NaN/inf: lower optim.lr, check the data and the target's dtype; "
+    "resume from the checkpoint before the divergence (no non-finite one is kept). Not restarted by default: it "
+    "would diverge again.",
+    "GPU_FAULT": "a GPU failed in hardware (ECC, Xid, fallen off the bus): relaunch on other GPUs (`gpus:`) and have "
+    "the GPU checked (`nvidia-smi -q -d ECC,PAGE_RETIREMENT`). Never restarted onto that GPU.",
+    "HOST_OOM": "the host ran out of RAM and the kernel killed a rank: lower host RAM per rank (fewer dataloader "
+    "workers, smaller prefetch, no host copies of the target) or use fewer ranks per host.",
+    "DISK_FULL": "the run dir's file system is full: free space (old checkpoints, inductor caches) or lower "
+    "checkpoint.keep; not restarted while the disk is still full.",
 }
 
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:\s?")
@@ -50,9 +61,32 @@ CONFIG = re.compile(r"^config error: ")
 FLEX_FRAME = re.compile(r"flex_attention|_guarded_flex|sdpa_dense|math_attention")
 UNITS = {"MiB": 1 / 1024, "GiB": 1.0, "TiB": 1024.0}
 # Exceptions that, raised before the first step, come back identically on every restart (a missing module or file)
+# Exceptions that, raised before the first step, come back identically on every restart (a missing module or file)
 START_ERRORS = re.compile(r"^(ModuleNotFoundError|ImportError|FileNotFoundError|SyntaxError|IsADirectoryError|"
-                          r"PermissionError)\b")  # fmt: skip
+                          r"PermissionError|NotADirectoryError|IndentationError)\b")  # fmt: skip
 EARLY_S = 300.0  # a command job (no step records) counts as "before its first step" for this long
+# A line that reports a training loss, and the value it reports ("loss nan", "loss: inf", "'loss': NaN", "loss=-inf")
+LOSS_VALUE = re.compile(r"(?<![A-Za-z])loss['\"]?\s*[:=]?\s*['\"]?(nan|[-+]?inf(?:inity)?|[-+]?\d[\d.eE+-]*)\b", re.I)
+DIVERGED_LINES = 3  # non-finite loss lines in a row, the newest loss line among them, make a divergence
+# Hardware: ECC, a GPU gone from the bus or lost, uncorrectable NVLink errors, and the kernel driver's Xid reports
+GPU_HW = re.compile(r"(uncorrectable ECC error|ECC_UNCORRECTABLE|ECCUncorrectable|fallen off the bus|GPU is lost|"
+                    r"GPU_IS_LOST|uncorrectable NVLink error|row remapp\w* failure|double bit ECC)", re.I)  # fmt: skip
+XID = re.compile(r"NVRM: Xid \((?:PCI:)?([0-9a-fA-F:.]+)\): (\d+)")
+HARDWARE_XIDS = {48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 121, 140}  # the rest are the application's own
+ENOSPC = re.compile(r"(No space left on device|\[Errno 28\]|ENOSPC|StorageFull|Disk quota exceeded|\[Errno 122\]|"
+                    r"EDQUOT)")  # fmt: skip
+WRITE_FAILED = re.compile(r"(PytorchStreamWriter failed writing file|file write failed|unexpected pos \d+ vs \d+|"
+                          r"Error while serializing)")  # fmt: skip
+# A process killed by SIGKILL: torchrun's summary, Python's subprocess, a shell's job report, the kernel's OOM killer
+SIGKILLED = re.compile(r"(exitcode\s*:\s*-9\b|\(exitcode: -9\)|Signal 9 \(SIGKILL\)|Signals\.SIGKILL|"
+                       r"^(?:.*:\s*)?(?:line \d+:\s*)?\d+\s+Killed\b|^Killed$|"
+                       r"exit(?:ed)? (?:with )?(?:code|status) 137\b)")  # fmt: skip
+KERNEL_OOM = re.compile(r"(Out of memory: Killed process \d+|oom-kill:|Memory cgroup out of memory|oom_reaper)")
+SIGKILL_CODES = (-9, 137)
+STEP_LINE = re.compile(r"^\s*(step|iter(ation)?)\s*[:=]?\s*\d+", re.I)
+# A rank that died because a peer did: gloo's and NCCL's words for a connection the other side dropped
+PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|remote process exited|Check the logs of the remote worker|"
+                       r"ncclRemoteError|Broken pipe|NCCL communicator was aborted", re.I)  # fmt: skip
 
 
 @dataclass
@@ -60,6 +94,8 @@ class Finding:
     state: str
     reason: str
     evidence: list[str] = field(default_factory=list)
+    rank: str | None = None  # the stream ("rank3") the failure came from, where the log says
+    early: bool = False  # a start error (missing module or file) with no training progress before it
 
 
 def _strip(line: str) -> str:
@@ -101,15 +137,23 @@ def last_traceback(lines: list[str], stream: str = "") -> Traceback | None:
     return Traceback(stream, exception, frames, any(FLEX_FRAME.search(f) for f in frames))
 
 
-def root_cause_rank(lines: list[str]) -> str | None:
-    """torchrun's summary names the first failing rank ("Root Cause ... rank : 3 (local_rank: 3)")."""
+def root_cause(lines: list[str]) -> tuple[str | None, int | None]:
+    """torchrun's summary names the first failing rank and its exit code ("Root Cause ... rank : 3 (local_rank: 3)
+    ... exitcode : -9")."""
     for i, ln in enumerate(lines):
         if ln.startswith("Root Cause"):
-            for nxt in lines[i : i + 8]:
-                m = re.search(r"rank\s*:\s*(\d+)", nxt)
-                if m:
-                    return f"rank{m[1]}"
-    return None
+            rank = code = None
+            for nxt in lines[i : i + 10]:
+                if rank is None and (m := re.search(r"rank\s*:\s*(\d+)", nxt)):
+                    rank = f"rank{m[1]}"
+                if code is None and (m := re.search(r"exitcode\s*:\s*(-?\d+)", nxt)):
+                    code = int(m[1])
+            return rank, code
+    return None, None
+
+
+def root_cause_rank(lines: list[str]) -> str | None:
+    return root_cause(lines)[0]
 
 
 def tracebacks(lines: list[str]) -> list[Traceback]:
@@ -122,25 +166,111 @@ def tracebacks(lines: list[str]) -> list[Traceback]:
     return found
 
 
-def _oom_beyond_gpu(line: str, gpu_total_gib: float | None) -> bool:
+def _oom_size(line: str, gpu_total_gib: float | None) -> tuple[float, float] | None:
+    """(GiB asked for, GiB the GPU has) from a CUDA OOM message."""
     m = OOM_SIZES.search(line)
     if not m:
-        return False
-    asked = float(m[1]) * UNITS[m[2]]
+        return None
     total = float(m[3]) * UNITS[m[4]] if gpu_total_gib is None else gpu_total_gib
-    return asked > 0.5 * total  # a single allocation of half the GPU: the dense score matrix, not a leak
+    return float(m[1]) * UNITS[m[2]], total
 
 
-def classify_log(text: str | list[str], gpu_total_gib: float | None = None) -> Finding | None:
-    """The most specific failure the log shows, or None. Order: dense fallback, recompile limit, OOM, NCCL timeout,
-    config error, crash (a traceback)."""
+def _finite_text(value: str) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except ValueError:
+        return True  # not a number we read (a version string): no evidence either way
+
+
+def _rank_of(lines: list[str], indices: list[int]) -> str | None:
+    for i in indices:
+        if m := RANK_PREFIX.match(lines[i]):
+            return f"rank{m[1]}"
+    return None
+
+
+def _gpu_fault(lines: list[str], plain: list[str], nccl: list[str]) -> Finding | None:
+    hw = [i for i, ln in enumerate(plain) if GPU_HW.search(ln)]
+    xids = [(i, m) for i, ln in enumerate(plain) if (m := XID.search(ln)) and int(m[2]) in HARDWARE_XIDS]
+    if not hw and not xids:
+        return None
+    rank = _rank_of(lines, hw)
+    what = GPU_HW.search(plain[hw[0]])[1] if hw else f"Xid {xids[0][1][2]} (PCI {xids[0][1][1]})"
+    where = f" on {rank}" if rank else ""
+    after = " (the other ranks' NCCL timeouts follow from it)" if nccl else ""
+    ev = [plain[i] for i in hw[:2]] + [plain[i] for i, _ in xids[:2]] + nccl[:1]
+    return Finding("GPU_FAULT", f"GPU hardware error{where}: {what}{after}", ev, rank)
+
+
+def _diverged(plain: list[str]) -> Finding | None:
+    """The newest `DIVERGED_LINES` or more loss lines all report NaN or inf (any script's log)."""
+    values = [(i, m[1]) for i, ln in enumerate(plain) if (m := LOSS_VALUE.search(ln))]
+    bad = 0
+    for _, v in reversed(values):
+        if _finite_text(v):
+            break
+        bad += 1
+    if bad < DIVERGED_LINES:
+        return None
+    first = values[len(values) - bad][0]
+    before = values[len(values) - bad - 1][0] if len(values) > bad else None
+    ev = [plain[first], plain[values[-1][0]]]
+    ev.append(f"last finite: {plain[before]}" if before is not None else "no finite loss in the log")
+    return Finding("DIVERGED", f"the loss is non-finite in the last {bad} loss lines", ev)
+
+
+def _disk_full(plain: list[str], disk_free_gib: float | None, checkpoint_gib: float | None) -> Finding | None:
+    free = f" ({disk_free_gib:g} GiB free at the run dir)" if disk_free_gib is not None else ""
+    full = [ln for ln in plain if ENOSPC.search(ln)]
+    if full:
+        return Finding("DISK_FULL", f"no space left on device{free}", full[-1:])
+    failed = [ln for ln in plain if WRITE_FAILED.search(ln)]
+    if not failed:
+        return None
+    if disk_free_gib is not None and checkpoint_gib is not None:
+        if disk_free_gib >= checkpoint_gib:
+            return None  # room for a checkpoint: the write failed for another reason
+        why = (f"a checkpoint write failed with {disk_free_gib:g} GiB free, less than a checkpoint "
+               f"({checkpoint_gib:g} GiB)")
+        return Finding("DISK_FULL", why, failed[-1:])
+    return Finding("DISK_FULL", f"a checkpoint write failed (likely a full disk){free}", failed[-1:])
+
+
+def _host_oom(lines: list[str], plain: list[str], tbs: list[Traceback]) -> Finding | None:
+    """A rank killed by SIGKILL with no Python error of its own: the kernel's OOM killer, unless the kernel log or the
+    cgroup says otherwise (assess confirms with the cgroup's count)."""
+    killed = [i for i, ln in enumerate(plain) if SIGKILLED.search(ln)]
+    kernel = [ln for ln in plain if KERNEL_OOM.search(ln)]
+    root, code = root_cause(plain)
+    own = [tb for tb in tbs if "ChildFailedError" not in tb.exception and not PEER_LOST.search(tb.exception)]
+    if not (code == -9 or ((killed or kernel) and not own)):
+        return None
+    how = "confirmed by the kernel log" if kernel else "likely the kernel's OOM killer (host RAM)"
+    rank = root or _rank_of(lines, killed)
+    where = f" {rank}" if rank else " a process"
+    ev = kernel[-1:] + [plain[i] for i in killed[-2:]]
+    return Finding("HOST_OOM", f"{where.strip()} was killed by SIGKILL: {how}", ev, rank)
+
+
+def classify_log(text: str | list[str], gpu_total_gib: float | None = None, disk_free_gib: float | None = None,
+                 checkpoint_gib: float | None = None) -> Finding | None:  # fmt: skip
+    """The most specific failure the log shows, or None. A root cause outranks its consequences: a GPU's hardware
+    error, then the dense-fallback guard, a divergence, a full disk, out of memory (dense or not), the recompile
+    limit, a rank SIGKILLed (host RAM), NCCL timeouts, a config error, a crash (a traceback)."""
     lines = text.splitlines() if isinstance(text, str) else list(text)
     plain = [_strip(ln) for ln in lines]
     tbs = tracebacks(lines)
+    nccl = [ln for ln in plain if NCCL.search(ln)]
 
+    hw = _gpu_fault(lines, plain, nccl)
+    if hw:
+        return hw
     dense = [ln for ln in plain if DENSE.search(ln)]
     if dense:
         return Finding("DENSE_FALLBACK", "the trainer's guard refused a dense flex_attention fallback", dense[-1:])
+    for found in (_diverged(plain), _disk_full(plain, disk_free_gib, checkpoint_gib)):
+        if found:
+            return found
     oom = [ln for ln in plain if OOM.search(ln)]
     rec = [i for i, ln in enumerate(plain) if RECOMPILE.search(ln)]
     if oom:
@@ -149,7 +279,10 @@ def classify_log(text: str | list[str], gpu_total_gib: float | None = None) -> F
         # the chain: recompile limit -> flex runs eagerly (warned once per process) -> the dense scores do not fit
         limit = [i for i in rec if i < last_oom]
         eager = [i for i, ln in enumerate(plain[:last_oom]) if EAGER_FLEX.search(ln)]
-        if flex_tb or limit or eager or any(_oom_beyond_gpu(ln, gpu_total_gib) for ln in oom):
+        sizes = [s for ln in oom if (s := _oom_size(ln, gpu_total_gib))]
+        huge = any(asked > 0.5 * total for asked, total in sizes)  # half the GPU at once: a score matrix
+        flex_seen = any(FLEX_FRAME.search(ln) for ln in plain)  # the traceback may be cut, the frame names remain
+        if flex_tb or limit or eager or (huge and flex_seen):
             cause = "the recompile limit" if limit else ("flex_attention running uncompiled" if eager else None)
             reason = "out of memory in a dense attention allocation (flex ran eagerly)"
             ev = [plain[i[-1]] for i in (limit, eager) if i] + [oom[-1]]
@@ -159,14 +292,18 @@ def classify_log(text: str | list[str], gpu_total_gib: float | None = None) -> F
         i = rec[-1]
         ev = [plain[i]] + [ln.strip() for ln in plain[i + 1 : i + 4] if "function:" in ln or "last reason" in ln]
         return Finding("RECOMPILE_LIMIT", "Dynamo hit its recompile limit", ev)
-    nccl = [ln for ln in plain if NCCL.search(ln)]
     if oom:  # an OOM on one rank leaves the others waiting in a collective: the OOM is the cause, named first
         tb = next((tb for tb in tbs if OOM.search(tb.exception)), None)
         where = f" on {tb.stream}" if tb and tb.stream else ""
         waiting = sorted({m[1] for ln in lines if NCCL.search(ln) and (m := RANK_PREFIX.match(ln))})
         after = f" (then NCCL timeouts on rank{', rank'.join(waiting)})" if waiting else ""
+        size = _oom_size(oom[-1], gpu_total_gib)
+        asked = f": asked for {size[0]:.2f} GiB of a {size[1]:.2f} GiB GPU" if size else ""
         ev = [oom[-1]] + (tb.frames[-2:] if tb else []) + nccl[:1]
-        return Finding("OOM", f"CUDA out of memory{where}{after}", ev)
+        return Finding("OOM", f"CUDA out of memory{where}{asked}{after}", ev, tb.stream if tb else None)
+    killed = _host_oom(lines, plain, tbs)
+    if killed:
+        return killed
     if nccl:
         return Finding("NCCL_TIMEOUT", "an NCCL collective timed out", nccl[:1] + nccl[-1:] if len(nccl) > 1 else nccl)
     cfg = [ln for ln in plain if CONFIG.search(ln)]
@@ -175,7 +312,12 @@ def classify_log(text: str | list[str], gpu_total_gib: float | None = None) -> F
     if tbs:
         tb = tbs[0]
         where = f" on {tb.stream}" if tb.stream else ""
-        return Finding("CRASHED", f"{tb.exception.split(':')[0]}{where}", [tb.exception, *tb.frames[-3:]])
+        ev = [tb.exception, *tb.frames[-3:]]
+        if START_ERRORS.match(tb.exception) and not any(LOSS_VALUE.search(ln) or STEP_LINE.match(ln) for ln in plain):
+            name = tb.exception.split(":")[0]
+            reason = f"failed before its first step: {name}{where}; a restart repeats it"
+            return Finding("CONFIG_ERROR", reason, ev, tb.stream or None, early=True)
+        return Finding("CRASHED", f"{tb.exception.split(':')[0]}{where}", ev, tb.stream or None)
     return None
 
 
@@ -222,6 +364,15 @@ class History:
     activity_at: float | None = None  # remote time of the last sign of progress of a job without metrics
     activity: str = ""  # what that sign was (log grew, CPU time, GPU busy)
     malformed: int = 0  # metrics lines and heartbeats that were not what the contract says, skipped
+    step_changed_at: float | None = None  # remote time the newest step was first seen (the run dir's progress history)
+    gpus: list[dict] = field(default_factory=list)  # the job's GPU readings (index, uuid, ecc_uncorrected, ...)
+    job_gpus: list[int] = field(default_factory=list)  # the GPU indices the job was given, in rank order
+    node: str | None = None  # the host name, for a job over several hosts
+    disk_free_gib: float | None = None  # free space at the run dir
+    checkpoint_gib: float | None = None  # size of the newest checkpoint
+    oom_kills: int | None = None  # the kernel's OOM kills in the job's cgroup since launch (None: not readable)
+    kernel_oom: list[str] = field(default_factory=list)  # the kernel log's OOM-killer lines since launch, if readable
+    nonfinite_steps: int = 0  # consecutive non-finite steps the trainer skipped
 
 
 @dataclass
@@ -241,31 +392,91 @@ def _verdict(state: str, reason: str, evidence: list[str], h: History) -> Verdic
     return Verdict(state, reason, [str(e) for e in evidence], ADVICE.get(state), h.last_step)
 
 
-FATAL_STATE = {"dense_fallback": "DENSE_FALLBACK", "config": "CONFIG_ERROR"}
+FATAL_STATE = {"dense_fallback": "DENSE_FALLBACK", "config": "CONFIG_ERROR", "diverged": "DIVERGED"}
+EXIT_STATE = {3: ("DENSE_FALLBACK", "dense fallback refused"), 2: ("CONFIG_ERROR", "config error"),
+              4: ("DIVERGED", "the loss diverged")}  # the bundled trainer's exit statuses  # fmt: skip
+
+
+def _find(h: History, lines: list[str]) -> Finding | None:
+    return classify_log(lines, h.gpu_total_gib, h.disk_free_gib, h.checkpoint_gib)
+
+
+def _gpu_named(h: History, rank: str | None) -> str:
+    """The failed GPU as the readings and the job's GPU list name it: index, UUID, node."""
+    bad = [g for g in h.gpus if isinstance(g.get("ecc_uncorrected"), int) and g["ecc_uncorrected"] > 0]
+    gpu = bad[0] if bad else None
+    if gpu is None and rank and h.job_gpus:
+        index = h.job_gpus[int(rank[4:]) % len(h.job_gpus)]
+        gpu = next((g for g in h.gpus if g.get("index") == index), {"index": index})
+    if gpu is None:
+        return ""
+    uuid = f" ({gpu['uuid']})" if gpu.get("uuid") else ""
+    ecc = f", {gpu['ecc_uncorrected']} uncorrectable ECC errors" if gpu.get("ecc_uncorrected") else ""
+    node = f" on {h.node}" if h.node else ""
+    return f"GPU {gpu.get('index')}{uuid}{node}{ecc}"
+
+
+def _refine(h: History, found: Finding) -> Finding:
+    """What the snapshots add to a log finding: the failed GPU's name, the cgroup's or kernel's word on an OOM kill."""
+    if found.state == "GPU_FAULT":
+        named = _gpu_named(h, found.rank)
+        if named:
+            return Finding(found.state, f"{found.reason}; {named}", [named, *found.evidence], found.rank)
+    if found.state == "HOST_OOM" and "confirmed" not in found.reason and (h.oom_kills or h.kernel_oom):
+        how = f"{h.oom_kills} OOM kill(s) in the job's cgroup" if h.oom_kills else h.kernel_oom[-1]
+        reason = found.reason.split(":")[0] + f": confirmed, {how}"
+        return Finding(found.state, reason, [*h.kernel_oom[-1:], *found.evidence], found.rank)
+    return found
+
+
+def _hardware_readings(h: History) -> Finding | None:
+    """A job GPU that NVML or nvidia-smi reports with uncorrectable ECC errors (launch refuses such GPUs, so the
+    errors arose while the job ran)."""
+    named = _gpu_named(h, None)
+    if named and "uncorrectable" in named:
+        return Finding("GPU_FAULT", f"GPU hardware error: {named}", [named])
+    return None
 
 
 def _ended(h: History, lines: list[str]) -> Verdict:
     code = h.exit_code if h.exit_code is not None else h.pane_status
     if h.fatal and h.fatal.get("kind") in FATAL_STATE:
-        found = classify_log(lines, h.gpu_total_gib)
+        found = _find(h, lines)
         ev = [h.fatal.get("message", "")] + (found.evidence if found and found.state != "CRASHED" else [])
         return _verdict(FATAL_STATE[h.fatal["kind"]], f"fatal record: {h.fatal['kind']} (exit {code})", ev, h)
     if code == 0 and (h.finished or not h.is_trainer):
         at = f" at step {h.last_step}" if h.last_step is not None else ""
         return _verdict("FINISHED", f"exit 0{at}", [f"exit_code 0{at.replace(' at', ',')}"], h)
-    found = classify_log(lines, h.gpu_total_gib)
+    found = _find(h, lines)
+    if found is None or found.state in ("NCCL_TIMEOUT", "CRASHED", "STALLED"):
+        found = _hardware_readings(h) or found
+    if found and found.early and h.last_step is not None:  # it trained first: an ordinary crash
+        found = Finding("CRASHED", found.reason.split(":")[1].split(";")[0].strip(), found.evidence, found.rank)
     early = h.last_step is None and (h.is_trainer or (h.now - h.started_at) < EARLY_S)
     if found and found.state == "CRASHED" and early and START_ERRORS.match(found.evidence[0]):
         reason = f"failed before its first step: {found.evidence[0].split(':')[0]} (exit {code}); a restart repeats it"
         return _verdict("CONFIG_ERROR", reason, found.evidence, h)
+    if found is None and code in SIGKILL_CODES:
+        found = _refine(h, Finding("HOST_OOM", f"killed by SIGKILL (exit {code}) with no stop request: likely the "
+                                   "kernel's OOM killer (host RAM)", [f"exit_code {code}"]))  # fmt: skip
+        return _verdict(found.state, found.reason, found.evidence, h)
     if found:
+        found = _refine(h, found)
         return _verdict(found.state, f"{found.reason} (exit {code})", found.evidence, h)
-    if h.is_trainer and code == 3:
-        return _verdict("DENSE_FALLBACK", "exit status 3 (dense fallback refused)", [f"exit_code {code}"], h)
-    if h.is_trainer and code == 2:
-        return _verdict("CONFIG_ERROR", "exit status 2 (config error)", [f"exit_code {code}"], h)
+    if h.is_trainer and code in EXIT_STATE:
+        state, why = EXIT_STATE[code]
+        return _verdict(state, f"exit status {code} ({why})", [f"exit_code {code}"], h)
     tail = [ln for ln in lines if ln.strip()][-3:]
     return _verdict("CRASHED", f"exit status {code}", [f"exit_code {code}", *tail], h)
+
+
+ATTEMPT_START = re.compile(r"^\[dflashctl\] \S+ start\b")  # run.sh's line at the start of every attempt
+
+
+def this_attempt(lines: list[str]) -> list[str]:
+    """The lines of the newest attempt: an earlier attempt's failure was judged (and restarted) already."""
+    starts = [i for i, ln in enumerate(lines) if ATTEMPT_START.match(ln)]
+    return lines[starts[-1] :] if starts else lines
 
 
 def _slow(h: History, th: Thresholds) -> str | None:
@@ -292,7 +503,7 @@ def assess(h: History, th: Thresholds) -> Verdict:
         return _verdict("PROBE_FAILED", "the host answered but the probe failed there", [h.probe_error], h)
     if h.stop_request is not None:
         return _stopped(h)
-    lines = h.log_tail + [ln for ln in h.pane_lines if ln not in h.log_tail[-200:]]
+    lines = this_attempt(h.log_tail + [ln for ln in h.pane_lines if ln not in h.log_tail[-200:]])
     if h.exit_code is not None or (h.session_exists and h.pane_dead):
         return _ended(h, lines)
     if not h.session_exists:
@@ -303,8 +514,9 @@ def assess(h: History, th: Thresholds) -> Verdict:
     if h.fatal and h.fatal.get("kind") in FATAL_STATE:  # alive, but the trainer already said why it stops
         st = FATAL_STATE[h.fatal["kind"]]
         return _verdict(st, f"fatal record: {h.fatal['kind']}", [h.fatal.get("message", "")], h)
-    found = classify_log(lines, h.gpu_total_gib)
-    if found and found.state in ("DENSE_FALLBACK", "NCCL_TIMEOUT", "RECOMPILE_LIMIT"):
+    found = _find(h, lines)
+    if found and found.state in ("DENSE_FALLBACK", "NCCL_TIMEOUT", "RECOMPILE_LIMIT", "GPU_FAULT", "DIVERGED"):
+        found = _refine(h, found)
         return _verdict(found.state, found.reason, found.evidence, h)
     if h.heartbeat_age_s is not None and h.heartbeat_age_s > th.heartbeat_max_age_s:
         step = f"step {h.last_step}" if h.last_step is not None else "before the first step"
@@ -325,7 +537,8 @@ def assess(h: History, th: Thresholds) -> Verdict:
             return _verdict("STALLED", "no first step within the startup budget", ev, h)
         phase = h.phase or "waiting for the first heartbeat"
         return _verdict("STARTING", f"{phase} ({waited:.0f} s since start)", [f"phase {phase}"], h)
-    idle = max(0.0, h.now - (h.last_step_time or h.now))
+    seen = h.step_changed_at if h.step_changed_at is not None else (h.last_step_time or h.now)
+    idle = max(0.0, h.now - seen)
     if idle > th.stall_after_s:
         ev = [f"no new step for {idle:.0f} s (limit {th.stall_after_s:.0f})", f"last step {h.last_step}"]
         return _verdict("STALLED", "no step progress", ev, h)
@@ -337,6 +550,8 @@ def assess(h: History, th: Thresholds) -> Verdict:
     ev = [f"step {h.last_step} {idle:.0f} s ago"]
     if h.malformed:
         ev.append(f"{h.malformed} malformed metrics lines skipped")
+    if h.nonfinite_steps:
+        ev.append(f"{h.nonfinite_steps} non-finite steps in a row skipped (no update)")
     return _verdict("RUNNING", f"step {h.last_step}, {tps}{loss}", ev, h)
 
 

@@ -48,6 +48,33 @@ def descendants(root: int) -> list[int]:
     return found
 
 
+def oom_baseline() -> dict:
+    """The file that counts this job's OOM kills (cgroup v2 `memory.events`, v1 `memory.oom_control`, the job's own
+    cgroup else the namespace's root) and its count now, so that a probe can tell the kills of this attempt."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return {}
+    v2 = next((ln[3:] for ln in lines if ln.startswith("0::")), None)
+    v1 = next((ln.split(":", 2)[2] for ln in lines if ln.split(":")[1:2] == ["memory"]), None)
+    candidates = []
+    if v2 is not None:
+        candidates += [os.path.join("/sys/fs/cgroup", v2.lstrip("/"), "memory.events"), "/sys/fs/cgroup/memory.events"]
+    if v1 is not None:
+        root = "/sys/fs/cgroup/memory"
+        candidates += [os.path.join(root, v1.lstrip("/"), "memory.oom_control"),
+                       os.path.join(root, "memory.oom_control")]
+    for path in candidates:
+        try:
+            with open(path) as f:
+                count = next(int(ln.split()[1]) for ln in f if ln.startswith("oom_kill "))
+            return {"oom_file": path, "oom_kill": count}
+        except (OSError, ValueError, StopIteration, IndexError):
+            continue
+    return {}
+
+
 def reap_all() -> None:
     while True:
         try:
@@ -64,7 +91,8 @@ def main() -> int:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     me = os.getpid()
     child = subprocess.Popen(["bash", "--noprofile", "--norc", os.path.join(run_dir, "run.sh"), *args])
-    record = {"pid": me, "start": start_time(me), "child": child.pid, "child_start": start_time(child.pid)}
+    record = {"pid": me, "start": start_time(me), "child": child.pid, "child_start": start_time(child.pid),
+              **oom_baseline()}
     tmp = os.path.join(run_dir, f"wrapper.pid.tmp{me}")
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         json.dump(record, f)

@@ -31,6 +31,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -113,7 +114,11 @@ def gpus_from_nvml() -> tuple[list[dict], list[dict]] | None:
     gpus, apps = [], []
     try:
         for i in range(nv.nvmlDeviceGetCount()):
-            h = nv.nvmlDeviceGetHandleByIndex(i)
+            try:
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+            except Exception as e:  # NVML_ERROR_GPU_IS_LOST and the like: the GPU is there and broken
+                gpus.append({"index": i, "uuid": None, "name": None, "lost": f"{type(e).__name__}: {e}"[:200]})
+                continue
             uuid = nv.nvmlDeviceGetUUID(h)
             uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
             name = nv.nvmlDeviceGetName(h)
@@ -122,6 +127,8 @@ def gpus_from_nvml() -> tuple[list[dict], list[dict]] | None:
             ecc = safe(nv.nvmlDeviceGetTotalEccErrors, h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC)
             reasons = safe(nv.nvmlDeviceGetCurrentClocksEventReasons, h)
             util = safe(nv.nvmlDeviceGetUtilizationRates, h)
+            pending = safe(nv.nvmlDeviceGetRetiredPagesPendingStatus, h)
+            remap = safe(nv.nvmlDeviceGetRemappedRows, h)  # (correctable, uncorrectable, pending, failure)
             gpus.append({
                 "index": i, "uuid": uuid, "name": name.decode() if isinstance(name, bytes) else name,
                 "util_pct": util.gpu if util else None, "mem_used_mib": mem.used // 2**20,
@@ -129,7 +136,8 @@ def gpus_from_nvml() -> tuple[list[dict], list[dict]] | None:
                 "temp_c": safe(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
                 "sm_mhz": safe(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
                 "pstate": None, "throttle": f"0x{reasons:016x}" if reasons is not None else None,
-                "ecc_uncorrected": ecc,
+                "ecc_uncorrected": ecc, "retired_pending": bool(pending) if pending is not None else None,
+                "remap_pending": bool(remap[2]) if remap else None, "remap_failed": bool(remap[3]) if remap else None,
             })  # fmt: skip
             for p in safe(nv.nvmlDeviceGetComputeRunningProcesses, h) or []:
                 used = p.usedGpuMemory // 2**20 if p.usedGpuMemory is not None else None
@@ -144,9 +152,32 @@ def gpus_from_smi() -> tuple[list[dict], list[dict]] | None:
         return None
     rc, out = _run(["nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,noheader,nounits"])
     if rc != 0:
-        return None
+        lost = [ln.strip() for ln in out.splitlines() if LOST_GPU.search(ln)]
+        return ([{"index": None, "uuid": None, "name": None, "lost": lost[0][:200]}], []) if lost else None
     _, apps = _run(["nvidia-smi", f"--query-compute-apps={','.join(APP_FIELDS)}", "--format=csv,noheader,nounits"])
     return parse_gpu_csv(out), parse_apps_csv(apps)
+
+
+LOST_GPU = re.compile(r"GPU is lost|fallen off the bus|Unable to determine the device handle", re.I)
+
+
+def gpu_faults(gpus: list[dict]) -> dict:
+    """Index -> what is wrong with that GPU's hardware: lost, uncorrectable ECC errors, pages or rows waiting to be
+    retired or remapped (a reset is due). Index None: nvidia-smi could not say which."""
+    faults: dict = {}
+    for g in gpus:
+        why = []
+        if g.get("lost"):
+            why.append(f"lost ({g['lost']})")
+        if isinstance(g.get("ecc_uncorrected"), int) and g["ecc_uncorrected"] > 0:
+            why.append(f"{g['ecc_uncorrected']} uncorrectable ECC errors")
+        if g.get("retired_pending"):
+            why.append("page retirement pending")
+        if g.get("remap_pending") or g.get("remap_failed"):
+            why.append("row remapping " + ("failed" if g.get("remap_failed") else "pending"))
+        if why:
+            faults[g.get("index")] = ", ".join(why)
+    return faults
 
 
 def read_gpus(req: dict) -> dict:
@@ -257,17 +288,22 @@ def job_processes(table: dict[int, dict], root: dict | None, job_id: str | None)
 def tmux_session(session: str | None, lines: int) -> dict:
     if not session:
         return {"exists": False}
-    fmt = "#{pane_pid} #{pane_dead} #{pane_dead_status} #{session_created}"
+    fmt = "#{pane_pid}|#{pane_dead}|#{pane_dead_status}|#{pid}|#{session_created}"
     rc, out = _run([*TMUX, "display-message", "-p", "-t", f"={session}:", fmt])
     if rc != 0 or not out.strip():
         return {"exists": False}
-    parts = out.split()
+    parts = (out.strip().splitlines()[0].split("|") + [""] * 5)[:5]  # a field tmux cannot say is left empty
+
+    def number(text: str) -> int | None:
+        return int(text) if text.strip().lstrip("-").isdigit() else None
+
     info = {
         "exists": True,
-        "pane_pid": int(parts[0]) if parts[0].isdigit() else None,
-        "pane_dead": parts[1] == "1",
-        "exit_status": int(parts[2]) if len(parts) > 3 and parts[2].lstrip("-").isdigit() else None,
-        "created": int(parts[-1]) if parts[-1].isdigit() else None,
+        "pane_pid": number(parts[0]),
+        "pane_dead": parts[1].strip() == "1",
+        "exit_status": number(parts[2]),
+        "server_pid": number(parts[3]),
+        "created": number(parts[4]),
     }
     if lines > 0:
         _, text = _run([*TMUX, "capture-pane", "-p", "-J", "-t", f"={session}:", "-S", f"-{lines}"])
@@ -542,13 +578,176 @@ def snapshot(req: dict) -> dict:
             snap["disk_free_gib"] = round(st.f_bavail * st.f_frsize / 2**30, 2)
         except OSError:
             snap["disk_free_gib"] = None
+        snap["checkpoint_gib"] = checkpoint_gib(run_dir) if snap["run_dir_exists"] else None
     if req.get("gpus", True):
         snap["gpu"] = read_gpus(req)
         if req.get("record_gpu") and snap["run_dir_exists"]:
             append_gpu_sample(run_dir, snap["gpu"], list(req.get("job_gpus") or []))
+    if run_dir and snap["run_dir_exists"]:
+        snap["progress"] = update_progress(run_dir, now, snap, list(req.get("job_gpus") or []))
+        snap["host_oom"] = host_oom(run_dir, snap)
     if req.get("sessions"):
         snap["sessions"] = list_sessions()
     return snap
+
+
+def checkpoint_gib(run_dir: str) -> float | None:
+    """The size of the newest complete checkpoint: what the next one will need on the disk."""
+    found = checkpoint_dirs(run_dir)
+    if not found:
+        return None
+    total = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(os.path.join(run_dir, found[-1])):
+            if entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+    return round(total / 2**30, 3)
+
+
+# ---------------------------------------------------------------------------------------------- progress history
+
+PROGRESS = "progress.json"
+CPU_MOVED_S = 0.2  # CPU seconds a poll must see the job use to count as progress
+
+
+def _clamp(t, lo: float, hi: float) -> float:
+    """A time a file or a record claims, believed only inside [lo, hi] (a skewed clock, a touched file)."""
+    return hi if not isinstance(t, (int, float)) or isinstance(t, bool) or t > hi else max(float(t), lo)
+
+
+def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int]) -> dict:
+    """When each sign of progress last changed, on this clock, kept in RUN/progress.json and updated by every probe
+    (status, watch, a second watcher, a cron job): the heartbeat's content, the log's size, the job's CPU time, its
+    GPUs' activity and the newest step. A change first seen now happened after the previous look and no later than
+    now: a claimed time (mtime, a record's `time`) is believed only inside that window, so neither a future mtime nor
+    a first-time reader can make an old sign look fresh. One attempt (launcher pid and start) per history."""
+    path = os.path.join(run_dir, PROGRESS)
+    wrapper = read_json(os.path.join(run_dir, WRAPPER_PID))
+    attempt = [wrapper.get("pid"), wrapper.get("start")] if isinstance(wrapper, dict) else None
+    try:
+        attempt_start = os.path.getmtime(os.path.join(run_dir, WRAPPER_PID))
+    except OSError:
+        attempt_start = snap["session"].get("created") or now
+    attempt_start = min(float(attempt_start), now)
+    launcher = wrapper.get("pid") if isinstance(wrapper, dict) else None
+    hb = snap.get("heartbeat")
+    gpus = [g for g in (snap.get("gpu") or {}).get("gpus", []) if not job_gpus or g.get("index") in job_gpus]
+    utils = [g.get("util_pct") for g in gpus if isinstance(g.get("util_pct"), (int, float))]
+    mem = [g.get("mem_used_mib") for g in gpus]
+    try:
+        log_mtime = os.path.getmtime(os.path.join(run_dir, "train.log"))
+    except OSError:
+        log_mtime = None
+    try:
+        with locked(path + ".lock", timeout=5.0):
+            prev = read_json(path)
+            prev = prev if isinstance(prev, dict) and prev.get("attempt") == attempt else {}
+            seen = prev.get("seen_at")
+            lo = float(seen) if isinstance(seen, (int, float)) else attempt_start
+            cur = dict(prev, attempt=attempt, attempt_start=attempt_start, seen_at=now)
+
+            def note(key: str, value, claimed, moved=None) -> None:
+                old = prev.get(key)
+                changed = moved(old["value"]) if moved and isinstance(old, dict) else (
+                    not isinstance(old, dict) or old.get("value") != value)
+                if changed:
+                    since = attempt_start if old is None else lo
+                    cur[key] = {"value": value, "changed_at": _clamp(claimed, since, now)}
+
+            if isinstance(hb, dict):
+                claim = hb.get("mtime") if not hb.get("future") else hb.get("time")
+                note("heartbeat", [hb.get("mtime"), hb.get("time"), hb.get("step"), hb.get("phase")], claim)
+            size = int((snap.get("log") or {}).get("size") or 0)
+            if size or "log_size" in prev:
+                note("log_size", size, log_mtime)
+            cpu = round(sum(p.get("cpu_s") or 0 for p in snap.get("procs", []) if p["pid"] != launcher), 2)
+            note("cpu_s", cpu, now, moved=lambda old: cpu > old + CPU_MOVED_S or cpu < old)
+            if not isinstance(prev.get("cpu_s"), dict):  # the baseline: nothing used when the attempt started
+                cur["cpu_s"] = {"value": cpu, "changed_at": now if cpu > CPU_MOVED_S else attempt_start}
+            if snap.get("gpu") is not None:  # `status` reads no GPUs: the history keeps what others saw
+                old_mem = (prev.get("gpu") or {}).get("value")
+                busy = any(5 < u < 99 for u in utils) or bool(utils and max(utils) >= 99 and old_mem not in (None, mem))
+                cur["gpu"] = {"value": mem, "changed_at": now if busy else (prev.get("gpu") or {}).get("changed_at")}
+            step_of(run_dir, prev, cur)
+            if cur.get("step_value") != prev.get("step_value"):
+                cur["step"] = {"value": cur.get("step_value"), "changed_at": _clamp(cur.get("step_time"),
+                               attempt_start if "step" not in prev else lo, now)}  # fmt: skip
+            with contextlib.suppress(OSError):
+                write_atomic(path, json.dumps(cur, separators=(",", ":")).encode())
+    except (OSError, TimeoutError):
+        cur = {"attempt_start": attempt_start}
+    signs = {name: (cur.get(key) or {}).get("changed_at")
+             for name, key in (("log grew", "log_size"), ("CPU time", "cpu_s"), ("GPU busy", "gpu"))}
+    known = {k: v for k, v in signs.items() if isinstance(v, (int, float))}
+    last = max(known, key=known.get) if known else None
+    return {
+        "attempt_start": cur.get("attempt_start"),
+        "heartbeat_changed_at": (cur.get("heartbeat") or {}).get("changed_at"),
+        "activity_at": known[last] if last else cur.get("attempt_start"),
+        "activity": last or "",
+        "step": (cur.get("step") or {}).get("value"),
+        "step_changed_at": (cur.get("step") or {}).get("changed_at"),
+        "nonfinite_steps": cur.get("nonfinite_steps", 0),
+    }
+
+
+def step_of(run_dir: str, prev: dict, cur: dict) -> None:
+    """The newest step record of metrics.jsonl, read on from where the history last stopped."""
+    got = read_metrics(os.path.join(run_dir, "metrics.jsonl"), int(prev.get("metrics_offset") or 0), 1 << 20)
+    cur["metrics_offset"] = got["offset"]
+    for rec in got["records"]:
+        step = rec.get("step")
+        if "event" not in rec and type(step) is int:
+            cur["step_value"], cur["step_time"] = step, rec.get("time")
+            n = rec.get("nonfinite_steps")
+            cur["nonfinite_steps"] = n if type(n) is int else 0
+
+
+# ---------------------------------------------------------------------------------------------- host memory
+
+
+def oom_kill_count(path) -> int | None:
+    """`oom_kill` of the file the launcher named (cgroup v2 memory.events or v1 memory.oom_control), or None."""
+    if not isinstance(path, str) or not path.startswith("/sys/fs/cgroup/"):
+        return None
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+KERNEL_OOM_LINE = re.compile(r"^\[\s*(\d+\.\d+)\]\s*(.*(?:Out of memory: Killed process|oom-kill:|Memory cgroup out of "
+                             r"memory).*)$")  # fmt: skip
+
+
+def host_oom(run_dir: str, snap: dict) -> dict:
+    """After the job ended: the OOM kills its cgroup counted since the attempt started (the launcher recorded the
+    count then) and the kernel log's OOM-killer lines since then, where this host lets us read them."""
+    if snap.get("exit_code") in (None, 0):
+        return {}
+    wrapper = read_json(os.path.join(run_dir, WRAPPER_PID))
+    out: dict = {}
+    if isinstance(wrapper, dict) and isinstance(wrapper.get("oom_kill"), int):
+        now_count = oom_kill_count(wrapper.get("oom_file"))
+        if now_count is not None:
+            out["oom_kills"] = now_count - wrapper["oom_kill"]
+    start = (snap.get("progress") or {}).get("attempt_start") or 0
+    rc, text = _run(["dmesg"], timeout=3)
+    if rc == 0:
+        try:
+            with open("/proc/uptime") as f:
+                boot = time.time() - float(f.read().split()[0])
+        except (OSError, ValueError):
+            boot = None
+        lines = [m[2] for ln in text.splitlines()[-2000:] if (m := KERNEL_OOM_LINE.match(ln))
+                 and boot is not None and boot + float(m[1]) >= start - 1]  # fmt: skip
+        out["kernel_oom"] = lines[-5:]
+    return out
 
 
 def list_sessions() -> list[dict]:
@@ -803,6 +1002,10 @@ def launch(req: dict, payload: bytes) -> dict:
                 if bad:
                     return {"refused": [f"index {bad[0]} out of range: this host has {len(gpu['gpus'])} GPUs"],
                             "key": "gpus", "config": True}  # fmt: skip
+            for i, why in sorted(gpu_faults(gpu["gpus"]).items(), key=lambda kv: str(kv[0])):
+                if i is None or i in wanted:
+                    what = f"GPU {i if i is not None else '?'} is faulty: {why}"
+                    (overrides if req.get("force") else refused).append(what)
             table = proc_table()
             ours: set[int] = set()
             for other in live:
@@ -847,6 +1050,13 @@ def restart(req: dict) -> dict:
                     "restarts": count}  # fmt: skip
         if count >= int(req["max_restarts"]):
             return {"restarted": False, "why": f"max_restarts ({req['max_restarts']}) reached", "restarts": count}
+        need = req.get("min_free_gib")
+        if isinstance(need, (int, float)):
+            st = os.statvfs(run)
+            free = st.f_bavail * st.f_frsize / 2**30
+            if free < need:
+                return {"restarted": False, "restarts": count, "why": f"the disk is still full: {free:.2f} GiB free at "
+                        f"the run dir, a checkpoint needs {need:.2f} GiB"}  # fmt: skip
         stopped = stop_processes(run, req["session"], req["job_id"], float(req.get("grace_s", 40)))
         if stopped["remaining"]:
             return {"restarted": False, "why": f"the old attempt survived SIGKILL: pids {stopped['remaining']}",
