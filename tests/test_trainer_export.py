@@ -4,6 +4,7 @@ trainer's module), and the way back (`drafter.init_from`)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -182,3 +183,44 @@ def test_export_records_the_mask_token_the_run_trained_with(run_dir):
     start = next(json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"start"' in x)
     config = json.loads((run_dir / "export" / "config.json").read_text())
     assert config["dflash_config"]["mask_token_id"] == start["mask_token_id"] == 255  # the tiny preset's reserved row
+
+
+def _export_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.export", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, timeout=120)  # fmt: skip
+
+
+def test_export_out_never_replaces_what_is_not_an_export(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"event": "start"}\n')
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "thesis.tex").write_text("years of work")
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    link = tmp_path / "link"
+    link.symlink_to(other)
+    cases = {str(run): "is the run dir", str(tmp_path): "is the run dir or holds it", str(other): "holds other files",
+             str(a_file): "is not a folder", str(link): "is a symlink", ".": "holds other files",
+             str(run / "checkpoints"): "holds other files"}  # fmt: skip
+    for out, why in cases.items():
+        res = _export_cli("--run-dir", str(run), "--out", out, cwd=other)
+        assert res.returncode == 2, (out, res.stderr)
+        assert why in res.stderr and len(res.stderr.strip().splitlines()) == 1, (out, res.stderr)
+        assert "Traceback" not in res.stderr
+    assert (other / "thesis.tex").read_text() == "years of work" and a_file.read_text() == "x"
+    assert (run / "metrics.jsonl").exists() and (run / "checkpoints" / "step-00000002").is_dir()
+    assert not list(tmp_path.rglob(".*tmp*"))  # nothing left behind
+
+
+def test_export_replaces_an_earlier_export_or_fills_an_empty_folder(tmp_path):
+    weights = {"fc.weight": torch.ones(2, 2)}
+    cfg = {"architectures": ["DFlashDraftModel"]}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    write_export(empty, weights, cfg, "float32")
+    write_export(empty, {"fc.weight": torch.zeros(2, 2)}, cfg, "float32")  # an earlier export: replaced
+    _, back = read_export(empty)
+    assert torch.equal(back["fc.weight"], torch.zeros(2, 2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]  # no .tmp or .old sibling left

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, NonFiniteWeightsError
 
 # trainer name -> public name: whole prefixes, then parts inside a layer's names
 PREFIXES = {"ctx_norm.": "hidden_norm.", "final_norm.": "norm."}
@@ -78,18 +78,69 @@ def draft_config(dims, block_size: int, layer_ids: list[int], mask_token_id: int
     }
 
 
-def write_export(out: Path, state: dict[str, torch.Tensor], config: dict, dtype: str = "bfloat16") -> Path:
-    """Write config.json and model.safetensors into `out` atomically (a temporary sibling, then one rename)."""
+EXPORT_FILES = {"config.json", "model.safetensors"}
+
+
+def check_out(out: Path, run_dir: Path | None = None, source: str = "--out") -> Path:
+    """Where an export may go: a missing path, an empty folder, or an earlier export (config.json naming
+    DFlashDraftModel, model.safetensors, nothing else). Never a file, a symlink, the run dir, one of its parents or
+    a folder holding anything else: those are refused (ConfigError) before anything is written."""
     out = Path(out)
+    if out.is_symlink():
+        raise ConfigError(source, None, f"{out} is a symlink: give the folder itself")
+    full = out.resolve()
+    if run_dir is not None:
+        run = Path(run_dir).resolve()
+        if full == run or full in run.parents:
+            raise ConfigError(source, None, f"{out} is the run dir or holds it: the export would replace the run")
+    if full == Path(full.anchor) or full == Path.home().resolve():
+        raise ConfigError(source, None, f"{out} is not a folder an export may replace")
+    if not out.exists():
+        return full
+    if not out.is_dir():
+        raise ConfigError(source, None, f"{out} exists and is not a folder")
+    names = {p.name for p in out.iterdir()}
+    if not names:
+        return full
+    if names <= EXPORT_FILES and "config.json" in names:
+        try:
+            arch = json.loads((out / "config.json").read_text()).get("architectures") or []
+        except (OSError, ValueError, AttributeError):
+            arch = []
+        if "DFlashDraftModel" in arch:
+            return full
+    shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+    raise ConfigError(source, None, f"{out} holds other files ({shown}): give an empty or new folder, or an earlier "
+                      "export")  # fmt: skip
+
+
+def write_export(out: Path, state: dict[str, torch.Tensor], config: dict, dtype: str = "bfloat16",
+                 run_dir: Path | None = None) -> Path:  # fmt: skip
+    """Write config.json and model.safetensors into `out` atomically (a temporary sibling, then renames). `out` must
+    pass `check_out`; weights with NaN or inf are refused (NonFiniteWeightsError) and nothing is written."""
+    from trainer.checkpoint import nonfinite
+
+    out = check_out(out, run_dir)
+    bad = nonfinite(state)
+    if bad:
+        raise NonFiniteWeightsError(f"{len(bad)} drafter tensors are non-finite ({bad[0]}, ...): no export written")
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    old = out.with_name(f".{out.name}.old{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in sorted(to_public(state).items())}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2, sort_keys=True) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    try:
+        tmp.mkdir(parents=True)
+        tensors = {k: v.detach().to("cpu", DTYPES[dtype]).contiguous() for k, v in sorted(to_public(state).items())}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2, sort_keys=True) + "\n")
+        if out.exists():  # an earlier export (check_out said so): moved aside, replaced, then removed
+            os.replace(out, old)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out.exists():
+            os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
     return out
 
 
@@ -162,20 +213,24 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, dtype: str = "
     if not isinstance(mask_id, int):
         mask_id = resolve_mask_token(cfg, tc, soft_tokenizer(cfg), src)
     config = draft_config(dims, d.block_size, layer_ids, mask_id, tc)
-    return write_export(out, weights, config, dtype)
+    return write_export(out, weights, config, dtype, run_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trainer.export", description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest intact one)")
-    ap.add_argument("--out", required=True, help="the directory to write (replaced if it exists)")
+    ap.add_argument("--out", required=True, help="a new or empty folder, or an earlier export to replace")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     args = ap.parse_args(argv)
     try:
+        check_out(Path(args.out), Path(args.run_dir))  # before anything loads
         out = export_run(Path(args.run_dir), Path(args.out), args.step, args.dtype)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    except (ConfigError, NonFiniteWeightsError) as e:
+        print(f"export refused: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"export failed: {args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"exported {out}")
     return 0

@@ -367,7 +367,7 @@ def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) 
         d = parts.drafter.d
         config = draft_config(d, cfg.drafter.block_size, parts.target.layer_ids, parts.mask_token_id,
                               parts.target.config)  # fmt: skip
-        path = write_export(run_dir / "export", drafter.state_dict(), config)
+        path = write_export(run_dir / "export", drafter.state_dict(), config, run_dir=run_dir)
         event("export", path=str(path), step=cfg.steps)
         say(f"exported {path}")
     event("finished", step=cfg.steps)

@@ -66,7 +66,8 @@ START_ERRORS = re.compile(r"^(ModuleNotFoundError|ImportError|FileNotFoundError|
                           r"PermissionError|NotADirectoryError|IndentationError)\b")  # fmt: skip
 EARLY_S = 300.0  # a command job (no step records) counts as "before its first step" for this long
 # A line that reports a training loss, and the value it reports ("loss nan", "loss: inf", "'loss': NaN", "loss=-inf")
-LOSS_VALUE = re.compile(r"(?<![A-Za-z])loss['\"]?\s*[:=]?\s*['\"]?(nan|[-+]?inf(?:inity)?|[-+]?\d[\d.eE+-]*)\b", re.I)
+LOSS_VALUE = re.compile(r"(?<![A-Za-z])(?:loss|grad_?norm|grad norm)['\"]?\s*[:=]?\s*['\"]?"
+                        r"(nan|[-+]?inf(?:inity)?|[-+]?\d[\d.eE+-]*)\b", re.I)  # fmt: skip
 DIVERGED_LINES = 3  # non-finite loss lines in a row, the newest loss line among them, make a divergence
 # Hardware: ECC, a GPU gone from the bus or lost, uncorrectable NVLink errors, and the kernel driver's Xid reports
 GPU_HW = re.compile(r"(uncorrectable ECC error|ECC_UNCORRECTABLE|ECCUncorrectable|fallen off the bus|GPU is lost|"
@@ -203,11 +204,12 @@ def _gpu_fault(lines: list[str], plain: list[str], nccl: list[str]) -> Finding |
 
 
 def _diverged(plain: list[str]) -> Finding | None:
-    """The newest `DIVERGED_LINES` or more loss lines all report NaN or inf (any script's log)."""
-    values = [(i, m[1]) for i, ln in enumerate(plain) if (m := LOSS_VALUE.search(ln))]
+    """The newest `DIVERGED_LINES` or more loss lines all report a NaN or inf loss or grad norm (any script's log)."""
+    values = [(i, all(_finite_text(m[1]) for m in found)) for i, ln in enumerate(plain)
+              if (found := list(LOSS_VALUE.finditer(ln)))]  # fmt: skip
     bad = 0
-    for _, v in reversed(values):
-        if _finite_text(v):
+    for _, finite in reversed(values):
+        if finite:
             break
         bad += 1
     if bad < DIVERGED_LINES:
