@@ -83,10 +83,13 @@ def start_sshd(d: Path) -> SshServer:
     # The remote's PATH puts the fake pct and nvidia-smi first; sshd sets it from authorized_keys.
     apps = d / "nvidia-apps.csv"  # what the fake nvidia-smi reports as GPU processes; tests rewrite it
     apps.write_text((TESTS / "fixtures" / "nvidia-smi" / "h200-query-compute-apps.csv").read_text())
+    gpus = d / "nvidia-gpus.csv"  # what it reports as the GPUs' readings; tests rewrite it (an ECC error)
+    gpus.write_text((TESTS / "fixtures" / "nvidia-smi" / "h200-query-gpu-loaded.csv").read_text())
     env = [
         f"PATH={FAKES}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         f"FAKE_PCT_ROOT={pct_root}",
         f"FAKE_NVIDIA_SMI_APPS={apps}",
+        f"FAKE_NVIDIA_SMI_GPUS={gpus}",
     ]
     env_opts = ",".join(f'environment="{kv}"' for kv in env)
     (d / "authorized_keys").write_text(f"{env_opts} {(d / 'user_key.pub').read_text()}")

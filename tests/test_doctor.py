@@ -12,9 +12,10 @@ FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-smi"
 
 def test_parse_recorded_gpu_csv():
     line = (FIXTURES / "h200-query-gpu-loaded.csv").read_text().split(", ")
-    assert parse_gpu_csv(f"{line[0]}, {line[2]}, {line[4]}\n") == [
-        {"index": 0, "name": "NVIDIA H200", "memory_mib": 143771}
+    assert parse_gpu_csv(f"{line[0]}, {line[2]}, {line[4]}, {line[-1].strip()}\n") == [
+        {"index": 0, "name": "NVIDIA H200", "memory_mib": 143771, "ecc_uncorrected": 0}
     ]
+    assert parse_gpu_csv("0, NVIDIA H200, 143771, [N/A]\n")[0]["ecc_uncorrected"] is None
     assert parse_gpu_csv("No devices were found\n") == []
 
 

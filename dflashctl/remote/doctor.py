@@ -11,7 +11,8 @@ from dflashctl.remote.transport import WORKDIR_PRELUDE, Runner
 
 MIN_FREE_GIB = 20.0  # checkpoints of an 8B-target drafter run are a few GiB each; keep room for several
 MAX_CLOCK_OFFSET_S = 5.0  # heartbeat ages and stall timers compare remote timestamps with ours
-GPU_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"]
+GPU_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total,ecc.errors.uncorrected.volatile.total",
+             "--format=csv,noheader,nounits"]  # fmt: skip
 
 # Prints key=value lines; each probe tolerates the tool being absent. $1 is the workdir, $2 the Python.
 FACTS_SCRIPT = (
@@ -62,12 +63,15 @@ def parse_facts(text: str) -> dict[str, str]:
 
 
 def parse_gpu_csv(text: str) -> list[dict]:
-    """`nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader,nounits` -> [{index, name, memory_mib}]."""
+    """`nvidia-smi --query-gpu=index,name,memory.total[,ecc...uncorrected] --format=csv,noheader,nounits` ->
+    [{index, name, memory_mib, ecc_uncorrected}] (None where the GPU has no ECC or nvidia-smi says N/A)."""
     gpus = []
     for line in text.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) >= 3 and parts[0].isdigit():
-            gpus.append({"index": int(parts[0]), "name": parts[1], "memory_mib": int(float(parts[2]))})
+            ecc = int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else None
+            gpus.append({"index": int(parts[0]), "name": parts[1], "memory_mib": int(float(parts[2])),
+                         "ecc_uncorrected": ecc})  # fmt: skip
     return gpus
 
 
@@ -116,6 +120,10 @@ def run_doctor(runner: Runner) -> DoctorReport:
     if gpus:
         names = ", ".join(f"{g['index']}: {g['name']} {g['memory_mib'] / 1024:.0f} GiB" for g in gpus)
         checks.append(Check("gpus", "ok", f"{len(gpus)} ({names})"))
+        for g in gpus:
+            if g["ecc_uncorrected"]:
+                checks.append(Check(f"gpu {g['index']}", "fail", f"{g['ecc_uncorrected']} uncorrectable ECC errors: "
+                                    "launch refuses this GPU (--force overrides); have it checked or reset"))  # fmt: skip
     else:
         checks.append(Check("gpus", "warn", "nvidia-smi found no GPU (CPU-only jobs still run)"))
 

@@ -519,11 +519,18 @@ def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:  # a short write (a nearly full disk) is finished or fails, never left half
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 @contextlib.contextmanager
@@ -553,9 +560,12 @@ def snapshot(req: dict) -> dict:
     table = proc_table()
     snap["procs"] = job_processes(table, launcher_of(run_dir, snap["session"]), req.get("job_id"))
     if run_dir and req.get("append_events") and snap["run_dir_exists"]:
-        fd = os.open(os.path.join(run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        with os.fdopen(fd, "a") as f:
-            f.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in req["append_events"]))
+        try:  # a full disk loses the events, never the snapshot
+            fd = os.open(os.path.join(run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "a") as f:
+                f.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in req["append_events"]))
+        except OSError as e:
+            snap["events_error"] = e.strerror or str(e)
     if run_dir:
         snap["log"] = read_new(os.path.join(run_dir, "train.log"), int(req.get("log_offset", 0)),
                                int(req.get("max_log_bytes", 65536)))  # fmt: skip
@@ -582,7 +592,8 @@ def snapshot(req: dict) -> dict:
     if req.get("gpus", True):
         snap["gpu"] = read_gpus(req)
         if req.get("record_gpu") and snap["run_dir_exists"]:
-            append_gpu_sample(run_dir, snap["gpu"], list(req.get("job_gpus") or []))
+            with contextlib.suppress(OSError):  # a full disk loses a sample, never the snapshot
+                append_gpu_sample(run_dir, snap["gpu"], list(req.get("job_gpus") or []))
     if run_dir and snap["run_dir_exists"]:
         snap["progress"] = update_progress(run_dir, now, snap, list(req.get("job_gpus") or []))
         snap["host_oom"] = host_oom(run_dir, snap)

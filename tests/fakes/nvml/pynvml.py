@@ -47,6 +47,8 @@ def nvmlDeviceGetHandleByIndex(i):
     _check()
     if not 0 <= i < len(_UUIDS):
         raise NVMLError("Invalid Argument")
+    if i in _faulty("FAKE_NVML_LOST"):  # NVML's answer for a GPU that fell off the bus
+        raise NVMLError("GPU is lost")
     return i
 
 
@@ -93,3 +95,31 @@ def nvmlDeviceGetClockInfo(h, kind):
 
 def nvmlDeviceGetCurrentClocksEventReasons(h):
     return int(_F[10], 16)
+
+
+NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+NVML_VOLATILE_ECC = 0
+
+
+def _faulty(env: str) -> dict[int, int]:
+    """FAKE_NVML_ECC=1:3 gives GPU 1 three uncorrectable errors (the recording itself has 0): index:count,..."""
+    out = {}
+    for item in os.environ.get(env, "").split(","):
+        idx, _, n = item.partition(":")
+        if idx.strip().isdigit():
+            out[int(idx)] = int(n or 1)
+    return out
+
+
+def nvmlDeviceGetTotalEccErrors(h, error_type, counter):
+    if error_type != NVML_MEMORY_ERROR_TYPE_UNCORRECTED:
+        raise NVMLError("Not Supported")
+    return _faulty("FAKE_NVML_ECC").get(h, int(_F[11]))
+
+
+def nvmlDeviceGetRetiredPagesPendingStatus(h):
+    return 1 if h in _faulty("FAKE_NVML_PENDING") else 0
+
+
+def nvmlDeviceGetRemappedRows(h):
+    raise NVMLError("Not Supported")  # not in the recording: never invented
