@@ -287,8 +287,15 @@ def report(
     if out_file is not None:
         from dflashctl.show import plots
 
-        (plots.write_png if suffix == ".png" else lambda r, p: plots.write_html(r, summaries, p))(runs, out_file)
-        err.print(f"wrote {out_file}")
+        from dflashctl import outputs
+
+        reporting.check_out_file(out_file)
+        try:
+            (plots.write_png if suffix == ".png" else lambda r, p: plots.write_html(r, summaries, p))(runs, out_file)
+        except OSError as e:
+            raise ConfigError(str(out_file), "--out", f"cannot be written: {e.strerror or e}") from None
+        mine = outputs.remember(find_project_root(), out_file)
+        err.print(f"wrote {out_file}" + (" (dflashctl's own output: never deployed)" if mine else ""))
     if as_json:
         print_json({"jobs": summaries, "out": str(out_file) if out_file else None})
         return
@@ -332,9 +339,10 @@ def pull(
     if checkpoint is not None and checkpoint != "latest" and not checkpoint.isdigit():
         raise ConfigError("--checkpoint", None, f"{checkpoint!r} is neither 'latest' nor a step number")
     select = {k: v for k, v in (("export", export), ("checkpoint", checkpoint), ("metrics", metrics)) if v}
-    record = jobctl.find_job(job, str(find_project_root()))
+    root = find_project_root()
+    record = jobctl.find_job(job, str(root))
     with byte_progress(f"pull {record.id}", enabled=not as_json) as start_bar:
-        report = pull_files(record, to, select, chunk_mib << 20, accept_new, start_bar)
+        report = pull_files(record, to, select, chunk_mib << 20, accept_new, start_bar, root)
     if as_json:
         from dataclasses import asdict
 

@@ -112,3 +112,66 @@ def test_metrics_come_back_as_the_run_dir_has_them(run, client):
     res = pull("--metrics")
     assert res.code == 0, res.stderr
     assert (client.project / "pulled" / JOB / "metrics.jsonl").read_text() == '{"time": 1, "step": 1}\n'
+
+
+def test_two_pulls_into_one_folder_never_corrupt_a_file(run, client):
+    target = client.project / "pulled" / JOB / "checkpoints" / "step-00000010" / "drafter.safetensors"
+    part = target.with_name(target.name + ".part")
+    first = subprocess.Popen([sys.executable, "-m", "dflashctl", "pull", JOB, "--checkpoint", "latest", "--chunk-mib",
+                              "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (part.exists() and part.stat().st_size >= 1 << 20):
+        time.sleep(0.02)
+    second = pull("--checkpoint", "latest")  # while the first one writes
+    assert second.code == 2 and "another pull into" in second.stderr and "in progress" in second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1 and "Traceback" not in second.stderr
+    assert first.wait(120) == 0, first.stderr.read()
+    assert sha(target) == sha(run / "checkpoints" / "step-00000010" / "drafter.safetensors")
+    assert not part.exists()
+
+
+def test_a_pulled_job_json_has_its_secrets_redacted(run, client):
+    (run / "job.json").write_text(json.dumps({"id": JOB, "job": {
+        "env": {"HF_TOKEN": "hf_SECRETSECRET", "LR": "3e-4", "MY_PRIVATE": "p4ss"}, "secret_env": ["MY_PRIVATE"],
+        "watch": {"notify": {"webhook": "https://hooks.slack.com/services/T0/B0/XYZSECRET"}}}}))  # fmt: skip
+    os.chmod(run / "job.json", 0o600)
+    res = pull("--metrics")
+    assert res.code == 0, res.stderr
+    text = (client.project / "pulled" / JOB / "job.json").read_text()
+    assert "hf_SECRETSECRET" not in text and "p4ss" not in text and "XYZSECRET" not in text
+    job = json.loads(text)["job"]
+    assert job["env"] == {"HF_TOKEN": "***", "LR": "3e-4", "MY_PRIVATE": "***"}
+    assert job["watch"]["notify"]["webhook"] == "https://hooks.slack.com/***"
+    assert oct((client.project / "pulled" / JOB / "job.json").stat().st_mode & 0o777) == "0o600"
+
+
+def test_what_pull_and_report_write_is_never_deployed_or_stale(run, client):
+    from dflashctl.remote.sync import list_files
+
+    subprocess.run(["git", "init", "-q", str(client.project)], check=True)
+    (client.project / "train.py").write_text("print('code')\n")
+    before = list_files(client.project)
+    assert pull().code == 0
+    (client.project / "r.html").write_text("<html>")  # as `report --out r.html` leaves it, listed below
+    from dflashctl import outputs
+
+    assert outputs.remember(client.project, client.project / "r.html")
+    assert list_files(client.project) == before == ["train.py"]  # so `launch` finds no stale code either
+    assert "pulled" in (client.project / ".dflashctl-outputs").read_text()
+
+
+def test_pull_to_a_file_and_into_a_full_disk_are_one_line_errors(run, client, tmp_path):
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    res = run_cli("pull", JOB, "--to", str(a_file))
+    assert res.code == 2 and "exists and is not a folder" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        res = run_cli("pull", JOB, "--to", str(mnt))  # a 3 MiB export into 1 MiB
+        assert res.code == 1 and "the disk is full at" in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1 and "sha256" not in res.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

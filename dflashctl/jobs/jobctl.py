@@ -71,10 +71,8 @@ def launch(
                             progress=progress)  # fmt: skip
     host = hosts[0]
     with open_runner(host, accept_new) as runner:
-        if deploy_first and not dry_run:
-            deploy(runner, root, host.workdir, progress=progress)
         abs_wd, current, _ = read_remote_state(runner, host.workdir)
-        if current != local_version and not (deploy_first and dry_run):
+        if current != local_version and not deploy_first:
             raise RefusedError(
                 f"{host.name}: deployed code is {current or 'nothing'}, the local tree is {local_version}; "
                 f"run `dflashctl deploy {host.name}` or launch with --deploy"
@@ -85,14 +83,20 @@ def launch(
             pane_pid=None, release=local_version, command=command, gpus=job.gpu_indices, overrides=[],
             dry_run=dry_run,
         )  # fmt: skip
+        req = {"action": "launch", "workdir": abs_wd, "job_id": job_id, "name": job.name, "session": report.session,
+               "gpus": job.gpu_indices, "force": force, "release": local_version, "python": host.python,
+               "tmux_socket": socket, "needs": {"torch": job.trainer is not None, "cuda": bool(job.gpu_indices)}}
+        if dry_run or deploy_first:  # every launch check before a dry-run's "would launch" or a --deploy's upload
+            pre = session.call_agent(runner, {**req, "check_only": True, "skip_release": deploy_first})
+            _raise_refusal(pre, host, job_path)
+            report.overrides = list(pre.get("overrides", []))
         if dry_run:
             report.files = session.run_files(job, job_id, host.python, trainer_cfg, local_version, redact=True)
             report.remote_commands = [runner.describe([host.python, "-c", "<dflashctl probe>", "launch", job_id])]
             return report
+        if deploy_first:
+            deploy(runner, root, host.workdir, progress=progress)
         files = session.run_files(job, job_id, host.python, trainer_cfg, local_version)
-        req = {"action": "launch", "workdir": abs_wd, "job_id": job_id, "name": job.name, "session": report.session,
-               "gpus": job.gpu_indices, "force": force, "release": local_version, "python": host.python,
-               "tmux_socket": socket, "needs": {"torch": job.trainer is not None, "cuda": bool(job.gpu_indices)}}
         ans = session.call_agent(runner, req, payload=json.dumps(files).encode())
     if ans.get("refused"):
         if ans.get("config"):
@@ -166,18 +170,18 @@ def launch_nodes(
                         for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
         files = [session.run_files(job, job_id, h.python, trainer_cfg, version, redact=dry_run, node=pl)
                  for h, pl in zip(hosts, places, strict=True)]  # fmt: skip
-        if dry_run:
-            report.files = files[0]
-            report.remote_commands = [r.describe([h.python, "-c", "<dflashctl probe>", "launch", job_id])
-                                      for h, r in zip(hosts, runners, strict=True)]  # fmt: skip
-            return report
         reqs = [{"action": "launch", "workdir": wd, "job_id": job_id, "name": job.name, "session": sessions[pl.rank],
                  "gpus": list(pl.gpus), "force": force, "release": version, "python": h.python, "tmux_socket": socket,
                  "needs": {"torch": job.trainer is not None, "cuda": bool(pl.gpus)}}
                 for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
         for h, r, req in zip(hosts, runners, reqs, strict=True):  # every node must pass before any starts
-            ans = session.call_agent(r, {**req, "check_only": True})
+            ans = session.call_agent(r, {**req, "check_only": True, "skip_release": deploy_first and dry_run})
             _raise_refusal(ans, h, job_path)
+        if dry_run:
+            report.files = files[0]
+            report.remote_commands = [r.describe([h.python, "-c", "<dflashctl probe>", "launch", job_id])
+                                      for h, r in zip(hosts, runners, strict=True)]  # fmt: skip
+            return report
         members: list[Member] = []
         try:
             for i, (h, r, req, f) in enumerate(zip(hosts, runners, reqs, files, strict=True)):

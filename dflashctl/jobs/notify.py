@@ -17,8 +17,9 @@ from dflashctl.judge.health import FAILURES
 
 
 def redact(url: str) -> str:
+    """A webhook URL as every output shows it: `scheme://host/***` (its path is the credential)."""
     parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname or '?'}/…"
+    return f"{parts.scheme}://{parts.hostname or '?'}/***"
 
 
 @dataclass

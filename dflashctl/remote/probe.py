@@ -982,15 +982,18 @@ def preconditions(req: dict, wd: str) -> list[tuple[str, str]]:
 def launch(req: dict, payload: bytes) -> dict:
     """Check and start under one host-wide lock, so that two launches at the same moment cannot both take a GPU."""
     wd = req["workdir"]
-    os.makedirs(os.path.join(wd, "runs"), mode=0o700, exist_ok=True)
-    os.chmod(os.path.join(wd, "runs"), 0o700)
+    check_only = bool(req.get("check_only"))  # a dry run or a pre-deploy check: every check, nothing written
+    if not check_only:
+        os.makedirs(os.path.join(wd, "runs"), mode=0o700, exist_ok=True)
+        os.chmod(os.path.join(wd, "runs"), 0o700)
     files = json.loads(payload or b"{}")
-    missing = preconditions(req, wd)  # outside the lock: importing torch takes seconds
+    missing = preconditions(req, wd if os.path.isdir(wd) else os.path.dirname(wd) or "/")  # outside the lock: slow
     if missing:
         return {"refused": [m for _, m in missing], "key": missing[0][0], "config": True}
-    with locked(os.path.join(wd, ".launch.lock")):
+    lock = contextlib.nullcontext() if check_only else locked(os.path.join(wd, ".launch.lock"))
+    with lock:
         release = os.path.join(wd, "releases", req["release"])
-        if not os.path.isfile(os.path.join(release, ".dflashctl-manifest.json")):
+        if not req.get("skip_release") and not os.path.isfile(os.path.join(release, ".dflashctl-manifest.json")):
             return {"refused": [f"release {req['release']} is not deployed in {wd} (run dflashctl deploy)"]}
         refused, overrides = [], []
         live = our_live_jobs(wd)

@@ -2,19 +2,30 @@
 container too), in chunks, resumable, hash-verified.
 
 A file arrives as `NAME.part` and takes its name only once its sha256 equals the remote's (computed when listed, over
-the size listed, so a metrics file still growing is named as it was). An interrupted pull leaves the `.part`; the
-next pull continues it from its size. A `.part` that turns out wrong is fetched again from the start, once.
+the size listed, so a metrics file still growing is named as it was), checked again under the final name. An
+interrupted pull leaves the `.part`; the next pull continues it from its size. A `.part` that turns out wrong is
+fetched again from the start, once. One pull at a time per destination (a lock in it): a second says so and waits
+for nothing. A pulled `job.json` has its secrets as `***`. Inside the project, the destination is listed as
+dflashctl's own output (dflashctl/outputs.py): never deployed, never stale code.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
+import json
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflashctl.errors import RefusedError, RemoteCommandError
+from dflashctl import outputs
+from dflashctl.errors import DflashError, RefusedError, RemoteCommandError
+from dflashctl.jobs.jobfile import redact_env
+from dflashctl.jobs.notify import redact as redact_url
 from dflashctl.jobs.registry import JobRecord
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner
@@ -27,6 +38,10 @@ class Pulled:
     fetched: int = 0  # bytes brought this time
     resumed_from: int = 0  # bytes already there from an interrupted pull
     skipped: bool = False  # already there, hash equal
+
+
+class DiskFullError(DflashError):
+    """The destination's file system is full: what arrived so far stays as NAME.part, resumable."""
 
 
 @dataclass
@@ -57,11 +72,45 @@ def safe_local(root: Path, rel: str) -> Path:
     return dest
 
 
+def _full(dest: Path, size: int) -> DiskFullError:
+    free = shutil.disk_usage(dest.parent).free
+    return DiskFullError(f"the disk is full at {dest.parent}: {free:,} B free, {size:,} B needed for {dest.name} "
+                         "(what arrived is kept as .part; pull again once there is room)")  # fmt: skip
+
+
+def redacted_job_json(data: bytes, secret_env: list[str] | None = None) -> bytes:
+    """job.json with every secret-looking env value (and secret_env's) as ***, the way every output shows them."""
+    try:
+        meta = json.loads(data)
+        job = meta["job"]
+        extra = list(job.get("secret_env") or []) + list(secret_env or [])
+        job["env"] = redact_env(job.get("env") or {}, extra)
+        for node in job.get("hosts") or []:
+            node["env"] = redact_env(node.get("env") or {}, extra)
+        hook = (job.get("watch") or {}).get("notify") or {}
+        if hook.get("webhook"):
+            hook["webhook"] = redact_url(hook["webhook"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return b'{"redacted": "job.json could not be read, so it was not kept"}\n'
+    return (json.dumps(meta, indent=1) + "\n").encode()
+
+
 def fetch_one(runner, job: JobRecord, item: dict, root: Path, chunk: int, tick: Callable[[int], None]) -> Pulled:
     rel, size, want = item["path"], int(item["size"]), item["sha256"]
     dest = safe_local(root, rel)
     dest.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     got = Pulled(rel, size)
+    if rel == "job.json":  # small: fetched whole, verified, then kept with its secrets redacted
+        data = session.fetch_chunk(runner, job.run_dir, rel, 0, size)
+        if hashlib.sha256(data).hexdigest() != want:
+            raise RemoteCommandError(f"{rel}: the sha256 of what arrived differs from the remote's; nothing was kept")
+        tmp = dest.with_name(dest.name + ".part")
+        tmp.write_bytes(redacted_job_json(data, []))  # the snapshot names its own secret_env
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, dest)
+        got.fetched = len(data)
+        tick(size)
+        return got
     if dest.is_file() and dest.stat().st_size == size and sha256_of(dest) == want:
         got.skipped = True
         tick(size)
@@ -81,31 +130,61 @@ def fetch_one(runner, job: JobRecord, item: dict, root: Path, chunk: int, tick: 
                 data = session.fetch_chunk(runner, job.run_dir, rel, have, min(chunk, size - have))
                 if not data:
                     raise RemoteCommandError(f"{rel} on {job.host_name} ended at {have} of {size} bytes")
-                os.write(fd, data)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
                 have += len(data)
                 got.fetched += len(data)
                 tick(len(data))
             os.fsync(fd)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _full(dest, size) from None
+            raise
         finally:
             os.close(fd)
         if sha256_of(part) == want:
             os.replace(part, dest)
-            return got
+            if sha256_of(dest) == want:  # under its final name too: nothing else wrote to it meanwhile
+                return got
+            dest.unlink()
+            raise RemoteCommandError(f"{rel}: changed after it was verified (another writer?); nothing was kept")
         part.unlink()  # a stale or damaged partial file: once more from the start
         tick(-size)
     raise RemoteCommandError(f"{rel}: the sha256 of what arrived differs from the remote's twice; nothing was kept")
 
 
-def pull(job: JobRecord, to: Path, select: dict, chunk: int, accept_new: bool, start_bar) -> PullReport:
+@contextlib.contextmanager
+def one_pull_at_a_time(root: Path):
+    """An exclusive lock on ROOT/.pull.lock for the whole pull; a second pull into the same place is refused at once."""
+    fd = os.open(root / ".pull.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RefusedError(f"another pull into {root} is in progress: wait for it, or pull --to elsewhere") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def pull(job: JobRecord, to: Path, select: dict, chunk: int, accept_new: bool, start_bar,
+         project: Path = Path(".")) -> PullReport:  # fmt: skip
     """Pull what `select` names ({"export", "checkpoint", "metrics"}; empty: the export, else the newest checkpoint)
     into `to/<job id>/`, mirroring the run dir's layout."""
     root = to / job.id
-    with open_runner(job.host, accept_new) as runner:
+    if to.exists() and not to.is_dir():
+        raise RefusedError(f"--to {to}: exists and is not a folder")
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise RefusedError(f"--to {to}: cannot make {root}: {e.strerror or e}") from None
+    outputs.remember(project, to)
+    with one_pull_at_a_time(root), open_runner(job.host, accept_new) as runner:
         listing = session.call_agent(runner, {"action": "files", "run_dir": job.run_dir, "gpus": False, **select},
                                      timeout=600)  # fmt: skip
         if "error" in listing:
             raise RefusedError(f"{job.id}: {listing['error']}")
-        root.mkdir(parents=True, exist_ok=True, mode=0o700)
         report = PullReport(job.id, str(root), list(listing.get("chose") or []))
         tick = start_bar(sum(int(f["size"]) for f in listing["files"]))
         for item in listing["files"]:

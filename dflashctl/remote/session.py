@@ -21,6 +21,7 @@ import yaml
 from dflashctl.config import SAFE_NAME, HostConfig
 from dflashctl.errors import ConfigError, ProbeFailedError
 from dflashctl.jobs.jobfile import JobConfig, node_tag, redact_env
+from dflashctl.jobs.notify import redact as redact_url
 from dflashctl.remote import launcher, probe
 from dflashctl.remote.transport import Runner, container_prefix
 
@@ -154,6 +155,9 @@ def run_files(
         snapshot["env"] = redact_env(snapshot["env"], job.secret_env)
         for n in snapshot.get("hosts") or []:
             n["env"] = redact_env(n["env"], job.secret_env)
+        hook = (snapshot.get("watch") or {}).get("notify") or {}
+        if hook.get("webhook"):
+            hook["webhook"] = redact_url(hook["webhook"])
     gpus = list(node.gpus) if node is not None else job.gpu_indices
     where = {"node_rank": node.rank, "nodes": node.count, "head": f"{node.head_addr}:{node.port}"} if node else {}
     files = {

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
 from dflashctl.errors import ConfigError, DflashError, RemoteCommandError
+from dflashctl import outputs
 from dflashctl.remote import release_agent
 from dflashctl.remote.transport import WORKDIR_PRELUDE, Runner
 
@@ -133,7 +134,9 @@ def list_files(root: Path) -> list[str]:
     except (OSError, subprocess.CalledProcessError):
         tracked, untracked = [], _walk(root)
     files = set()
-    for rel in tracked + [u for u in untracked if not _is_junk(PurePosixPath(u))]:
+    made = outputs.listed(root)  # pulled runs and report files: dflashctl's own, never code
+    untracked = [u for u in untracked if not _is_junk(PurePosixPath(u)) and not outputs.is_output(u, made)]
+    for rel in tracked + untracked:
         rp = PurePosixPath(rel)
         if rp.name == MANIFEST_NAME:
             continue

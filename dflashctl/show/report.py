@@ -12,6 +12,23 @@ from dataclasses import dataclass, field
 QUIET_STATES = ("RUNNING", "STARTING", "FINISHED", "STOPPING")  # verdicts not worth a line on a curve
 
 
+def check_out_file(path) -> None:
+    """`report --out FILE`: a file in a folder that exists, not a folder itself (one-line errors, exit 2)."""
+    import os
+    from pathlib import Path
+
+    from dflashctl.errors import ConfigError
+
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(str(path), "--out", "is a folder: give FILE.png or FILE.html")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(str(path), "--out", f"the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or str(parent.resolve()).startswith(("/proc", "/sys")):
+        raise ConfigError(str(path), "--out", f"cannot write into {parent}")
+
+
 def _num(value) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
