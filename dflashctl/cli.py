@@ -285,9 +285,8 @@ def report(
     runs = [reporting.series(job.id, hist) for job, hist in got]
     summaries = [reporting.summary(r, hist, len(job.gpus)) for r, (job, hist) in zip(runs, got, strict=True)]
     if out_file is not None:
-        from dflashctl.show import plots
-
         from dflashctl import outputs
+        from dflashctl.show import plots
 
         reporting.check_out_file(out_file)
         try:

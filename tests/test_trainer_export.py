@@ -186,8 +186,9 @@ def test_export_records_the_mask_token_the_run_trained_with(run_dir):
 
 
 def _export_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     return subprocess.run([sys.executable, "-m", "trainer.export", *args], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, timeout=120)  # fmt: skip
+                          env=env, timeout=120)  # fmt: skip
 
 
 def test_export_out_never_replaces_what_is_not_an_export(tmp_path):

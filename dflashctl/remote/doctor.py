@@ -122,8 +122,9 @@ def run_doctor(runner: Runner) -> DoctorReport:
         checks.append(Check("gpus", "ok", f"{len(gpus)} ({names})"))
         for g in gpus:
             if g["ecc_uncorrected"]:
-                checks.append(Check(f"gpu {g['index']}", "fail", f"{g['ecc_uncorrected']} uncorrectable ECC errors: "
-                                    "launch refuses this GPU (--force overrides); have it checked or reset"))  # fmt: skip
+                why = (f"{g['ecc_uncorrected']} uncorrectable ECC errors: launch refuses this GPU (--force "
+                       "overrides); have it checked or reset")
+                checks.append(Check(f"gpu {g['index']}", "fail", why))
     else:
         checks.append(Check("gpus", "warn", "nvidia-smi found no GPU (CPU-only jobs still run)"))
 

@@ -162,7 +162,7 @@ def one_pull_at_a_time(root: Path):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise RefusedError(f"another pull into {root} is in progress: wait for it, or pull --to elsewhere") from None
+            raise RefusedError(f"another pull into {root} is in progress: wait for it, or --to elsewhere") from None
         yield
     finally:
         os.close(fd)

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
-from dflashctl.errors import ConfigError, DflashError, RemoteCommandError
 from dflashctl import outputs
+from dflashctl.errors import ConfigError, DflashError, RemoteCommandError
 from dflashctl.remote import release_agent
 from dflashctl.remote.transport import WORKDIR_PRELUDE, Runner
 
