@@ -194,7 +194,7 @@ def kill(
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Stop a job (default: one whose kill failed, else the newest live one): SIGTERM, wait, SIGKILL, verify."""
+    """Stop a job (default: one whose kill failed, else the newest alive one): SIGTERM, wait, SIGKILL, verify."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
     from dflashctl.show.render import err, out, print_json
@@ -218,7 +218,8 @@ def kill(
 def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool = AcceptNewOpt) -> None:
     """One look at a job: its state with the reason, the process, the last step.
 
-    Default: the newest live job, as `kill` picks. Exits with the state's code, as `watch --once` does."""
+    Default: a job whose kill failed, else the newest alive, else the newest (every command picks so). Exits with the
+    state's code, as `watch --once` does."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
     from dflashctl.judge.states import EXIT_BY_STATE
@@ -230,7 +231,8 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
         print_json(st)
         raise typer.Exit(code)
     if job is None:
-        err.print(f"(no job given: {st['id']}, the newest {'live ' if st['picked'] == 'live' else ''}job)")
+        how = {"kill_failed": "whose kill failed", "live": "the newest alive", "newest": "the newest"}[st["picked"]]
+        err.print(f"(no job given: {st['id']}, {how})")
     out.print(f"[bold]{st['state']}[/]: {st['reason']}", markup=True)
     if st["nodes"]:
         out.print("nodes: " + ", ".join(f"{n['host']} {n['state']}" for n in st["nodes"]), markup=False)
@@ -305,12 +307,17 @@ def report(
 
         out.print(Text.from_ansi(plots.terminal(runs, min(80, out.width))))
     for s in summaries:
-        loss = "no step yet"
+        loss = "no step yet" if s["steps"] is not None else "no step records"
         if s["last_loss"] is not None:
             loss = f"loss {s['first_loss']:.4f} → {s['last_loss']:.4f} (min {s['min_loss']:.4f})"
+        if s["nonfinite_steps"]:
+            loss += f", NaN/inf from step {s['nonfinite_from_step']} ({s['nonfinite_steps']} steps)"
+        if s["malformed_records"]:
+            loss += f", {s['malformed_records']} records skipped"
         tau = f", best tau {s['best_tau']:.2f} on {s['best_tau_set']}" if s["best_tau"] is not None else ""
         tps = f", {s['mean_tokens_per_s']:,.0f} tok/s" if s["mean_tokens_per_s"] else ""
-        out.print(f"{s['job']}: {s['steps']} steps in {s['elapsed_s'] or 0:.0f} s, {loss}{tps}{tau}, restarts "
+        steps = f"{s['steps']} steps" if s["steps"] is not None else "no steps (a command job)"
+        out.print(f"{s['job']}: {steps} in {s['elapsed_s'] or 0:.0f} s, {loss}{tps}{tau}, restarts "
                   f"{s['restarts']}, {s['gpu_hours'] or 0:.2f} GPU-hours", markup=False, highlight=False)
 
 

@@ -93,3 +93,21 @@ def test_records_of_the_previous_version_still_read(client, monkeypatch):
     listed = json.loads(run_cli("ls", "--json").stdout)["jobs"]
     assert [j["id"] for j in listed] == ["old-20261129T100000Z"]
     assert registry.get("old-20261129T100000Z").release == "abc123"
+
+
+def test_one_rule_for_the_job_you_mean_and_a_crash_is_never_relabelled(client, monkeypatch):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    record(client, "crashy-20261130T100000Z-aaaa", state="CRASHED")
+    record(client, "fine-20261130T110000Z-bbbb", state="FINISHED")
+    for cmd in (["attach", "--dry-run"], ["report", "--json"]):  # nothing alive: the newest job of all
+        res = run_cli(*cmd)
+        assert "crashy" not in res.stdout + res.stderr, (cmd, res.stdout, res.stderr)
+    res = run_cli("attach", "--dry-run")
+    assert "=fine-20261130T110000Z-bbbb" in res.stdout
+    res = run_cli("kill")  # nothing alive: nothing killed, said so, exit 0
+    assert res.code == 0 and "nothing to kill" in res.stdout + res.stderr
+    assert registry.get("crashy-20261130T100000Z-aaaa").state == "CRASHED"
+    record(client, "live-20261130T090000Z-cccc", state="RUNNING")  # older, but alive: it comes first
+    assert "=live-20261130T090000Z-cccc" in run_cli("attach", "--dry-run").stdout
+    record(client, "stuck-20261130T080000Z-dddd", state="KILL_FAILED")  # a failed kill before anything else
+    assert "=stuck-20261130T080000Z-dddd" in run_cli("attach", "--dry-run").stdout

@@ -189,3 +189,30 @@ def test_a_real_h200_run_reads_as_it_ran(tmp_path):
     fig = plots.figure([s])
     assert len(next(ax for ax in fig.axes if ax.get_title() == "GPU power W").get_lines()) == 1
     plots._close(fig)
+
+
+def test_extreme_values_are_skipped_and_counted_and_a_nan_stretch_is_named(tmp_path):
+    from dflashctl.show import plots
+
+    run = tmp_path / "x"
+    run.mkdir()
+    lines = [{"time": T0, "event": "start", "world_size": 1, "resumed_from": None, "config": {}}]
+    for step in range(1, 301):
+        rec = {"time": T0 + step, "step": step, "loss": 5.0 - step / 100, "lr": 1e-3}
+        if step >= 200:
+            rec.update(loss=None, grad_norm=None, skipped=True)  # the trainer's non-finite steps
+        lines.append(rec)
+    text = "".join(json.dumps(x) + "\n" for x in lines)
+    text += ('{"time": %f, "step": 301, "loss": 1e308}\n{"time": %f, "step": 302, "loss": %d}\n'
+             '{"time": %f, "step": %d, "loss": 1.0}\n{"time": %f, "step": 303, "loss": NaN}\n'
+             % (T0 + 301, T0 + 302, 10**400, T0 + 303, 10**30, T0 + 304))  # fmt: skip
+    (run / "metrics.jsonl").write_text(text)
+    s = report.series("x", probe.history({"run_dir": str(run)}))
+    summ = report.summary(s, {}, 0)
+    assert summ["malformed_records"] == 3  # 1e308, 10**400 and step 10**30 skipped and counted
+    assert summ["nonfinite_steps"] == 102 and summ["nonfinite_from_step"] == 200  # 200..300, and the NaN at 303
+    assert any("NaN/inf from step 200" in m.label for m in s.markers)
+    assert summ["last_loss"] == pytest.approx(5.0 - 199 / 100)
+    plots._close(plots.figure([s]))  # draws
+    plots.write_png([s], tmp_path / "x.png")
+    assert plots.terminal([s], 80)

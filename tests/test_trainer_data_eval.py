@@ -151,6 +151,25 @@ def test_regenerate_resumes_after_a_kill_and_equals_an_uninterrupted_run(tmp_pat
     partial.write_text(json.dumps({"input_sha256": "x"}) + "\n")
     code, said = regenerate_here(cmd, capsys)
     assert code == 2 and f"{partial}: left by a run with other input" in said
+    # while one regenerate writes the output, a second says so in one line
+    partial.unlink()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (partial.exists() and partial.read_text().count("\n") >= 2):
+            time.sleep(0.02)
+        code, said = regenerate_here(cmd, capsys)
+        assert code == 2 and "another regenerate is writing this output" in said and "Traceback" not in said
+    finally:
+        proc.kill()
+        proc.wait()
+    header = json.loads(partial.read_text().splitlines()[0])
+    assert header["dtype"] == "float32" and header["device"] == "cpu" and header["target_files"]
+    # resumed on the same target path in bf16: other settings, refused, nothing mixed in
+    cfg = Path(cmd[cmd.index("--config") + 1])
+    cfg.write_text(cfg.read_text().replace("float32", "bfloat16"))
+    code, said = regenerate_here(cmd, capsys)
+    assert code == 2 and "left by a run with other input or settings" in said and out.read_text() == whole.read_text()
 
 
 def test_bad_records_name_file_and_line(tmp_path, tiny_dir):

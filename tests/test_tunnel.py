@@ -99,3 +99,40 @@ def test_tensorboard_starts_in_a_window_of_the_jobs_session_and_opens_locally(cl
     finally:
         tun.kill()
         subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
+
+
+def _ssh_forwards(port: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "--", f"-L 127.0.0.1:{port}:"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_the_forward_dies_with_the_tool_and_a_busy_port_is_one_line(client, monkeypatch):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    record(client, JOB)
+    port, local = free_port(), free_port()
+    for how in (signal.SIGTERM, signal.SIGKILL):
+        tun = subprocess.Popen([sys.executable, "-m", "dflashctl", "tunnel", JOB, str(port), "--local-port",
+                                str(local)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not _ssh_forwards(local) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _ssh_forwards(local), tun.stderr.read() if tun.poll() is not None else "no ssh forward"
+        tun.send_signal(how)
+        tun.wait(20)
+        deadline = time.monotonic() + 10
+        while _ssh_forwards(local) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _ssh_forwards(local), f"ssh outlived dflashctl after {how.name}"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", local))
+        busy.listen()
+        res = run_cli("tunnel", JOB, str(port), "--local-port", str(local))
+    assert res.code == 2 and "already in use" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert "http://" not in res.stdout + res.stderr.split("already")[0]  # nothing said before the refusal
+
+
+def test_a_job_that_is_not_alive_gets_no_tunnel_and_no_tensorboard(client, monkeypatch):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    record(client, JOB, state="KILLED")
+    res = run_cli("tunnel", JOB, "6006", "--tensorboard")
+    assert res.code == 2 and "is KILLED, not running" in res.stderr

@@ -13,6 +13,7 @@ again with the same arguments continues where it stopped; OUTPUT appears, whole,
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -113,9 +114,27 @@ class Progress:
         self.path = output.with_name(output.name + ".partial")
         self.key = key
         self.done: dict[tuple[int, int], object] = {}
+        self.lock = os.open(output.with_name(output.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:  # one regenerate per output: a second one would append the same turns twice
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.lock)
+            raise ConfigError(str(output), None, "another regenerate is writing this output: wait for it or choose "
+                              "another --output") from None  # fmt: skip
+        try:
+            self._open(key)
+        except BaseException:
+            os.close(self.lock)
+            raise
+
+    def _open(self, key: dict) -> None:
         if self.path.exists():
-            lines = self.path.read_text().splitlines()
-            if not lines or json.loads(lines[0]) != key:
+            lines = self.path.read_text(errors="replace").splitlines()
+            try:
+                header = json.loads(lines[0]) if lines else None
+            except ValueError:
+                header = None
+            if header != key:
                 raise ConfigError(str(self.path), None, "left by a run with other input or settings; delete it "
                                   "to start over")  # fmt: skip
             for line in lines[1:]:
@@ -139,50 +158,32 @@ class Progress:
     def finish(self) -> None:
         self.f.close()
         self.path.unlink()
+        self.release()
+
+    def release(self) -> None:
+        """Let another regenerate write this output (also after an error)."""
+        if self.lock >= 0:
+            os.close(self.lock)
+            self.lock = -1
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer.regenerate", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True, help="trainer config: its target (and data.tokenizer) are used")
-    ap.add_argument("--input", required=True, help="JSONL to read")
-    ap.add_argument("--output", required=True, help="JSONL to write (whole, at the end)")
-    ap.add_argument("--max-new-tokens", type=int, default=4096)
-    ap.add_argument("--thinking", choices=["on", "off"], default="off",
-                    help="the chat template's enable_thinking (the public Qwen3-8B drafter is non-thinking)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quiet", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
-    if args.max_new_tokens < 1 or args.batch_size < 1:
-        print("config error: --max-new-tokens and --batch-size must be at least 1", file=sys.stderr)
-        return EXIT_CONFIG
-    output, thinking = Path(args.output), args.thinking == "on"
-    try:
-        from trainer.config import load_config
-        from trainer.data import load_tokenizer
+def target_identity(path: str | None) -> str | None:
+    """Which target files these are: sha256 over every file's name, size and mtime, and config.json's bytes (the
+    weights are not read: a changed file changes its size or mtime)."""
+    if not path or not Path(path).is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(Path(path).iterdir()):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+            if f.name == "config.json":
+                h.update(f.read_bytes())
+    return h.hexdigest()
 
-        cfg = load_config(args.config)
-        tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, args.config)
-        raw = Path(args.input).read_bytes()
-        items = []
-        for n, line in enumerate(raw.decode("utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    items.append(parse(json.loads(line), tok))
-                except (ValueError, KeyError, TypeError, AttributeError) as e:
-                    raise ConfigError(f"{args.input}:{n}", None, str(e) or "malformed record") from None
-        key = {"input_sha256": hashlib.sha256(raw).hexdigest(), "max_new_tokens": args.max_new_tokens,
-               "thinking": args.thinking, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-               "target": cfg.target.path or cfg.target.random_preset}  # fmt: skip
-        progress = Progress(output, key)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except (OSError, UnicodeDecodeError) as e:
-        print(f"config error: {args.input}: cannot read: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
-        return EXIT_CONFIG
+
+def _generate_all(args, cfg, tok, items: list, progress: Progress, output: Path, thinking: bool) -> None:
+    """Every turn not yet in the partial file, round by round, then OUTPUT written whole."""
     from tqdm import tqdm
 
     from trainer.loop import resolve_device
@@ -221,7 +222,59 @@ def main(argv: list[str] | None = None) -> int:
         os.fsync(f.fileno())
     os.replace(tmp, output)
     progress.finish()
-    print(f"wrote {len(items)} records ({total} turns) to {output}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainer.regenerate", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True, help="trainer config: its target (and data.tokenizer) are used")
+    ap.add_argument("--input", required=True, help="JSONL to read")
+    ap.add_argument("--output", required=True, help="JSONL to write (whole, at the end)")
+    ap.add_argument("--max-new-tokens", type=int, default=4096)
+    ap.add_argument("--thinking", choices=["on", "off"], default="off",
+                    help="the chat template's enable_thinking (the public Qwen3-8B drafter is non-thinking)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        print("config error: --max-new-tokens and --batch-size must be at least 1", file=sys.stderr)
+        return EXIT_CONFIG
+    output, thinking = Path(args.output), args.thinking == "on"
+    try:
+        from trainer.config import load_config
+        from trainer.data import load_tokenizer
+
+        cfg = load_config(args.config)
+        tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, args.config)
+        raw = Path(args.input).read_bytes()
+        items = []
+        for n, line in enumerate(raw.decode("utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    items.append(parse(json.loads(line), tok))
+                except (ValueError, KeyError, TypeError, AttributeError) as e:
+                    raise ConfigError(f"{args.input}:{n}", None, str(e) or "malformed record") from None
+        from trainer.loop import resolve_device
+
+        key = {"input_sha256": hashlib.sha256(raw).hexdigest(), "max_new_tokens": args.max_new_tokens,
+               "thinking": args.thinking, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
+               "batch_size": args.batch_size, "target": cfg.target.path or cfg.target.random_preset,
+               "target_files": target_identity(cfg.target.path), "dtype": cfg.target.dtype,
+               "device": resolve_device(cfg.device).type}  # every setting that changes what is generated  # fmt: skip
+        progress = Progress(output, key)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"config error: {args.input}: cannot read: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        _generate_all(args, cfg, tok, items, progress, output, thinking)
+    finally:
+        progress.release()
+    print(f"wrote {len(items)} records ({sum(len(it.turns) for it in items)} turns) to {output}")
     return 0
 
 

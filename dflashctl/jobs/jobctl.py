@@ -223,13 +223,11 @@ def _raise_refusal(ans: dict, host: HostConfig, job_path: Path) -> None:
 
 
 def find_job(spec: str | None, project: str | None, live_only: bool = False) -> JobRecord:
-    """A job by id, id prefix or name (newest match), or the newest job of the project. For a kill (live_only), a
-    job whose last kill failed comes first: retrying `dflashctl kill` must reach the same job, never the next one."""
+    """The job a command means, one rule for every command: by id, a unique id prefix or a name (newest match).
+    Without one: a job whose last kill failed (retrying `kill` reaches the same job, never the next one), else the
+    newest job that may be running, else (unless `live_only`) the newest job of the project."""
     everywhere = registry.all_jobs()  # one read of the records serves every lookup below
     jobs = [j for j in everywhere if project is None or j.project == project]
-    if live_only:
-        jobs = [j for j in jobs if j.live]
-        jobs.sort(key=lambda j: j.state != "KILL_FAILED")  # stable: newest first within each group
     if spec:
         exact = [j for j in everywhere if j.id == spec]
         named = [j for j in jobs if j.name == spec]
@@ -238,20 +236,41 @@ def find_job(spec: str | None, project: str | None, live_only: bool = False) -> 
             ids = ", ".join(j.id for j in prefixed[:8])
             raise NoSuchJobError(f"{spec!r} is a prefix of {len(prefixed)} jobs: {ids}; give more of the id")
         jobs = exact or named or prefixed
+    else:
+        failed = [j for j in jobs if j.state == "KILL_FAILED"]
+        alive = [j for j in jobs if j.live]
+        jobs = failed or alive or ([] if live_only else jobs)
     if not jobs:
-        what = f"matching {spec!r}" if spec else ("live " if live_only else "") + "in this project"
+        what = f"matching {spec!r}" if spec else ("alive " if live_only else "") + "in this project"
         elsewhere = "" if spec or not everywhere else "; jobs of other projects: `dflashctl ls --all-projects`"
         raise NoSuchJobError(f"no job {what} (see `dflashctl ls`){elsewhere}")
     return jobs[0]
 
 
+def picked_how(job: JobRecord, spec: str | None) -> str:
+    """How a command came to its job: `given`, `kill_failed`, `live` or `newest` (said to the user)."""
+    if spec:
+        return "given"
+    return "kill_failed" if job.state == "KILL_FAILED" else ("live" if job.live else "newest")
+
+
 def kill(spec: str | None, project: str, grace_s: float | None = None, accept_new: bool = False) -> KillReport:
-    """Stop a job and record what was verified: KILLED only when nothing of it is left, else KILL_FAILED."""
-    job = find_job(spec, project, live_only=spec is None)
+    """Stop a job and record what was verified: KILLED only when nothing of it is left, else KILL_FAILED. A bare
+    `kill` with nothing alive kills nothing and says so; an ended job (CRASHED, ...) keeps its state when the kill
+    found nothing of it."""
+    if spec is None:
+        try:
+            job = find_job(None, project, live_only=True)
+        except NoSuchJobError:
+            raise NothingToDoError("no job of this project is alive: nothing to kill (see `dflashctl ls`)") from None
+    else:
+        job = find_job(spec, project)
     if job.state in ("FINISHED", "KILLED"):  # nothing to stop: say so, rewrite nothing
         raise NothingToDoError(f"{job.id} is already {job.state}: nothing to kill")
     report = control.stop_all(job, lambda h: open_runner(h, accept_new), grace_s)
-    registry.update(job.id, state=report.result, killed_at=time.time())
+    ended = not job.live and job.state != "KILL_FAILED" and not report.found and report.clean
+    if not ended:
+        registry.update(job.id, state=report.result, killed_at=time.time())
     registry.append_event(job.id, {"decision": "kill", "result": report.result, "signalled": report.term,
                                    "remaining": report.remaining})  # fmt: skip
     return report
@@ -259,14 +278,8 @@ def kill(spec: str | None, project: str, grace_s: float | None = None, accept_ne
 
 def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     """One probe and a verdict. Without a spec, the same job `kill` would pick (else the newest of the project)."""
-    picked = "given"
-    if spec is None:
-        try:
-            job, picked = find_job(None, project, live_only=True), "live"
-        except NoSuchJobError:
-            job, picked = find_job(None, project), "newest"
-    else:
-        job = find_job(spec, project)
+    job = find_job(spec, project)
+    picked = picked_how(job, spec)
     with open_runner(job.host, accept_new) as runner:
         snap = session.call_agent(runner, {**session.probe_request(job, capture_lines=5), "gpus": False})
     records = snap.get("metrics", {}).get("records", [])

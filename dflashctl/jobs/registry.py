@@ -25,7 +25,8 @@ from dflashctl.errors import NoSuchJobError, RecordsCorruptError
 from dflashctl.jobs.jobfile import WatchConfig, node_tag
 
 STATE_ENV = "DFLASHCTL_STATE_DIR"
-LIVE_STATES = ("KILLED", "FINISHED", "LOST")  # states after which a job is not live
+# states in which a job may still be running (a failure state is an attempt that ended; a restart says STARTING)
+ALIVE_STATES = ("STARTING", "RUNNING", "STALLED", "STOPPING", "UNREACHABLE", "PROBE_FAILED")
 
 
 class Member(BaseModel):
@@ -87,7 +88,7 @@ class JobRecord(BaseModel):
 
     @property
     def live(self) -> bool:
-        return self.state not in LIVE_STATES
+        return self.state in ALIVE_STATES
 
     @property
     def tag(self) -> str:

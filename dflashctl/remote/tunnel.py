@@ -8,11 +8,14 @@ remote first, in a window of the job's tmux session (or a session of its own onc
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import shlex
+import signal
+import socket
 from collections.abc import Callable
 
-from dflashctl.errors import RemoteCommandError
+from dflashctl.errors import ConfigError, RefusedError, RemoteCommandError
 from dflashctl.jobs.registry import JobRecord
 from dflashctl.remote.transport import Runner
 
@@ -57,20 +60,52 @@ def ssh_argv(job: JobRecord, local_port: int, address: str, port: int) -> list[s
             *(["-i", host.identity_file] if host.identity_file else []), host.ssh or ""]  # fmt: skip
 
 
+def local_port_free(port: int) -> None:
+    """Refuse a busy local port before anything is printed or started (ssh would only say so after the fact)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise ConfigError("--local-port", None, f"127.0.0.1:{port} is already in use here: pick another with "
+                              "--local-port") from None  # fmt: skip
+
+
+WAIT_LISTENING = (  # $1 python, $2 address, $3 port: is something listening there within 30 s?
+    'for i in $(seq 60); do "$1" -c "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 1)" '
+    '"$2" "$3" 2>/dev/null && exit 0; sleep 0.5; done; exit 1'
+)
+
+
 def start_tensorboard(job: JobRecord, runner: Runner, port: int) -> str:
-    """TensorBoard on the job's run dir, in a window of its tmux session; returns where it runs."""
+    """TensorBoard on the job's run dir, in a window of its tmux session (the job must be alive: a job that ended has
+    no session to add a window to); verified listening before it is said to run. Returns where it runs."""
     bind = "0.0.0.0" if job.host.container else "127.0.0.1"  # a container is reached from its host
     tb = [job.host.python, "-m", "tensorboard.main", "--logdir", f"{job.run_dir}/tensorboard", "--port", str(port),
           "--host", bind]  # fmt: skip
     tmux = ["tmux", "-L", job.tmux_socket]
     script = (
         'if "${@:1:3}" has-session -t "=$4" 2>/dev/null; then "${@:1:3}" new-window -d -t "=$4:" -n tensorboard "$5";'
-        ' else "${@:1:3}" new-session -d -s "$4-tb" "$5"; fi'
+        ' else echo "the job\'s tmux session $4 is gone" >&2; exit 3; fi'
     )
     res = runner.run(["bash", "--noprofile", "--norc", "-c", script, "dflashctl", *tmux, job.session,
                       shlex.join(tb)], timeout=30)  # fmt: skip
     res.check("starting tensorboard")
+    probe_at = "127.0.0.1"
+    up = runner.run(["bash", "--noprofile", "--norc", "-c", WAIT_LISTENING, "dflashctl", job.host.python, probe_at,
+                     str(port)], timeout=60)  # fmt: skip
+    if up.returncode != 0:
+        raise RemoteCommandError(f"TensorBoard did not start listening on port {port} on {job.host_name} within "
+                                 "30 s (a busy port? tensorboard not installed there?): see its window in the job's "
+                                 "session (dflashctl attach)")  # fmt: skip
     return shlex.join(tb)
+
+
+def _die_with_parent() -> None:
+    """In the ssh child: SIGTERM when dflashctl dies, however it dies (PR_SET_PDEATHSIG), so no forward outlives it."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_run: bool, accept_new: bool,
@@ -81,6 +116,11 @@ def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_r
 
     from dflashctl.remote.connect import open_runner
 
+    if not job.live:
+        raise RefusedError(f"{job.id} is {job.state}, not running: nothing to tunnel to (`dflashctl status` looks "
+                           "again)")  # fmt: skip
+    if not job.host.is_local and not dry_run:
+        local_port_free(local_port)
     with open_runner(job.host, accept_new) as runner:
         address = remote_address(job, runner)
         if tensorboard and not dry_run:
@@ -92,11 +132,32 @@ def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_r
     if dry_run:
         show(shlex.join(argv))
         return 0
+    import tempfile
+
+    errors = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: ssh never blocks on what it says
+    proc = subprocess.Popen(argv, preexec_fn=_die_with_parent, stderr=errors, text=True)
+
+    def stop(signum, _frame) -> None:  # SIGTERM/SIGHUP to dflashctl: the forward goes with it
+        proc.terminate()
+        raise SystemExit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
     say(f"http://127.0.0.1:{local_port}/ → {address}:{port} on {job.host_name} (Ctrl-C to stop)")
-    proc = subprocess.Popen(argv)
     try:
-        return proc.wait()
+        code = proc.wait()
+        if code != 0:  # the forward failed (ExitOnForwardFailure) or the connection ended: ssh's own last word
+            errors.seek(0)
+            detail = errors.read().strip().splitlines()
+            raise RemoteCommandError(f"ssh ended the forward (exit {code}): {detail[-1] if detail else 'no message'}")
+        return code
     except KeyboardInterrupt:
         proc.terminate()
         proc.wait()
         return 0
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+        errors.close()

@@ -29,10 +29,29 @@ def check_out_file(path) -> None:
         raise ConfigError(str(path), "--out", f"cannot write into {parent}")
 
 
+MAX_DRAWN = 1e15  # beyond this no curve means anything (and plotting libraries overflow): skipped and counted
+MAX_STEP = 2**53
+
+
 def _num(value) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """A value to draw: a finite number of sane size (an int of 400 digits, 1e308 or NaN is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return float(value)
+    try:
+        v = float(value)
+    except OverflowError:
+        return None
+    return v if math.isfinite(v) and abs(v) < MAX_DRAWN else None
+
+
+def _extreme(value) -> bool:
+    """A number that is there but cannot be drawn: too large (not NaN/inf: those are a divergence, named)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value)) and abs(float(value)) >= MAX_DRAWN
+    except OverflowError:
+        return True
 
 
 @dataclass
@@ -58,6 +77,7 @@ class RunSeries:
     markers: list[Marker] = field(default_factory=list)
     gpu: dict[int, dict[str, list]] = field(default_factory=dict)  # index -> time, util, mem_gib, power_w
     malformed: int = 0
+    nonfinite_steps: list[int] = field(default_factory=list)  # steps whose loss or grad norm was NaN/inf (skipped)
 
 
 def smooth(values: list[float | None], weight: float = 0.9) -> list[float | None]:
@@ -84,13 +104,22 @@ def series(job: str, hist: dict) -> RunSeries:
     s = RunSeries(job, malformed=sum(int(hist.get(k) or 0) for k in ("metrics_malformed", "gpu_malformed")))
     candidates = [r for r in recs if "event" not in r]
     steps = sorted((r for r in candidates if isinstance(r.get("step"), int) and not isinstance(r["step"], bool)
-                    and _num(r.get("time")) is not None), key=lambda r: r["time"])  # fmt: skip
-    s.malformed += len(candidates) - len(steps)  # no step number or no time: nowhere to draw it
+                    and 0 <= r["step"] < MAX_STEP and _num(r.get("time")) is not None
+                    and not any(_extreme(r.get(k)) for k in ("loss", "acc", "tokens_per_s", "lr", "grad_norm"))),
+                   key=lambda r: r["time"])  # fmt: skip
+    s.malformed += len(candidates) - len(steps)  # no step, no time, or a value past drawing: skipped and counted
     for r in steps:
         s.steps.append(r["step"])
         s.step_time.append(r["time"] - t0)
         for name in ("loss", "acc", "tokens_per_s", "lr", "grad_norm"):
             getattr(s, name).append(_num(r.get(name)))
+        if r.get("skipped") is True or any(isinstance(r.get(k), float) and not math.isfinite(r[k])
+                                           for k in ("loss", "grad_norm")):  # fmt: skip
+            s.nonfinite_steps.append(r["step"])
+    if s.nonfinite_steps:
+        first = s.nonfinite_steps[0]
+        t = s.step_time[s.steps.index(first)]
+        s.markers.append(Marker(t, first, f"loss NaN/inf from step {first} ({len(s.nonfinite_steps)} steps)", "verdict"))
     events = sorted((r for r in recs if "event" in r and _num(r.get("time")) is not None), key=lambda r: r["time"])
     start = None
     for r in events:
@@ -156,4 +185,8 @@ def summary(s: RunSeries, hist: dict, gpus_asked: int) -> dict:
         "gpu_samples": sum(len(g["time"]) for g in s.gpu.values()),
         "exit_code": hist.get("exit_code"),
         "malformed_records": s.malformed,
+        "nonfinite_steps": len(s.nonfinite_steps),
+        "nonfinite_from_step": s.nonfinite_steps[0] if s.nonfinite_steps else None,
+        "id": s.job,  # the job's key, as `ls` and `status` name it (`job` kept for scripts that read it)
+        "tau": s.evals[-1][1] if s.evals else None,  # the newest, as `status` gives it; best_tau beside it
     }
