@@ -203,9 +203,9 @@ def test_extreme_values_are_skipped_and_counted_and_a_nan_stretch_is_named(tmp_p
             rec.update(loss=None, grad_norm=None, skipped=True)  # the trainer's non-finite steps
         lines.append(rec)
     text = "".join(json.dumps(x) + "\n" for x in lines)
-    text += ('{"time": %f, "step": 301, "loss": 1e308}\n{"time": %f, "step": 302, "loss": %d}\n'
-             '{"time": %f, "step": %d, "loss": 1.0}\n{"time": %f, "step": 303, "loss": NaN}\n'
-             % (T0 + 301, T0 + 302, 10**400, T0 + 303, 10**30, T0 + 304))  # fmt: skip
+    text += (f'{{"time": {T0 + 301}, "step": 301, "loss": 1e308}}\n{{"time": {T0 + 302}, "step": 302, "loss": '
+             f'{10**400}}}\n{{"time": {T0 + 303}, "step": {10**30}, "loss": 1.0}}\n'
+             f'{{"time": {T0 + 304}, "step": 303, "loss": NaN}}\n')  # fmt: skip
     (run / "metrics.jsonl").write_text(text)
     s = report.series("x", probe.history({"run_dir": str(run)}))
     summ = report.summary(s, {}, 0)

@@ -116,3 +116,19 @@ def test_thinking_switch_reaches_the_chat_template(tiny_dir):
     msgs = [{"role": "user", "content": "count after two ."}]
     on, off = render(tok, msgs, True), render(tok, msgs, False)
     assert off == on + [tok.convert_tokens_to_ids("say")]
+
+
+def test_one_huge_prompt_is_skipped_and_does_not_set_the_length_limit(capsys, tiny_dir, drafter_dir, tmp_path):
+    p = tmp_path / "huge.jsonl"
+    lines = [{"question": "count after two ."}, {"question": "count " * 30000}]
+    p.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    args = ["--target", str(tiny_dir / "target"), "--drafter", str(drafter_dir), "--max-new-tokens", str(MAX_NEW),
+            "--dtype", "float32", "--device", "cpu", "--quiet", "--json", "--prompts", str(p)]  # fmt: skip
+    code, out, _ = run(capsys, *args)
+    assert code == 0
+    (s,) = json.loads(out)["sets"]
+    assert s["prompts"] == 1 and s["skipped"] == 1  # the 30,000-token prompt was never decoded
+    code, out, _ = run(capsys, *args, "--max-prompt-tokens", "3")
+    assert code == 0 and json.loads(out)["sets"][0]["skipped"] == 2
+    code, _, err = run(capsys, *args, "--max-prompt-tokens", "0")
+    assert code == 2 and "--max-prompt-tokens" in err

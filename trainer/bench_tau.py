@@ -36,6 +36,21 @@ class SetResult:
     seconds: float
 
 
+DEFAULT_MAX_PROMPT = 4096  # the published evaluators' prompts are far shorter; one huge prompt must not set the pace
+
+
+def prompt_cap(target: str, max_new_tokens: int, asked: int | None) -> int:
+    """The longest prompt decoded: --max-prompt-tokens, else the target's context less the new tokens (capped)."""
+    if asked is not None:
+        return asked
+    try:
+        context = int(json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings") or 0)
+    except (OSError, ValueError, TypeError):
+        context = 0
+    room = context - max_new_tokens if context else DEFAULT_MAX_PROMPT
+    return max(1, min(DEFAULT_MAX_PROMPT, room))
+
+
 def length_limit(prompt_lens: list[int], turns: int, max_new_tokens: int, block_size: int) -> int:
     """Room for the longest first prompt plus every turn's answer and one block, in whole 128-token tiles."""
     need = max(prompt_lens) + turns * (max_new_tokens + 64) + 2 * block_size
@@ -77,7 +92,8 @@ def build_parts(target: str, drafter: str, limit: int, device: str, dtype: str, 
     return build(cfg, f"{drafter}/config.json", for_training=False)
 
 
-def decode_conversation(parts, tok, conv: Conversation, max_new_tokens: int, thinking: bool, limit: int):
+def decode_conversation(parts, tok, conv: Conversation, max_new_tokens: int, thinking: bool, limit: int,
+                        cap: int | None = None):  # fmt: skip
     """(tokens gained per drafting step over every turn, turns answered), or None when a turn's prompt does not fit."""
     import torch
 
@@ -88,7 +104,7 @@ def decode_conversation(parts, tok, conv: Conversation, max_new_tokens: int, thi
     for turn in conv.turns:
         msgs.append({"role": "user", "content": turn})
         ids = render(tok, msgs, thinking)
-        if len(ids) + max_new_tokens + bs > limit:
+        if len(ids) + max_new_tokens + bs > limit or (cap is not None and len(ids) > cap):
             return None
         out, steps = speculative_decode(parts, parts.drafter, torch.tensor(ids), max_new_tokens)
         gained += steps
@@ -102,7 +118,8 @@ def bench_set(parts, tok, name: str, convs: list[Conversation], args, limit: int
     t0 = time.perf_counter()
     per_prompt, tokens, steps, skipped = [], 0, 0, 0
     for i, conv in enumerate(tqdm(convs, desc=name, unit="prompt", file=sys.stderr, disable=args.quiet)):
-        decoded = decode_conversation(parts, tok, conv, args.max_new_tokens, args.thinking == "on", limit)
+        decoded = decode_conversation(parts, tok, conv, args.max_new_tokens, args.thinking == "on", limit,
+                                      getattr(args, "prompt_cap", None))  # fmt: skip
         if decoded is None:
             skipped += 1
             continue
@@ -127,14 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=2048)
     ap.add_argument("--thinking", choices=["on", "off"], default="off", help="the chat template's enable_thinking")
     ap.add_argument("--limit", type=int, default=None, help="the first N prompts of each set")
+    ap.add_argument("--max-prompt-tokens", type=int, default=None,
+                    help="a longer prompt is skipped and counted, never decoded (default: the target's context less "
+                    f"--max-new-tokens, at most {DEFAULT_MAX_PROMPT})")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     ap.add_argument("--out", default=None, help="also write one line per prompt to this JSONL")
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
-        print("config error: --max-new-tokens and --limit must be at least 1", file=sys.stderr)
+    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1) or (
+            args.max_prompt_tokens is not None and args.max_prompt_tokens < 1):  # fmt: skip
+        print("config error: --max-new-tokens, --limit and --max-prompt-tokens must be at least 1", file=sys.stderr)
         return EXIT_CONFIG
     try:
         from trainer.data import load_tokenizer
@@ -146,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         bs = int((config.get("dflash_config") or {}).get("block_size") or config.get("block_size") or 16)
         firsts = [len(render(tok, c.history + [{"role": "user", "content": c.turns[0]}], args.thinking == "on"))
                   for _, convs in sets for c in convs]  # fmt: skip
+        cap = args.prompt_cap = prompt_cap(args.target, args.max_new_tokens, args.max_prompt_tokens)
+        firsts = [n for n in firsts if n <= cap] or [min(firsts + [cap])]  # the limit fits the prompts decoded
         turns = max(len(c.turns) for _, convs in sets for c in convs)
         limit = length_limit(firsts, turns, args.max_new_tokens, bs)
         parts = build_parts(args.target, args.drafter, limit, args.device, args.dtype, config)

@@ -288,11 +288,11 @@ def job_processes(table: dict[int, dict], root: dict | None, job_id: str | None)
 def tmux_session(session: str | None, lines: int) -> dict:
     if not session:
         return {"exists": False}
-    fmt = "#{pane_pid}|#{pane_dead}|#{pane_dead_status}|#{pid}|#{session_created}"
+    fmt = "#{pane_pid}|#{pane_dead}|#{pane_dead_status}|#{pid}|#{session_created}|#{session_name}"
     rc, out = _run([*TMUX, "display-message", "-p", "-t", f"={session}:", fmt])
-    if rc != 0 or not out.strip():
+    parts = ((out.strip().splitlines() or [""])[0].split("|", 5) + [""] * 6)[:6]  # a field tmux cannot say: empty
+    if rc != 0 or parts[5] != session:  # tmux answers for a session that is gone with no session at all
         return {"exists": False}
-    parts = (out.strip().splitlines()[0].split("|") + [""] * 5)[:5]  # a field tmux cannot say is left empty
 
     def number(text: str) -> int | None:
         return int(text) if text.strip().lstrip("-").isdigit() else None
@@ -435,8 +435,9 @@ def checkpoint_dirs(run: str) -> list[str]:
         names = os.listdir(root)
     except OSError:
         return []
-    return sorted(os.path.join("checkpoints", n) for n in names
-                  if len(n) == 13 and n.startswith("step-") and n[5:].isdigit())  # fmt: skip
+    return sorted(os.path.join("checkpoints", n) for n in names  # a link (maybe out of the run dir) is no checkpoint
+                  if len(n) == 13 and n.startswith("step-") and n[5:].isdigit()
+                  and not os.path.islink(os.path.join(root, n)) and os.path.isdir(os.path.join(root, n)))  # fmt: skip
 
 
 def pull_files(req: dict) -> dict:

@@ -119,7 +119,8 @@ def series(job: str, hist: dict) -> RunSeries:
     if s.nonfinite_steps:
         first = s.nonfinite_steps[0]
         t = s.step_time[s.steps.index(first)]
-        s.markers.append(Marker(t, first, f"loss NaN/inf from step {first} ({len(s.nonfinite_steps)} steps)", "verdict"))
+        label = f"loss NaN/inf from step {first} ({len(s.nonfinite_steps)} steps)"
+        s.markers.append(Marker(t, first, label, "verdict"))
     events = sorted((r for r in recs if "event" in r and _num(r.get("time")) is not None), key=lambda r: r["time"])
     start = None
     for r in events:
