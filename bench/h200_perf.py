@@ -163,7 +163,7 @@ def step_flops(parts, S: int, A: int, bs: int, pairs: int) -> dict:
             "attention_fwd": d.num_layers * attn, "attention_bwd": d.num_layers * 2.5 * attn}  # fmt: skip
 
 
-def split_step(parts, opt, batch, fused: bool) -> dict:
+def split_step(parts, opt, batch, kernel: str) -> dict:
     """One step, staged with CUDA events: target forward, drafter forward, LM head + loss (fwd and bwd), drafter
     backward, optimiser."""
     import torch
@@ -182,7 +182,7 @@ def split_step(parts, opt, batch, fused: bool) -> dict:
     ev[2].record()
     out_d = out.detach().requires_grad_(True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss_sum, w_sum, _ = block_loss(out_d, parts.target.lm_head, b.labels, b.weights, fused=fused)
+        loss_sum, w_sum, _ = block_loss(out_d, parts.target.lm_head, b.labels, b.weights, kernel=kernel)
     (loss_sum / w_sum).backward()
     ev[3].record()
     out.backward(out_d.grad)
@@ -231,6 +231,9 @@ def variants(parts, opt, batch, S: int) -> dict:
         out[f"peak_gib_{tag}"] = round(max(peaks[2:]), 2)
 
     run("default")
+    parts.cfg.optim.loss_kernel = "plain"
+    run("plain_loss")
+    parts.cfg.optim.loss_kernel = "auto"
     parts.cfg.optim.chunked_loss = True
     run("chunked_loss")
     parts.cfg.optim.chunked_loss = False
@@ -376,11 +379,11 @@ def step_benchmark(steady_steps: int, isolated: bool = True) -> dict:
     flops = step_flops(parts, S, A, bs, pairs)
     rep["flops_per_step_tflop"] = {k: round(v / 1e12, 2) for k, v in flops.items()}
     for _ in range(3):
-        split_step(parts, opt, steady, True)
-    splits = [split_step(parts, opt, steady, True) for _ in range(5)]
+        split_step(parts, opt, steady, "auto")
+    splits = [split_step(parts, opt, steady, "auto") for _ in range(5)]
     split = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
     rep["split_ms"] = {k: round(v, 2) for k, v in split.items()}
-    splits_plain = [split_step(parts, opt, steady, False) for _ in range(3)]
+    splits_plain = [split_step(parts, opt, steady, "plain") for _ in range(3)]
     rep["lm_head_loss_ms_unfused"] = round(statistics.median(s["lm_head_loss"] for s in splits_plain), 2)
     print(f"split: {rep['split_ms']}, unfused loss {rep['lm_head_loss_ms_unfused']} ms", flush=True)
 

@@ -34,6 +34,12 @@ def check_backend_supports_training(cfg: TrainConfig, device: torch.device, sour
     """flex_attention has no backward on the CPU (torch 2.13: "FlexAttention does not support backward on CPU")."""
     if cfg.grad_reduce_dtype == "bfloat16" and device.type == "cpu":
         raise ConfigError(source, "grad_reduce_dtype", "a bfloat16 gradient all-reduce needs NCCL (CUDA); use float32")
+    if cfg.optim.loss_kernel == "fused":
+        from trainer import ce_kernel
+
+        if not ce_kernel.available(device):
+            raise ConfigError(source, "optim.loss_kernel", f"fused needs Triton on CUDA (or TRITON_INTERPRET=1 on the "
+                              f"CPU); here: {device.type}, triton {'present' if ce_kernel.triton else 'missing'}")
     if cfg.attention.backend == "flex" and device.type == "cpu":
         raise ConfigError(
             source,
@@ -222,7 +228,8 @@ def forward_loss(
     b = batch.to(parts.device)
     out = drafter_output(parts, drafter or parts.drafter, b)
     with autocast(parts):
-        return block_loss(out, parts.target.lm_head, b.labels, b.weights, parts.cfg.optim.chunked_loss)
+        return block_loss(out, parts.target.lm_head, b.labels, b.weights, parts.cfg.optim.chunked_loss,
+                          parts.cfg.optim.loss_kernel)
 
 
 @dataclass

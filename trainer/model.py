@@ -168,7 +168,8 @@ def drafter_dims(target_config, num_layers: int, num_target_layers: int, overrid
 
 
 def block_loss(
-    hidden_BQC: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, weights: torch.Tensor, fused: bool = False
+    hidden_BQC: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, weights: torch.Tensor, fused: bool = False,
+    kernel: str = "plain",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted cross-entropy summed over labelled positions, the weight sum, and weighted correct predictions.
 
@@ -177,6 +178,13 @@ def block_loss(
     """
     sel = weights > 0  # [B, Q]
     h = hidden_BQC[sel]  # [N, C]
+    if kernel != "plain" and not fused and lm_head.bias is None:
+        from trainer import ce_kernel
+
+        if kernel == "fused" or ce_kernel.available(h.device):
+            with torch.autocast(h.device.type, enabled=False):
+                loss, correct = ce_kernel.fused_linear_cross_entropy(h, lm_head.weight, labels[sel], weights[sel])
+            return loss, weights[sel].float().sum(), correct
     if fused and lm_head.bias is None:  # chunked, logits never stored (trainer.loss)
         with torch.autocast(h.device.type, enabled=False):
             loss, correct = linear_cross_entropy(h, lm_head.weight, labels[sel], weights[sel])
