@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -221,3 +223,45 @@ def tiny_dir(tmp_path_factory) -> Path:
         for rec in chat_samples(24, seed=1):
             f.write(json.dumps(rec) + "\n")
     return out
+
+
+def _leftovers(marks: tuple[str, ...]) -> list[str]:
+    """Processes (other than this one) whose command line or environment names this session's temp dir or tmux
+    socket: started by a test and still alive."""
+    me = os.getpid()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            cmd = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ")
+            env = Path(f"/proc/{name}/environ").read_bytes()
+            state = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z" and any(m.encode() in cmd or m.encode() in env for m in marks):
+            found.append(f"{name}: {cmd.decode(errors='replace')[:160]}")
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The suite leaves no process behind: whatever a test started and did not stop fails the run (and is killed)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    try:
+        base = str(session.config._tmp_path_factory.getbasetemp())
+    except Exception:
+        return
+    marks = (base, TEST_TMUX_SOCKET)
+    subprocess.run(["tmux", "-L", TEST_TMUX_SOCKET, "kill-server"], capture_output=True, check=False)
+    deadline = time.monotonic() + 5
+    left = _leftovers(marks)
+    while left and time.monotonic() < deadline:  # a process told to stop may take a moment
+        time.sleep(0.2)
+        left = _leftovers(marks)
+    if left:
+        for line in left:
+            with contextlib.suppress(OSError):
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        sys.stderr.write("\nprocesses left running by the tests (killed now):\n  " + "\n  ".join(left) + "\n")
+        session.exitstatus = 1
