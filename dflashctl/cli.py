@@ -352,7 +352,7 @@ def pull(
     if as_json:
         from dataclasses import asdict
 
-        print_json({**asdict(report), "bytes_fetched": report.bytes_fetched})
+        print_json({"id": report.job, **asdict(report), "bytes_fetched": report.bytes_fetched})
         return
     for f in report.files:
         how = "already here" if f.skipped else (f"resumed at {f.resumed_from:,} B" if f.resumed_from else "fetched")
@@ -413,7 +413,7 @@ def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt) -> None:
 @app.command()
 def logs(
     job: str | None = JobArg,
-    lines: int = typer.Option(50, "-n", "--lines", help="How many of the last lines to print."),
+    lines: int = typer.Option(50, "-n", "--lines", min=1, max=1_000_000, help="How many of the last lines to print."),
     follow: bool = Flag("-f", "--follow", help="Keep printing new lines until the job ends."),
     as_json: bool = Flag("--json", help='One {"id", "text"} object per chunk of the log.'),
     raw: bool = Flag("--raw", help="Pass terminal escape sequences through (default: shown, inert)."),
@@ -586,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         kind = type(e).__name__
         if kind == "Exit":  # typer.Exit / click's, whichever click typer uses
             return int(getattr(e, "exit_code", 0) or 0)
+        if kind == "NoArgsIsHelpError":  # a bare `dflashctl`: the help was asked for, in effect
+            return 0
         if kind == "Abort":
             sys.stderr.write("aborted\n")
             return 130

@@ -137,6 +137,9 @@ def test_crash_is_restarted_and_resumes_from_the_checkpoint(box):
     seen = states(records)
     assert code == 0 and seen[-1] == "FINISHED", (seen, err)
     assert "CRASHED" in seen and seen.index("CRASHED") < len(seen) - 1
+    said = [e for r in records for e in r["events"]]  # the restart is said in --json, not only counted
+    assert any(e["decision"] == "restart" and e["after"] == "CRASHED" and e["attempt"] == 1 for e in said), said
+    assert all(r["id"] == r["job"] == job_id for r in records)
     crashed = next(r for r in records if r["state"] == "CRASHED")
     assert "RuntimeError: injected fault at step 15" in crashed["evidence"][0]
     assert records[-1]["restarts"] == 1

@@ -33,7 +33,8 @@ class PollRecord(BaseModel):
     """One line of `watch --json` (docs/watch.md)."""
 
     time: float
-    job: str
+    id: str  # the job's key, as `ls`, `status` and `logs` name it
+    job: str  # the same id under its older name, kept for scripts that read it
     host: str
     state: str
     reason: str
@@ -49,6 +50,7 @@ class PollRecord(BaseModel):
     gpus: list[dict]
     remote_commands: int
     warnings: list[str] = []
+    events: list[dict] = []  # decisions since the previous record: restart, no_restart (with why), warning, notify
 
 
 def sparkline(values: list[float], width: int = 30) -> str:
@@ -86,6 +88,8 @@ class Watcher:
     pending_events: list[dict] = field(default_factory=list)
     remote_commands: int = 0
     disk_warned: bool = False
+    unsaid: list[dict] = field(default_factory=list)  # decisions not yet carried by a poll record
+    said: deque = field(default_factory=lambda: deque(maxlen=5))  # the newest decisions, for the live view
     notes: list[str] = field(default_factory=list)
     exit_time: float | None = None  # when the attempt ended, on the remote's clock
 
@@ -261,15 +265,21 @@ class Watcher:
 
     def record(self, v: Verdict) -> PollRecord:
         h = self.history
-        return PollRecord(time=time.time(), job=self.job.id, host=self.job.host_name, state=v.state,
+        events, self.unsaid = self.unsaid, []
+        return PollRecord(time=time.time(), id=self.job.id, job=self.job.id, host=self.job.host_name, state=v.state,
                           reason=v.reason, evidence=v.evidence, advice=v.advice, since=self.since, step=h.last_step,
                           epoch=h.epoch, loss=h.loss, tokens_per_s=h.tokens_per_s[-1] if h.tokens_per_s else None,
                           eta_s=self.eta_s(), restarts=self.restarts, gpus=self.gpus,
-                          remote_commands=self.remote_commands, warnings=self.warnings())  # fmt: skip
+                          remote_commands=self.remote_commands, warnings=self.warnings(),
+                          events=events)  # fmt: skip
 
     def log_event(self, event: dict) -> None:
         registry.append_event(self.job.id, event)
-        self.pending_events.append({"time": round(time.time(), 3), **event})
+        stamped = {"time": round(time.time(), 3), **event}
+        self.pending_events.append(stamped)
+        if event.get("decision") != "state":  # state changes are the records themselves
+            self.unsaid.append(stamped)
+            self.said.append(stamped)
 
     def reset_after_restart(self) -> None:
         self.history = History(started_at=0.0, is_trainer=self.history.is_trainer, gpu_total_gib=None,

@@ -34,7 +34,22 @@ def line(rec) -> str:
         parts.append(f"{rec.tokens_per_s:,.0f} tok/s")
     if rec.state not in ("RUNNING", "STARTING") and rec.evidence:
         parts.append(f"evidence: {rec.evidence[0]}")
-    return neutralise(" | ".join(parts))
+    said = [describe(e) for e in rec.events if e.get("decision") != "notify"]
+    return neutralise(" | ".join(parts + said))
+
+
+def describe(event: dict) -> str:
+    """A watch decision in words: `restart 2 after CRASHED`, `not restarted after DISK_FULL: the disk is full`."""
+    what = event.get("decision")
+    if what == "restart":
+        return f"restarted (restart {event.get('attempt')}) after {event.get('after')}"
+    if what == "no_restart":
+        return f"not restarted after {event.get('after')}: {event.get('why')}"
+    if what == "warning":
+        return f"warning: {event.get('warning')}"
+    if what == "notify":
+        return f"notified: {event.get('result')}"
+    return str(what)
 
 
 def render(w: Watcher, v: Verdict, next_poll_s: float | None = None, log_lines: int = 8) -> Panel:
@@ -56,6 +71,9 @@ def render(w: Watcher, v: Verdict, next_poll_s: float | None = None, log_lines: 
         parts.append(Text(neutralise("\n".join(v.evidence[:6])), style=colour))
         if v.advice:
             parts.append(Text(f"next: {v.advice}", style="italic"))
+    if w.said:  # restarts, refused restarts, warnings: said where the user looks
+        lines = [f"{time.strftime('%H:%M:%S', time.localtime(e['time']))} {describe(e)}" for e in w.said]
+        parts.append(Text(neutralise("\n".join(lines)), style="bold"))
     if w.gpus:
         gpus = Table(box=None, padding=(0, 1), header_style="bold")
         for col in ("GPU", "util", "memory", "power", "temp", "SM MHz"):
