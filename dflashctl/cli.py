@@ -384,10 +384,9 @@ def tunnel(
 
 
 @app.command("ls")
-def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt) -> None:
+def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt,
+              wide: bool = Flag("--wide", help="Every column, however wide the terminal.")) -> None:  # fmt: skip
     """Jobs launched from this project, newest first (from the local registry)."""
-    from rich.table import Table
-
     from dflashctl.config import find_project_root
     from dflashctl.jobs import registry
     from dflashctl.show.render import err, out, print_json
@@ -399,15 +398,30 @@ def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt) -> None:
         return
     if not jobs and not all_projects and registry.all_jobs():
         err.print("no jobs launched from this project; `dflashctl ls --all-projects` lists the others")
-    table = Table(title="jobs (states as last seen: `dflashctl status JOB` looks again)", title_justify="left")
-    for col in ("id", "host", "state", "seen", "launched", "gpus", "run dir"):
-        table.add_column(col, no_wrap=col == "id", overflow="fold")
     now = time.time()
-    for j in jobs:
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(j.launched_at))
-        seen = _ago(now - j.checked_at) if j.checked_at else "-"
-        table.add_row(j.id, j.host_name, j.state, seen, when, ",".join(map(str, j.gpus)) or "-", j.run_dir)
+    rows = [(j.id, j.host_name, j.state, _ago(now - j.checked_at) if j.checked_at else "-",
+             time.strftime("%Y-%m-%d %H:%M", time.localtime(j.launched_at)), ",".join(map(str, j.gpus)) or "-",
+             j.run_dir) for j in jobs]  # fmt: skip
+    cols = ("id", "host", "state", "seen", "launched", "gpus", "run dir")
+    if not out.is_terminal:  # a pipe or a file: one plain line per job, tab-separated, every column
+        for r in rows:
+            sys.stdout.write("\t".join(r) + "\n")
+        return
+    from rich.table import Table
+
+    keep = len(cols)
+    if not wide:  # fit the terminal as `docker ps` does: drop the widest optional columns first, never wrap a cell
+        widths = [max([len(c)] + [len(r[i]) for r in rows]) + 3 for i, c in enumerate(cols)]
+        while keep > 3 and sum(widths[:keep]) > out.width:
+            keep -= 1
+    table = Table(title="jobs (states as last seen: `dflashctl status JOB` looks again)", title_justify="left")
+    for col in cols[:keep]:
+        table.add_column(col, no_wrap=True, overflow="ellipsis")
+    for r in rows:
+        table.add_row(*r[:keep])
     out.print(table)
+    if keep < len(cols):
+        err.print(f"({', '.join(cols[keep:])} left out at {out.width} columns: --wide shows them)")
 
 
 @app.command()

@@ -111,3 +111,33 @@ def test_one_rule_for_the_job_you_mean_and_a_crash_is_never_relabelled(client, m
     assert "=live-20261130T090000Z-cccc" in run_cli("attach", "--dry-run").stdout
     record(client, "stuck-20261130T080000Z-dddd", state="KILL_FAILED")  # a failed kill before anything else
     assert "=stuck-20261130T080000Z-dddd" in run_cli("attach", "--dry-run").stdout
+
+
+def test_ls_fits_80_columns_and_is_one_plain_line_per_job_in_a_pipe(client, monkeypatch, tmp_path):
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    for i, state in enumerate(("FINISHED", "CRASHED", "RUNNING")):
+        record(client, f"a-rather-long-job-name-20261130T10000{i}Z-aaa{i}", state=state)
+    piped = run_cli("ls")
+    lines = piped.stdout.splitlines()
+    assert piped.code == 0 and len(lines) == 3 and all(len(x.split("\t")) == 7 for x in lines), piped.stdout
+    assert lines[0].split("\t")[:3] == ["a-rather-long-job-name-20261130T100002Z-aaa2", "testbox", "RUNNING"]
+    sock, done = f"ls-{tmp_path.name}", tmp_path / "done"
+    tmux = ["tmux", "-L", sock]
+    subprocess.run([*tmux, "new-session", "-d", "-x", "80", "-y", "30", "-s", "l", "-c", str(client.project),
+                    "-e", f"HOME={client.home}", "-e", f"DFLASHCTL_STATE_DIR={client.home / 'state'}",
+                    f"{sys.executable} -m dflashctl ls; echo $? > {done}; sleep 60"], check=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "l"], capture_output=True, text=True).stdout
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+    assert done.read_text().strip() == "0", screen
+    assert max(len(x.rstrip()) for x in screen.splitlines()) <= 80, screen
+    for word in ("FINISHED", "CRASHED", "RUNNING", "a-rather-long-job-name-20261130T100002Z-aaa2"):
+        assert word in screen, screen  # cells whole, never wrapped mid-word
+    assert "--wide shows them" in screen

@@ -285,7 +285,10 @@ class SshRunner(Runner):
         except socket.gaierror:
             alias = self.host.ssh.rpartition("@")[2] if self.host.ssh else "?"
             hint = f"`{alias}` is not a Host in your ssh config and " if not target.in_config else ""
-            raise UnreachableError(f"{where}: cannot connect: {hint}no such host name") from None
+            named = ""
+            if not target.in_config and self.host.name == alias:  # a bare name, not a host of dflashctl.yaml
+                named = f"; to name a host `{alias}`, define it in dflashctl.yaml (see dflashctl.example.yaml)"
+            raise UnreachableError(f"{where}: cannot connect: {hint}no such host name{named}") from None
         except (OSError, EOFError, paramiko.SSHException) as e:
             reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
             if "banner" in reason.lower() or "no existing session" in reason.lower():
