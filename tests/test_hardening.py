@@ -220,6 +220,7 @@ def test_a_full_disk_fails_the_deploy_and_keeps_the_previous_release(cli, client
     (root / "big.bin").write_bytes(os.urandom(400 << 10))
     res = cli("deploy", "testbox", "--workdir", str(wd))
     assert res.code == 1 and "No space left" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert "None" not in res.stderr
     assert tree(wd / "code") == before
     assert not [d for d in os.listdir(wd / "releases") if d.startswith(".staging")]
 

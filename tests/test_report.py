@@ -216,3 +216,17 @@ def test_extreme_values_are_skipped_and_counted_and_a_nan_stretch_is_named(tmp_p
     plots._close(plots.figure([s]))  # draws
     plots.write_png([s], tmp_path / "x.png")
     assert plots.terminal([s], 80)
+
+
+def test_a_cpu_run_says_it_has_no_gpu_history_instead_of_empty_shaded_panels(tmp_path):
+    from dflashctl.show import plots
+
+    write_run(tmp_path / "cpu")
+    (tmp_path / "cpu" / "gpu.jsonl").unlink()
+    s = report.series("cpu", probe.history({"run_dir": str(tmp_path / "cpu")}))
+    fig = plots.figure([s])
+    util = next(ax for ax in fig.axes if ax.get_title() == "GPU util %")
+    assert not util.patches and any("no GPU history" in t.get_text() for t in util.texts)
+    assert all(len(ax.get_xticks()) <= 8 for ax in fig.axes)
+    plots._close(fig)
+    assert "no GPU history" in plots.terminal([s], 80)

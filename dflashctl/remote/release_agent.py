@@ -324,7 +324,10 @@ def main() -> int:
     try:
         answer = release(req, sys.stdin.buffer)
     except (ReleaseError, OSError, tarfile.TarError, ValueError, EOFError) as e:
-        detail = f"{e.strerror}: {e.filename}" if isinstance(e, OSError) and e.strerror else str(e)
+        if isinstance(e, OSError) and e.strerror:  # a full disk's ENOSPC may name no file: never ": None"
+            detail = f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+        else:
+            detail = str(e)
         sys.stdout.write(json.dumps({"ok": False, "error": f"{type(e).__name__}: {detail}"}))
         return 1
     sys.stdout.write(json.dumps(answer))

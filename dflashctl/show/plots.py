@@ -29,8 +29,11 @@ def figure(runs: list[RunSeries]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(3, 3, figsize=(15, 11), constrained_layout=True)
     flat = list(axes.flat)
+    has_gpu = any(run.gpu for run in runs)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
         c = colours[i % len(colours)]
@@ -54,6 +57,10 @@ def figure(runs: list[RunSeries]):
         for ax, (key, title) in zip(flat[6:], TIME_PANELS, strict=True):
             ax.set_title(title)
             ax.set_xlabel("minutes")
+            if not has_gpu:  # a CPU run: say so, rather than empty panels shaded as preflight
+                ax.text(0.5, 0.5, "no GPU history\n(a CPU run, or no NVML where it ran)", ha="center", va="center",
+                        transform=ax.transAxes, alpha=0.6)  # fmt: skip
+                continue
             for index, g in sorted(run.gpu.items()):
                 xs, ys = _pairs([t / 60 for t in g["time"]], g[key])
                 ax.plot(xs, ys, color=c, alpha=0.5 + 0.5 / (1 + index), linewidth=1, label=f"{run.job} gpu{index}")
@@ -64,6 +71,7 @@ def figure(runs: list[RunSeries]):
                 ax.axvline(m.time / 60, color="red" if m.kind == "verdict" else c, linestyle=style, linewidth=1,
                            label=m.label)  # fmt: skip
     for ax in flat:
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=6))  # overlaid runs of other lengths: labels never collide
         handles, labels = ax.get_legend_handles_labels()
         if handles:
             seen = dict(zip(labels, handles, strict=True))  # one entry per label
@@ -133,5 +141,5 @@ def terminal(runs: list[RunSeries], width: int = 80) -> str:
         if drawn:
             out.append(plt.build())
         else:
-            out.append(f"{title}: no data")
+            out.append(f"{title}: no data" + (" (no GPU history: a CPU run)" if key == "util" else ""))
     return "\n".join(out)
