@@ -168,7 +168,7 @@ def split_step(parts, opt, batch, kernel: str) -> dict:
     backward, optimiser."""
     import torch
 
-    from trainer.model import block_loss
+    from trainer.model.drafter import block_loss
 
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
     b = batch.to(parts.device)
@@ -200,7 +200,7 @@ def real_step(parts, opt, batch) -> float:
     """The trainer's own path (forward_loss, backward, clip, AdamW); seconds."""
     import torch
 
-    from trainer.loop import forward_loss
+    from trainer.run.loop import forward_loss
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -217,7 +217,7 @@ def variants(parts, opt, batch, S: int) -> dict:
     """Each improvement switched off in turn, on the same compiled graphs: tokens/s and peak memory."""
     import torch
 
-    from trainer.model import RMSNorm
+    from trainer.model.drafter import RMSNorm
 
     out = {}
 
@@ -284,7 +284,7 @@ def isolated_attention(parts, batch, reps: int = 20) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from trainer.attention import DenseBackend, FlexBackend
+    from trainer.model.attention import DenseBackend, FlexBackend
 
     b = batch.to("cuda")
     S, A, bs = b.seq_len, b.anchors.shape[1], b.block_size
@@ -344,9 +344,9 @@ def isolated_attention(parts, batch, reps: int = 20) -> dict:
 def step_benchmark(steady_steps: int, isolated: bool = True) -> dict:
     import torch
 
-    from trainer.compile_policy import graphs_compiled, unfreeze_compiles
     from trainer.config import from_dict
-    from trainer.loop import build, dummy_batch, make_batch, preflight
+    from trainer.model.compile_policy import graphs_compiled, unfreeze_compiles
+    from trainer.run.loop import build, dummy_batch, make_batch, preflight
 
     rep: dict = {"peak_matmul_tflops": round(matmul_tflops(), 1)}
     print(f"matmul: {rep['peak_matmul_tflops']} TFLOP/s", flush=True)

@@ -26,8 +26,8 @@ def main() -> None:
     import torch
     import torch.nn.functional as F
 
-    from trainer import ce_kernel
-    from trainer.loss import linear_cross_entropy
+    from trainer.model import ce_kernel
+    from trainer.model.loss import linear_cross_entropy
 
     dev = torch.device("cuda")
     N, C, V = args.rows, 4096, 151936

@@ -95,7 +95,7 @@ def llama_cfg(parallel, anchors: int = 512, steps: int = 12) -> dict:
 def non_attention_flops(S: int, A: int, bs: int) -> float:
     """The performance issue's count without attention scores: target forward to the last layer id, drafter forward
     and backward (dX, dW), LM head and loss forward and backward; for the 70B shape and the drafter above."""
-    from trainer.target import default_layer_ids, llama3_70b_config
+    from trainer.model.target import default_layer_ids, llama3_70b_config
 
     t = llama3_70b_config()
     C, H, G, D, inter, V = (t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"],

@@ -32,9 +32,9 @@ def export_bench(work: Path) -> dict:
     import torch
 
     from trainer.config import from_dict
-    from trainer.export import draft_config, read_export, write_export
-    from trainer.loop import build
-    from trainer.model import Drafter, drafter_dims
+    from trainer.model.dflash_format import draft_config, read_export, write_export
+    from trainer.model.drafter import Drafter, drafter_dims
+    from trainer.run.loop import build
 
     cfg = from_dict({**QWEN3_8B_WORKLOAD, "device": "cuda"})
     parts = build(cfg, for_training=False)
@@ -65,11 +65,11 @@ def export_bench(work: Path) -> dict:
 def bench_tau_bench(work: Path, prompts: int, max_new: int) -> dict:
     import torch
 
-    from trainer import bench_tau
     from trainer.config import from_dict
-    from trainer.loop import build
-    from trainer.prompts import read_prompts
-    from trainer.tiny import build_tokenizer, chat_samples
+    from trainer.data.prompts import read_prompts
+    from trainer.data.tiny import build_tokenizer, chat_samples
+    from trainer.run.loop import build
+    from trainer.serve import bench_tau
 
     tok = build_tokenizer()
     qs = [r["messages"][-2]["content"] for r in chat_samples(prompts, seed=3)]

@@ -45,8 +45,8 @@ def main() -> None:
     import torch
 
     from trainer.config import from_dict
-    from trainer.loop import autocast, build, dummy_batch
-    from trainer.mask import block_mask_from_anchors
+    from trainer.model.mask import block_mask_from_anchors
+    from trainer.run.loop import autocast, build, dummy_batch
 
     out: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     cfg = from_dict({**QWEN3_8B_WORKLOAD, "device": "cuda"})

@@ -34,8 +34,15 @@ from bench.common import QWEN3_8B_WORKLOAD  # noqa: E402
 def mask_bench() -> dict:
     import torch
 
-    from trainer.attention import DenseBackend, FlexBackend
-    from trainer.mask import TILE, anchor_generator, block_mask_from_anchors, dense_mask, sample_anchors, tile_maps
+    from trainer.model.attention import DenseBackend, FlexBackend
+    from trainer.model.mask import (
+        TILE,
+        anchor_generator,
+        block_mask_from_anchors,
+        dense_mask,
+        sample_anchors,
+        tile_maps,
+    )
 
     dev = torch.device("cuda")
     S, A, bs = 3072, 512, 16

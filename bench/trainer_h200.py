@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from trainer.attention import DenseBackend, FlexBackend  # noqa: E402
-from trainer.compile_policy import unfreeze_compiles  # noqa: E402
 from trainer.config import from_dict  # noqa: E402
-from trainer.mask import sample_anchors  # noqa: E402
-from trainer.run import train  # noqa: E402
+from trainer.model.attention import DenseBackend, FlexBackend  # noqa: E402
+from trainer.model.compile_policy import unfreeze_compiles  # noqa: E402
+from trainer.model.mask import sample_anchors  # noqa: E402
+from trainer.run.training import train  # noqa: E402
 
 CONFIG = {
     "target": {"random_preset": "qwen3-8b", "dtype": "bfloat16"},

@@ -215,7 +215,7 @@ def tiny_dir(tmp_path_factory) -> Path:
     """A tiny target directory (weights, tokenizer with a chat template and a mask token) and a chat dataset."""
     import json
 
-    from trainer.tiny import chat_samples, write_tiny_target
+    from trainer.data.tiny import chat_samples, write_tiny_target
 
     out = tmp_path_factory.mktemp("tiny")
     write_tiny_target(out / "target")

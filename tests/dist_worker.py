@@ -10,8 +10,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import load_config  # noqa: E402
-from trainer.distributed import init_world, shutdown  # noqa: E402
-from trainer.run import train  # noqa: E402
+from trainer.run.distributed import init_world, shutdown  # noqa: E402
+from trainer.run.training import train  # noqa: E402
 
 if __name__ == "__main__":
     cfg_path, run_dir = sys.argv[1], Path(sys.argv[2])

@@ -11,10 +11,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import from_dict, parse_parallel  # noqa: E402
-from trainer.distributed import init_world, shutdown  # noqa: E402
-from trainer.loop import build  # noqa: E402
-from trainer.parallel import make_layout  # noqa: E402
-from trainer.run import train  # noqa: E402
+from trainer.model.parallel import make_layout  # noqa: E402
+from trainer.run.distributed import init_world, shutdown  # noqa: E402
+from trainer.run.loop import build  # noqa: E402
+from trainer.run.training import train  # noqa: E402
 
 BASE = {
     "target": {"random_preset": "tiny-qwen3", "dtype": "float32", "init_std": 0.02},

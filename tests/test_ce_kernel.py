@@ -15,8 +15,8 @@ pytest.importorskip("triton")
 
 CHECK = r'''
 import torch, torch.nn.functional as F
-from trainer.ce_kernel import available, fused_linear_cross_entropy
-from trainer.model import block_loss
+from trainer.model.ce_kernel import available, fused_linear_cross_entropy
+from trainer.model.drafter import block_loss
 
 assert available(torch.device("cpu"))
 torch.manual_seed(0)

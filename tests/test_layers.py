@@ -62,3 +62,42 @@ def test_no_import_cycle_between_dflashctl_modules():
     for m in graph:
         if m not in state:
             visit(m, [])
+
+
+TRAINER_LAYERS = {"errors": 0, "config": 0, "model": 1, "data": 2, "run": 3, "serve": 4}  # entry points on top
+
+
+def trainer_layer(module: str) -> int:
+    parts = module.split(".")
+    return TRAINER_LAYERS.get(parts[1], 5) if len(parts) > 1 else 5
+
+
+def test_the_trainer_is_grouped_by_layer_with_no_arrow_up_and_no_circle():
+    mods = {module_name(p): p for p in (ROOT / "trainer").rglob("*.py")}
+    assert {m.split(".")[1] for m in mods if m.count(".") >= 2} == {"model", "data", "run", "serve"}
+    flat = [m for m in mods if m.count(".") == 1 and mods[m].name != "__init__.py"]
+    assert sorted(flat) == ["trainer.bench_tau", "trainer.config", "trainer.errors", "trainer.export",
+                            "trainer.regenerate", "trainer.tiny", "trainer.train"]  # bottom, and the entry points
+    graph = {}
+    for m, p in mods.items():
+        deps = set()
+        for i in imports(p):
+            target = i if i in mods else i.rsplit(".", 1)[0] if i.rsplit(".", 1)[0] in mods else None
+            if target and target != m and mods[target].name != "__init__.py":
+                deps.add(target)
+        graph[m] = deps
+        for d in deps:
+            assert trainer_layer(d) <= trainer_layer(m), f"{m} imports {d}: an arrow up"
+    state: dict[str, int] = {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in graph[m]:
+            assert state.get(n) != 1, " -> ".join(path + [m, n])
+            if n not in state:
+                visit(n, path + [m])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [])

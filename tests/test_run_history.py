@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.gpu_history import GpuHistory
-from trainer.metrics import Heartbeat
+from trainer.run.gpu_history import GpuHistory
+from trainer.run.metrics import Heartbeat
 
 FAKE_NVML = Path(__file__).parent / "fakes" / "nvml"
 
@@ -78,7 +78,7 @@ def test_tensorboard_event_files_hold_the_step_curves(tmp_path):
 
     from tests.test_trainer_export import CONFIG
     from trainer.config import from_dict
-    from trainer.run import train
+    from trainer.run.training import train
 
     cfg = from_dict({**CONFIG, "eval": {"at_end": True, "prompts": 2, "max_new_tokens": 8}})
     train(cfg, run_dir=tmp_path / "run", log=lambda s: None)
@@ -99,7 +99,7 @@ def test_a_logger_asked_for_and_not_installed_is_a_config_error(tmp_path, monkey
     from tests.test_trainer_export import CONFIG
     from trainer.config import from_dict
     from trainer.errors import ConfigError
-    from trainer.run import train
+    from trainer.run.training import train
 
     real = __import__("importlib.util").util.find_spec
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from trainer import bench_tau
 from trainer.config import from_dict
-from trainer.export import draft_config, write_export
-from trainer.loop import build
-from trainer.prompts import read_prompts, render
+from trainer.data.prompts import read_prompts, render
+from trainer.model.dflash_format import draft_config, write_export
+from trainer.run.loop import build
+from trainer.serve import bench_tau
 
 MAX_NEW = 10
 
@@ -23,7 +23,7 @@ def drafter_dir(tiny_dir, tmp_path_factory):
                      "drafter": {"num_layers": 2, "block_size": 8}, "attention": {"backend": "dense"},
                      "data": {"seq_buckets": [128]}, "device": "cpu"})  # fmt: skip
     parts = build(cfg, for_training=False)
-    from trainer.model import drafter_dims
+    from trainer.model.drafter import drafter_dims
 
     dims = drafter_dims(parts.target.config, 2, len(parts.target.layer_ids), {})
     config = draft_config(dims, 8, parts.target.layer_ids, parts.mask_token_id, parts.target.config)
@@ -79,7 +79,7 @@ def test_a_prompt_that_cannot_fit_is_skipped_and_counted_never_cut(capsys, tiny_
     short, long_ = tmp_path / "mixed.jsonl", "count " * 120
     short.write_text(json.dumps({"question": "count after two ."}) + "\n" + json.dumps({"question": long_}) + "\n")
     tok_limit = bench_tau.length_limit([5], 1, MAX_NEW, 8)  # what a 5-token prompt alone would get
-    from trainer.data import load_tokenizer
+    from trainer.data.dataset import load_tokenizer
 
     tok = load_tokenizer(str(tiny_dir / "target"))
     _, convs = read_prompts(short)
@@ -109,7 +109,7 @@ def test_a_drafter_of_another_shape_or_no_export_is_exit_2(capsys, tmp_path, tin
 
 
 def test_thinking_switch_reaches_the_chat_template(tiny_dir):
-    from trainer.data import load_tokenizer
+    from trainer.data.dataset import load_tokenizer
 
     tok = load_tokenizer(str(tiny_dir / "target"))
     tok.chat_template = tok.chat_template + "{% if enable_thinking is defined and not enable_thinking %}say {% endif %}"

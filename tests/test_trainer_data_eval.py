@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from tests.conftest import run_trainer_cli
-from trainer import eval as spec
 from trainer.config import from_dict
-from trainer.data import make_dataset, parse_record
-from trainer.loop import build
-from trainer.run import train
-from trainer.tiny import build_tokenizer
+from trainer.data.dataset import make_dataset, parse_record
+from trainer.data.tiny import build_tokenizer
+from trainer.run import eval as spec
+from trainer.run.loop import build
+from trainer.run.training import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,7 +100,7 @@ def multi_turn(first_answer: str) -> list[dict]:
 
 def regenerate_here(cmd: list[str], capsys) -> tuple[int, str]:
     """`python -m trainer.regenerate ARGS` in this process (its model load costs a second, not a new interpreter)."""
-    from trainer import regenerate as regen
+    from trainer.data import regenerate as regen
 
     code = regen.main(cmd[cmd.index("trainer.regenerate") + 1 :])
     out, err = capsys.readouterr()

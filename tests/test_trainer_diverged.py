@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer import checkpoint
 from trainer.errors import EXIT_DIVERGED
-from trainer.metrics import validate_record
+from trainer.run import checkpoint
+from trainer.run.metrics import validate_record
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = """
@@ -43,7 +43,7 @@ def train(tmp_path: Path, target: str, steps: int, extra: str = "", env: dict | 
 
 def overflowing_target(tmp_path: Path) -> Path:
     """The tiny target with its embedding scaled past float32's range: every hidden state is inf, every loss NaN."""
-    from trainer.tiny import write_tiny_target
+    from trainer.data.tiny import write_tiny_target
 
     out = write_tiny_target(tmp_path / "tiny")
     target = out if (out / "config.json").exists() else out / "target"
@@ -103,7 +103,7 @@ def test_a_run_that_turns_nan_keeps_its_last_finite_checkpoint_and_resume_starts
 
 def test_non_finite_weights_are_never_saved_or_exported(tmp_path):
     from trainer.errors import NonFiniteWeightsError
-    from trainer.export import write_export
+    from trainer.model.dflash_format import write_export
 
     lin = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(lin.parameters())

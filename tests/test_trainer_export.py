@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from trainer.config import from_dict
-from trainer.export import read_export, write_export
-from trainer.loop import build
-from trainer.mask import build_blocks, dense_mask
+from trainer.model.dflash_format import read_export, write_export
+from trainer.model.mask import build_blocks, dense_mask
+from trainer.run.loop import build
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {
@@ -157,9 +157,9 @@ def test_mask_token_is_dedicated_never_pad_or_eos(tiny_dir):
     """The tokenizer's mask token first; else the family's published id; else a config error naming the key."""
     from types import SimpleNamespace
 
-    from trainer.data import load_tokenizer
+    from trainer.data.dataset import load_tokenizer
     from trainer.errors import ConfigError
-    from trainer.loop import resolve_mask_token
+    from trainer.run.loop import resolve_mask_token
 
     cfg = from_dict(CONFIG)
     tok = load_tokenizer(str(tiny_dir / "target"))

@@ -11,12 +11,12 @@ import textwrap
 import pytest
 import torch
 
-from trainer.attention import DenseBackend, FlexBackend
-from trainer.compile_policy import graphs_compiled, unfreeze_compiles
 from trainer.config import from_dict
-from trainer.data import make_dataset
-from trainer.loop import build, forward_loss, make_batch, preflight
-from trainer.mask import sample_anchors
+from trainer.data.dataset import make_dataset
+from trainer.model.attention import DenseBackend, FlexBackend
+from trainer.model.compile_policy import graphs_compiled, unfreeze_compiles
+from trainer.model.mask import sample_anchors
+from trainer.run.loop import build, forward_loss, make_batch, preflight
 
 pytestmark = pytest.mark.slow
 
@@ -85,8 +85,8 @@ def test_zero_recompiles_after_preflight():
 GUARD_SCRIPT = textwrap.dedent(
     """
     import resource, sys, torch
-    from trainer.attention import FlexBackend
-    from trainer.compile_policy import apply_compile_policy
+    from trainer.model.attention import FlexBackend
+    from trainer.model.compile_policy import apply_compile_policy
     from trainer.errors import DenseFallbackError
     mode = sys.argv[1]
     flex = FlexBackend()

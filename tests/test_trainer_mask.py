@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from trainer.mask import anchor_generator, build_blocks, dense_mask, sample_anchors
+from trainer.model.mask import anchor_generator, build_blocks, dense_mask, sample_anchors
 
 
 def test_mask_small_case_by_hand():
@@ -62,7 +62,7 @@ def test_anchors_reproducible_and_among_response_positions():
 
 def _check_tiles(anchors, valid, seq_len, bs):
     """The tile maps against the dense mask: no allowed tile missed, full tiles all allowed, empty tiles empty."""
-    from trainer.mask import TILE, tile_maps
+    from trainer.model.mask import TILE, tile_maps
 
     partial, full = tile_maps(anchors, valid, seq_len, bs)
     dense = dense_mask(anchors, valid, seq_len, bs)[:, 0]  # [B, Q, KV]
@@ -100,7 +100,7 @@ def test_tile_maps_are_exact_for_random_unsorted_and_padding_anchors():
 
 
 def test_every_allowed_entry_lies_in_a_tile_the_block_mask_lists():
-    from trainer.mask import block_mask_from_anchors
+    from trainer.model.mask import block_mask_from_anchors
 
     anchors = torch.tensor([[5, 200, 130, 0] * 4, [300, 17, 0, 0] * 4])  # 16 blocks of 8: one query tile
     valid = torch.tensor([[True] * 16, [True, True, False, False] * 4])

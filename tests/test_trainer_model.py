@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from trainer.config import TargetConfig, from_dict
-from trainer.data import make_dataset
-from trainer.loop import build, forward_loss, make_batch
-from trainer.run import train
-from trainer.target import default_layer_ids, load_target
+from trainer.data.dataset import make_dataset
+from trainer.model.target import default_layer_ids, load_target
+from trainer.run.loop import build, forward_loss, make_batch
+from trainer.run.training import train
 
 
 def test_default_layer_ids_match_design():
@@ -87,7 +87,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 def test_fused_lm_head_cross_entropy_matches_the_plain_one():
     """Chunked CE through the frozen head (no stored logits): same loss, accuracy and input gradient."""
-    from trainer.model import block_loss
+    from trainer.model.drafter import block_loss
 
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(32, 500, bias=False).requires_grad_(False)

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainer import checkpoint
-from trainer.metrics import validate_record
+from trainer.run import checkpoint
+from trainer.run.metrics import validate_record
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = """

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     def fatal(kind: str, message: str, **fields) -> None:
         if run_dir is None:
             return
-        from trainer.metrics import MetricsWriter
+        from trainer.run.metrics import MetricsWriter
 
         MetricsWriter(run_dir, True).event("fatal", always=True, kind=kind, message=message, rank=int(rank), **fields)
 
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         if run_dir:
             run_dir.mkdir(parents=True, exist_ok=True)
         from trainer.config import load_config
-        from trainer.distributed import init_world
-        from trainer.run import train
+        from trainer.run.distributed import init_world
+        from trainer.run.training import train
 
         cfg = load_config(args.config)
         if args.steps is not None:
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CRASH
     finally:
         if world is not None:
-            from trainer.distributed import shutdown
+            from trainer.run.distributed import shutdown
 
             shutdown(world)
 

@@ -28,7 +28,6 @@ def figure(runs: list[RunSeries]):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(3, 3, figsize=(15, 11), constrained_layout=True)

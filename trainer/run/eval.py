@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.loop import Parts, drafter_output
-from trainer.mask import bucket_for, build_blocks
-from trainer.target import end_token_ids
+from trainer.model.mask import bucket_for, build_blocks
+from trainer.model.target import end_token_ids
+from trainer.run.loop import Parts, drafter_output
 
 
 def eval_anchors(block_size: int) -> int:

@@ -17,7 +17,7 @@ import torch
 
 from trainer.config import DataConfig
 from trainer.errors import ConfigError
-from trainer.mask import bucket_for
+from trainer.model.mask import bucket_for
 
 Sample = tuple[torch.Tensor, torch.Tensor]
 Generate = Callable[[list[list[int]], int], list[list[int]]]

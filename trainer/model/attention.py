@@ -17,7 +17,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from trainer.errors import ConfigError, DenseFallbackError
-from trainer.mask import block_mask_from_anchors, dense_mask, dense_score_gib
+from trainer.model.mask import block_mask_from_anchors, dense_mask, dense_score_gib
 
 
 def _likely_cause(limit_hit: bool = False) -> str:

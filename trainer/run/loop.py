@@ -14,20 +14,14 @@ from pathlib import Path
 
 import torch
 
-from trainer.attention import make_backend
-from trainer.compile_policy import apply_compile_policy, freeze_compiles
 from trainer.config import TrainConfig
-from trainer.data import Dataset
+from trainer.data.dataset import Dataset
 from trainer.errors import ConfigError
-from trainer.mask import BlockBatch, anchor_generator, build_blocks, sample_anchors
-from trainer.model import Drafter, block_loss, drafter_dims
-from trainer.target import Target, load_target
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+from trainer.model.attention import make_backend
+from trainer.model.compile_policy import apply_compile_policy, freeze_compiles
+from trainer.model.drafter import Drafter, block_loss, drafter_dims
+from trainer.model.mask import BlockBatch, anchor_generator, build_blocks, sample_anchors
+from trainer.model.target import Target, load_target, resolve_device  # noqa: F401 - resolve_device: its callers
 
 
 def check_backend_supports_training(cfg: TrainConfig, device: torch.device, source: str) -> None:
@@ -35,7 +29,7 @@ def check_backend_supports_training(cfg: TrainConfig, device: torch.device, sour
     if cfg.grad_reduce_dtype == "bfloat16" and device.type == "cpu":
         raise ConfigError(source, "grad_reduce_dtype", "a bfloat16 gradient all-reduce needs NCCL (CUDA); use float32")
     if cfg.optim.loss_kernel == "fused":
-        from trainer import ce_kernel
+        from trainer.model import ce_kernel
 
         if not ce_kernel.available(device):
             raise ConfigError(source, "optim.loss_kernel", f"fused needs Triton on CUDA (or TRITON_INTERPRET=1 on the "
@@ -100,7 +94,7 @@ def soft_tokenizer(cfg: TrainConfig):
     if path is None:
         return None
     try:
-        from trainer.data import load_tokenizer
+        from trainer.data.dataset import load_tokenizer
 
         return load_tokenizer(path)
     except (ConfigError, ImportError):
@@ -111,8 +105,8 @@ def plan_memory(cfg: TrainConfig, device: torch.device, layout, source: str) -> 
     """Per-rank memory from the configs alone (trainer/memory_plan.py), checked against the GPU (or
     `target.memory_gib`) before the target is loaded: a plan that does not fit is a config error naming a mode that
     would. None when there is nothing to check against (the CPU without memory_gib)."""
-    from trainer import memory_plan
-    from trainer.target import DTYPES, default_layer_ids, target_config
+    from trainer.model.target import DTYPES, default_layer_ids, target_config
+    from trainer.run import memory_plan
 
     if cfg.target.memory_gib is not None:
         budget = cfg.target.memory_gib * memory_plan.GiB
@@ -138,7 +132,7 @@ def build(
     cfg: TrainConfig, source: str = "<config>", for_training: bool = True, device: torch.device | None = None,
     layout=None,
 ) -> Parts:  # fmt: skip
-    from trainer.parallel import Layout
+    from trainer.model.parallel import Layout
 
     device = device or resolve_device(cfg.device)
     layout = layout or Layout("replicate", 1, 1, 0)
@@ -161,7 +155,7 @@ def build(
     drafter = Drafter(dims, d.activation_checkpointing).to(device)
     mask_id = resolve_mask_token(cfg, target.config, soft_tokenizer(cfg), source)
     if d.init_from:  # fine-tune a drafter in the public DFlash format
-        from trainer.export import check_matches, draft_config, read_export
+        from trainer.model.dflash_format import check_matches, draft_config, read_export
 
         config, weights = read_export(Path(d.init_from), source)
         expected = draft_config(dims, d.block_size, target.layer_ids, mask_id, target.config)

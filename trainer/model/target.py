@@ -58,6 +58,12 @@ def default_layer_ids(num_target_layers: int, num_drafter_layers: int) -> list[i
     return [round(lo + i * (hi - lo) / (num_drafter_layers - 1)) for i in range(num_drafter_layers)]
 
 
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
 class _StopForward(Exception):
     pass
 
@@ -172,7 +178,7 @@ def build_model(cfg: TargetConfig, device: torch.device, source: str = "<config>
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from trainer.parallel import init_meta_target, shard_target
+    from trainer.model.parallel import init_meta_target, shard_target
 
     hf_logging.disable_progress_bar()  # the log is for the trainer's lines; a bar per load only adds noise
     dtype = DTYPES[cfg.dtype]

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.compile_policy import PolicyInBackward
-from trainer.loss import linear_cross_entropy
+from trainer.model.compile_policy import PolicyInBackward
+from trainer.model.loss import linear_cross_entropy
 
 
 @dataclass
@@ -179,7 +179,7 @@ def block_loss(
     sel = weights > 0  # [B, Q]
     h = hidden_BQC[sel]  # [N, C]
     if kernel != "plain" and not fused and lm_head.bias is None:
-        from trainer import ce_kernel
+        from trainer.model import ce_kernel
 
         if kernel == "fused" or ce_kernel.available(h.device):
             with torch.autocast(h.device.type, enabled=False):

@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer import faults
 from trainer.errors import NonFiniteWeightsError
+from trainer.model.dflash_format import nonfinite
+from trainer.run import faults
 
 NAME = re.compile(r"^step-(\d{8})$")
 
@@ -58,11 +59,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def nonfinite(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Names of the floating-point tensors holding NaN or inf (one reduction per tensor; no copy)."""
-    return [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
 
 
 def save(

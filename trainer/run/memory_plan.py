@@ -40,7 +40,7 @@ def target_shapes(hf_config, drafter_dims, n_layer_ids: int, dtype_bytes: int) -
     """Parameter counts from the configs alone: both models built on the meta device (no memory, a second)."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.model import Drafter
+    from trainer.model.drafter import Drafter
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)

@@ -1,0 +1,202 @@
+"""`python -m trainer.bench_tau`: the acceptance length of any drafter in the public DFlash format, on your prompts.
+
+    python -m trainer.bench_tau --target TARGET_DIR --drafter DRAFTER_DIR --prompts gsm8k.jsonl [--prompts mt.jsonl]
+        [--max-new-tokens 2048] [--thinking off] [--limit N] [--json] [--out per_prompt.jsonl]
+
+The target decodes greedily with the drafter proposing each block (trainer.eval's loop: the output equals plain
+greedy decoding), through the target's chat template; MT-Bench records answer each turn in order with the generated
+answers kept in the history. tau is reported as the published evaluators do (the mean of per-prompt means) and pooled
+(all tokens gained over all drafting steps), both named. Works for a drafter of this trainer or a published one.
+Nothing is downloaded: the target and the prompt files are local.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trainer.data.prompts import Conversation, read_prompts, render
+from trainer.errors import EXIT_CONFIG, ConfigError
+
+
+@dataclass
+class SetResult:
+    prompt_set: str
+    prompts: int  # conversations decoded
+    skipped: int  # conversations whose prompt would not fit the length limit (never cut)
+    tau_prompt_mean: float  # the mean of per-prompt means (what the published evaluators report)
+    tau_pooled: float  # all tokens gained over all drafting steps
+    tokens: int
+    draft_steps: int
+    seconds: float
+
+
+DEFAULT_MAX_PROMPT = 4096  # the published evaluators' prompts are far shorter; one huge prompt must not set the pace
+
+
+def prompt_cap(target: str, max_new_tokens: int, asked: int | None) -> int:
+    """The longest prompt decoded: --max-prompt-tokens, else the target's context less the new tokens (capped)."""
+    if asked is not None:
+        return asked
+    try:
+        context = int(json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings") or 0)
+    except (OSError, ValueError, TypeError):
+        context = 0
+    room = context - max_new_tokens if context else DEFAULT_MAX_PROMPT
+    return max(1, min(DEFAULT_MAX_PROMPT, room))
+
+
+def length_limit(prompt_lens: list[int], turns: int, max_new_tokens: int, block_size: int) -> int:
+    """Room for the longest first prompt plus every turn's answer and one block, in whole 128-token tiles."""
+    need = max(prompt_lens) + turns * (max_new_tokens + 64) + 2 * block_size
+    return 128 * math.ceil(need / 128)
+
+
+def read_draft_config(drafter: str) -> dict:
+    """The export's config.json (its weights are loaded once, by the trainer's `drafter.init_from`)."""
+    path = Path(drafter) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        why = getattr(e, "strerror", None) or e
+        raise ConfigError(str(path), "--drafter", f"not a drafter export: {why}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(str(path), "--drafter", "not a drafter export: expected a JSON object")
+    return config
+
+
+def build_parts(target: str, drafter: str, limit: int, device: str, dtype: str, config: dict | None = None):
+    """A model pair from a target directory and a drafter export; dense attention (a decoding block is 128 queries:
+    dense is cheap there and never recompiles for a new length)."""
+    from trainer.config import from_dict
+    from trainer.run.loop import build
+
+    config = config if config is not None else read_draft_config(drafter)
+    dc = config.get("dflash_config") or {}
+    buckets = sorted({*range(512, limit, 512), limit})
+    cfg = from_dict({
+        "target": {"path": target, "dtype": dtype, "layer_ids": dc.get("target_layer_ids"), "compile": "off"},
+        "drafter": {"num_layers": config.get("num_hidden_layers"), "block_size": dc.get("block_size"),
+                    "mask_token_id": dc.get("mask_token_id"), "intermediate_size": config.get("intermediate_size"),
+                    "num_heads": config.get("num_attention_heads"), "num_kv_heads": config.get("num_key_value_heads"),
+                    "head_dim": config.get("head_dim"), "init_from": drafter},
+        "attention": {"backend": "dense", "dense_max_gib": 64.0},
+        "data": {"seq_buckets": buckets},
+        "device": device,
+    }, f"{drafter}/config.json")  # fmt: skip
+    return build(cfg, f"{drafter}/config.json", for_training=False)
+
+
+def decode_conversation(parts, tok, conv: Conversation, max_new_tokens: int, thinking: bool, limit: int,
+                        cap: int | None = None):  # fmt: skip
+    """(tokens gained per drafting step over every turn, turns answered), or None when a turn's prompt does not fit."""
+    import torch
+
+    from trainer.run.eval import speculative_decode
+
+    msgs, gained = list(conv.history), []
+    bs = parts.cfg.drafter.block_size
+    for turn in conv.turns:
+        msgs.append({"role": "user", "content": turn})
+        ids = render(tok, msgs, thinking)
+        if len(ids) + max_new_tokens + bs > limit or (cap is not None and len(ids) > cap):
+            return None
+        out, steps = speculative_decode(parts, parts.drafter, torch.tensor(ids), max_new_tokens)
+        gained += steps
+        msgs.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)})
+    return gained, len(conv.turns)
+
+
+def bench_set(parts, tok, name: str, convs: list[Conversation], args, limit: int, out_file) -> SetResult:
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    per_prompt, tokens, steps, skipped = [], 0, 0, 0
+    for i, conv in enumerate(tqdm(convs, desc=name, unit="prompt", file=sys.stderr, disable=args.quiet)):
+        decoded = decode_conversation(parts, tok, conv, args.max_new_tokens, args.thinking == "on", limit,
+                                      getattr(args, "prompt_cap", None))  # fmt: skip
+        if decoded is None:
+            skipped += 1
+            continue
+        gained, turns = decoded
+        tokens, steps = tokens + sum(gained), steps + len(gained)
+        if gained:
+            per_prompt.append(sum(gained) / len(gained))
+        if out_file:
+            tau = round(sum(gained) / len(gained), 4) if gained else None
+            row = {"prompt_set": name, "index": i, "turns": turns, "tokens": sum(gained), "draft_steps": len(gained)}
+            out_file.write(json.dumps({**row, "tau": tau}) + "\n")
+    return SetResult(name, len(convs) - skipped, skipped, round(sum(per_prompt) / len(per_prompt), 4) if per_prompt
+                     else 0.0, round(tokens / steps, 4) if steps else 0.0, tokens, steps,
+                     round(time.perf_counter() - t0, 2))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainer.bench_tau", description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True, help="the target's directory (weights, tokenizer, chat template)")
+    ap.add_argument("--drafter", required=True, help="a drafter in the public DFlash format (config.json, weights)")
+    ap.add_argument("--prompts", required=True, action="append", help="a prompt file; repeat for several sets")
+    ap.add_argument("--max-new-tokens", type=int, default=2048)
+    ap.add_argument("--thinking", choices=["on", "off"], default="off", help="the chat template's enable_thinking")
+    ap.add_argument("--limit", type=int, default=None, help="the first N prompts of each set")
+    ap.add_argument("--max-prompt-tokens", type=int, default=None,
+                    help="a longer prompt is skipped and counted, never decoded (default: the target's context less "
+                    f"--max-new-tokens, at most {DEFAULT_MAX_PROMPT})")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    ap.add_argument("--out", default=None, help="also write one line per prompt to this JSONL")
+    ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = ap.parse_args(argv)
+    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1) or (
+            args.max_prompt_tokens is not None and args.max_prompt_tokens < 1):  # fmt: skip
+        print("config error: --max-new-tokens, --limit and --max-prompt-tokens must be at least 1", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        from trainer.data.dataset import load_tokenizer
+
+        sets = [read_prompts(p) for p in args.prompts]
+        sets = [(name, convs[: args.limit]) for name, convs in sets]
+        tok = load_tokenizer(args.target, "--target")
+        config = read_draft_config(args.drafter)
+        bs = int((config.get("dflash_config") or {}).get("block_size") or config.get("block_size") or 16)
+        firsts = [len(render(tok, c.history + [{"role": "user", "content": c.turns[0]}], args.thinking == "on"))
+                  for _, convs in sets for c in convs]  # fmt: skip
+        cap = args.prompt_cap = prompt_cap(args.target, args.max_new_tokens, args.max_prompt_tokens)
+        firsts = [n for n in firsts if n <= cap] or [min(firsts + [cap])]  # the limit fits the prompts decoded
+        turns = max(len(c.turns) for _, convs in sets for c in convs)
+        limit = length_limit(firsts, turns, args.max_new_tokens, bs)
+        parts = build_parts(args.target, args.drafter, limit, args.device, args.dtype, config)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (OSError, ValueError) as e:
+        print(f"config error: {args.drafter}/config.json: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    parts.drafter.eval()
+    out_file = open(args.out, "w") if args.out else None  # noqa: SIM115
+    try:
+        results = [bench_set(parts, tok, name, convs, args, limit, out_file) for name, convs in sets]
+    finally:
+        if out_file:
+            out_file.close()
+    summary = {"drafter": args.drafter, "target": args.target, "max_new_tokens": args.max_new_tokens,
+               "thinking": args.thinking, "block_size": parts.cfg.drafter.block_size,
+               "sets": [asdict(r) for r in results]}  # fmt: skip
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for r in results:
+            print(f"{r.prompt_set}: tau {r.tau_prompt_mean:.3f} (mean of per-prompt means), pooled {r.tau_pooled:.3f}"
+                  f"; {r.prompts} prompts, {r.skipped} skipped as too long, {r.tokens} tokens in {r.draft_steps} "
+                  f"draft steps, {r.seconds:.1f} s")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
