@@ -122,7 +122,7 @@ def doctor(host: str = HostArg, as_json: bool = JsonOpt, accept_new: bool = Acce
     root = find_project_root()
     if host.endswith((".yaml", ".yml")) and Path(host).is_file():
         from dflashctl.jobs.jobctl import rdzv_port_for, rendezvous_address
-        from dflashctl.jobs.jobfile import load_job
+        from dflashctl.model.jobfile import load_job
 
         job, _ = load_job(Path(host), root)
         hosts = [resolve_host(n.host, root) for n in job.nodes]

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from dflashctl.jobs import registry
-from dflashctl.jobs.registry import JobRecord
+from dflashctl.model.record import JobRecord
 from tests.conftest import run_cli
 
 

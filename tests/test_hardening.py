@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.jobs.jobfile import WatchConfig
-from dflashctl.jobs.registry import JobRecord
 from dflashctl.jobs.watch import Watcher
 from dflashctl.judge.health import assess
+from dflashctl.model.jobfile import WatchConfig
+from dflashctl.model.record import JobRecord
 from dflashctl.remote import probe, release_agent, sync
 from tests.conftest import run_cli
 

@@ -101,3 +101,21 @@ def test_the_trainer_is_grouped_by_layer_with_no_arrow_up_and_no_circle():
     for m in graph:
         if m not in state:
             visit(m, [])
+
+
+CLI_LAYERS = {"errors": 0, "config": 0, "outputs": 0, "model": 0, "judge": 0, "remote": 1, "jobs": 2, "show": 3}
+
+
+def test_dflashctl_has_no_arrow_up_between_its_layers():
+    """judge, the job model and config at the bottom; remote above them; jobs above remote; show and cli on top."""
+    mods = {module_name(p): p for p in (ROOT / "dflashctl").rglob("*.py")}
+
+    def layer(m: str) -> int:
+        parts = m.split(".")
+        return CLI_LAYERS.get(parts[1], 4) if len(parts) > 1 else 4
+
+    for m, p in mods.items():
+        for i in imports(p):
+            target = i if i in mods else i.rsplit(".", 1)[0]
+            if target in mods and target != m and mods[target].name != "__init__.py":
+                assert layer(target) <= layer(m), f"{m} imports {target}: an arrow up"

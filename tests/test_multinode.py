@@ -149,9 +149,9 @@ def test_doctor_checks_every_node_the_rendezvous_port_and_versions(two_hosts, tm
 
 def test_the_first_node_to_fail_is_named_not_the_one_that_lost_its_peer(client, monkeypatch):
     """Both nodes crashed in the same poll: the head's log shows gloo losing its peer, node b's the real error."""
-    from dflashctl.jobs.registry import JobRecord
     from dflashctl.jobs.watch import make_watcher
     from dflashctl.judge.health import Verdict
+    from dflashctl.model.record import JobRecord
 
     host = {"name": "nodea", "ssh": "testbox"}
     members = [{"node": i, "host_name": n, "host": {"name": n, "ssh": "testbox"}, "run_dir": f"/r/{n}",

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from dflashctl.config import HostConfig
-from dflashctl.jobs.registry import JobRecord
+from dflashctl.model.record import JobRecord
 from dflashctl.remote import session
 from dflashctl.remote.transport import Runner
 

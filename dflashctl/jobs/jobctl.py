@@ -20,9 +20,9 @@ from dflashctl.config import HostConfig, resolve_host
 from dflashctl.errors import ConfigError, NoSuchJobError, NothingToDoError, RefusedError, RemoteCommandError
 from dflashctl.jobs import control, registry
 from dflashctl.jobs.control import KillReport
-from dflashctl.jobs.jobfile import load_job
 from dflashctl.jobs.registry import JobRecord, Member
 from dflashctl.jobs.watch import judge, make_watcher
+from dflashctl.model.jobfile import load_job
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner
 from dflashctl.remote.sync import build_manifest, deploy, manifest_version, read_remote_state

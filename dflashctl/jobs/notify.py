@@ -11,15 +11,14 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from dflashctl.judge.health import FAILURES
+from dflashctl.model.jobfile import redact_url
 
 
 def redact(url: str) -> str:
-    """A webhook URL as every output shows it: `scheme://host/***` (its path is the credential)."""
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname or '?'}/***"
+    """A webhook URL as every output shows it (model/jobfile.redact_url)."""
+    return redact_url(url)
 
 
 @dataclass

@@ -16,11 +16,11 @@ from pydantic import BaseModel
 
 from dflashctl.errors import ProbeFailedError
 from dflashctl.jobs import control, registry
-from dflashctl.jobs.jobfile import WatchConfig
 from dflashctl.jobs.notify import Message, post
-from dflashctl.jobs.registry import JobRecord
 from dflashctl.judge.health import ADVICE, FAILURES, PEER_LOST, TERMINAL, History, Thresholds, Verdict, assess
 from dflashctl.judge.states import EXIT_BY_STATE  # noqa: E402,F401 - re-exported for callers of watch
+from dflashctl.model.jobfile import WatchConfig
+from dflashctl.model.record import JobRecord
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner
 from dflashctl.remote.transport import Runner

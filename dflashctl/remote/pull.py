@@ -24,9 +24,8 @@ from pathlib import Path
 
 from dflashctl import outputs
 from dflashctl.errors import DflashError, RefusedError, RemoteCommandError
-from dflashctl.jobs.jobfile import redact_env
-from dflashctl.jobs.notify import redact as redact_url
-from dflashctl.jobs.registry import JobRecord
+from dflashctl.model.jobfile import redact_env, redact_url
+from dflashctl.model.record import JobRecord
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner
 

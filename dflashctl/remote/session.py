@@ -20,8 +20,7 @@ import yaml
 
 from dflashctl.config import SAFE_NAME, HostConfig
 from dflashctl.errors import ConfigError, ProbeFailedError
-from dflashctl.jobs.jobfile import JobConfig, node_tag, redact_env
-from dflashctl.jobs.notify import redact as redact_url
+from dflashctl.model.jobfile import JobConfig, node_tag, redact_env, redact_url
 from dflashctl.remote import launcher, probe
 from dflashctl.remote.transport import Runner, container_prefix
 

@@ -168,7 +168,7 @@ class HashCache:
     the state dir (0600), one file per project root; a cache that cannot be read is simply rebuilt."""
 
     def __init__(self, root: Path) -> None:
-        from dflashctl.jobs.registry import state_dir
+        from dflashctl.model.record import state_dir
 
         key = hashlib.sha256(str(root.resolve()).encode("utf-8", "surrogateescape")).hexdigest()[:16]
         self.path = state_dir() / "hash-cache" / f"{key}.json"

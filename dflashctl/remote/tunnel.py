@@ -16,7 +16,7 @@ import socket
 from collections.abc import Callable
 
 from dflashctl.errors import ConfigError, RefusedError, RemoteCommandError
-from dflashctl.jobs.registry import JobRecord
+from dflashctl.model.record import JobRecord
 from dflashctl.remote.transport import Runner
 
 DOCKER_ADDRESS = "{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}"

@@ -292,3 +292,9 @@ def is_secret(name: str, extra: list[str] | tuple[str, ...] = ()) -> bool:
 def redact_env(env: dict[str, str], extra: list[str] | tuple[str, ...] = ()) -> dict[str, str]:
     """The environment as shown to people: values of secret-looking names are ***."""
     return {k: ("***" if is_secret(k, extra) else v) for k, v in env.items()}
+
+
+def redact_url(url: str) -> str:
+    """A webhook URL as every output shows it: `scheme://host/***` (its path is the credential)."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname or '?'}/***"
