@@ -129,3 +129,31 @@ def test_an_earlier_attempts_failure_is_not_judged_again():
              "step 904/20000 epoch 0 loss 2.2 acc 0.5 lr 5e-4 grad_norm 0.4 62,000 tok/s peak 58.1 GiB"]  # fmt: skip
     h = History(started_at=0.0, now=100.0, last_step=904, last_step_time=99.0, log_tail=lines, heartbeat_age_s=1.0)
     assert assess(h, Thresholds()).state == "RUNNING"
+
+
+@pytest.mark.parametrize(
+    "text, state, reason_part",
+    [
+        ("step 5 loss 2.0\nTraceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+         "RuntimeError: DataLoader worker (pid 12345) is killed by signal: Killed.\n", "HOST_OOM", "dataloader worker"),
+        ("NCCL WARN Error while creating shared memory segment /dev/shm/nccl-Ab12 (size 9637888)\n"
+         "include/shm.h:28 NCCL WARN Call to posix_fallocate failed : No space left on device\n", "DISK_FULL",
+         "--shm-size"),
+        ("step 3 loss 2\nTraceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+         "RuntimeError: CUDA error: out of memory\n", "OOM", "CUDA out of memory"),
+        ("step 3 loss 2.1\nTraceback (most recent call last):\n  File \"x.py\", line 9, in <module>\n"
+         "RuntimeError: Function 'MulBackward0' returned nan values in its 0th output.\n", "DIVERGED", "NaN/inf"),
+        ("Traceback (most recent call last):\n  File \"x.py\", line 9, in <module>\n"
+         "RuntimeError: CUDA error: no kernel image is available for execution on the device\n", "CONFIG_ERROR",
+         "restart repeats it"),
+        ("Traceback (most recent call last):\n  File \"x.py\", line 9, in <module>\n"
+         "OSError: /models/Qwen3-8B does not appear to have a file named config.json.\n", "CONFIG_ERROR",
+         "before its first step"),
+        ("{'loss': 2.1, 'epoch': 0.1}\n" + "{'loss': nan, 'grad_norm': nan, 'epoch': 0.2}\n" * 3, "DIVERGED",
+         "non-finite"),
+        ("Unable to determine the device handle for GPU0000:3B:00.0: Unknown Error\n", "GPU_FAULT", "device handle"),
+    ],
+)  # fmt: skip
+def test_more_real_shapes(text, state, reason_part):
+    v = diagnose_text(text)
+    assert v.state == state and reason_part in v.reason, v

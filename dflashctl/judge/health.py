@@ -48,7 +48,8 @@ ADVICE = {
 
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:\s?")
 TIMESTAMP_PREFIX = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ \S+\] ")
-OOM = re.compile(r"(CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED)")
+OOM = re.compile(r"(CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out of memory|"
+                 r"HIP out of memory)")  # fmt: skip
 OOM_SIZES = re.compile(r"Tried to allocate ([\d.]+) (MiB|GiB|TiB).*?total capacity of ([\d.]+) (MiB|GiB|TiB)")
 NCCL = re.compile(
     r"(Watchdog caught collective operation timeout|NCCL watchdog|ProcessGroupNCCL.*[Tt]imeout|"
@@ -63,7 +64,7 @@ UNITS = {"MiB": 1 / 1024, "GiB": 1.0, "TiB": 1024.0}
 # Exceptions that, raised before the first step, come back identically on every restart (a missing module or file)
 # Exceptions that, raised before the first step, come back identically on every restart (a missing module or file)
 START_ERRORS = re.compile(r"^(ModuleNotFoundError|ImportError|FileNotFoundError|SyntaxError|IsADirectoryError|"
-                          r"PermissionError|NotADirectoryError|IndentationError)\b")  # fmt: skip
+                          r"PermissionError|NotADirectoryError|IndentationError|OSError)\b")  # fmt: skip
 EARLY_S = 300.0  # a command job (no step records) counts as "before its first step" for this long
 # A line that reports a training loss, and the value it reports ("loss nan", "loss: inf", "'loss': NaN", "loss=-inf")
 LOSS_VALUE = re.compile(r"(?<![A-Za-z])(?:loss|grad_?norm|grad norm)['\"]?\s*[:=]?\s*['\"]?"
@@ -71,7 +72,16 @@ LOSS_VALUE = re.compile(r"(?<![A-Za-z])(?:loss|grad_?norm|grad norm)['\"]?\s*[:=
 DIVERGED_LINES = 3  # non-finite loss lines in a row, the newest loss line among them, make a divergence
 # Hardware: ECC, a GPU gone from the bus or lost, uncorrectable NVLink errors, and the kernel driver's Xid reports
 GPU_HW = re.compile(r"(uncorrectable ECC error|ECC_UNCORRECTABLE|ECCUncorrectable|fallen off the bus|GPU is lost|"
-                    r"GPU_IS_LOST|uncorrectable NVLink error|row remapp\w* failure|double bit ECC)", re.I)  # fmt: skip
+                    r"GPU_IS_LOST|uncorrectable NVLink error|row remapp\w* failure|double bit ECC|"
+                    r"Unable to determine the device handle for GPU)", re.I)  # fmt: skip
+# An error that says the loss or a gradient is NaN/inf (anomaly detection, a framework's own check)
+NAN_ERROR = re.compile(r"(returned nan values|Loss is (?:NaN|nan|inf)|loss is not finite|non-finite loss|"
+                       r"Detected (?:NaN|nan|inf) in|grad norm is (?:nan|inf))", re.I)  # fmt: skip
+# The same failure on every restart: the software or the machine does not fit the job (before any training step)
+SETUP_ERRORS = re.compile(r"(no kernel image is available for execution|No CUDA GPUs are available|"
+                          r"Found no NVIDIA driver|CUDA driver version is insufficient)")  # fmt: skip
+# A dataloader worker killed by the kernel: the classic host OOM, with a Python error of the main process around it
+DATALOADER_KILLED = re.compile(r"DataLoader worker \(pid\(?s?\)? ?[\d, ]+\)? is killed by signal: Killed")
 XID = re.compile(r"NVRM: Xid \((?:PCI:)?([0-9a-fA-F:.]+)\): (\d+)")
 HARDWARE_XIDS = {48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 121, 140}  # the rest are the application's own
 ENOSPC = re.compile(r"(No space left on device|\[Errno 28\]|ENOSPC|StorageFull|Disk quota exceeded|\[Errno 122\]|"
@@ -213,7 +223,8 @@ def _diverged(plain: list[str]) -> Finding | None:
             break
         bad += 1
     if bad < DIVERGED_LINES:
-        return None
+        said = [ln for ln in plain if NAN_ERROR.search(ln)]
+        return Finding("DIVERGED", "the job stopped on a NaN/inf loss or gradient", said[-1:]) if said else None
     first = values[len(values) - bad][0]
     before = values[len(values) - bad - 1][0] if len(values) > bad else None
     ev = [plain[first], plain[values[-1][0]]]
@@ -225,6 +236,9 @@ def _disk_full(plain: list[str], disk_free_gib: float | None, checkpoint_gib: fl
     free = f" ({disk_free_gib:g} GiB free at the run dir)" if disk_free_gib is not None else ""
     full = [ln for ln in plain if ENOSPC.search(ln)]
     if full:
+        if any("/dev/shm" in ln or "shared memory" in ln.lower() for ln in plain):
+            return Finding("DISK_FULL", "shared memory (/dev/shm) is full: a container needs a larger --shm-size "
+                           "(NCCL and dataloader workers use it)", full[-1:])  # fmt: skip
         return Finding("DISK_FULL", f"no space left on device{free}", full[-1:])
     failed = [ln for ln in plain if WRITE_FAILED.search(ln)]
     if not failed:
@@ -241,6 +255,10 @@ def _disk_full(plain: list[str], disk_free_gib: float | None, checkpoint_gib: fl
 def _host_oom(lines: list[str], plain: list[str], tbs: list[Traceback]) -> Finding | None:
     """A rank killed by SIGKILL with no Python error of its own: the kernel's OOM killer, unless the kernel log or the
     cgroup says otherwise (assess confirms with the cgroup's count)."""
+    loader = [ln for ln in plain if DATALOADER_KILLED.search(ln)]
+    if loader:
+        return Finding("HOST_OOM", "a dataloader worker was killed by SIGKILL: likely the kernel's OOM killer (host "
+                       "RAM; fewer or lighter workers)", loader[-1:])  # fmt: skip
     killed = [i for i, ln in enumerate(plain) if SIGKILLED.search(ln)]
     kernel = [ln for ln in plain if KERNEL_OOM.search(ln)]
     root, code = root_cause(plain)
@@ -311,6 +329,10 @@ def classify_log(text: str | list[str], gpu_total_gib: float | None = None, disk
     cfg = [ln for ln in plain if CONFIG.search(ln)]
     if cfg:
         return Finding("CONFIG_ERROR", "the trainer rejected its config", cfg[-1:])
+    setup = [ln for ln in plain if SETUP_ERRORS.search(ln)]
+    if setup and not any(LOSS_VALUE.search(ln) or STEP_LINE.match(ln) for ln in plain):
+        return Finding("CONFIG_ERROR", f"this machine cannot run the job: {SETUP_ERRORS.search(setup[-1])[1]}; a "
+                       "restart repeats it", setup[-1:], early=True)  # fmt: skip
     if tbs:
         tb = tbs[0]
         where = f" on {tb.stream}" if tb.stream else ""
