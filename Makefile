@@ -32,7 +32,7 @@ lint: venv
 	$(VENV)/bin/ruff check dflashctl trainer tests bench
 
 test: system-deps venv lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30 -n 2 --dist loadfile
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30
 
 test-fast: venv
 	$(VENV)/bin/pytest -q -m "not slow"
