@@ -13,6 +13,7 @@ import ipaddress
 import shlex
 import signal
 import socket
+import time
 from collections.abc import Callable
 
 from dflashctl.errors import ConfigError, RefusedError, RemoteCommandError
@@ -145,7 +146,9 @@ def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_r
         signal.signal(sig, stop)
     say(f"http://127.0.0.1:{local_port}/ → {address}:{port} on {job.host_name} (Ctrl-C to stop)")
     try:
-        code = proc.wait()
+        while proc.poll() is None:  # a short sleep, not one blocking wait: Ctrl-C is seen even when the signal
+            time.sleep(0.2)  # lands on another thread (paramiko's), which a blocked waitpid would never notice
+        code = proc.returncode
         if code != 0:  # the forward failed (ExitOnForwardFailure) or the connection ended: ssh's own last word
             errors.seek(0)
             detail = errors.read().strip().splitlines()
