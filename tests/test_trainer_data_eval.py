@@ -243,7 +243,7 @@ def test_training_on_target_greedy_continuations_raises_tau(tmp_path):
     subprocess.run(cmd, capture_output=True, timeout=300, cwd=ROOT, check=True)
     base = {**TAU_CONFIG, "data": {**TAU_CONFIG["data"], "path": str(data)}}
     untrained = train(from_dict({**base, "steps": 1, "optim": {"lr": 0.0}}), log=lambda s: None).taus[-1]
-    trained = train(from_dict({**base, "steps": 300}), log=lambda s: None).taus[-1]
+    trained = train(from_dict({**base, "steps": 150}), log=lambda s: None).taus[-1]
     print(f"tau untrained {untrained:.3f}, trained {trained:.3f}")
     assert untrained < 1.2 and trained > untrained + 0.3
 

@@ -67,7 +67,7 @@ def test_drafter_forward_backward_dense():
 
 
 def test_loss_falls_on_a_tiny_fixed_dataset():
-    result = train(from_dict({**TINY, "steps": 40}), log=lambda s: None)
+    result = train(from_dict({**TINY, "steps": 40, "eval": {"at_end": False}}), log=lambda s: None)  # loss only
     first, last = sum(result.losses[:5]) / 5, sum(result.losses[-5:]) / 5
     assert last < 0.5 * first, (first, last)
     assert sum(result.accs[-5:]) / 5 > 0.2  # chance is 1/16 within the alphabet
