@@ -144,6 +144,7 @@ def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_r
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C ends the forward, even if started ignoring it
     say(f"http://127.0.0.1:{local_port}/ → {address}:{port} on {job.host_name} (Ctrl-C to stop)")
     try:
         while proc.poll() is None:  # a short sleep, not one blocking wait: Ctrl-C is seen even when the signal
