@@ -157,3 +157,14 @@ def test_an_earlier_attempts_failure_is_not_judged_again():
 def test_more_real_shapes(text, state, reason_part):
     v = diagnose_text(text)
     assert v.state == state and reason_part in v.reason, v
+
+
+def test_an_xid_in_the_hosts_kernel_log_makes_a_timeout_a_gpu_fault():
+    lines = log("nccl-timeout.log").splitlines()
+    xid = ["NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."]
+    v = assess(History(started_at=0.0, now=900.0, exit_code=1, last_step=9, log_tail=lines, kernel_xid=xid),
+               Thresholds())  # fmt: skip
+    assert v.state == "GPU_FAULT" and "kernel log" in v.reason and "fallen off the bus" in v.reason
+    v = assess(History(started_at=0.0, now=900.0, exit_code=1, last_step=9, log_tail=lines,
+                       kernel_xid=["NVRM: Xid (PCI:0000:3b:00): 13, Graphics Exception"]), Thresholds())  # fmt: skip
+    assert v.state == "NCCL_TIMEOUT"  # Xid 13 is the application's own error, not the GPU's

@@ -217,6 +217,7 @@ class Watcher:
         oom = snap.get("host_oom") or {}
         h.oom_kills = oom.get("oom_kills") if isinstance(oom.get("oom_kills"), int) else None
         h.kernel_oom = [str(x)[:300] for x in oom.get("kernel_oom") or []][-5:]
+        h.kernel_xid = [str(x)[:300] for x in oom.get("kernel_xid") or []][-5:]
         self._fold_progress(snap, h)
 
     def _fold_progress(self, snap: dict, h: History) -> None:

@@ -396,6 +396,7 @@ class History:
     checkpoint_gib: float | None = None  # size of the newest checkpoint
     oom_kills: int | None = None  # the kernel's OOM kills in the job's cgroup since launch (None: not readable)
     kernel_oom: list[str] = field(default_factory=list)  # the kernel log's OOM-killer lines since launch, if readable
+    kernel_xid: list[str] = field(default_factory=list)  # the kernel log's GPU driver (Xid) lines since launch
     nonfinite_steps: int = 0  # consecutive non-finite steps the trainer skipped
 
 
@@ -459,7 +460,8 @@ def _hardware_readings(h: History) -> Finding | None:
     named = _gpu_named(h, None)
     if named and "uncorrectable" in named:
         return Finding("GPU_FAULT", f"GPU hardware error: {named}", [named])
-    return None
+    xid = _gpu_fault(h.kernel_xid, h.kernel_xid, [])  # the host's kernel log, where it was readable
+    return Finding(xid.state, f"{xid.reason} (the host's kernel log)", xid.evidence) if xid else None
 
 
 def _ended(h: History, lines: list[str]) -> Verdict:

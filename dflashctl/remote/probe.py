@@ -735,11 +735,13 @@ def oom_kill_count(path) -> int | None:
 
 KERNEL_OOM_LINE = re.compile(r"^\[\s*(\d+\.\d+)\]\s*(.*(?:Out of memory: Killed process|oom-kill:|Memory cgroup out of "
                              r"memory).*)$")  # fmt: skip
+KERNEL_XID_LINE = re.compile(r"^\[\s*(\d+\.\d+)\]\s*(.*NVRM: Xid .*)$")  # the GPU driver's error reports
 
 
 def host_oom(run_dir: str, snap: dict) -> dict:
     """After the job ended: the OOM kills its cgroup counted since the attempt started (the launcher recorded the
-    count then) and the kernel log's OOM-killer lines since then, where this host lets us read them."""
+    count then), and the kernel log's OOM-killer and GPU driver (Xid) lines since then, where this host lets us read
+    them."""
     if snap.get("exit_code") in (None, 0):
         return {}
     wrapper = read_json(os.path.join(run_dir, WRAPPER_PID))
@@ -756,9 +758,11 @@ def host_oom(run_dir: str, snap: dict) -> dict:
                 boot = time.time() - float(f.read().split()[0])
         except (OSError, ValueError):
             boot = None
-        lines = [m[2] for ln in text.splitlines()[-2000:] if (m := KERNEL_OOM_LINE.match(ln))
-                 and boot is not None and boot + float(m[1]) >= start - 1]  # fmt: skip
-        out["kernel_oom"] = lines[-5:]
+        recent = text.splitlines()[-2000:]
+        for key, pattern in (("kernel_oom", KERNEL_OOM_LINE), ("kernel_xid", KERNEL_XID_LINE)):
+            lines = [m[2] for ln in recent if (m := pattern.match(ln))
+                     and boot is not None and boot + float(m[1]) >= start - 1]  # fmt: skip
+            out[key] = lines[-5:]
     return out
 
 
