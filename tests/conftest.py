@@ -122,6 +122,20 @@ def start_sshd(d: Path) -> SshServer:
     return server
 
 
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path` for the block (a disk that fills for real); the test skips where this
+    machine cannot mount one."""
+    path.mkdir(parents=True, exist_ok=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _close_test_tmux_server():
     """Whatever test jobs are left (a failed test, a killed run) go with the tests' own tmux server."""

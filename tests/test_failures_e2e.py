@@ -5,7 +5,6 @@ hung command judged the same by `status`, `watch --once` and a long `watch`."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dflashctl.judge.states import EXIT_BY_STATE
-from tests.conftest import run_cli
+from tests.conftest import run_cli, tmpfs
 from tests.test_launch import cli_json, status_json, write_project
 from tests.test_watch import ROOT, box, launch, watch_json, write_job  # noqa: F401 - box is a fixture
 
@@ -76,13 +75,8 @@ def test_a_command_killed_by_sigkill_is_host_oom_and_not_restarted(client, tmp_p
 
 @pytest.fixture
 def tiny_disk(tmp_path):
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1100m", "tmpfs", str(mnt)], capture_output=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with tmpfs(tmp_path / "tiny", "1100m") as mnt:  # room for a release and a launch (1 GiB free), then it fills
+        yield mnt
 
 
 @pytest.mark.slow

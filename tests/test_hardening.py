@@ -20,7 +20,7 @@ from dflashctl.judge.health import assess
 from dflashctl.model.jobfile import WatchConfig
 from dflashctl.model.record import JobRecord
 from dflashctl.remote import probe, release_agent, sync
-from tests.conftest import run_cli
+from tests.conftest import run_cli, tmpfs
 
 # --------------------------------------------------------------------------------------------- input edges
 
@@ -202,13 +202,8 @@ def test_a_corrupt_stream_fails_verification(tmp_path):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with tmpfs(tmp_path / "small", "256k") as mnt:
+        yield mnt
 
 
 def test_a_full_disk_fails_the_deploy_and_keeps_the_previous_release(cli, client, small_disk):

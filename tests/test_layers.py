@@ -45,10 +45,22 @@ def test_dflashctl_and_the_trainer_never_import_each_other():
             assert not any(m == other or m.startswith(other + ".") for m in imports(path)), path
 
 
-def test_no_import_cycle_between_dflashctl_modules():
-    mods = {module_name(p): p for p in (ROOT / "dflashctl").rglob("*.py")}
-    graph = {m: {i for i in imports(p) if i in mods and i != m and mods[i].name != "__init__.py"}
-             for m, p in mods.items()}  # fmt: skip
+def import_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (`from a.b import c` counts as a.b.c when c is a module, else a.b);
+    package __init__ files left out."""
+    mods = {module_name(p): p for p in (ROOT / package).rglob("*.py")}
+    graph = {}
+    for m, p in mods.items():
+        deps = set()
+        for i in imports(p):
+            target = i if i in mods else i.rsplit(".", 1)[0]
+            if target in mods and target != m and mods[target].name != "__init__.py":
+                deps.add(target)
+        graph[m] = deps
+    return graph
+
+
+def assert_no_cycle(graph: dict[str, set[str]]) -> None:
     state: dict[str, int] = {}
 
     def visit(m: str, path: list[str]) -> None:
@@ -62,6 +74,10 @@ def test_no_import_cycle_between_dflashctl_modules():
     for m in graph:
         if m not in state:
             visit(m, [])
+
+
+def test_no_import_cycle_between_dflashctl_modules():
+    assert_no_cycle(import_graph("dflashctl"))
 
 
 TRAINER_LAYERS = {"errors": 0, "config": 0, "model": 1, "data": 2, "run": 3, "serve": 4}  # entry points on top
@@ -78,29 +94,11 @@ def test_the_trainer_is_grouped_by_layer_with_no_arrow_up_and_no_circle():
     flat = [m for m in mods if m.count(".") == 1 and mods[m].name != "__init__.py"]
     assert sorted(flat) == ["trainer.bench_tau", "trainer.config", "trainer.errors", "trainer.export",
                             "trainer.regenerate", "trainer.tiny", "trainer.train"]  # bottom, and the entry points
-    graph = {}
-    for m, p in mods.items():
-        deps = set()
-        for i in imports(p):
-            target = i if i in mods else i.rsplit(".", 1)[0] if i.rsplit(".", 1)[0] in mods else None
-            if target and target != m and mods[target].name != "__init__.py":
-                deps.add(target)
-        graph[m] = deps
+    graph = import_graph("trainer")
+    for m, deps in graph.items():
         for d in deps:
             assert trainer_layer(d) <= trainer_layer(m), f"{m} imports {d}: an arrow up"
-    state: dict[str, int] = {}
-
-    def visit(m: str, path: list[str]) -> None:
-        state[m] = 1
-        for n in graph[m]:
-            assert state.get(n) != 1, " -> ".join(path + [m, n])
-            if n not in state:
-                visit(n, path + [m])
-        state[m] = 2
-
-    for m in graph:
-        if m not in state:
-            visit(m, [])
+    assert_no_cycle(graph)
 
 
 CLI_LAYERS = {"errors": 0, "config": 0, "outputs": 0, "model": 0, "judge": 0, "remote": 1, "jobs": 2, "show": 3}
@@ -108,14 +106,11 @@ CLI_LAYERS = {"errors": 0, "config": 0, "outputs": 0, "model": 0, "judge": 0, "r
 
 def test_dflashctl_has_no_arrow_up_between_its_layers():
     """judge, the job model and config at the bottom; remote above them; jobs above remote; show and cli on top."""
-    mods = {module_name(p): p for p in (ROOT / "dflashctl").rglob("*.py")}
 
     def layer(m: str) -> int:
         parts = m.split(".")
         return CLI_LAYERS.get(parts[1], 4) if len(parts) > 1 else 4
 
-    for m, p in mods.items():
-        for i in imports(p):
-            target = i if i in mods else i.rsplit(".", 1)[0]
-            if target in mods and target != m and mods[target].name != "__init__.py":
-                assert layer(target) <= layer(m), f"{m} imports {target}: an arrow up"
+    for m, deps in import_graph("dflashctl").items():
+        for d in deps:
+            assert layer(d) <= layer(m), f"{m} imports {d}: an arrow up"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dflashctl.jobs import registry
-from tests.conftest import run_cli
+from tests.conftest import run_cli, tmpfs
 from tests.test_cli import record
 
 JOB = "exp-20261201T100000Z-aaaa"
@@ -165,13 +165,7 @@ def test_pull_to_a_file_and_into_a_full_disk_are_one_line_errors(run, client, tm
     a_file.write_text("x")
     res = run_cli("pull", JOB, "--to", str(a_file))
     assert res.code == 2 and "exists and is not a folder" in res.stderr and len(res.stderr.strip().splitlines()) == 1
-    mnt = tmp_path / "full"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tmpfs(tmp_path / "full", "1m") as mnt:
         res = run_cli("pull", JOB, "--to", str(mnt))  # a 3 MiB export into 1 MiB
         assert res.code == 1 and "the disk is full at" in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1 and "sha256" not in res.stderr
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)

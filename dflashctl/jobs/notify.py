@@ -13,12 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from dflashctl.judge.health import FAILURES
-from dflashctl.model.jobfile import redact_url
-
-
-def redact(url: str) -> str:
-    """A webhook URL as every output shows it (model/jobfile.redact_url)."""
-    return redact_url(url)
+from dflashctl.model.jobfile import redact_url as redact  # one redaction for every output
 
 
 @dataclass

@@ -23,10 +23,10 @@ from dflashctl.model.jobfile import WatchConfig
 from dflashctl.model.record import JobRecord
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner
+from dflashctl.remote.probe import MIN_FREE_GIB  # a restart needs what a launch needs
 from dflashctl.remote.transport import Runner
 
 SPARK = "▁▂▃▄▅▆▇█"
-MIN_FREE_GIB = 1.0  # what a launch needs free (remote/probe.MIN_FREE_GIB)
 
 
 class PollRecord(BaseModel):

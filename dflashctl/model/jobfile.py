@@ -294,6 +294,19 @@ def redact_env(env: dict[str, str], extra: list[str] | tuple[str, ...] = ()) -> 
     return {k: ("***" if is_secret(k, extra) else v) for k, v in env.items()}
 
 
+def redact_job_snapshot(snapshot: dict, extra: list[str] | tuple[str, ...] = ()) -> dict:
+    """A job file's snapshot (job.json's `job`) as shown or handed out: env values of secret-looking names and of its
+    `secret_env` as ***, on every node too, and the webhook as `scheme://host/***`. Changes `snapshot` in place."""
+    names = [*(snapshot.get("secret_env") or []), *extra]
+    snapshot["env"] = redact_env(snapshot.get("env") or {}, names)
+    for node in snapshot.get("hosts") or []:
+        node["env"] = redact_env(node.get("env") or {}, names)
+    hook = (snapshot.get("watch") or {}).get("notify") or {}
+    if hook.get("webhook"):
+        hook["webhook"] = redact_url(hook["webhook"])
+    return snapshot
+
+
 def redact_url(url: str) -> str:
     """A webhook URL as every output shows it: `scheme://host/***` (its path is the credential)."""
     parts = urlsplit(url)

@@ -596,7 +596,8 @@ def snapshot(req: dict) -> dict:
             with contextlib.suppress(OSError):  # a full disk loses a sample, never the snapshot
                 append_gpu_sample(run_dir, snap["gpu"], list(req.get("job_gpus") or []))
     if run_dir and snap["run_dir_exists"]:
-        snap["progress"] = update_progress(run_dir, now, snap, list(req.get("job_gpus") or []))
+        snap["progress"] = update_progress(run_dir, now, snap, list(req.get("job_gpus") or []),
+                                           int(req.get("metrics_offset", 0)))  # fmt: skip
         snap["host_oom"] = host_oom(run_dir, snap)
     if req.get("sessions"):
         snap["sessions"] = list_sessions()
@@ -627,7 +628,7 @@ def _clamp(t, lo: float, hi: float) -> float:
     return hi if not isinstance(t, (int, float)) or isinstance(t, bool) or t > hi else max(float(t), lo)
 
 
-def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int]) -> dict:
+def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], metrics_from: int = -1) -> dict:
     """When each sign of progress last changed, on this clock, kept in RUN/progress.json and updated by every probe
     (status, watch, a second watcher, a cron job): the heartbeat's content, the log's size, the job's CPU time, its
     GPUs' activity and the newest step. A change first seen now happened after the previous look and no later than
@@ -680,7 +681,7 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int]) -
                 old_mem = (prev.get("gpu") or {}).get("value")
                 busy = any(5 < u < 99 for u in utils) or bool(utils and max(utils) >= 99 and old_mem not in (None, mem))
                 cur["gpu"] = {"value": mem, "changed_at": now if busy else (prev.get("gpu") or {}).get("changed_at")}
-            step_of(run_dir, prev, cur)
+            step_of(run_dir, prev, cur, snap.get("metrics") if metrics_from == prev.get("metrics_offset", 0) else None)
             if cur.get("step_value") != prev.get("step_value"):
                 cur["step"] = {"value": cur.get("step_value"), "changed_at": _clamp(cur.get("step_time"),
                                attempt_start if "step" not in prev else lo, now)}  # fmt: skip
@@ -703,9 +704,10 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int]) -
     }
 
 
-def step_of(run_dir: str, prev: dict, cur: dict) -> None:
-    """The newest step record of metrics.jsonl, read on from where the history last stopped."""
-    got = read_metrics(os.path.join(run_dir, "metrics.jsonl"), int(prev.get("metrics_offset") or 0), 1 << 20)
+def step_of(run_dir: str, prev: dict, cur: dict, read: dict | None = None) -> None:
+    """The newest step record of metrics.jsonl, read on from where the history last stopped; `read` is this probe's
+    own read of the file when it started at that same offset (a long watch: the file is not read twice a poll)."""
+    got = read or read_metrics(os.path.join(run_dir, "metrics.jsonl"), int(prev.get("metrics_offset") or 0), 1 << 20)
     cur["metrics_offset"] = got["offset"]
     for rec in got["records"]:
         step = rec.get("step")

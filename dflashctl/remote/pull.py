@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dflashctl import outputs
 from dflashctl.errors import DflashError, RefusedError, RemoteCommandError
-from dflashctl.model.jobfile import redact_env, redact_url
+from dflashctl.model.jobfile import redact_job_snapshot
 from dflashctl.model.record import JobRecord
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner
@@ -77,18 +77,11 @@ def _full(dest: Path, size: int) -> DiskFullError:
                          "(what arrived is kept as .part; pull again once there is room)")  # fmt: skip
 
 
-def redacted_job_json(data: bytes, secret_env: list[str] | None = None) -> bytes:
-    """job.json with every secret-looking env value (and secret_env's) as ***, the way every output shows them."""
+def redacted_job_json(data: bytes) -> bytes:
+    """job.json with its secrets as every output shows them (model/jobfile.redact_job_snapshot)."""
     try:
         meta = json.loads(data)
-        job = meta["job"]
-        extra = list(job.get("secret_env") or []) + list(secret_env or [])
-        job["env"] = redact_env(job.get("env") or {}, extra)
-        for node in job.get("hosts") or []:
-            node["env"] = redact_env(node.get("env") or {}, extra)
-        hook = (job.get("watch") or {}).get("notify") or {}
-        if hook.get("webhook"):
-            hook["webhook"] = redact_url(hook["webhook"])
+        redact_job_snapshot(meta["job"])
     except (ValueError, KeyError, TypeError, AttributeError):
         return b'{"redacted": "job.json could not be read, so it was not kept"}\n'
     return (json.dumps(meta, indent=1) + "\n").encode()
@@ -104,7 +97,7 @@ def fetch_one(runner, job: JobRecord, item: dict, root: Path, chunk: int, tick: 
         if hashlib.sha256(data).hexdigest() != want:
             raise RemoteCommandError(f"{rel}: the sha256 of what arrived differs from the remote's; nothing was kept")
         tmp = dest.with_name(dest.name + ".part")
-        tmp.write_bytes(redacted_job_json(data, []))  # the snapshot names its own secret_env
+        tmp.write_bytes(redacted_job_json(data))  # the snapshot names its own secret_env
         os.chmod(tmp, 0o600)
         os.replace(tmp, dest)
         got.fetched = len(data)

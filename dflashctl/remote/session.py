@@ -20,7 +20,7 @@ import yaml
 
 from dflashctl.config import SAFE_NAME, HostConfig
 from dflashctl.errors import ConfigError, ProbeFailedError
-from dflashctl.model.jobfile import JobConfig, node_tag, redact_env, redact_url
+from dflashctl.model.jobfile import JobConfig, node_tag, redact_env, redact_job_snapshot
 from dflashctl.remote import launcher, probe
 from dflashctl.remote.transport import Runner, container_prefix
 
@@ -151,12 +151,7 @@ def run_files(
     command = trainer_command(job, python, node) if job.trainer is not None else job.command
     snapshot = job.model_dump(mode="json")
     if redact:
-        snapshot["env"] = redact_env(snapshot["env"], job.secret_env)
-        for n in snapshot.get("hosts") or []:
-            n["env"] = redact_env(n["env"], job.secret_env)
-        hook = (snapshot.get("watch") or {}).get("notify") or {}
-        if hook.get("webhook"):
-            hook["webhook"] = redact_url(hook["webhook"])
+        redact_job_snapshot(snapshot)
     gpus = list(node.gpus) if node is not None else job.gpu_indices
     where = {"node_rank": node.rank, "nodes": node.count, "head": f"{node.head_addr}:{node.port}"} if node else {}
     files = {
