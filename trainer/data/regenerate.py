@@ -207,7 +207,7 @@ def _generate_all(args, cfg, tok, items: list, progress: Progress, output: Path,
                             pad, ends)  # fmt: skip
             rows = []
             for (r, t), out in zip(chunk, outs, strict=True):
-                new = out if items[r].kind == "ids" else tok.decode(out, skip_special_tokens=True).strip()
+                new = out if items[r].kind == "ids" else tok.decode(out, skip_special_tokens=True)
                 items[r].new[t] = new
                 rows.append((r, t, new))
             progress.add(rows)

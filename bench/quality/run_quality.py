@@ -1,0 +1,251 @@
+"""Both trainers on identical work, on a real target made here: tau, step time and peak memory, side by side.
+
+    python bench/quality/run_quality.py --work DIR --phase target      # make the target (make_target.py)
+    python bench/quality/run_quality.py --work DIR --phase ours        # regenerate, train, export, bench_tau, dump
+    python bench/quality/run_quality.py --work DIR --phase specforge   # prompt lookup; SpecForge offline, bench_tau
+
+Phases run in order on one GPU host and share DIR. `ours` is what a user runs: `trainer.regenerate` (the target's own
+greedy answers to the training prompts), `trainer.train` (the paper's recipe scaled to the target: block 16, anchors,
+warmup then cosine, with the in-run eval on the held-out prompt file every N steps), `trainer.export`, then
+`trainer.bench_tau` on the held-out prompts. It also dumps the target's hidden states for SpecForge's offline mode
+(specforge_side.py). `specforge` trains SpecForge's DFlash drafter on those (same target, data, drafter shape, steps,
+batch and anchors), exports it with SpecForge's own exporter, converts it to the public DFlash format, measures it
+with the same bench_tau, and measures prompt lookup on the same prompts. Each phase writes DIR/<phase>.json.
+`--scale tiny` shrinks everything for a run on the CPU (SpecForge needs a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+SCALES = {
+    "gpu": {"target": ["--size", "small", "--steps", "1200"], "prompts_train": 2400, "regen_tokens": 192, "regen_batch": 200,
+            "layers": 3, "block": 16, "anchors": 64, "buckets": [512, 1024], "batch": 8, "steps": 1500,
+            "lr": 6e-4, "eval_every": 250, "eval_prompts": 16, "eval_tokens": 128, "tau_prompts": 48,
+            "tau_tokens": 256, "attention": "flex", "device": "cuda", "dtype": "bfloat16"},
+    "tiny": {"target": ["--size", "tiny", "--steps", "3", "--batch", "4", "--seq", "64", "--max-mb", "3",
+                        "--heldout-percent", "5", "--eval-tokens", "2000", "--train-prompts", "40",
+                        "--heldout-prompts", "6"],
+             "prompts_train": 40, "regen_tokens": 16, "regen_batch": 16, "layers": 1, "block": 4, "anchors": 32,
+             "buckets": [512], "batch": 2, "steps": 6, "lr": 6e-4, "eval_every": 3, "eval_prompts": 2,
+             "eval_tokens": 8, "tau_prompts": 3, "tau_tokens": 8, "attention": "dense", "device": "cpu",
+             "dtype": "float32"},
+}  # fmt: skip
+
+
+def sh(cmd: list[str], log: Path, env: dict | None = None) -> float:
+    """Run one step of the pipeline, its output appended to `log`; its wall seconds. A failure stops the phase."""
+    t0 = time.time()
+    with log.open("a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}).returncode
+    if rc != 0:
+        sys.stderr.write(log.read_text()[-4000:])
+        raise SystemExit(f"failed ({rc}): {' '.join(cmd)}")
+    return round(time.time() - t0, 1)
+
+
+class PeakGpuMemory:
+    """nvidia-smi's used memory, polled every 0.5 s while a training runs: the same yardstick for both trainers."""
+
+    def __init__(self) -> None:
+        self.peak_mib, self._stop = 0, threading.Event()
+
+    def __enter__(self):
+        self._t = threading.Thread(target=self._poll, daemon=True)
+        self._t.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=5).stdout.split()  # fmt: skip
+                self.peak_mib = max([self.peak_mib, *(int(x) for x in out if x.isdigit())])
+            except (OSError, subprocess.TimeoutExpired):
+                return
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def bench_tau(work: Path, drafter: Path, s: dict, log: Path) -> dict:
+    out = work / f"tau-{drafter.name}.json"
+    sh([sys.executable, "-m", "trainer.bench_tau", "--target", str(work / "target"), "--drafter", str(drafter),
+        "--prompts", str(work / "prompts" / "heldout.jsonl"), "--limit", str(s["tau_prompts"]),
+        "--max-new-tokens", str(s["tau_tokens"]), "--device", s["device"], "--json", "--quiet",
+        "--out", str(work / f"tau-{drafter.name}.jsonl")], log)  # fmt: skip
+    text = log.read_text().rstrip().splitlines()
+    result = json.loads(next(line for line in reversed(text) if line.startswith("{")))
+    out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def phase_target(work: Path, s: dict, log: Path) -> dict:
+    secs = sh([sys.executable, str(HERE / "make_target.py"), "--out", str(work), *s["target"]], log)
+    return {**json.loads((work / "target.json").read_text()), "wall_s": secs}
+
+
+def our_config(work: Path, s: dict) -> dict:
+    return {
+        "target": {"path": str(work / "target"), "dtype": s["dtype"]},
+        "drafter": {"num_layers": s["layers"], "block_size": s["block"]},
+        "attention": {"backend": s["attention"]},
+        "data": {"path": str(work / "regen.jsonl"), "anchors_per_seq": s["anchors"], "seq_buckets": s["buckets"],
+                 "batch_size": s["batch"], "holdout": 0},
+        "optim": {"lr": s["lr"], "warmup_ratio": 0.04, "grad_clip": 1.0, "gamma": 7.0},
+        "steps": s["steps"], "log_every": 10, "seed": 0, "device": s["device"],
+        "checkpoint": {"every": 0, "keep": 1},
+        "eval": {"every": s["eval_every"], "at_end": True, "prompts": s["eval_prompts"],
+                 "max_new_tokens": s["eval_tokens"], "prompt_file": str(work / "prompts" / "heldout.jsonl")},
+        "metrics": {"gpu_history": False},
+    }  # fmt: skip
+
+
+def target_forward_ms(work: Path, s: dict) -> dict:
+    """The frozen target's forward (hidden states out) on one batch per bucket: what SpecForge's offline mode skips."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dev = s["device"]
+    model = AutoModelForCausalLM.from_pretrained(work / "target", dtype=getattr(torch, s["dtype"])).to(dev).eval()
+    out = {}
+    for seq in s["buckets"]:
+        x = torch.randint(0, model.config.vocab_size, (s["batch"], seq), device=dev)
+        with torch.no_grad():
+            for _ in range(3):
+                model(input_ids=x, output_hidden_states=True)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                model(input_ids=x, output_hidden_states=True)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+        out[str(seq)] = round((time.perf_counter() - t0) * 100, 2)
+    del model
+    return out
+
+
+def phase_data(work: Path, s: dict, log: Path) -> dict:
+    """The target's own greedy answers to the training prompts, and its hidden states on them for SpecForge."""
+    import yaml
+
+    (work / "ours.yaml").write_text(yaml.safe_dump(our_config(work, s), sort_keys=False))
+    subprocess.run(["rm", "-rf", str(work / "features")], check=True)
+    prompts = (work / "prompts" / "train.jsonl").read_text().splitlines()[: s["prompts_train"]]
+    (work / "prompts" / "train-used.jsonl").write_text("\n".join(prompts) + "\n")
+    times = {"regenerate_s": sh([sys.executable, "-m", "trainer.regenerate", "--config", str(work / "ours.yaml"),
+                                 "--input", str(work / "prompts" / "train-used.jsonl"),
+                                 "--output", str(work / "regen.jsonl"), "--max-new-tokens", str(s["regen_tokens"]),
+                                 "--batch-size", str(s["regen_batch"]), "--quiet"], log)}  # fmt: skip
+    times["dump_s"] = sh([sys.executable, str(HERE / "specforge_side.py"), "dump", "--target", str(work / "target"),
+                          "--data", str(work / "regen.jsonl"), "--layers", str(s["layers"]),
+                          "--max-len", str(max(s["buckets"])), "--out", str(work / "features")], log)  # fmt: skip
+    return {"times": times, "records": len(prompts)}
+
+
+def phase_ours(work: Path, s: dict, log: Path) -> dict:
+    """Train, export and measure our drafter on the regenerated data, as a user runs it."""
+    import yaml
+
+    cfg = our_config(work, s)
+    (work / "ours.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    for stale in ("run-ours", "drafter-ours"):
+        subprocess.run(["rm", "-rf", str(work / stale)], check=True)
+    run = work / "run-ours"
+    times = {}
+    with PeakGpuMemory() as mem:
+        times["train_s"] = sh([sys.executable, "-m", "trainer.train", "--config", str(work / "ours.yaml"),
+                               "--run-dir", str(run)], log)  # fmt: skip
+    times["export_s"] = sh([sys.executable, "-m", "trainer.export", "--run-dir", str(run), "--out",
+                            str(work / "drafter-ours")], log)  # fmt: skip
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in records if "event" not in r and "tokens_per_s" in r]
+    gaps = sorted(b["time"] - a["time"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1)
+    evals = [{"step": r["step"], "tau": r["tau"]} for r in records if r.get("event") == "eval"]
+    tau = bench_tau(work, work / "drafter-ours", s, log)
+    tail = steps[len(steps) // 2 :] or steps
+    return {
+        "config": cfg, "times": times, "tau_vs_step": evals, "bench_tau": tau,
+        "step_time_ms_median": round(1000 * gaps[len(gaps) // 2], 2) if gaps else None,  # eval steps excluded
+        "target_forward_ms": target_forward_ms(work, s),
+        "tokens_per_s_median": sorted(r["tokens_per_s"] for r in tail)[len(tail) // 2] if tail else None,
+        "peak_mem_gib_torch": max((r.get("peak_mem_gib") or 0 for r in steps), default=None),
+        "peak_mem_mib_nvidia_smi": mem.peak_mib,
+        "data": next((r for r in records if r.get("event") == "data"), None),
+        "preflight": next((r for r in records if r.get("event") == "preflight"), None),
+    }  # fmt: skip
+
+
+def phase_lookup(work: Path, s: dict, log: Path) -> dict:
+    secs = sh([sys.executable, str(HERE / "prompt_lookup.py"), "--target", str(work / "target"), "--prompts",
+               str(work / "prompts" / "heldout.jsonl"), "--limit", str(s["tau_prompts"]), "--max-new-tokens",
+               str(s["tau_tokens"]), "--json"], log)  # fmt: skip
+    lookup = json.loads(next(x for x in reversed(log.read_text().splitlines()) if x.startswith('{"method"')))
+    return {**lookup, "wall_s": secs}
+
+
+def phase_specforge(work: Path, s: dict, log: Path) -> dict:
+    """SpecForge on the features `data` dumped, the same steps, batch, anchors and drafter."""
+    run = work / "run-specforge"
+    for stale in ("run-specforge", "specforge-hf", "drafter-specforge"):
+        subprocess.run(["rm", "-rf", str(work / stale)], check=True)
+    sh([sys.executable, str(HERE / "specforge_side.py"), "config", "--target", str(work / "target"), "--features",
+        str(work / "features"), "--layers", str(s["layers"]), "--block", str(s["block"]), "--steps", str(s["steps"]),
+        "--batch", str(s["batch"]), "--lr", str(s["lr"]), "--anchors", str(s["anchors"]),
+        "--max-len", str(max(s["buckets"])), "--log-interval", "10", "--out", str(run)], log)  # fmt: skip
+    sf_log = work / "specforge-train.log"
+    with PeakGpuMemory() as mem:
+        t0 = time.time()
+        train_s = sh([sys.executable, "-m", "specforge.cli", "train", "-c", str(run / "run.yaml")], sf_log)
+    ckpt = sorted((run / "output").glob("*-step*"), key=lambda p: int(p.name.rsplit("step", 1)[1]))
+    sh([sys.executable, "-m", "specforge.export.to_hf", "--checkpoint", str(ckpt[-1]), "--draft-config",
+        str(run / "draft_config.json"), "--output-dir", str(work / "specforge-hf")], log)  # fmt: skip
+    sh([sys.executable, str(HERE / "specforge_side.py"), "convert", "--checkpoint", str(work / "specforge-hf"),
+        "--out", str(work / "drafter-specforge")], log)  # fmt: skip
+    tau = bench_tau(work, work / "drafter-specforge", s, log)
+    return {"bench_tau": tau, "train_s": train_s, "started": t0,
+            "peak_mem_mib_nvidia_smi": mem.peak_mib, "checkpoint": str(ckpt[-1]),
+            "log_tail": sf_log.read_text()[-6000:]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/quality/run_quality.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--work", required=True, type=Path)
+    ap.add_argument("--phase", required=True, choices=["target", "data", "ours", "specforge", "lookup"])
+    ap.add_argument("--scale", choices=sorted(SCALES), default="gpu")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override one scale setting")
+    args = ap.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    s = dict(SCALES[args.scale])
+    for item in args.set:
+        key, _, value = item.partition("=")
+        s[key] = json.loads(value)
+    log = args.work / f"{args.phase}.log"
+    t0 = time.time()
+    fn = {"target": phase_target, "data": phase_data, "ours": phase_ours, "specforge": phase_specforge,
+          "lookup": phase_lookup}[args.phase]
+    result = {"phase": args.phase, "scale": args.scale, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              **fn(args.work, s, log), "phase_wall_s": None}  # fmt: skip
+    result["phase_wall_s"] = round(time.time() - t0, 1)
+    (args.work / f"{args.phase}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("log_tail", "config", "train_loss_history")},
+                     default=str)[:3000])  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
