@@ -132,3 +132,22 @@ def test_one_huge_prompt_is_skipped_and_does_not_set_the_length_limit(capsys, ti
     assert code == 0 and json.loads(out)["sets"][0]["skipped"] == 2
     code, _, err = run(capsys, *args, "--max-prompt-tokens", "0")
     assert code == 2 and "--max-prompt-tokens" in err
+
+
+def test_the_reference_placement_of_block_size_is_read(capsys, tmp_path, tiny_dir, drafter_dir, prompt_files):
+    """z-lab's published configs (and SpecForge's export) put block_size at the top level, not in dflash_config."""
+    moved = tmp_path / "reference-layout"
+    moved.mkdir()
+    config = json.loads((drafter_dir / "config.json").read_text())
+    config["dflash_config"].pop("block_size")
+    assert config["block_size"] == 8
+    (moved / "config.json").write_text(json.dumps(config))
+    (moved / "model.safetensors").symlink_to(drafter_dir / "model.safetensors")
+    args = ["--target", str(tiny_dir / "target"), "--max-new-tokens", str(MAX_NEW), "--dtype", "float32",
+            "--device", "cpu", "--quiet", "--json", "--prompts", str(prompt_files["gsm8k"])]  # fmt: skip
+    code, out, err = run(capsys, *args, "--drafter", str(moved))
+    assert code == 0, err
+    assert json.loads(out)["block_size"] == 8
+    code, original, _ = run(capsys, *args, "--drafter", str(drafter_dir))
+    assert json.loads(out)["sets"] == [{**s, "seconds": json.loads(out)["sets"][0]["seconds"]}
+                                       for s in json.loads(original)["sets"]]  # fmt: skip

@@ -40,12 +40,17 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
     "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-SIZES = {  # Qwen3 shapes: "small" is the benchmark's target, "tiny" the tests'
+SIZES = {  # Qwen3 shapes: "small" is the benchmark's target, "mini" a CPU rehearsal, "tiny" the tests'
     "small": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
               "head_dim": 64, "intermediate_size": 1536, "vocab_size": 8192},
+    "mini": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 32, "intermediate_size": 384, "vocab_size": 2048},
     "tiny": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
              "head_dim": 16, "intermediate_size": 64, "vocab_size": 512},
 }  # fmt: skip
+QWEN_SPLIT = (  # Qwen2/Qwen3's pre-tokenizer pattern
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 DEFAULT_PACKAGES = ("torch", "transformers", "numpy")
 
 
@@ -133,11 +138,17 @@ def chat_text(fn: Function) -> str:
 
 def train_tokenizer(texts: list[str], vocab_size: int):
     """Byte-level BPE on the training files, ChatML specials and a mask token for the drafter, Qwen's template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Qwen's split: a newline run is its own piece, apart from the indentation after it. GPT-2's byte-level split
+    # glues "\n" to the spaces that follow, so the template's "assistant\n" would end in a token the target never saw
+    # before an indented line, and it would answer most requests with an immediate <|im_end|>.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
@@ -170,6 +181,7 @@ def build_model(shape: dict, seed: int, tok):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
+    shape = {**shape, "vocab_size": len(tok)}  # a small corpus gives BPE fewer merges than asked for
     cfg = Qwen3Config(**shape, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
                       bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
     cfg._attn_implementation = "sdpa"
@@ -203,7 +215,8 @@ def train(model, data, steps: int, batch: int, lr: float, seed: int, device: str
                             fused=device.startswith("cuda"))  # fmt: skip
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
+        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    )
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(data), generator=gen)
     history, pos = [], 0

@@ -1,4 +1,4 @@
-"""The drafter-free reference: prompt-lookup decoding's acceptance length on the same prompts, counted as bench_tau does.
+"""The drafter-free reference: prompt lookup's acceptance length on the same prompts, counted as bench_tau does.
 
     python bench/quality/prompt_lookup.py --target T --prompts heldout.jsonl [--limit N] [--max-new-tokens N]
 
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"method": "prompt_lookup", "prompt_set": name, "prompts": len(per_prompt),
               "lookup_tokens": args.lookup_tokens, "max_new_tokens": args.max_new_tokens,
               "tau_prompt_mean": round(sum(per_prompt) / max(len(per_prompt), 1), 4),
-              "tau_pooled": round(tokens / max(steps, 1), 4), "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+              "tau_pooled": round(tokens / max(steps, 1), 4),
+              "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
     print(json.dumps(result) if args.json else f"{name}: prompt lookup tau {result['tau_prompt_mean']} "
           f"(pooled {result['tau_pooled']}) over {result['prompts']} prompts")  # fmt: skip
     return 0

@@ -29,9 +29,10 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 SCALES = {
-    "gpu": {"target": ["--size", "small", "--steps", "1200"], "prompts_train": 2400, "regen_tokens": 192, "regen_batch": 200,
+    "gpu": {"target": ["--size", "small", "--steps", "1000"],
+            "prompts_train": 2000, "regen_tokens": 192, "regen_batch": 200,
             "layers": 3, "block": 16, "anchors": 64, "buckets": [512, 1024], "batch": 8, "steps": 1500,
-            "lr": 6e-4, "eval_every": 250, "eval_prompts": 16, "eval_tokens": 128, "tau_prompts": 48,
+            "lr": 6e-4, "eval_every": 375, "eval_prompts": 16, "eval_tokens": 128, "tau_prompts": 48,
             "tau_tokens": 256, "attention": "flex", "device": "cuda", "dtype": "bfloat16"},
     "tiny": {"target": ["--size", "tiny", "--steps", "3", "--batch", "4", "--seq", "64", "--max-mb", "3",
                         "--heldout-percent", "5", "--eval-tokens", "2000", "--train-prompts", "40",
@@ -49,7 +50,9 @@ def sh(cmd: list[str], log: Path, env: dict | None = None) -> float:
     with log.open("a") as f:
         f.write(f"\n$ {' '.join(cmd)}\n")
         f.flush()
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}).returncode
+        rc = subprocess.run(
+            cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}
+        ).returncode
     if rc != 0:
         sys.stderr.write(log.read_text()[-4000:])
         raise SystemExit(f"failed ({rc}): {' '.join(cmd)}")
@@ -174,7 +177,7 @@ def phase_ours(work: Path, s: dict, log: Path) -> dict:
                             str(work / "drafter-ours")], log)  # fmt: skip
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if "event" not in r and "tokens_per_s" in r]
-    gaps = sorted(b["time"] - a["time"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1)
+    gaps = sorted(b["time"] - a["time"] for a, b in zip(steps, steps[1:], strict=False) if b["step"] == a["step"] + 1)
     evals = [{"step": r["step"], "tau": r["tau"]} for r in records if r.get("event") == "eval"]
     tau = bench_tau(work, work / "drafter-ours", s, log)
     tail = steps[len(steps) // 2 :] or steps
@@ -198,28 +201,57 @@ def phase_lookup(work: Path, s: dict, log: Path) -> dict:
     return {**lookup, "wall_s": secs}
 
 
+def tensorboard_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for events in sorted(logdir.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events.parent))
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return out
+
+
+def specforge_drafter(work: Path, ckpt: Path, run: Path, log: Path) -> Path:
+    """One of its checkpoints, through its own exporter, then into the public format."""
+    hf, out = work / f"specforge-hf-{ckpt.name}", work / f"drafter-specforge-{ckpt.name.rsplit('-', 1)[1]}"
+    sh([sys.executable, "-m", "specforge.export.to_hf", "--checkpoint", str(ckpt), "--draft-config",
+        str(run / "draft_config.json"), "--output-dir", str(hf)], log)  # fmt: skip
+    sh([sys.executable, str(HERE / "specforge_side.py"), "convert", "--checkpoint", str(hf), "--out", str(out)], log)
+    return out
+
+
 def phase_specforge(work: Path, s: dict, log: Path) -> dict:
-    """SpecForge on the features `data` dumped, the same steps, batch, anchors and drafter."""
+    """SpecForge on the features `data` dumped, the same steps, batch, anchors and drafter; tau at 4 checkpoints."""
     run = work / "run-specforge"
-    for stale in ("run-specforge", "specforge-hf", "drafter-specforge"):
-        subprocess.run(["rm", "-rf", str(work / stale)], check=True)
+    for stale in [run, *work.glob("specforge-hf-*"), *work.glob("drafter-specforge-*")]:
+        subprocess.run(["rm", "-rf", str(stale)], check=True)
     sh([sys.executable, str(HERE / "specforge_side.py"), "config", "--target", str(work / "target"), "--features",
         str(work / "features"), "--layers", str(s["layers"]), "--block", str(s["block"]), "--steps", str(s["steps"]),
         "--batch", str(s["batch"]), "--lr", str(s["lr"]), "--anchors", str(s["anchors"]),
-        "--max-len", str(max(s["buckets"])), "--log-interval", "10", "--out", str(run)], log)  # fmt: skip
+        "--max-len", str(max(s["buckets"])), "--log-interval", "10", "--save-interval", str(s["steps"] // 4),
+        "--out", str(run)], log)  # fmt: skip
     sf_log = work / "specforge-train.log"
     with PeakGpuMemory() as mem:
-        t0 = time.time()
         train_s = sh([sys.executable, "-m", "specforge.cli", "train", "-c", str(run / "run.yaml")], sf_log)
-    ckpt = sorted((run / "output").glob("*-step*"), key=lambda p: int(p.name.rsplit("step", 1)[1]))
-    sh([sys.executable, "-m", "specforge.export.to_hf", "--checkpoint", str(ckpt[-1]), "--draft-config",
-        str(run / "draft_config.json"), "--output-dir", str(work / "specforge-hf")], log)  # fmt: skip
-    sh([sys.executable, str(HERE / "specforge_side.py"), "convert", "--checkpoint", str(work / "specforge-hf"),
-        "--out", str(work / "drafter-specforge")], log)  # fmt: skip
-    tau = bench_tau(work, work / "drafter-specforge", s, log)
-    return {"bench_tau": tau, "train_s": train_s, "started": t0,
-            "peak_mem_mib_nvidia_smi": mem.peak_mib, "checkpoint": str(ckpt[-1]),
-            "log_tail": sf_log.read_text()[-6000:]}  # fmt: skip
+    ckpts = sorted((run / "output").glob("*-step*"), key=lambda p: int(p.name.rsplit("step", 1)[1]))
+    final = specforge_drafter(work, ckpts[-1], run, log)
+    tau = bench_tau(work, final, s, log)
+    curve = []
+    for ckpt in ckpts:  # the in-run eval's yardstick: its prompt count and length
+        d = final if ckpt == ckpts[-1] else specforge_drafter(work, ckpt, run, log)
+        small = {**s, "tau_prompts": s["eval_prompts"], "tau_tokens": s["eval_tokens"]}
+        r = bench_tau(work, d, small, log)["sets"][0]
+        curve.append({"step": int(ckpt.name.rsplit("step", 1)[1]), "tau": r["tau_prompt_mean"]})
+    scalars = tensorboard_scalars(run / "output")
+    step_times = sorted(v for _, v in scalars.get("perf/optimizer_step_time_s", []))
+    tail = step_times[len(step_times) // 2 :]
+    return {"bench_tau": tau, "tau_vs_step": curve, "train_s": train_s,
+            "step_time_ms_median": round(1000 * tail[len(tail) // 2], 2) if tail else None,
+            "loss": [(k, round(v, 5)) for k, v in scalars.get("train/loss", scalars.get("loss", []))][::10],
+            "scalar_tags": sorted(scalars), "peak_mem_mib_nvidia_smi": mem.peak_mib,
+            "checkpoints": [str(c) for c in ckpts], "log_tail": sf_log.read_text()[-3000:]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,8 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         s[key] = json.loads(value)
     log = args.work / f"{args.phase}.log"
     t0 = time.time()
-    fn = {"target": phase_target, "data": phase_data, "ours": phase_ours, "specforge": phase_specforge,
-          "lookup": phase_lookup}[args.phase]
+    fn = {
+        "target": phase_target,
+        "data": phase_data,
+        "ours": phase_ours,
+        "specforge": phase_specforge,
+        "lookup": phase_lookup,
+    }[args.phase]
     result = {"phase": args.phase, "scale": args.scale, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               **fn(args.work, s, log), "phase_wall_s": None}  # fmt: skip
     result["phase_wall_s"] = round(time.time() - t0, 1)

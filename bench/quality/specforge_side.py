@@ -87,7 +87,9 @@ def config(args) -> int:
         "training": {"strategy": "dflash", "num_epochs": 1000, "max_steps": args.steps, "batch_size": args.batch,
                      "learning_rate": args.lr, "warmup_ratio": args.warmup_ratio, "max_grad_norm": 1.0,
                      "attention_backend": args.attention, "num_anchors": args.anchors, "loss_decay_gamma": args.gamma,
-                     "save_interval": args.steps, "log_interval": args.log_interval, "seed": args.seed},
+                     "save_interval": args.save_interval or args.steps, "log_interval": args.log_interval,
+                     "seed": args.seed},
+        "tracking": {"report_to": "tensorboard"},  # its step times and losses, read back from RUN/output/runs
         "run_id": "quality-specforge", "output_dir": str(run / "output"),
         "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}},
     }  # fmt: skip
@@ -111,9 +113,8 @@ def convert(args) -> int:
         state.update(load_file(f) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu"))
     renamed = {}
     for k, v in state.items():
-        for prefix in ("draft_model.", "module.", "model."):
-            if k.startswith(prefix) and not k.startswith("model.layers"):
-                k = k[len(prefix) :]
+        for prefix in ("module.", "draft_model.", "model."):  # wrappers' prefixes; the public names are bare
+            k = k.removeprefix(prefix)
         if k.startswith(("embed_tokens", "lm_head")):
             continue  # the target's, frozen: the public format leaves them out
         renamed[k] = v.to(torch.bfloat16).contiguous()
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--attention", default="flex_attention")
     c.add_argument("--workers", type=int, default=2)
     c.add_argument("--log-interval", type=int, default=50)
+    c.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: at the end only)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--out", required=True)
     v = sub.add_parser("convert")

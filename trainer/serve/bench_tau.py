@@ -81,7 +81,8 @@ def build_parts(target: str, drafter: str, limit: int, device: str, dtype: str, 
     buckets = sorted({*range(512, limit, 512), limit})
     cfg = from_dict({
         "target": {"path": target, "dtype": dtype, "layer_ids": dc.get("target_layer_ids"), "compile": "off"},
-        "drafter": {"num_layers": config.get("num_hidden_layers"), "block_size": dc.get("block_size"),
+        "drafter": {"num_layers": config.get("num_hidden_layers"),
+                    "block_size": config.get("block_size") or dc.get("block_size"),  # the reference's place first
                     "mask_token_id": dc.get("mask_token_id"), "intermediate_size": config.get("intermediate_size"),
                     "num_heads": config.get("num_attention_heads"), "num_kv_heads": config.get("num_key_value_heads"),
                     "head_dim": config.get("head_dim"), "init_from": drafter},

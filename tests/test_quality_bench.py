@@ -1,0 +1,177 @@
+"""The quality benchmark's CPU half, at tiny size: the target it makes, its prompts and split, SpecForge's inputs
+written from that target, the conversion of a saved drafter, and prompt lookup. The numbers live in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench" / "quality"))
+
+import make_target  # noqa: E402
+import prompt_lookup  # noqa: E402
+import specforge_side  # noqa: E402
+
+SOURCE = '''
+class Box{n}:
+    def area(self, w, h):
+        """The area of a w by h box, in square units."""
+        total = w * h
+        if total < 0:
+            raise ValueError("negative")
+        return total
+
+    def scaled(self, k):
+        """This box with every side times k."""
+        out = Box{n}()
+        out.k = k * {n}
+        return out
+'''
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """A tiny target made twice from the same seed over 40 small files (hermetic: not the stdlib)."""
+    src = tmp_path_factory.mktemp("src")
+    for n in range(40):
+        (src / f"mod{n:02d}.py").write_text(SOURCE.format(n=n) * 3)
+    outs = []
+    for name in ("a", "b"):
+        out = tmp_path_factory.mktemp(name)
+        argv = ["--out", str(out), "--size", "tiny", "--roots", str(src), "--steps", "2", "--batch", "2", "--seq", "32",
+                "--heldout-percent", "20", "--eval-tokens", "256", "--device", "cpu", "--train-prompts", "20",
+                "--heldout-prompts", "5"]  # fmt: skip
+        assert make_target.main(argv) == 0
+        outs.append(out)
+    return outs
+
+
+def test_the_target_loads_as_hf_and_reports_its_held_out_loss(made):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = made[0]
+    model = AutoModelForCausalLM.from_pretrained(out / "target")
+    tok = AutoTokenizer.from_pretrained(out / "target")
+    assert model.config.model_type == "qwen3" and model.config.vocab_size == len(tok) <= 512
+    assert tok.mask_token == "<|mask|>" and tok.eos_token == "<|im_end|>"
+    report = json.loads((out / "target.json").read_text())
+    assert 0 < report["heldout_loss_nats_per_token"] < 10 and report["heldout_files"] >= 1
+    assert report["train_files"] + report["heldout_files"] == report["files"] == 40
+
+
+def test_the_same_seed_makes_the_same_target(made):
+    digest = [hashlib.sha256((m / "target" / "model.safetensors").read_bytes()).hexdigest() for m in made]
+    assert digest[0] == digest[1]
+    assert [(m / "prompts" / "heldout.jsonl").read_text() for m in made][0] == (
+        made[1] / "prompts" / "heldout.jsonl"
+    ).read_text()
+
+
+def test_whole_files_are_held_out_and_prompts_are_humaneval_records(made):
+    from trainer.data.prompts import read_prompts
+
+    name, convs = read_prompts(made[0] / "prompts" / "heldout.jsonl")
+    assert name == "heldout" and convs
+    for conv in convs:
+        assert conv.turns[0].startswith("def ") and '"""' in conv.turns[0]
+    train = [json.loads(x) for x in (made[0] / "prompts" / "train.jsonl").read_text().splitlines()]
+    assert all(set(r) == {"prompt", "response"} and r["response"].startswith("    ") for r in train)
+    files = [f"r/mod{n:02d}.py" for n in range(40)]
+    held = {f for f in files if make_target.is_heldout(f, 0, 20)}
+    assert held and held != set(files)
+    assert make_target.is_heldout("r/mod00.py", 0, 20) == make_target.is_heldout("r/mod00.py", 0, 20)
+
+
+def test_a_function_splits_into_its_request_and_its_body():
+    fns = make_target.functions(SOURCE.format(n=7))
+    area = next(f for f in fns if "area" in f.prompt)
+    assert area.prompt == 'def area(self, w, h):\n    """The area of a w by h box, in square units."""\n'
+    assert area.body.startswith("    total = w * h\n") and area.body.endswith("    return total\n")
+    assert make_target.functions("def broken(:\n") == []
+
+
+def test_the_template_prompt_is_a_token_prefix_of_the_answered_chat(made):
+    """What the target is asked at inference must tokenize as the start of what it was trained on: a newline glued
+    to the indentation after it would make the prompt end in a token it never saw there."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(made[0] / "target")
+    for rec in map(json.loads, (made[0] / "prompts" / "train.jsonl").read_text().splitlines()[:10]):
+        asked = tok.apply_chat_template([{"role": "user", "content": rec["prompt"]}], tokenize=False,
+                                        add_generation_prompt=True)  # fmt: skip
+        fn = make_target.Function(rec["prompt"], rec["response"])
+        assert make_target.chat_text(fn).startswith(asked)
+        trained = tok(make_target.chat_text(fn), add_special_tokens=False)["input_ids"]
+        prompt_ids = tok(asked, add_special_tokens=False)["input_ids"]
+        assert trained[: len(prompt_ids)] == prompt_ids
+
+
+def test_specforge_features_are_the_target_layers_side_by_side(made, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model.target import default_layer_ids
+
+    out = made[0]
+    data = tmp_path / "data.jsonl"
+    data.write_text((out / "prompts" / "train.jsonl").read_text())
+    feat = tmp_path / "feat"
+    argv = ["dump", "--target", str(out / "target"), "--data", str(data), "--layers", "1", "--max-len", "64",
+            "--out", str(feat)]  # fmt: skip
+    assert specforge_side.main(argv) == 0
+    files = sorted(feat.glob("data_*.ckpt"))
+    assert files
+    sample = torch.load(files[0])
+    assert set(sample) == {"input_ids", "loss_mask", "hidden_states"}
+    model = AutoModelForCausalLM.from_pretrained(out / "target")
+    (layer,) = default_layer_ids(model.config.num_hidden_layers, 1)
+    with torch.no_grad():
+        hs = model(input_ids=sample["input_ids"][None], output_hidden_states=True).hidden_states
+    assert sample["hidden_states"].shape == (sample["input_ids"].numel(), model.config.hidden_size)
+    torch.testing.assert_close(sample["hidden_states"].float(), hs[layer + 1][0], atol=2e-2, rtol=2e-2)
+    assert sample["loss_mask"].sum() >= 2 and sample["loss_mask"][0] == 0
+
+
+def test_specforge_config_matches_our_drafter_and_a_saved_drafter_converts(made, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    out = made[0]
+    run = tmp_path / "run"
+    argv = ["config", "--target", str(out / "target"), "--features", str(tmp_path / "feat"), "--layers", "1",
+            "--block", "8", "--steps", "5", "--anchors", "16", "--out", str(run)]  # fmt: skip
+    assert specforge_side.main(argv) == 0
+    draft = json.loads((run / "draft_config.json").read_text())
+    assert draft["block_size"] == 8 and draft["num_hidden_layers"] == 1
+    assert draft["dflash_config"] == {"mask_token_id": 3, "target_layer_ids": [1]}
+    import yaml
+
+    cfg = yaml.safe_load((run / "run.yaml").read_text())
+    assert cfg["training"]["max_steps"] == 5 and cfg["training"]["num_anchors"] == 16
+    assert cfg["deployment"]["mode"] == "local_colocated"
+    saved = tmp_path / "hf"
+    saved.mkdir()
+    (saved / "config.json").write_text(json.dumps(draft))
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.ones(2, 2), "fc.weight": torch.ones(2, 3),
+               "embed_tokens.weight": torch.ones(4, 2)}, str(saved / "model.safetensors"))  # fmt: skip
+    assert specforge_side.main(["convert", "--checkpoint", str(saved), "--out", str(tmp_path / "conv")]) == 0
+    tensors = load_file(str(tmp_path / "conv" / "model.safetensors"))
+    assert set(tensors) == {"layers.0.mlp.up_proj.weight", "fc.weight"}
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert specforge_side.main(["convert", "--checkpoint", str(tmp_path / "empty"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_prompt_lookup_counts_tokens_per_verifying_forward(made, capsys):
+    out = made[0]
+    code = prompt_lookup.main(["--target", str(out / "target"), "--prompts", str(out / "prompts" / "heldout.jsonl"),
+                               "--limit", "2", "--max-new-tokens", "6", "--json"])  # fmt: skip
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["method"] == "prompt_lookup" and result["prompt_set"] == "heldout"
+    if result["prompts"]:
+        assert 1.0 <= result["tau_pooled"] <= 11 and 1.0 <= result["tau_prompt_mean"] <= 11
