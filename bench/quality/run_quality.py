@@ -31,8 +31,8 @@ HERE = Path(__file__).resolve().parent
 SCALES = {
     "gpu": {"target": ["--size", "small", "--steps", "1000"],
             "prompts_train": 2000, "regen_tokens": 192, "regen_batch": 200,
-            "layers": 3, "block": 16, "anchors": 64, "buckets": [512, 1024], "batch": 8, "steps": 1500,
-            "lr": 6e-4, "eval_every": 375, "eval_prompts": 16, "eval_tokens": 128, "tau_prompts": 48,
+            "layers": 3, "block": 16, "anchors": 64, "buckets": [512, 1024], "batch": 8, "steps": 1200,
+            "lr": 6e-4, "eval_every": 300, "eval_prompts": 16, "eval_tokens": 128, "tau_prompts": 40,
             "tau_tokens": 256, "attention": "flex", "device": "cuda", "dtype": "bfloat16"},
     "tiny": {"target": ["--size", "tiny", "--steps", "3", "--batch", "4", "--seq", "64", "--max-mb", "3",
                         "--heldout-percent", "5", "--eval-tokens", "2000", "--train-prompts", "40",
@@ -157,7 +157,10 @@ def phase_data(work: Path, s: dict, log: Path) -> dict:
     times["dump_s"] = sh([sys.executable, str(HERE / "specforge_side.py"), "dump", "--target", str(work / "target"),
                           "--data", str(work / "regen.jsonl"), "--layers", str(s["layers"]),
                           "--max-len", str(max(s["buckets"])), "--out", str(work / "features")], log)  # fmt: skip
-    return {"times": times, "records": len(prompts)}
+    answers = [json.loads(x)["response"] for x in (work / "regen.jsonl").read_text().splitlines() if x.strip()]
+    chars = sorted(len(a) for a in answers)
+    return {"times": times, "records": len(prompts), "empty_answers": sum(not a.strip() for a in answers),
+            "answer_chars_median": chars[len(chars) // 2] if chars else 0, "sample_answers": answers[:3]}  # fmt: skip
 
 
 def phase_ours(work: Path, s: dict, log: Path) -> dict:
