@@ -180,8 +180,7 @@ def launch(
         for cmd in report.remote_commands:
             out.print(f"remote: {cmd}", markup=False)
         for name, text in report.files.items():
-            if name != "launcher.py":
-                out.print(f"--- {report.run_dir}/{name}\n{text}", markup=False)
+            out.print(f"--- {report.run_dir}/{name}\n{text}", markup=False)
         return
     out.print(f"launched [bold]{report.id}[/] on {report.host}: pane pid {report.pane_pid}, run dir {report.run_dir}")
     out.print(f"next: dflashctl watch {report.id}   (or: dflashctl logs -f {report.id})")

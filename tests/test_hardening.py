@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from dflashctl.agent import probe
 from dflashctl.jobs.watch import Watcher
 from dflashctl.judge.health import assess
 from dflashctl.model.jobfile import WatchConfig
 from dflashctl.model.record import JobRecord
-from dflashctl.remote import probe, release_agent, sync
+from dflashctl.remote import sync
+from dflashctl.remote.agent_bundle import AGENT, AGENT_SHA, boot_argv
 from tests.conftest import run_cli, tmpfs
 
 # --------------------------------------------------------------------------------------------- input edges
@@ -133,8 +135,6 @@ def test_a_heartbeat_from_the_future_cannot_keep_a_frozen_job_running(tmp_path):
 
 def test_probe_answers_for_a_job_whose_files_are_garbage(tmp_path):
     """Through the real bootstrap on a bare interpreter: exit 0 with JSON, whatever the run dir holds."""
-    from dflashctl.remote.session import BOOT, PROBE_SOURCE
-
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_bytes(b"\xff\xfe\x00garbage\n[1]\n")
@@ -142,8 +142,8 @@ def test_probe_answers_for_a_job_whose_files_are_garbage(tmp_path):
     (run / "exit_code").write_text("not a number")
     (run / "stop_request").write_text("[]")
     req = json.dumps({"run_dir": str(run), "gpus": False})
-    proc = subprocess.run([sys.executable, "-I", "-S", "-c", BOOT, str(len(PROBE_SOURCE)), req], input=PROBE_SOURCE,
-                          capture_output=True, check=True)  # fmt: skip
+    argv = boot_argv(sys.executable, "probe", req)
+    proc = subprocess.run([argv[0], "-I", "-S", *argv[1:]], input=AGENT, capture_output=True, check=True)
     snap = json.loads(proc.stdout)
     assert snap["exit_code"] is None and snap["metrics"]["malformed"] == 2 and snap["heartbeat"]["malformed"]
     assert snap["stop_request"] == {"time": None}  # present, unreadable: still a stop request
@@ -153,11 +153,8 @@ def test_probe_answers_for_a_job_whose_files_are_garbage(tmp_path):
 
 
 def run_agent(wd: Path, req: dict, stream: bytes) -> dict:
-    from dflashctl.remote.session import BOOT
-
-    src = Path(release_agent.__file__).read_bytes()
-    proc = subprocess.run([sys.executable, "-c", BOOT, str(len(src)), json.dumps({"workdir": str(wd), **req})],
-                          input=src + stream, capture_output=True)  # fmt: skip
+    argv = boot_argv(sys.executable, "release", json.dumps({"workdir": str(wd), **req}))
+    proc = subprocess.run(argv, input=AGENT + stream, capture_output=True)
     return json.loads(proc.stdout)
 
 
@@ -337,3 +334,49 @@ def test_the_hash_cache_never_hides_a_change(client, tmp_path):
     assert again["a.py"].sha256 == sync.hash_file(f) != first["a.py"].sha256
     cache = sync.HashCache(root).path
     assert cache.stat().st_mode & 0o777 == 0o600
+
+
+# --------------------------------------------------------------------------------------------- the agent's boot
+
+
+def boot(home: Path, stdin: bytes, *args: str) -> subprocess.CompletedProcess:
+    argv = boot_argv(sys.executable, "probe", json.dumps({"action": "tail", "path": "/proc/version", "lines": 1}))
+    return subprocess.run([*argv, *args], input=stdin, capture_output=True, env={**os.environ, "HOME": str(home)})
+
+
+def test_the_agent_runs_only_when_its_hash_matches_and_keeps_a_private_copy(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    mid = len(AGENT) // 2
+    bad = boot(home, AGENT[:mid] + bytes([AGENT[mid] ^ 1]) + AGENT[mid + 1 :])  # one bit flipped on the way
+    assert bad.returncode != 0 and b"not the agent of hash" in bad.stderr and not bad.stdout
+    assert not (home / ".cache" / "dflashctl").exists()  # nothing kept, nothing run
+    ok = boot(home, AGENT)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["exists"]
+    (cached,) = (home / ".cache" / "dflashctl").glob("agent-*.pyz")
+    assert cached.read_bytes() == AGENT and cached.stat().st_mode & 0o777 == 0o600
+    assert (home / ".cache" / "dflashctl").stat().st_mode & 0o777 == 0o700
+    cached.write_bytes(b"import os; os.system('touch pwned')")  # tampered with in place: replaced before use
+    again = boot(home, AGENT)
+    assert again.returncode == 0 and cached.read_bytes() == AGENT and not (tmp_path / "pwned").exists()
+
+
+def test_first_boots_at_once_all_run_and_an_unwritable_home_falls_back(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    argv = boot_argv(sys.executable, "probe", json.dumps({"action": "tail", "path": "/proc/version", "lines": 1}))
+    procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "HOME": str(home)}) for _ in range(6)]  # fmt: skip
+    outs = [p.communicate(AGENT) for p in procs]
+    assert all(p.returncode == 0 and json.loads(o)["exists"] for p, (o, _) in zip(procs, outs, strict=True))
+    assert [p.name for p in (home / ".cache" / "dflashctl").iterdir()] == [f"agent-{AGENT_SHA}.pyz"]  # no temp left
+    ro = tmp_path / "ro-home"
+    ro.mkdir(mode=0o500)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "HOME": str(ro), "TMPDIR": str(tmp)}
+    res = subprocess.run(argv, input=AGENT, capture_output=True, env=env)
+    if os.geteuid() == 0:  # root writes anywhere: the fallback is then not reached
+        assert res.returncode == 0
+    else:
+        assert res.returncode == 0 and list(tmp.glob("dflashctl-agent-*/agent-*.pyz"))

@@ -11,15 +11,21 @@ ROOT = Path(__file__).resolve().parents[1]
 STDLIB = set(sys.stdlib_module_names)
 
 
-def imports(path: Path) -> set[str]:
-    """Every module a file imports, at any depth (a lazy import inside a function counts)."""
+def imports(path: Path, relative: bool = True) -> set[str]:
+    """Every module a file imports, at any depth (a lazy import inside a function counts); a relative import is
+    resolved against the file's package (left out with relative=False)."""
     found = set()
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
+            if node.level and not relative:
+                continue
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+            module = ".".join(x for x in (base, node.module) if x)
+            found.add(module)
+            found |= {f"{module}.{a.name}" for a in node.names}
     return found
 
 
@@ -27,10 +33,17 @@ def module_name(path: Path) -> str:
     return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
-def test_agents_shipped_to_the_remote_use_the_standard_library_only():
-    for name in ("probe", "launcher", "release_agent"):
-        tops = {m.split(".")[0] for m in imports(ROOT / "dflashctl" / "remote" / f"{name}.py")}
-        assert tops - STDLIB - {"__future__", "pynvml"} == set(), name  # pynvml: optional, imported inside a try
+def test_the_remote_agent_is_one_package_of_the_standard_library_and_itself():
+    """What runs on the remote's own Python: stdlib (pynvml optional, inside a try) and its own modules, imported
+    relatively so that the same files work as dflashctl.agent here and as the zipapp's package there."""
+    files = sorted((ROOT / "dflashctl" / "agent").glob("*.py"))
+    assert {p.stem for p in files} >= {"__init__", "__main__", "common", "pack", "probe", "release", "launcher"}
+    for path in files:
+        outside = {m.split(".")[0] for m in imports(path, relative=False)} - STDLIB - {"__future__", "pynvml"}
+        assert outside == set(), (path.name, outside)
+        assert not any(m.startswith("dflashctl") for m in imports(path, relative=False)), path.name
+    assert_no_cycle({m: d for m, d in import_graph("dflashctl").items() if m.startswith("dflashctl.agent")})
+    assert not (ROOT / "dflashctl" / "remote" / "probe.py").exists()  # one agent, not three shipped alone
 
 
 def test_the_judge_is_pure():
@@ -101,11 +114,13 @@ def test_the_trainer_is_grouped_by_layer_with_no_arrow_up_and_no_circle():
     assert_no_cycle(graph)
 
 
-CLI_LAYERS = {"errors": 0, "config": 0, "outputs": 0, "model": 0, "judge": 0, "remote": 1, "jobs": 2, "show": 3}
+CLI_LAYERS = {"agent": -1, "errors": 0, "config": 0, "outputs": 0, "model": 0, "judge": 0, "remote": 1, "jobs": 2,
+              "show": 3}  # fmt: skip
 
 
 def test_dflashctl_has_no_arrow_up_between_its_layers():
-    """judge, the job model and config at the bottom; remote above them; jobs above remote; show and cli on top."""
+    """The remote agent under everything (it imports only itself); judge, the job model and config at the bottom;
+    remote above them; jobs above remote; show and cli on top."""
 
     def layer(m: str) -> int:
         parts = m.split(".")

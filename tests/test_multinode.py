@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashctl.remote import probe
+from dflashctl.agent import probe
 from tests.conftest import run_cli
 from tests.test_launch import cli_json_in, status_json, wait_until
 

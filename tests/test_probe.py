@@ -6,8 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dflashctl.agent import probe
 from dflashctl.config import HostConfig
-from dflashctl.remote import probe, session
+from dflashctl.remote import session
+from dflashctl.remote.agent_bundle import AGENT
 from dflashctl.remote.ssh import SshRunner
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "nvidia-smi"
@@ -34,8 +36,9 @@ def test_probe_runs_on_a_bare_python_without_site_packages(tmp_path):
     (tmp_path / "train.log").write_text("line 1\nline 2\n")
     (tmp_path / "metrics.jsonl").write_text('{"time": 1, "step": 1}\n{"time": 2, "st')  # last line still being written
     req = f'{{"run_dir": "{tmp_path}", "log_offset": 7, "gpus": false}}'
-    proc = subprocess.run([sys.executable, "-I", "-S", "-", req], input=Path(probe.__file__).read_bytes(),
-                          capture_output=True, check=True)  # fmt: skip
+    pyz = tmp_path / "agent.pyz"  # the zipapp as a file, as in a run dir: `python3 agent.pyz probe ...`
+    pyz.write_bytes(AGENT)
+    proc = subprocess.run([sys.executable, "-I", "-S", str(pyz), "probe", req], capture_output=True, check=True)
     import json
 
     snap = json.loads(proc.stdout)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.remote import probe
+from dflashctl.agent import probe
 from dflashctl.show import report
 from tests.conftest import run_cli
 from tests.test_cli import record

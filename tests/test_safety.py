@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.remote import probe
+from dflashctl.agent import probe
 from tests.conftest import run_cli
 from tests.test_launch import alive, cli_json, status_json, wait_until, write_project
 
@@ -210,7 +210,7 @@ def test_remote_files_are_private_and_secrets_never_shown(proj):
     job_id = cli_json("launch", f)["id"]
     run = run_dir_of(job_id)
     assert run.stat().st_mode & 0o777 == 0o700 and run.parent.stat().st_mode & 0o777 == 0o700
-    for name in ("run.sh", "command.sh", "job.json", "launcher.py"):
+    for name in ("run.sh", "command.sh", "job.json", "agent.pyz"):
         assert (run / name).stat().st_mode & 0o777 == 0o600, name
     assert "hf_abc123" in (run / "run.sh").read_text()  # the job itself gets the value
     assert cli_json("kill", job_id)["result"] == "KILLED"

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from dflashctl.agent.probe import MIN_FREE_GIB  # a restart needs what a launch needs
 from dflashctl.errors import ProbeFailedError
 from dflashctl.jobs import control, registry
 from dflashctl.jobs.notify import Message, post
@@ -23,7 +24,6 @@ from dflashctl.model.jobfile import WatchConfig
 from dflashctl.model.record import JobRecord
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner
-from dflashctl.remote.probe import MIN_FREE_GIB  # a restart needs what a launch needs
 from dflashctl.remote.transport import Runner
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -221,7 +221,7 @@ class Watcher:
         self._fold_progress(snap, h)
 
     def _fold_progress(self, snap: dict, h: History) -> None:
-        """Stall and staleness come from the run dir's progress history (remote/probe.update_progress): when the
+        """Stall and staleness come from the run dir's progress history (agent/probe.update_progress): when the
         heartbeat's content, the log, the CPU time, the GPUs and the newest step last changed, on the remote's
         clock, as every probe of this job saw them. So `status`, `watch --once`, a second watcher and a cron job
         judge from the same facts as a long-running watch: a future mtime cannot keep a frozen job RUNNING."""

@@ -2,10 +2,10 @@
 
 Jobs live on a dedicated tmux server (`tmux -L dflashctl`; $DFLASHCTL_TMUX_SOCKET names another, which the tests
 use so as never to touch real jobs), one session per job, `remain-on-exit on` so that a dead pane keeps its exit
-status, and a large history. The pane runs `launcher.py` (a child subreaper) which runs `run.sh`: it exports the job's
-environment (including DFLASHCTL_JOB_ID, which tags every process of the job), runs `command.sh` in the job's release
-of the code, tees all output into `train.log` and writes `exit_code` when the command ends. The run dir is 0700 and
-its files 0600: run.sh holds the job's environment, secrets included.
+status, and a large history. The pane runs the agent's launcher (`agent.pyz launch`, a child subreaper) which runs
+`run.sh`: it exports the job's environment (including DFLASHCTL_JOB_ID, which tags every process of the job), runs
+`command.sh` in the job's release of the code, tees all output into `train.log` and writes `exit_code` when the command
+ends. The run dir is 0700 and its files 0600: run.sh holds the job's environment, secrets included.
 """
 
 from __future__ import annotations
@@ -14,25 +14,18 @@ import json
 import os
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
 import yaml
 
+from dflashctl.agent import probe
 from dflashctl.config import SAFE_NAME, HostConfig
 from dflashctl.errors import ConfigError, ProbeFailedError
 from dflashctl.model.jobfile import JobConfig, node_tag, redact_env, redact_job_snapshot
-from dflashctl.remote import launcher, probe
+from dflashctl.remote.agent_bundle import AGENT, boot_argv
 from dflashctl.remote.transport import Runner, container_prefix
 
-PROBE_SOURCE = Path(probe.__file__).read_bytes()
-LAUNCHER_SOURCE = Path(launcher.__file__).read_text()
 SOCKET_ENV = "DFLASHCTL_TMUX_SOCKET"
 TMUX_CONF = "set -g history-limit 100000\nset -g remain-on-exit on\n"
-# Reads its own source (the first LEN bytes of stdin), leaving the rest of stdin to it as the action's payload.
-BOOT = (
-    "import sys;n=int(sys.argv.pop(1));s=sys.stdin.buffer.read(n);"
-    "exec(compile(s,'dflashctl-probe','exec'),{'__name__':'__main__'})"
-)
 MAX_REQUEST_BYTES = 100_000  # one argv string: the kernel's limit is 128 KiB
 
 # GPU readings on the container's host, then the probe inside the container, in one command: "$@" is the
@@ -157,7 +150,6 @@ def run_files(
     files = {
         "run.sh": render_wrapper(job, job_id, release, redact, node),
         "command.sh": f"# the job's command ({job.name})\n{command}\n",
-        "launcher.py": LAUNCHER_SOURCE,
         "tmux.conf": TMUX_CONF,
         "job.json": json.dumps({"id": job_id, "name": job.name, "session": node_session(job_id, node),
                                 "release": release, "gpus": gpus, **where, "job": snapshot}, indent=1),  # fmt: skip
@@ -180,8 +172,8 @@ def call_agent(
     req = json.dumps(request, separators=(",", ":"))
     if len(req) > MAX_REQUEST_BYTES:
         raise ConfigError("request", None, f"too large for one remote command ({len(req)} bytes)")
-    inner = ["python3" if on_host else host.python, "-c", BOOT, str(len(PROBE_SOURCE)), req]
-    stdin = PROBE_SOURCE + payload
+    inner = boot_argv("python3" if on_host else host.python, "probe", req)
+    stdin = AGENT + payload
     if on_host:
         res = runner.run(inner, stdin=stdin, on_host=True, timeout=timeout)
     elif host.container and host.gpu_query == "host" and request.get("gpus", True):
@@ -202,8 +194,7 @@ def call_agent(
 def fetch_chunk(runner: Runner, run_dir: str, path: str, offset: int, length: int, timeout: float = 300) -> bytes:
     """Raw bytes [offset, offset + length) of a file of a run dir (pull), read by the agent inside the container."""
     req = json.dumps({"action": "chunk", "run_dir": run_dir, "path": path, "offset": offset, "length": length})
-    res = runner.run([runner.host.python, "-c", BOOT, str(len(PROBE_SOURCE)), req], stdin=PROBE_SOURCE,
-                     timeout=timeout)  # fmt: skip
+    res = runner.run(boot_argv(runner.host.python, "probe", req), stdin=AGENT, timeout=timeout)
     if res.returncode != 0:
         detail = res.err.strip()[-400:] or f"exit status {res.returncode}"
         raise ProbeFailedError(f"reading {path} on {runner.host.name} failed: {detail}")

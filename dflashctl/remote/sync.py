@@ -8,7 +8,7 @@ travels. Symlinks inside the tree travel as symlinks; a symlink that leads outsi
 On the remote, code lives in immutable releases: `<workdir>/releases/<version>/`, and `<workdir>/code` is a symlink
 to the current one. A deploy is:
   1. one remote command that prints the workdir, the current release and its manifest,
-  2. if the version differs, one remote command (`release_agent.py`) that receives a tar of the changed files,
+  2. if the version differs, one remote command (the agent's `release`) that receives a tar of the changed files,
      hard-links the unchanged ones from the current release, verifies every file's hash, then switches `code` with one
      rename, all under a lock on the workdir. A failure at any point leaves the previous release current and intact.
 Jobs run from their own release (`releases/<version>`), so a deploy never changes the code under a running job.
@@ -31,10 +31,9 @@ from pathlib import Path, PurePosixPath
 
 from dflashctl import outputs
 from dflashctl.errors import ConfigError, DflashError, RemoteCommandError
-from dflashctl.remote import release_agent
+from dflashctl.remote.agent_bundle import AGENT, boot_argv
 from dflashctl.remote.transport import WORKDIR_PRELUDE, Runner
 
-RELEASE_SOURCE = Path(release_agent.__file__).read_bytes()
 S_IFLNK = 0o120000
 
 MANIFEST_NAME = ".dflashctl-manifest.json"
@@ -316,8 +315,6 @@ def deploy(
     progress: ProgressFactory | None = None,
 ) -> DeployReport:
     """Make the local tree at root the current release on the host (atomically, verified)."""
-    from dflashctl.remote.session import BOOT  # one bootstrap for every remote agent
-
     start = time.monotonic()
     commands_before = runner.commands_run
     local = build_manifest(root)
@@ -335,10 +332,10 @@ def deploy(
             stream, size = build_tar(root, send, local)
             req = json.dumps({"workdir": abs_wd, "version": version, "base": base}, separators=(",", ":"))
             with stream:
-                tick = progress(size + len(RELEASE_SOURCE)) if progress else None
-                payload = _Concat(RELEASE_SOURCE, stream)
-                res = runner.run([runner.host.python, "-c", BOOT, str(len(RELEASE_SOURCE)), req], stdin=payload,
-                                 progress=tick, timeout=3600)  # fmt: skip
+                tick = progress(size + len(AGENT)) if progress else None
+                payload = _Concat(AGENT, stream)
+                argv = boot_argv(runner.host.python, "release", req)
+                res = runner.run(argv, stdin=payload, progress=tick, timeout=3600)
             report.bytes_sent += size
             try:
                 ans = json.loads(res.out)

@@ -1,4 +1,4 @@
-"""Runs ON the remote as the job's tmux pane, stdlib only: `python3 launcher.py RUN_DIR [ARGS...]`.
+"""Runs ON the remote as the job's tmux pane: `python3 agent.pyz launch RUN_DIR [ARGS...]`.
 
 It makes itself a child subreaper (PR_SET_CHILD_SUBREAPER), so every descendant of the job stays in its tree: torchrun
 workers in new sessions, `setsid` or double-forked children, children that scrub their environment. It records
@@ -17,17 +17,12 @@ import subprocess
 import sys
 import time
 
+from .common import start_time
+
 PR_SET_CHILD_SUBREAPER = 36
 LEFTOVER_GRACE_S = 5.0
 
 
-def start_time(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def descendants(root: int) -> list[int]:

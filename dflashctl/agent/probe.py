@@ -27,7 +27,6 @@ process: its pid may belong to someone else by now. Nothing here imports the res
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -38,6 +37,9 @@ import subprocess
 import sys
 import time
 
+from .common import locked, read_int, read_json, start_time, write_atomic
+from .pack import own_archive
+
 TMUX = ["tmux", "-L", "dflashctl"]  # the dedicated server; a request's `tmux_socket` names another
 GPU_FIELDS = [
     "index", "uuid", "name", "memory.used", "memory.total", "utilization.gpu", "power.draw", "temperature.gpu",
@@ -47,6 +49,7 @@ GPU_KEYS = ["index", "uuid", "name", "mem_used_mib", "mem_total_mib", "util_pct"
             "pstate", "throttle", "ecc_uncorrected"]  # fmt: skip
 TEXT_KEYS = ("uuid", "name", "pstate", "throttle")
 APP_FIELDS = ["pid", "process_name", "used_memory", "gpu_uuid"]
+AGENT_FILE = "agent.pyz"
 STOP_REQUEST, STOP_RESULT, RESTARTS, WRAPPER_PID = "stop_request", "stop_result", "restarts", "wrapper.pid"
 HEARTBEAT_FUTURE_S = 5.0  # a heartbeat mtime further ahead than this on our own clock is not believed
 VERIFY_S = 5.0  # after SIGKILL, how long the kill keeps finding and killing the job's processes before giving up
@@ -218,15 +221,6 @@ def proc_table() -> dict[int, dict]:
     return table
 
 
-def start_time(pid: int) -> int | None:
-    """The process's start time, or None when it is gone or a zombie (which holds no memory and no GPU)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        rest = stat[stat.rindex(")") + 2 :].split()
-        return None if rest[0] in ("Z", "X") else int(rest[19])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def same_process(p: dict) -> bool:
@@ -242,12 +236,6 @@ def has_job_tag(pid: int, job_id: str) -> bool:
         return False
 
 
-def read_json(path: str):
-    try:
-        with open(path, "rb") as f:
-            return json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
-        return None
 
 
 def launcher_of(run_dir: str | None, pane: dict) -> dict | None:
@@ -508,49 +496,10 @@ def append_gpu_sample(run_dir: str, gpu: dict, indices: list[int]) -> None:
         f.write(json.dumps(line, separators=(",", ":")) + "\n")
 
 
-def read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            return int(f.read(64).strip())
-    except (OSError, ValueError):
-        return None
 
 
-def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        try:
-            view = memoryview(data)
-            while view:  # a short write (a nearly full disk) is finished or fails, never left half
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
-@contextlib.contextmanager
-def locked(path: str, timeout: float = 120.0):
-    """An exclusive lock on `path` (created 0600), held for the block; waits at most `timeout` seconds."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{path} is held by another dflashctl") from None
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)
 
 
 def snapshot(req: dict) -> dict:
@@ -930,7 +879,9 @@ def start_session(run_dir: str, session: str, python: str, args: list[str]) -> i
     """Start the job's tmux session: the pane runs the launcher (a child subreaper) which runs run.sh."""
     import shlex
 
-    cmd = "exec " + shlex.join([python, os.path.join(run_dir, "launcher.py"), run_dir, *args])
+    agent = os.path.join(run_dir, AGENT_FILE)
+    keeper = [agent, "launch"] if os.path.isfile(agent) else [os.path.join(run_dir, "launcher.py")]  # older run dirs
+    cmd = "exec " + shlex.join([python, *keeper, run_dir, *args])
     rc, _ = _run([*TMUX, "-f", os.path.join(run_dir, "tmux.conf"), "new-session", "-d", "-s", session, "-x", "200",
                   "-y", "50", cmd, ";", "set-option", "-w", "-t", f"={session}:", "remain-on-exit", "on"])  # fmt: skip
     if rc != 0:
@@ -1049,6 +1000,7 @@ def launch(req: dict, payload: bytes) -> dict:
             return {"refused": [f"run dir {run} already exists"]}
         for name, text in files.items():
             write_atomic(os.path.join(run, name), text.encode("utf-8", "surrogateescape"))
+        write_atomic(os.path.join(run, AGENT_FILE), own_archive())  # the pane's launcher, this very agent
         os.mkdir(os.path.join(run, "inductor-cache"), 0o700)
         pane_pid = start_session(run, req["session"], req["python"], [])
     return {"run_dir": run, "pane_pid": pane_pid, "overrides": overrides}
@@ -1060,7 +1012,7 @@ def restart(req: dict) -> dict:
     run = req["run_dir"]
     if not os.path.isdir(run):
         return {"restarted": False, "why": "the run dir is gone"}
-    if not os.path.isfile(os.path.join(run, "launcher.py")):
+    if not any(os.path.isfile(os.path.join(run, f)) for f in (AGENT_FILE, "launcher.py")):
         return {"restarted": False, "why": "launched by an older dflashctl (no launcher in its run dir): relaunch it"}
     with locked(os.path.join(run, ".restart.lock"), timeout=float(req.get("grace_s", 40)) + 60):
         if os.path.exists(os.path.join(run, STOP_REQUEST)):

@@ -12,7 +12,6 @@ leftover staging dir. Releases that no live job uses are collected, keeping the 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -21,6 +20,8 @@ import stat
 import sys
 import tarfile
 import time
+
+from .common import locked, write_all
 
 MANIFEST_NAME = ".dflashctl-manifest.json"
 KEEP_RELEASES = 3  # besides the current one and those live jobs use
@@ -36,24 +37,6 @@ def _safe(rel: str) -> bool:
     return bool(rel) and not rel.startswith("/") and ".." not in parts and "" not in parts and "\0" not in rel
 
 
-@contextlib.contextmanager
-def locked(path: str, timeout: float = 600.0):
-    # the same lock as probe.locked: each agent is shipped to the remote as one file and runs alone, so the two
-    # cannot share a module
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ReleaseError("another deploy holds the workdir's lock") from None
-                time.sleep(0.05)
-        yield
-    finally:
-        os.close(fd)
 
 
 def _fsync_dir(path: str) -> None:
@@ -91,7 +74,7 @@ def extract(stream, staging: str, written: set[str]) -> bytes:
                     block = src.read(1 << 20)
                     if not block:
                         break
-                    _write_all(fd, block)
+                    write_all(fd, block)
                 os.fchmod(fd, m.mode & 0o777)
             finally:
                 os.close(fd)
@@ -105,11 +88,6 @@ def extract(stream, staging: str, written: set[str]) -> bytes:
     return manifest
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
 
 
 FSYNC_EACH_UP_TO = 64  # written files fsynced one by one up to this many; more: one syncfs(2) of the filesystem
@@ -272,7 +250,7 @@ def release(req: dict, stream) -> dict:
     wd = req["workdir"]
     releases = os.path.join(wd, "releases")
     os.makedirs(releases, exist_ok=True)
-    with locked(os.path.join(wd, ".deploy.lock")):
+    with locked(os.path.join(wd, ".deploy.lock"), timeout=600.0, held_by="another deploy"):
         for d in os.listdir(releases):
             if d.startswith(".staging-"):
                 shutil.rmtree(os.path.join(releases, d), ignore_errors=True)

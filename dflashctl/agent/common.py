@@ -1,0 +1,88 @@
+"""What every remote action needs, once: an exclusive lock, an atomic write, a process's identity, bounded reads.
+
+Part of the remote agent (stdlib only, Python 3.8+): see dflashctl/agent/__init__.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+
+
+class LockTimeout(TimeoutError):
+    """Another dflashctl holds the lock for longer than the caller will wait."""
+
+
+@contextlib.contextmanager
+def locked(path: str, timeout: float = 120.0, held_by: str = "another dflashctl"):
+    """An exclusive lock on `path` (created 0600), held for the block; waits at most `timeout` seconds."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise LockTimeout(f"{path} is held by {held_by}") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Every byte written: a short write (a nearly full disk) is finished or fails, never left half."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
+    """`path` holds `data` whole (fsynced) or keeps what it held: a temp file beside it, then rename."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot), or None when it is gone or a zombie (which holds no
+    memory and no GPU). With the pid it names one process for good: a later process reusing the pid differs."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        rest = stat[stat.rindex(")") + 2 :].split()
+        return None if rest[0] in ("Z", "X") else int(rest[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def read_json(path: str, limit: int = 1 << 20):
+    """The JSON in the first `limit` bytes of `path`, or None (missing, unreadable, not JSON)."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read(limit))
+    except (OSError, ValueError):
+        return None
+
+
+def read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read(64).strip())
+    except (OSError, ValueError):
+        return None

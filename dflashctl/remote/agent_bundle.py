@@ -1,0 +1,41 @@
+"""The remote agent as one zipapp, built here byte for byte the same every time, and the boot line that runs it.
+
+Each remote command sends the zipapp on stdin ahead of its own payload: `python3 -c BOOT LEN SHA ACTION ...`. BOOT
+reads LEN bytes, checks their SHA-256, keeps them as ~/.cache/dflashctl/agent-SHA.pyz (0700 dir, 0600 file, written
+atomically; a cached copy is checked again before use), and runs it with the rest of stdin left to the action. So
+the remote needs nothing installed, never runs a copy that differs from this client's, and a job's tmux pane can run
+the launcher from a file (`agent.pyz`, copied into the run dir at launch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from dflashctl.agent.pack import build
+
+AGENT = build()
+AGENT_SHA = hashlib.sha256(AGENT).hexdigest()
+
+BOOT = (
+    "import sys,os,hashlib,runpy,tempfile\n"
+    "n=int(sys.argv.pop(1));h=sys.argv.pop(1);z=sys.stdin.buffer.read(n)\n"
+    "if hashlib.sha256(z).hexdigest()!=h:\n"
+    " sys.exit('dflashctl agent: %d bytes arrived, not the agent of hash %s'%(len(z),h))\n"
+    "def keep(d):\n"
+    " os.makedirs(d,0o700,exist_ok=True);p=os.path.join(d,'agent-'+h+'.pyz')\n"
+    " try:\n"
+    "  with open(p,'rb') as f:\n"
+    "   if hashlib.sha256(f.read()).hexdigest()==h:return p\n"
+    " except OSError:pass\n"
+    " t='%s.%d'%(p,os.getpid());fd=os.open(t,os.O_WRONLY|os.O_CREAT|os.O_TRUNC,0o600)\n"
+    " with os.fdopen(fd,'wb') as f:f.write(z)\n"
+    " os.replace(t,p);return p\n"
+    "try:p=keep(os.path.join(os.path.expanduser('~'),'.cache','dflashctl'))\n"
+    "except OSError:p=keep(os.path.join(tempfile.gettempdir(),'dflashctl-agent-%d'%os.getuid()))\n"
+    "sys.argv[0]=p;runpy.run_path(p,run_name='__main__')\n"
+)
+
+
+def boot_argv(python: str, action: str, *args: str) -> list[str]:
+    """The remote argv of one agent action; its stdin must start with AGENT."""
+    return [python, "-c", BOOT, str(len(AGENT)), AGENT_SHA, action, *args]
