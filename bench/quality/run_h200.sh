@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The quality benchmark in one pass on one GPU host: the target, the data, then both trainers and prompt lookup side
-# by side (they share the GPU: their step times come from bench/quality/step_times, not from this pass).
+# The quality benchmark in one pass on one GPU host (about 9 minutes): the target and its answers, then our trainer,
+# SpecForge (after the hidden-state dump it needs) and prompt lookup side by side. They share the GPU, so the step
+# times of this pass are each trainer's under the same load, not alone.
 # Wheels for SpecForge (specforge, yunchang, pydantic and its parts) are installed from $WHEELS, never from the network.
 set -euo pipefail
 WORK=${WORK:-/tmp/qual}; OUTDIR=${OUTDIR:-$WORK/out}; WHEELS=${WHEELS:-.whl}
@@ -9,10 +10,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 q() { python3 bench/quality/run_quality.py --work "$WORK" "$@"; }
 keep() { cp "$WORK"/*.json "$OUTDIR"/ 2>/dev/null || true; }
 [ -f "$WORK/target.json" ] || q --phase target; keep
-q --phase data; keep
+[ -f "$WORK/data.json" ] || q --phase data; keep
 q --phase ours > "$WORK/ours.out" 2>&1 & ours=$!
-PYTHONPATH=/tmp/sfsite q --phase specforge > "$WORK/specforge.out" 2>&1 & sf=$!
+(q --phase features && PYTHONPATH=/tmp/sfsite q --phase specforge) > "$WORK/specforge.out" 2>&1 & sf=$!
 q --phase lookup > "$WORK/lookup.out" 2>&1 || true
+keep
 wait $ours || echo "ours failed: $(tail -5 "$WORK/ours.out")"
+keep
 wait $sf || echo "specforge failed: $(tail -30 "$WORK/specforge.out")"
 keep

@@ -1,16 +1,20 @@
 """Both trainers on identical work, on a real target made here: tau, step time and peak memory, side by side.
 
     python bench/quality/run_quality.py --work DIR --phase target      # make the target (make_target.py)
-    python bench/quality/run_quality.py --work DIR --phase ours        # regenerate, train, export, bench_tau, dump
-    python bench/quality/run_quality.py --work DIR --phase specforge   # prompt lookup; SpecForge offline, bench_tau
+    python bench/quality/run_quality.py --work DIR --phase data        # the target's answers to the training prompts
+    python bench/quality/run_quality.py --work DIR --phase features    # its hidden states, for SpecForge
+    python bench/quality/run_quality.py --work DIR --phase ours        # train, export, bench_tau
+    python bench/quality/run_quality.py --work DIR --phase specforge   # SpecForge offline, its checkpoints' tau
+    python bench/quality/run_quality.py --work DIR --phase lookup      # prompt lookup on the same prompts
 
-Phases run in order on one GPU host and share DIR. `ours` is what a user runs: `trainer.regenerate` (the target's own
-greedy answers to the training prompts), `trainer.train` (the paper's recipe scaled to the target: block 16, anchors,
-warmup then cosine, with the in-run eval on the held-out prompt file every N steps), `trainer.export`, then
-`trainer.bench_tau` on the held-out prompts. It also dumps the target's hidden states for SpecForge's offline mode
-(specforge_side.py). `specforge` trains SpecForge's DFlash drafter on those (same target, data, drafter shape, steps,
-batch and anchors), exports it with SpecForge's own exporter, converts it to the public DFlash format, measures it
-with the same bench_tau, and measures prompt lookup on the same prompts. Each phase writes DIR/<phase>.json.
+Phases share DIR on one GPU host; `run_h200.sh` runs target and data, then the rest side by side. `data` and `ours`
+are what a user runs: `trainer.regenerate` (the target's own greedy answers to the training prompts), `trainer.train`
+(the paper's recipe scaled to the target: block 16, anchors, warmup then cosine, with the in-run eval on the held-out
+prompt file every N steps), `trainer.export`, then `trainer.bench_tau` on the held-out prompts. `features` dumps the
+target's hidden states for SpecForge's offline mode (specforge_side.py); `specforge` trains SpecForge's DFlash
+drafter on them (same target, data, drafter shape, steps, batch and anchors), exports each checkpoint with its own
+exporter, converts it to the public DFlash format and measures it with the same bench_tau. Each phase writes
+DIR/<phase>.json.
 `--scale tiny` shrinks everything for a run on the CPU (SpecForge needs a GPU).
 """
 
@@ -29,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 SCALES = {
-    "gpu": {"target": ["--size", "small", "--steps", "1000"],
+    "gpu": {"target": ["--size", "small", "--steps", "800"],
             "prompts_train": 2000, "regen_tokens": 192, "regen_batch": 200,
             "layers": 3, "block": 16, "anchors": 64, "buckets": [512, 1024], "batch": 8, "steps": 1200,
             "lr": 6e-4, "eval_every": 300, "eval_prompts": 16, "eval_tokens": 128, "tau_prompts": 40,
@@ -143,24 +147,29 @@ def target_forward_ms(work: Path, s: dict) -> dict:
 
 
 def phase_data(work: Path, s: dict, log: Path) -> dict:
-    """The target's own greedy answers to the training prompts, and its hidden states on them for SpecForge."""
+    """The target's own greedy answers to the training prompts (what both trainers train on)."""
     import yaml
 
     (work / "ours.yaml").write_text(yaml.safe_dump(our_config(work, s), sort_keys=False))
-    subprocess.run(["rm", "-rf", str(work / "features")], check=True)
     prompts = (work / "prompts" / "train.jsonl").read_text().splitlines()[: s["prompts_train"]]
     (work / "prompts" / "train-used.jsonl").write_text("\n".join(prompts) + "\n")
     times = {"regenerate_s": sh([sys.executable, "-m", "trainer.regenerate", "--config", str(work / "ours.yaml"),
                                  "--input", str(work / "prompts" / "train-used.jsonl"),
                                  "--output", str(work / "regen.jsonl"), "--max-new-tokens", str(s["regen_tokens"]),
                                  "--batch-size", str(s["regen_batch"]), "--quiet"], log)}  # fmt: skip
-    times["dump_s"] = sh([sys.executable, str(HERE / "specforge_side.py"), "dump", "--target", str(work / "target"),
-                          "--data", str(work / "regen.jsonl"), "--layers", str(s["layers"]),
-                          "--max-len", str(max(s["buckets"])), "--out", str(work / "features")], log)  # fmt: skip
     answers = [json.loads(x)["response"] for x in (work / "regen.jsonl").read_text().splitlines() if x.strip()]
     chars = sorted(len(a) for a in answers)
     return {"times": times, "records": len(prompts), "empty_answers": sum(not a.strip() for a in answers),
             "answer_chars_median": chars[len(chars) // 2] if chars else 0, "sample_answers": answers[:3]}  # fmt: skip
+
+
+def phase_features(work: Path, s: dict, log: Path) -> dict:
+    """The target's hidden states on the regenerated data, in SpecForge's offline format (our trainer needs none)."""
+    subprocess.run(["rm", "-rf", str(work / "features")], check=True)
+    secs = sh([sys.executable, str(HERE / "specforge_side.py"), "dump", "--target", str(work / "target"),
+               "--data", str(work / "regen.jsonl"), "--layers", str(s["layers"]),
+               "--max-len", str(max(s["buckets"])), "--out", str(work / "features")], log)  # fmt: skip
+    return {"dump_s": secs, "files": len(list((work / "features").glob("*.ckpt")))}
 
 
 def phase_ours(work: Path, s: dict, log: Path) -> dict:
@@ -226,7 +235,8 @@ def specforge_drafter(work: Path, ckpt: Path, run: Path, log: Path) -> Path:
 
 
 def phase_specforge(work: Path, s: dict, log: Path) -> dict:
-    """SpecForge on the features `data` dumped, the same steps, batch, anchors and drafter; tau at 4 checkpoints."""
+    """SpecForge on the hidden states `features` dumped: the same steps, batch, anchors and drafter; tau at 4
+    checkpoints."""
     run = work / "run-specforge"
     for stale in [run, *work.glob("specforge-hf-*"), *work.glob("drafter-specforge-*")]:
         subprocess.run(["rm", "-rf", str(stale)], check=True)
@@ -260,7 +270,7 @@ def phase_specforge(work: Path, s: dict, log: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench/quality/run_quality.py", description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, type=Path)
-    ap.add_argument("--phase", required=True, choices=["target", "data", "ours", "specforge", "lookup"])
+    ap.add_argument("--phase", required=True, choices=["target", "data", "features", "ours", "specforge", "lookup"])
     ap.add_argument("--scale", choices=sorted(SCALES), default="gpu")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override one scale setting")
     args = ap.parse_args(argv)
@@ -274,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     fn = {
         "target": phase_target,
         "data": phase_data,
+        "features": phase_features,
         "ours": phase_ours,
         "specforge": phase_specforge,
         "lookup": phase_lookup,
