@@ -136,3 +136,26 @@ def test_a_job_that_is_not_alive_gets_no_tunnel_and_no_tensorboard(client, monke
     record(client, JOB, state="KILLED")
     res = run_cli("tunnel", JOB, "6006", "--tensorboard")
     assert res.code == 2 and "is KILLED, not running" in res.stderr
+
+
+def test_ctrl_c_ends_even_an_ssh_that_ignores_sigterm(client, monkeypatch, tmp_path):
+    """A forward whose ssh inherited SIGTERM ignored (a parent that ignores it) still ends on Ctrl-C, and goes."""
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    record(client, JOB)
+    port, local = free_port(), free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    ignoring = ("import signal, os, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "os.execv(sys.argv[1], sys.argv[1:])")
+    argv = [sys.executable, "-m", "dflashctl", "tunnel", JOB, str(port), "--local-port", str(local)]
+    tun = subprocess.Popen([sys.executable, "-c", ignoring, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)  # fmt: skip
+    try:
+        fetch(f"http://127.0.0.1:{local}/")
+        tun.send_signal(signal.SIGINT)
+        assert tun.wait(timeout=15) == 0
+        with pytest.raises(OSError):  # the ssh that ignored SIGTERM was killed: nothing forwards any more
+            urllib.request.urlopen(f"http://127.0.0.1:{local}/", timeout=2)
+    finally:
+        tun.kill()
+        server.kill()

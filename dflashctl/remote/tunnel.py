@@ -138,8 +138,17 @@ def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_r
     errors = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: ssh never blocks on what it says
     proc = subprocess.Popen(argv, preexec_fn=_die_with_parent, stderr=errors, text=True)
 
+    def end_ssh() -> None:  # SIGTERM, then SIGKILL: an ssh started with SIGTERM ignored (inherited) must go too
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(3)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
     def stop(signum, _frame) -> None:  # SIGTERM/SIGHUP to dflashctl: the forward goes with it
-        proc.terminate()
+        end_ssh()
         raise SystemExit(0)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -156,12 +165,8 @@ def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_r
             raise RemoteCommandError(f"ssh ended the forward (exit {code}): {detail[-1] if detail else 'no message'}")
         return code
     except KeyboardInterrupt:
-        proc.terminate()
-        proc.wait()
+        end_ssh()
         return 0
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(5)
+        end_ssh()
         errors.close()
