@@ -380,3 +380,43 @@ def test_first_boots_at_once_all_run_and_an_unwritable_home_falls_back(tmp_path)
         assert res.returncode == 0
     else:
         assert res.returncode == 0 and list(tmp.glob("dflashctl-agent-*/agent-*.pyz"))
+
+
+def oldest_python() -> str | None:
+    """Python 3.8 (the oldest a remote may have), where this machine has it."""
+    import shutil
+
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    for path in [shutil.which("python3.8"), *map(str, sorted(pyenv.glob("3.8*/bin/python3.8")))]:
+        if path and subprocess.run([path, "-c", "import sys; assert sys.version_info[:2] == (3, 8)"],
+                                   capture_output=True).returncode == 0:  # fmt: skip
+            return path
+    return None
+
+
+@pytest.mark.skipif(oldest_python() is None, reason="no python3.8 on this machine to run the agent under")
+def test_the_agent_runs_on_python_3_8_probe_with_gpu_readings_and_release(tmp_path):
+    """The remote's own Python may be 3.8: the zipapp's probe (GPU readings parsed) and release run there."""
+    py = oldest_python()
+    fixtures = Path(__file__).resolve().parent / "fixtures" / "nvidia-smi"
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"time": 1, "step": 1, "loss": 2.0}\n')
+    req = json.dumps({"run_dir": str(run), "gpus": True})
+    gpu_csv = (fixtures / "h200-query-gpu-loaded.csv").read_text()
+    argv = boot_argv(py, "probe", req)
+    proc = subprocess.run([*argv, gpu_csv, ""], input=AGENT, capture_output=True, env={**os.environ,
+                          "HOME": str(tmp_path)})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    snap = json.loads(proc.stdout)
+    assert snap["metrics"]["records"][0]["step"] == 1
+    assert snap["gpu"]["gpus"] and snap["gpu"]["gpus"][0]["name"].startswith("NVIDIA H200")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("print(1)\n")
+    stream, version = tar_of(src, ["a.py"])
+    wd = tmp_path / "wd"
+    argv = boot_argv(py, "release", json.dumps({"workdir": str(wd), "version": version, "base": None}))
+    res = subprocess.run(argv, input=AGENT + stream, capture_output=True, env={**os.environ, "HOME": str(tmp_path)})
+    assert json.loads(res.stdout)["ok"], res.stderr.decode()[-2000:]
+    assert (wd / "code" / "a.py").read_text() == "print(1)\n"

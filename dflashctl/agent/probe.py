@@ -81,7 +81,7 @@ def parse_gpu_csv(text: str) -> list[dict]:
         values = [v.strip() for v in line.split(",")]
         if len(values) != len(GPU_FIELDS):
             continue
-        row = dict(zip(GPU_KEYS, values, strict=True))
+        row = dict(zip(GPU_KEYS, values))  # noqa: B905 (lengths checked above; zip(strict=) is Python 3.10+)
         gpus.append({k: (row[k] if k in TEXT_KEYS else _num(row[k])) for k in GPU_KEYS})
     return gpus
 
