@@ -2,7 +2,11 @@
 # The quality benchmark in one pass on one GPU host (about 9 minutes): the target and its answers, then our trainer,
 # SpecForge (after the hidden-state dump it needs) and prompt lookup side by side. They share the GPU, so the step
 # times of this pass are each trainer's under the same load, not alone.
-# Wheels for SpecForge (specforge, yunchang, pydantic and its parts) are installed from $WHEELS, never from the network.
+# Wheels for SpecForge (specforge, yunchang, pydantic and its parts) are installed from $WHEELS, never from the network;
+# fetch them where pip works, for the GPU host's Python (3.12 here), without their pins' dependencies:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
+#     specforge==0.2.0 yunchang==0.6.4 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+#     typing-inspection==0.4.5 typing-extensions==4.16.0
 set -euo pipefail
 WORK=${WORK:-/tmp/qual}; OUTDIR=${OUTDIR:-$WORK/out}; WHEELS=${WHEELS:-.whl}
 mkdir -p "$OUTDIR"
