@@ -3,6 +3,7 @@ deploys that fail halfway or race. Cases of docs/reliability.md."""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -382,6 +383,7 @@ def test_first_boots_at_once_all_run_and_an_unwritable_home_falls_back(tmp_path)
         assert res.returncode == 0 and list(tmp.glob("dflashctl-agent-*/agent-*.pyz"))
 
 
+@functools.cache
 def oldest_python() -> str | None:
     """Python 3.8 (the oldest a remote may have), where this machine has it."""
     import shutil

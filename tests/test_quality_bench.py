@@ -69,9 +69,8 @@ def test_the_target_loads_as_hf_and_reports_its_held_out_loss(made):
 def test_the_same_seed_makes_the_same_target(made):
     digest = [hashlib.sha256((m / "target" / "model.safetensors").read_bytes()).hexdigest() for m in made]
     assert digest[0] == digest[1]
-    assert [(m / "prompts" / "heldout.jsonl").read_text() for m in made][0] == (
-        made[1] / "prompts" / "heldout.jsonl"
-    ).read_text()
+    prompts = [(m / "prompts" / "heldout.jsonl").read_text() for m in made]
+    assert prompts[0] == prompts[1]
 
 
 def test_whole_files_are_held_out_and_prompts_are_humaneval_records(made):

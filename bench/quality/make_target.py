@@ -78,8 +78,9 @@ def corpus_files(roots: list[Path], max_mb: float) -> list[tuple[str, str]]:
     budget = int(max_mb * 1e6)
     skip = {str(r) for r in roots[1:]} | {str(Path(sysconfig.get_paths()["purelib"]))}
     for root in roots:
+        nested = tuple(s + "/" for s in skip if s != str(root) and s.startswith(str(root)))
         for path in sorted(root.rglob("*.py")):
-            if any(str(path).startswith(s + "/") for s in skip if s != str(root) and s.startswith(str(root))):
+            if nested and str(path).startswith(nested):
                 continue
             try:
                 data = path.read_bytes()

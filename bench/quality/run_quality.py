@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -165,7 +166,7 @@ def phase_data(work: Path, s: dict, log: Path) -> dict:
 
 def phase_features(work: Path, s: dict, log: Path) -> dict:
     """The target's hidden states on the regenerated data, in SpecForge's offline format (our trainer needs none)."""
-    subprocess.run(["rm", "-rf", str(work / "features")], check=True)
+    shutil.rmtree(work / "features", ignore_errors=True)
     secs = sh([sys.executable, str(HERE / "specforge_side.py"), "dump", "--target", str(work / "target"),
                "--data", str(work / "regen.jsonl"), "--layers", str(s["layers"]),
                "--max-len", str(max(s["buckets"])), "--out", str(work / "features")], log)  # fmt: skip
@@ -179,7 +180,7 @@ def phase_ours(work: Path, s: dict, log: Path) -> dict:
     cfg = our_config(work, s)
     (work / "ours.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     for stale in ("run-ours", "drafter-ours"):
-        subprocess.run(["rm", "-rf", str(work / stale)], check=True)
+        shutil.rmtree(work / stale, ignore_errors=True)
     run = work / "run-ours"
     times = {}
     with PeakGpuMemory() as mem:
@@ -239,7 +240,7 @@ def phase_specforge(work: Path, s: dict, log: Path) -> dict:
     checkpoints."""
     run = work / "run-specforge"
     for stale in [run, *work.glob("specforge-hf-*"), *work.glob("drafter-specforge-*")]:
-        subprocess.run(["rm", "-rf", str(stale)], check=True)
+        shutil.rmtree(stale, ignore_errors=True)
     sh([sys.executable, str(HERE / "specforge_side.py"), "config", "--target", str(work / "target"), "--features",
         str(work / "features"), "--layers", str(s["layers"]), "--block", str(s["block"]), "--steps", str(s["steps"]),
         "--batch", str(s["batch"]), "--lr", str(s["lr"]), "--anchors", str(s["anchors"]),

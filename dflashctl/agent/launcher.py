@@ -23,8 +23,6 @@ PR_SET_CHILD_SUBREAPER = 36
 LEFTOVER_GRACE_S = 5.0
 
 
-
-
 def descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):

@@ -221,8 +221,6 @@ def proc_table() -> dict[int, dict]:
     return table
 
 
-
-
 def same_process(p: dict) -> bool:
     """The process named (pid, start) still exists, and it is that process, not a later one with its pid."""
     return start_time(p["pid"]) == p["start"]
@@ -234,8 +232,6 @@ def has_job_tag(pid: int, job_id: str) -> bool:
             return f"DFLASHCTL_JOB_ID={job_id}".encode() in f.read().split(b"\0")
     except OSError:
         return False
-
-
 
 
 def launcher_of(run_dir: str | None, pane: dict) -> dict | None:
@@ -494,12 +490,6 @@ def append_gpu_sample(run_dir: str, gpu: dict, indices: list[int]) -> None:
     fd = os.open(os.path.join(run_dir, "gpu.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     with os.fdopen(fd, "a") as f:
         f.write(json.dumps(line, separators=(",", ":")) + "\n")
-
-
-
-
-
-
 
 
 def snapshot(req: dict) -> dict:

@@ -37,8 +37,6 @@ def _safe(rel: str) -> bool:
     return bool(rel) and not rel.startswith("/") and ".." not in parts and "" not in parts and "\0" not in rel
 
 
-
-
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -86,8 +84,6 @@ def extract(stream, staging: str, written: set[str]) -> bytes:
     if manifest is None:
         raise ReleaseError("the stream ended before its manifest (interrupted or corrupt)")
     return manifest
-
-
 
 
 FSYNC_EACH_UP_TO = 64  # written files fsynced one by one up to this many; more: one syncfs(2) of the filesystem

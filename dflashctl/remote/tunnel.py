@@ -165,8 +165,7 @@ def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_r
             raise RemoteCommandError(f"ssh ended the forward (exit {code}): {detail[-1] if detail else 'no message'}")
         return code
     except KeyboardInterrupt:
-        end_ssh()
         return 0
-    finally:
+    finally:  # Ctrl-C, an error or ssh's own end: the forward never outlives the command
         end_ssh()
         errors.close()
