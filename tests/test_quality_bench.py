@@ -174,3 +174,18 @@ def test_prompt_lookup_counts_tokens_per_verifying_forward(made, capsys):
     assert result["method"] == "prompt_lookup" and result["prompt_set"] == "heldout"
     if result["prompts"]:
         assert 1.0 <= result["tau_pooled"] <= 11 and 1.0 <= result["tau_prompt_mean"] <= 11
+
+
+def test_specforge_step_times_are_read_from_its_own_progress_lines():
+    """Its log as SpecForge 0.2.0 writes it (recorded on an H200): the median step time of the second half, the loss."""
+    import run_quality
+
+    log = ROOT / "tests" / "fixtures" / "specforge" / "train-0.2.0.log"
+    stats = run_quality.specforge_log_stats(log)
+    rows = [line for line in log.read_text().splitlines() if line.startswith("step ")]
+    late = sorted(float(line.split("'train/perf/optimizer_step_time_s': ")[1].split(",")[0]) for line in rows
+                  if int(line.split()[1].rstrip(":")) > 600)  # fmt: skip
+    assert stats["step_time_ms_median"] == round(1000 * late[len(late) // 2], 2)
+    assert 20 < stats["step_time_ms_median"] < 200  # one progress line's 3.35 s compile step is in the first half
+    steps = [k for k, _ in stats["loss"]]
+    assert steps[0] == 10 and steps == sorted(steps) and all(0 < loss < 10 for _, loss in stats["loss"])

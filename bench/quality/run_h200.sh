@@ -12,7 +12,8 @@ WORK=${WORK:-/tmp/qual}; OUTDIR=${OUTDIR:-$WORK/out}; WHEELS=${WHEELS:-.whl}
 mkdir -p "$OUTDIR"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/sfsite "$WHEELS"/*.whl
 q() { python3 bench/quality/run_quality.py --work "$WORK" "$@"; }
-keep() { cp "$WORK"/*.json "$OUTDIR"/ 2>/dev/null || true; }
+# everything a phase wrote so far, in one archive (results, per-prompt taus, logs), kept after each step
+keep() { (cd "$WORK" && tar czf "$OUTDIR/quality.tgz" --exclude=regen.jsonl -- *.json *.jsonl *.log) 2>/dev/null || true; }
 [ -f "$WORK/target.json" ] || q --phase target; keep
 [ -f "$WORK/data.json" ] || q --phase data; keep
 q --phase ours > "$WORK/ours.out" 2>&1 & ours=$!

@@ -3,14 +3,15 @@
     python bench/quality/run_quality.py --work DIR --phase target      # make the target (make_target.py)
     python bench/quality/run_quality.py --work DIR --phase data        # the target's answers to the training prompts
     python bench/quality/run_quality.py --work DIR --phase features    # its hidden states, for SpecForge
-    python bench/quality/run_quality.py --work DIR --phase ours        # train, export, bench_tau
-    python bench/quality/run_quality.py --work DIR --phase specforge   # SpecForge offline, its checkpoints' tau
+    python bench/quality/run_quality.py --work DIR --phase ours        # train, then each checkpoint's bench_tau
+    python bench/quality/run_quality.py --work DIR --phase specforge   # SpecForge offline, the same for it
     python bench/quality/run_quality.py --work DIR --phase lookup      # prompt lookup on the same prompts
 
 Phases share DIR on one GPU host; `run_h200.sh` runs target and data, then the rest side by side. `data` and `ours`
 are what a user runs: `trainer.regenerate` (the target's own greedy answers to the training prompts), `trainer.train`
-(the paper's recipe scaled to the target: block 16, anchors, warmup then cosine, with the in-run eval on the held-out
-prompt file every N steps), `trainer.export`, then `trainer.bench_tau` on the held-out prompts. `features` dumps the
+(the paper's recipe scaled to the target: block 16, anchors, warmup then cosine, a checkpoint every N steps and the
+in-run eval at the end), then `trainer.export` and `trainer.bench_tau` on the held-out prompts for every checkpoint,
+side by side (the tau-versus-step curve, on the same yardstick as SpecForge's). `features` dumps the
 target's hidden states for SpecForge's offline mode (specforge_side.py); `specforge` trains SpecForge's DFlash
 drafter on them (same target, data, drafter shape, steps, batch and anchors), exports each checkpoint with its own
 exporter, converts it to the public DFlash format and measures it with the same bench_tau. Each phase writes
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +40,7 @@ SCALES = {
             "prompts_train": 2000, "regen_tokens": 192, "regen_batch": 200,
             "layers": 3, "block": 16, "anchors": 64, "buckets": [512, 1024], "batch": 8, "steps": 1200,
             "lr": 6e-4, "eval_every": 300, "eval_prompts": 16, "eval_tokens": 128, "tau_prompts": 40,
-            "tau_tokens": 256, "attention": "flex", "device": "cuda", "dtype": "bfloat16"},
+            "tau_tokens": 128, "attention": "flex", "device": "cuda", "dtype": "bfloat16"},
     "tiny": {"target": ["--size", "tiny", "--steps", "3", "--batch", "4", "--seq", "64", "--max-mb", "3",
                         "--heldout-percent", "5", "--eval-tokens", "2000", "--train-prompts", "40",
                         "--heldout-prompts", "6"],
@@ -89,12 +91,15 @@ class PeakGpuMemory:
         self._t.join()
 
 
-def bench_tau(work: Path, drafter: Path, s: dict, log: Path) -> dict:
-    out = work / f"tau-{drafter.name}.json"
+def bench_tau(work: Path, drafter: Path, s: dict, tag: str = "") -> dict:
+    """`trainer.bench_tau` on the held-out prompts; its own log, so several can run side by side."""
+    name = f"tau-{drafter.name}{tag}"
+    out, log = work / f"{name}.json", work / f"{name}.log"
+    log.unlink(missing_ok=True)
     sh([sys.executable, "-m", "trainer.bench_tau", "--target", str(work / "target"), "--drafter", str(drafter),
         "--prompts", str(work / "prompts" / "heldout.jsonl"), "--limit", str(s["tau_prompts"]),
         "--max-new-tokens", str(s["tau_tokens"]), "--device", s["device"], "--json", "--quiet",
-        "--out", str(work / f"tau-{drafter.name}.jsonl")], log)  # fmt: skip
+        "--out", str(work / f"{name}.jsonl")], log)  # fmt: skip
     text = log.read_text().rstrip().splitlines()
     result = json.loads(next(line for line in reversed(text) if line.startswith("{")))
     out.write_text(json.dumps(result, indent=1))
@@ -115,8 +120,8 @@ def our_config(work: Path, s: dict) -> dict:
                  "batch_size": s["batch"], "holdout": 0},
         "optim": {"lr": s["lr"], "warmup_ratio": 0.04, "grad_clip": 1.0, "gamma": 7.0},
         "steps": s["steps"], "log_every": 10, "seed": 0, "device": s["device"],
-        "checkpoint": {"every": 0, "keep": 1},
-        "eval": {"every": s["eval_every"], "at_end": True, "prompts": s["eval_prompts"],
+        "checkpoint": {"every": s["eval_every"], "keep": max(1, s["steps"] // s["eval_every"])},
+        "eval": {"every": 0, "at_end": True, "prompts": s["eval_prompts"],
                  "max_new_tokens": s["eval_tokens"], "prompt_file": str(work / "prompts" / "heldout.jsonl")},
         "metrics": {"gpu_history": False},
     }  # fmt: skip
@@ -173,37 +178,58 @@ def phase_features(work: Path, s: dict, log: Path) -> dict:
     return {"dump_s": secs, "files": len(list((work / "features").glob("*.ckpt")))}
 
 
+def curve_point(work: Path, drafter: Path, step: int, s: dict) -> dict:
+    """One checkpoint's tau on the curve's yardstick (the same `bench_tau`, prompts and length for both trainers)."""
+    r = bench_tau(work, drafter, s)["sets"][0]
+    return {"step": step, "tau": r["tau_prompt_mean"], "tau_pooled": r["tau_pooled"], "draft_steps": r["draft_steps"]}
+
+
+def export_ours(work: Path, run: Path, step: int) -> Path:
+    out = work / f"drafter-ours-step{step}"
+    sh([sys.executable, "-m", "trainer.export", "--run-dir", str(run), "--step", str(step), "--out", str(out)],
+       work / f"export-ours-{step}.log")  # fmt: skip
+    return out
+
+
 def phase_ours(work: Path, s: dict, log: Path) -> dict:
-    """Train, export and measure our drafter on the regenerated data, as a user runs it."""
+    """Train our drafter on the regenerated data as a user runs it, then export and measure each checkpoint."""
     import yaml
 
     cfg = our_config(work, s)
     (work / "ours.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    for stale in ("run-ours", "drafter-ours"):
+    for stale in ("run-ours", *(p.name for p in work.glob("drafter-ours*"))):
         shutil.rmtree(work / stale, ignore_errors=True)
     run = work / "run-ours"
     times = {}
     with PeakGpuMemory() as mem:
         times["train_s"] = sh([sys.executable, "-m", "trainer.train", "--config", str(work / "ours.yaml"),
                                "--run-dir", str(run)], log)  # fmt: skip
-    times["export_s"] = sh([sys.executable, "-m", "trainer.export", "--run-dir", str(run), "--out",
-                            str(work / "drafter-ours")], log)  # fmt: skip
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if "event" not in r and "tokens_per_s" in r]
     gaps = sorted(b["time"] - a["time"] for a, b in zip(steps, steps[1:], strict=False) if b["step"] == a["step"] + 1)
-    evals = [{"step": r["step"], "tau": r["tau"]} for r in records if r.get("event") == "eval"]
-    tau = bench_tau(work, work / "drafter-ours", s, log)
     tail = steps[len(steps) // 2 :] or steps
-    return {
-        "config": cfg, "times": times, "tau_vs_step": evals, "bench_tau": tau,
+    result = {
+        "config": cfg, "times": times,
         "step_time_ms_median": round(1000 * gaps[len(gaps) // 2], 2) if gaps else None,  # eval steps excluded
-        "target_forward_ms": target_forward_ms(work, s),
         "tokens_per_s_median": sorted(r["tokens_per_s"] for r in tail)[len(tail) // 2] if tail else None,
         "peak_mem_gib_torch": max((r.get("peak_mem_gib") or 0 for r in steps), default=None),
         "peak_mem_mib_nvidia_smi": mem.peak_mib,
+        "in_run_eval_at_end": [{"step": r["step"], "tau": r["tau"]} for r in records if r.get("event") == "eval"],
         "data": next((r for r in records if r.get("event") == "data"), None),
         "preflight": next((r for r in records if r.get("event") == "preflight"), None),
     }  # fmt: skip
+    save_partial(work, "ours", result)
+    marks = list(range(s["eval_every"], s["steps"] + 1, s["eval_every"]))
+    with ThreadPoolExecutor() as pool:  # every checkpoint exported and measured side by side
+        curve = pool.map(lambda k: curve_point(work, export_ours(work, run, k), k, s), marks)
+        result["target_forward_ms"] = target_forward_ms(work, s)
+        result["tau_vs_step"] = list(curve)
+    return result
+
+
+def save_partial(work: Path, phase: str, result: dict) -> None:
+    """What a phase has so far, so that a pass cut short by its time limit still leaves its training numbers."""
+    (work / f"{phase}.partial.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
 
 
 def phase_lookup(work: Path, s: dict, log: Path) -> dict:
@@ -214,30 +240,25 @@ def phase_lookup(work: Path, s: dict, log: Path) -> dict:
     return {**lookup, "wall_s": secs}
 
 
-def tensorboard_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out: dict[str, list[tuple[int, float]]] = {}
-    for events in sorted(logdir.rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(events.parent))
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
-    return out
-
-
-def specforge_drafter(work: Path, ckpt: Path, run: Path, log: Path) -> Path:
+def specforge_drafter(work: Path, ckpt: Path, run: Path) -> Path:
     """One of its checkpoints, through its own exporter, then into the public format."""
     hf, out = work / f"specforge-hf-{ckpt.name}", work / f"drafter-specforge-{ckpt.name.rsplit('-', 1)[1]}"
+    if (out / "config.json").exists():  # exported already in this phase (stale ones are removed at its start)
+        return out
+    log = work / f"export-{ckpt.name}.log"
     sh([sys.executable, "-m", "specforge.export.to_hf", "--checkpoint", str(ckpt), "--draft-config",
         str(run / "draft_config.json"), "--output-dir", str(hf)], log)  # fmt: skip
     sh([sys.executable, str(HERE / "specforge_side.py"), "convert", "--checkpoint", str(hf), "--out", str(out)], log)
     return out
 
 
+def specforge_curve_point(work: Path, ckpt: Path, run: Path, s: dict) -> dict:
+    return curve_point(work, specforge_drafter(work, ckpt, run), int(ckpt.name.rsplit("step", 1)[1]), s)
+
+
 def phase_specforge(work: Path, s: dict, log: Path) -> dict:
     """SpecForge on the hidden states `features` dumped: the same steps, batch, anchors and drafter; tau at 4
-    checkpoints."""
+    checkpoints, measured side by side (each is a small model; the GPU has room for all)."""
     run = work / "run-specforge"
     for stale in [run, *work.glob("specforge-hf-*"), *work.glob("drafter-specforge-*")]:
         shutil.rmtree(stale, ignore_errors=True)
@@ -249,23 +270,29 @@ def phase_specforge(work: Path, s: dict, log: Path) -> dict:
     sf_log = work / "specforge-train.log"
     with PeakGpuMemory() as mem:
         train_s = sh([sys.executable, "-m", "specforge.cli", "train", "-c", str(run / "run.yaml")], sf_log)
+    result = {"train_s": train_s, "peak_mem_mib_nvidia_smi": mem.peak_mib, **specforge_log_stats(sf_log)}
+    save_partial(work, "specforge", result)
     ckpts = sorted((run / "output").glob("*-step*"), key=lambda p: int(p.name.rsplit("step", 1)[1]))
-    final = specforge_drafter(work, ckpts[-1], run, log)
-    tau = bench_tau(work, final, s, log)
-    curve = []
-    for ckpt in ckpts:  # the in-run eval's yardstick: its prompt count and length
-        d = final if ckpt == ckpts[-1] else specforge_drafter(work, ckpt, run, log)
-        small = {**s, "tau_prompts": s["eval_prompts"], "tau_tokens": s["eval_tokens"]}
-        r = bench_tau(work, d, small, log)["sets"][0]
-        curve.append({"step": int(ckpt.name.rsplit("step", 1)[1]), "tau": r["tau_prompt_mean"]})
-    scalars = tensorboard_scalars(run / "output")
-    step_times = sorted(v for _, v in scalars.get("perf/optimizer_step_time_s", []))
-    tail = step_times[len(step_times) // 2 :]
-    return {"bench_tau": tau, "tau_vs_step": curve, "train_s": train_s,
-            "step_time_ms_median": round(1000 * tail[len(tail) // 2], 2) if tail else None,
-            "loss": [(k, round(v, 5)) for k, v in scalars.get("train/loss", scalars.get("loss", []))][::10],
-            "scalar_tags": sorted(scalars), "peak_mem_mib_nvidia_smi": mem.peak_mib,
-            "checkpoints": [str(c) for c in ckpts], "log_tail": sf_log.read_text()[-3000:]}  # fmt: skip
+    with ThreadPoolExecutor() as pool:
+        result["tau_vs_step"] = list(pool.map(lambda c: specforge_curve_point(work, c, run, s), ckpts))
+    return {**result, "checkpoints": [str(c) for c in ckpts], "log_tail": sf_log.read_text()[-3000:]}
+
+
+def specforge_log_stats(sf_log: Path) -> dict:
+    """Its step time (median of the second half) and loss from its own progress lines (`step N: {...}`)."""
+    import ast
+    import re
+
+    rows = []
+    for m in re.finditer(r"^step (\d+): (\{.*\})$", sf_log.read_text(), re.M):
+        try:
+            rows.append((int(m.group(1)), ast.literal_eval(m.group(2))))
+        except (ValueError, SyntaxError):
+            continue
+    times = sorted(r["train/perf/optimizer_step_time_s"] for k, r in rows
+                   if k > rows[-1][0] // 2 and "train/perf/optimizer_step_time_s" in r) if rows else []  # fmt: skip
+    return {"step_time_ms_median": round(1000 * times[len(times) // 2], 2) if times else None,
+            "loss": [(k, round(r["train/loss"], 4)) for k, r in rows if "train/loss" in r][::5]}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

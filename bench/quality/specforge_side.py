@@ -89,7 +89,7 @@ def config(args) -> int:
                      "attention_backend": args.attention, "num_anchors": args.anchors, "loss_decay_gamma": args.gamma,
                      "save_interval": args.save_interval or args.steps, "log_interval": args.log_interval,
                      "seed": args.seed},
-        "tracking": {"report_to": "tensorboard"},  # its step times and losses, read back from RUN/output/runs
+        "tracking": {"report_to": "tensorboard"},  # its own record; run_quality reads its progress lines
         "run_id": "quality-specforge", "output_dir": str(run / "output"),
         "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}},
     }  # fmt: skip
