@@ -189,3 +189,17 @@ def test_specforge_step_times_are_read_from_its_own_progress_lines():
     assert 20 < stats["step_time_ms_median"] < 200  # one progress line's 3.35 s compile step is in the first half
     steps = [k for k, _ in stats["loss"]]
     assert steps[0] == 10 and steps == sorted(steps) and all(0 < loss < 10 for _, loss in stats["loss"])
+
+
+def test_the_curves_plot_from_a_results_file(tmp_path):
+    import plot_quality
+
+    results = {"yardstick": "40 prompts", "prompt_lookup": {"tau_prompt_mean": 3.2},
+               "ours": {"tau_vs_step": [{"step": 300, "tau": 1.4}, {"step": 600, "tau": 2.0}],
+                        "step_time_ms_median": 34},
+               "specforge": {"tau_vs_step": [{"step": 300, "tau": 1.5}], "step_time_ms_median": None}}  # fmt: skip
+    source, out = tmp_path / "r.json", tmp_path / "curve.png"
+    source.write_text(json.dumps(results))
+    assert plot_quality.main([str(source), str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+    assert plot_quality.main(["one-argument"]) == 2

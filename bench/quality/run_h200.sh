@@ -18,9 +18,12 @@ keep() { (cd "$WORK" && tar czf "$OUTDIR/quality.tgz" --exclude=regen.jsonl -- *
 [ -f "$WORK/data.json" ] || q --phase data; keep
 q --phase ours > "$WORK/ours.out" 2>&1 & ours=$!
 (q --phase features && PYTHONPATH=/tmp/sfsite q --phase specforge) > "$WORK/specforge.out" 2>&1 & sf=$!
-q --phase lookup > "$WORK/lookup.out" 2>&1 || true
+# a variant of ours beside the rest, for the "why" runs, e.g. VARIANT='--set tag="-b2" --set betas=[0.9,0.999]'
+if [ -n "${VARIANT:-}" ]; then eval "q --phase ours $VARIANT" > "$WORK/variant.out" 2>&1 & fi
+[ "${LOOKUP:-1}" = 0 ] || q --phase lookup > "$WORK/lookup.out" 2>&1 || true
 keep
 wait $ours || echo "ours failed: $(tail -5 "$WORK/ours.out")"
 keep
 wait $sf || echo "specforge failed: $(tail -30 "$WORK/specforge.out")"
+wait
 keep

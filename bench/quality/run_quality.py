@@ -39,15 +39,15 @@ SCALES = {
     "gpu": {"target": ["--size", "small", "--steps", "800"],
             "prompts_train": 2000, "regen_tokens": 192, "regen_batch": 200,
             "layers": 3, "block": 16, "anchors": 64, "buckets": [512, 1024], "batch": 8, "steps": 1200,
-            "lr": 6e-4, "eval_every": 300, "eval_prompts": 16, "eval_tokens": 128, "tau_prompts": 40,
-            "tau_tokens": 128, "attention": "flex", "device": "cuda", "dtype": "bfloat16"},
+            "lr": 6e-4, "betas": [0.9, 0.95], "eval_every": 300, "eval_prompts": 16, "eval_tokens": 128,
+            "tau_prompts": 40, "tau_tokens": 128, "attention": "flex", "device": "cuda", "dtype": "bfloat16"},
     "tiny": {"target": ["--size", "tiny", "--steps", "3", "--batch", "4", "--seq", "64", "--max-mb", "3",
                         "--heldout-percent", "5", "--eval-tokens", "2000", "--train-prompts", "40",
                         "--heldout-prompts", "6"],
              "prompts_train": 40, "regen_tokens": 16, "regen_batch": 16, "layers": 1, "block": 4, "anchors": 32,
-             "buckets": [512], "batch": 2, "steps": 6, "lr": 6e-4, "eval_every": 3, "eval_prompts": 2,
-             "eval_tokens": 8, "tau_prompts": 3, "tau_tokens": 8, "attention": "dense", "device": "cpu",
-             "dtype": "float32"},
+             "buckets": [512], "batch": 2, "steps": 6, "lr": 6e-4, "betas": [0.9, 0.95], "eval_every": 3,
+             "eval_prompts": 2, "eval_tokens": 8, "tau_prompts": 3, "tau_tokens": 8, "attention": "dense",
+             "device": "cpu", "dtype": "float32"},
 }  # fmt: skip
 
 
@@ -118,7 +118,7 @@ def our_config(work: Path, s: dict) -> dict:
         "attention": {"backend": s["attention"]},
         "data": {"path": str(work / "regen.jsonl"), "anchors_per_seq": s["anchors"], "seq_buckets": s["buckets"],
                  "batch_size": s["batch"], "holdout": 0},
-        "optim": {"lr": s["lr"], "warmup_ratio": 0.04, "grad_clip": 1.0, "gamma": 7.0},
+        "optim": {"lr": s["lr"], "betas": s["betas"], "warmup_ratio": 0.04, "grad_clip": 1.0, "gamma": 7.0},
         "steps": s["steps"], "log_every": 10, "seed": 0, "device": s["device"],
         "checkpoint": {"every": s["eval_every"], "keep": max(1, s["steps"] // s["eval_every"])},
         "eval": {"every": 0, "at_end": True, "prompts": s["eval_prompts"],
@@ -185,7 +185,7 @@ def curve_point(work: Path, drafter: Path, step: int, s: dict) -> dict:
 
 
 def export_ours(work: Path, run: Path, step: int) -> Path:
-    out = work / f"drafter-ours-step{step}"
+    out = work / f"drafter-{run.name.removeprefix('run-')}-step{step}"
     sh([sys.executable, "-m", "trainer.export", "--run-dir", str(run), "--step", str(step), "--out", str(out)],
        work / f"export-ours-{step}.log")  # fmt: skip
     return out
@@ -195,14 +195,14 @@ def phase_ours(work: Path, s: dict, log: Path) -> dict:
     """Train our drafter on the regenerated data as a user runs it, then export and measure each checkpoint."""
     import yaml
 
-    cfg = our_config(work, s)
-    (work / "ours.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
-    for stale in ("run-ours", *(p.name for p in work.glob("drafter-ours*"))):
+    cfg, name = our_config(work, s), f"ours{s.get('tag', '')}"  # a tag names a variant (`--set tag="-b2"`)
+    (work / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    for stale in (f"run-{name}", *(p.name for p in work.glob(f"drafter-{name}-step*"))):
         shutil.rmtree(work / stale, ignore_errors=True)
-    run = work / "run-ours"
+    run = work / f"run-{name}"
     times = {}
     with PeakGpuMemory() as mem:
-        times["train_s"] = sh([sys.executable, "-m", "trainer.train", "--config", str(work / "ours.yaml"),
+        times["train_s"] = sh([sys.executable, "-m", "trainer.train", "--config", str(work / f"{name}.yaml"),
                                "--run-dir", str(run)], log)  # fmt: skip
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in records if "event" not in r and "tokens_per_s" in r]
@@ -218,7 +218,7 @@ def phase_ours(work: Path, s: dict, log: Path) -> dict:
         "data": next((r for r in records if r.get("event") == "data"), None),
         "preflight": next((r for r in records if r.get("event") == "preflight"), None),
     }  # fmt: skip
-    save_partial(work, "ours", result)
+    save_partial(work, name, result)
     marks = list(range(s["eval_every"], s["steps"] + 1, s["eval_every"]))
     with ThreadPoolExecutor() as pool:  # every checkpoint exported and measured side by side
         curve = pool.map(lambda k: curve_point(work, export_ours(work, run, k), k, s), marks)
@@ -307,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.set:
         key, _, value = item.partition("=")
         s[key] = json.loads(value)
-    log = args.work / f"{args.phase}.log"
+    phase = args.phase + (s.get("tag", "") if args.phase == "ours" else "")
+    log = args.work / f"{phase}.log"
     t0 = time.time()
     fn = {
         "target": phase_target,
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"phase": args.phase, "scale": args.scale, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               **fn(args.work, s, log), "phase_wall_s": None}  # fmt: skip
     result["phase_wall_s"] = round(time.time() - t0, 1)
-    (args.work / f"{args.phase}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (args.work / f"{phase}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("log_tail", "config", "train_loss_history")},
                      default=str)[:3000])  # fmt: skip
     return 0
