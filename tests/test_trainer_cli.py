@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_trainer_cli
+from tests.conftest import TESTS, run_trainer_cli
 
 BASE = """
 target: {random_preset: tiny-qwen3, dtype: float32}
@@ -50,3 +50,19 @@ def test_tiny_dense_run_finishes(tmp_path):
     proc, _ = run_trainer(tmp_path, BASE + "attention: {backend: dense}\n")
     assert proc.returncode == 0, proc.stderr
     assert "step 2/2" in proc.stdout and "finished: 2 steps" in proc.stdout
+
+
+def test_a_bad_config_is_refused_before_torch_is_imported(tmp_path):
+    """`python -m trainer.config` promises validation without torch; the trainer refuses a bad file the same way, so
+    a typo costs a fraction of a second, not torch's import (seconds on a loaded login node)."""
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(BASE + "optim: {learning_rate: 1}\n")
+    code = ("import sys; from trainer.train import main; rc = main(['--config', sys.argv[1]]); "
+            "print(rc, 'torch' in sys.modules)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code, str(cfg)], capture_output=True, text=True, timeout=60,
+                          cwd=TESTS.parent)  # fmt: skip
+    assert proc.stdout.split() == ["2", "False"], proc.stderr
+    assert "optim.learning_rate: unknown key" in proc.stderr

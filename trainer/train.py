@@ -46,10 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         if run_dir:
             run_dir.mkdir(parents=True, exist_ok=True)
         from trainer.config import load_config
+
+        cfg = load_config(args.config)  # before torch is imported: a bad config is refused in a fraction of a second
         from trainer.run.distributed import init_world
         from trainer.run.training import train
 
-        cfg = load_config(args.config)
         if args.steps is not None:
             cfg.steps = args.steps
         world = init_world(cfg.device)
