@@ -10,10 +10,14 @@ import sys
 import time
 from pathlib import Path
 
-import typer
+from dflashctl.show.fast_start import defer_unused_rich
 
-from dflashctl import __version__
-from dflashctl.errors import EXIT_FAILED, EXIT_USAGE, DflashError
+defer_unused_rich()  # before typer: its help module imports rich's Markdown and tracebacks, which this app never draws
+
+import typer  # noqa: E402
+
+from dflashctl import __version__  # noqa: E402
+from dflashctl.errors import EXIT_FAILED, EXIT_USAGE, DflashError  # noqa: E402
 
 # Everything else is imported inside the command that needs it: `--help` and `ls` must not pay for paramiko.
 

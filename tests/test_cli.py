@@ -141,3 +141,24 @@ def test_ls_fits_80_columns_and_is_one_plain_line_per_job_in_a_pipe(client, monk
     for word in ("FINISHED", "CRASHED", "RUNNING", "a-rather-long-job-name-20261130T100002Z-aaa2"):
         assert word in screen, screen  # cells whole, never wrapped mid-word
     assert "--wide shows them" in screen
+
+
+def test_help_starts_without_the_rich_parts_it_never_draws():
+    """`--help` and `ls` pay for no Markdown parser and no traceback renderer (fast start: a stand-in, with no file,
+    holds their place); code that does ask for them still gets the real classes."""
+    import subprocess
+    import sys
+
+    never = "('markdown_it', 'rich.traceback', 'pygments')"
+    code = ("import sys; from dflashctl.cli import main; main(['--help']); "
+            f"print(sorted(m for m in {never} if hasattr(sys.modules.get(m), '__file__')), "
+            "file=sys.stderr)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "Usage: dflashctl" in proc.stdout and proc.stderr.strip().splitlines()[-1] == "[]", proc.stderr
+    code = ("import io; import dflashctl.cli; from rich.markdown import Markdown; "
+            "from rich.traceback import Traceback; from rich.console import Console; "
+            "c = Console(file=io.StringIO(), width=40); m = Markdown('# Title'); c.print(m); "
+            "print(type(m).__module__, type(m).__name__, 'Title' in c.file.getvalue(), "
+            "Traceback.from_exception.__qualname__)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["rich.markdown", "Markdown", "True", "Traceback.from_exception"], proc.stderr
