@@ -100,3 +100,36 @@ def test_deploy_human_output(cli, client, tmp_path):
     res = cli("deploy", "local", "--workdir", str(tmp_path / "wd"))
     assert res.code == 0
     assert "local: sent 1 files" in res.stdout and "release " in res.stdout
+
+
+def test_a_deploy_after_this_machines_last_one_is_one_remote_command_and_survives_a_lost_base(cli, client, tmp_path):
+    """The second deploy sends the changes against the release this machine last deployed, in one command. If that
+    release is gone from the remote (collected, deleted by hand), the deploy reads the remote state and still lands
+    the exact tree; a garbled record of the last deploy is ignored, never trusted."""
+    import os
+    import shutil
+
+    from dflashctl.model.record import state_dir
+
+    root, wd = client.project, tmp_path / "wd"
+    make_project(root)
+    first = deploy(cli, "local", str(wd))
+    (root / "pkg" / "a.py").write_text("A = 10\n")
+    one = deploy(cli, "local", str(wd))
+    assert one["remote_commands"] == 1 and one["sent"] == ["pkg/a.py"]
+    assert remote_tree(wd / "code")["pkg/a.py"] == "A = 10\n" and one["version"] != first["version"]
+    records = list((state_dir() / "last-deploy").iterdir())
+    assert len(records) == 1 and records[0].stat().st_mode & 0o777 == 0o600
+
+    shutil.rmtree(wd / "releases" / one["version"])  # the base of the next deploy, gone; `code` dangles
+    (root / "pkg" / "b.py").write_text("B = 20\n")
+    lost = deploy(cli, "local", str(wd))
+    tree = remote_tree(wd / "code")
+    assert tree["pkg/a.py"] == "A = 10\n" and tree["pkg/b.py"] == "B = 20\n" and "untracked.py" in tree
+    assert lost["remote_commands"] == 3  # the one that found no base, the state read, the full release
+
+    records[0].write_text('{"workdir": 1, "files": [')
+    (root / "pkg" / "b.py").write_text("B = 30\n")
+    garbled = deploy(cli, "local", str(wd))
+    assert garbled["remote_commands"] == 2 and remote_tree(wd / "code")["pkg/b.py"] == "B = 30\n"
+    assert os.readlink(wd / "code") == f"releases/{garbled['version']}"

@@ -12,6 +12,11 @@ to the current one. A deploy is:
      hard-links the unchanged ones from the current release, verifies every file's hash, then switches `code` with one
      rename, all under a lock on the workdir. A failure at any point leaves the previous release current and intact.
 Jobs run from their own release (`releases/<version>`), so a deploy never changes the code under a running job.
+
+When this machine deployed to the same host and workdir before (`LastDeploy`, in the state dir), step 1 is skipped:
+the changed files are those against the release it last deployed, named as the base to link from. Releases are
+immutable and named by their content's hash, so that base is what the cache says wherever `code` points now; a base
+that is gone (collected, deleted) is answered `need_full`, and the deploy falls back to steps 1 and 2.
 """
 
 from __future__ import annotations
@@ -306,6 +311,41 @@ def build_tar(root: Path, files: list[str], manifest: Manifest) -> tuple[tempfil
 ProgressFactory = Callable[[int], Callable[[int], None]]
 
 
+class LastDeploy:
+    """The release this machine last made current on one host and workdir, with its manifest: what lets the next
+    deploy be one remote command. Kept in the state dir (0600), keyed by the whole host config and the workdir; one
+    that cannot be read is simply not used."""
+
+    def __init__(self, host, workdir: str) -> None:
+        from dflashctl.model.record import state_dir
+
+        key = hashlib.sha256(f"{host.model_dump_json()}\0{workdir}".encode("utf-8", "surrogateescape")).hexdigest()
+        self.path = state_dir() / "last-deploy" / f"{key[:24]}.json"
+
+    def read(self) -> tuple[str, str, Manifest] | None:
+        """(absolute workdir, version, manifest), or None."""
+        try:
+            data = json.loads(self.path.read_text())
+            files = {rel: Entry(str(e[0]), int(e[1]), int(e[2])) for rel, e in data["files"].items()}
+            if isinstance(data["workdir"], str) and isinstance(data["version"], str):
+                return data["workdir"], data["version"], files
+        except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+            pass
+        return None
+
+    def write(self, abs_wd: str, version: str, manifest: Manifest) -> None:
+        body = {"workdir": abs_wd, "version": version, "files": {k: v.to_json() for k, v in manifest.items()}}
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(body, f, separators=(",", ":"))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # only a shortcut: the next deploy reads the remote state instead
+
+
 def deploy(
     runner: Runner,
     root: Path,
@@ -320,39 +360,62 @@ def deploy(
     local = build_manifest(root)
     if not local:
         raise DflashError(f"{root}: no files to deploy")
-    abs_wd, current, remote = read_remote_state(runner, workdir)
     version = manifest_version(local)
-    plan = plan_changes(local, remote) if current != version else Plan([], [])
-    report = DeployReport(host=runner.host.name, code_dir=f"{abs_wd}/code", version=version,
-                          files_sent=len(plan.send), files_deleted=len(plan.delete), dry_run=dry_run, sent=plan.send,
-                          deleted=plan.delete)  # fmt: skip
-    if not dry_run and current != version:
-        send, base = plan.send, current
-        for _ in range(2):  # the second time, everything travels: the base release was not usable
-            stream, size = build_tar(root, send, local)
-            req = json.dumps({"workdir": abs_wd, "version": version, "base": base}, separators=(",", ":"))
-            with stream:
-                tick = progress(size + len(AGENT)) if progress else None
-                payload = _Concat(AGENT, stream)
-                argv = boot_argv(runner.host.python, "release", req)
-                res = runner.run(argv, stdin=payload, progress=tick, timeout=3600)
-            report.bytes_sent += size
-            try:
-                ans = json.loads(res.out)
-            except ValueError:
-                detail = (res.err or res.out).strip()[-300:] or f"exit status {res.returncode}"
-                raise RemoteCommandError(f"deploy to {runner.host.name} failed: {detail}") from None
-            if ans.get("ok"):
-                report.files_sent = len(send)
-                report.sent = send
-                break
-            if "need_full" not in str(ans.get("error")) or base is None:
-                raise RemoteCommandError(f"deploy to {runner.host.name} failed, {current or 'nothing'} stays "
-                                         f"current: {ans.get('error')}")  # fmt: skip
-            send, base = sorted(local), None
+    last = LastDeploy(runner.host, workdir)
+    known = None if dry_run else last.read()
+    report = None
+    if known is not None and known[1] != version:  # one remote command: the changes against what we last deployed
+        abs_wd, base, base_files = known
+        plan = plan_changes(local, base_files)
+        report = DeployReport(host=runner.host.name, code_dir=f"{abs_wd}/code", version=version,
+                              files_sent=len(plan.send), files_deleted=len(plan.delete), sent=plan.send,
+                              deleted=plan.delete)  # fmt: skip
+        if not _send_release(runner, root, local, plan.send, abs_wd, version, base, report, progress, fallback=False):
+            report = None  # the base is gone from the remote: read its state and plan again
+    if report is None:
+        abs_wd, current, remote = read_remote_state(runner, workdir)
+        plan = plan_changes(local, remote) if current != version else Plan([], [])
+        report = DeployReport(host=runner.host.name, code_dir=f"{abs_wd}/code", version=version,
+                              files_sent=len(plan.send), files_deleted=len(plan.delete), dry_run=dry_run,
+                              sent=plan.send, deleted=plan.delete)  # fmt: skip
+        if not dry_run and current != version:
+            _send_release(runner, root, local, plan.send, abs_wd, version, current, report, progress, fallback=True)
+    if not dry_run:
+        last.write(report.code_dir.removesuffix("/code"), version, local)
     report.seconds = round(time.monotonic() - start, 3)
     report.remote_commands = runner.commands_run - commands_before
     return report
+
+
+def _send_release(
+    runner: Runner, root: Path, local: Manifest, send: list[str], abs_wd: str, version: str, base: str | None,
+    report: DeployReport, progress: ProgressFactory | None, *, fallback: bool,
+) -> bool:  # fmt: skip
+    """The agent's `release` with these files and `base` to link the rest from. When the base cannot serve (gone
+    from the remote): with `fallback`, everything travels once more; without, False (the caller plans again)."""
+    for _ in range(2):  # the second time, everything travels: the base release was not usable
+        stream, size = build_tar(root, send, local)
+        req = json.dumps({"workdir": abs_wd, "version": version, "base": base}, separators=(",", ":"))
+        with stream:
+            tick = progress(size + len(AGENT)) if progress else None
+            argv = boot_argv(runner.host.python, "release", req)
+            res = runner.run(argv, stdin=_Concat(AGENT, stream), progress=tick, timeout=3600)
+        report.bytes_sent += size
+        try:
+            ans = json.loads(res.out)
+        except ValueError:
+            detail = (res.err or res.out).strip()[-300:] or f"exit status {res.returncode}"
+            raise RemoteCommandError(f"deploy to {runner.host.name} failed: {detail}") from None
+        if ans.get("ok"):
+            report.files_sent, report.sent = len(send), send
+            return True
+        if "need_full" not in str(ans.get("error")) or base is None:
+            raise RemoteCommandError(f"deploy to {runner.host.name} failed, the previous release stays current: "
+                                     f"{ans.get('error')}")  # fmt: skip
+        if not fallback:
+            return False
+        send, base = sorted(local), None
+    return False
 
 
 class _Concat:
