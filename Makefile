@@ -31,8 +31,12 @@ venv: $(VENV)/.installed
 lint: venv
 	$(VENV)/bin/ruff check dflashctl trainer tests bench
 
+# Two workers, one test module at a time each: the end-to-end tests spend much of their time waiting on processes,
+# so two run side by side on a 2-core machine (about 1.5 cores busy on average).
+PYTEST_WORKERS ?= 2
+
 test: system-deps venv lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile --durations=30
 
 test-fast: venv
 	$(VENV)/bin/pytest -q -m "not slow"

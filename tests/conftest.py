@@ -65,11 +65,35 @@ class SshServer:
         )
         wait_for_port(self.port)
 
-    def stop(self) -> None:
+    def stop(self, drop_sessions: bool = False) -> None:
+        """Stop listening; with `drop_sessions`, also end the sessions this server has open (like a reboot), and
+        no other sshd's: the machine may be running other tests' servers, or the user's own."""
         if self.proc:
+            sessions = _descendants(self.proc.pid) if drop_sessions else []
             self.proc.terminate()
             self.proc.wait(10)
             self.proc = None
+            for pid in sessions:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (from /proc), found before its parent goes (they are then reparented)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def _keygen(path: Path) -> None:
@@ -256,6 +280,28 @@ def _leftovers(marks: tuple[str, ...]) -> list[str]:
         if state != "Z" and any(m.encode() in cmd or m.encode() in env for m in marks):
             found.append(f"{name}: {cmd.decode(errors='replace')[:160]}")
     return found
+
+
+# The modules that take longest (`make test` prints the slowest tests), run first: `make test` runs the suite on two
+# workers, one module at a time each (`--dist loadfile`, so module fixtures are built once), and a long module
+# started last would leave one worker idle while the other finishes it.
+RUN_FIRST = ("test_watch", "test_safety", "test_multinode", "test_trainer_data_eval", "test_launch",
+             "test_trainer_run", "test_trainer_export", "test_failures_e2e", "test_trainer_parallel", "test_transport",
+             "test_pull")  # fmt: skip
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(RUN_FIRST)}
+    order = {id(item): n for n, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.path.stem, len(RUN_FIRST)), order[id(item)]))
+
+
+def kill_marked(mark: str) -> None:
+    """SIGKILL every process whose command line or environment holds `mark` (a job's tag): never by name, which would
+    reach other tests' processes or the user's."""
+    for line in _leftovers((mark,)):
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -166,3 +166,41 @@ def test_the_first_node_to_fail_is_named_not_the_one_that_lost_its_peer(client, 
     assert v.state == "CRASHED" and v.reason.startswith("node nodeb:")
     v = w.combine([Verdict("RUNNING", "step 3"), Verdict("UNREACHABLE", "no route")])
     assert v.state == "RUNNING" and any("node nodeb: UNREACHABLE" in e for e in v.evidence)
+
+
+def test_a_node_that_only_lost_its_peer_waits_for_the_peer_to_say_why(client, monkeypatch):
+    """Seen on a loaded machine: the head's torchrun ended (peer lost) a poll before node b's, which had the real
+    error. The head's lost peer is not called the failure while node b still runs, for up to PEER_GRACE_S; node b's own
+    crash, seen later, is then named; and a lost peer with no failing peer is named once the grace is over."""
+    from dflashctl.jobs import watch
+    from dflashctl.jobs.watch import make_watcher
+    from dflashctl.judge.health import Verdict
+    from dflashctl.model.record import JobRecord
+
+    host = {"name": "nodea", "ssh": "testbox"}
+    members = [{"node": i, "host_name": n, "host": {"name": n, "ssh": "testbox"}, "run_dir": f"/r/{n}",
+                "session": f"s{i}"} for i, n in enumerate(("nodea", "nodeb"))]  # fmt: skip
+    job = JobRecord(id="mn-1", name="mn", project="/p", job_file="/j.yaml", host_name="nodea", host=host, release="r",
+                    command="c", run_dir="/r/nodea", session="s0", launched_at=0.0, members=members)  # fmt: skip
+    w = make_watcher(job)
+    w.tail.extend(["RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29086.",
+                   *(f"  frame {k}" for k in range(40)), "ChildFailedError:"])  # fmt: skip
+    w.exit_time = 100.0
+    clock = [1000.0]
+    monkeypatch.setattr(watch.time, "time", lambda: clock[0])
+    head_crash = Verdict("CRASHED", "ChildFailedError (exit 1)")
+    v = w.combine([head_crash, Verdict("RUNNING", "step 4")])
+    assert v.state == "RUNNING" and "nodea lost a peer; waiting for nodeb" in v.reason
+    clock[0] += 2
+    w.others[0].tail.extend(["RuntimeError: injected fault at step 5"])
+    w.others[0].exit_time = 101.0
+    v = w.combine([head_crash, Verdict("CRASHED", "RuntimeError: injected fault at step 5")])
+    assert v.state == "CRASHED" and v.reason.startswith("node nodeb:"), v.reason
+
+    w2 = make_watcher(job)
+    w2.tail.extend(["RuntimeError: Connection closed by peer"])
+    v = w2.combine([head_crash, Verdict("RUNNING", "step 4")])
+    assert v.state == "RUNNING"
+    clock[0] += watch.PEER_GRACE_S + 1
+    v = w2.combine([head_crash, Verdict("RUNNING", "step 4")])
+    assert v.state == "CRASHED" and v.reason.startswith("node nodea:")

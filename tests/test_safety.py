@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dflashctl.agent import probe
-from tests.conftest import run_cli
+from tests.conftest import kill_marked, run_cli
 from tests.test_launch import alive, cli_json, status_json, wait_until, write_project
 
 
@@ -139,8 +139,7 @@ def test_failed_kill_is_kill_failed_and_a_retry_targets_the_same_job(proj):
         assert status_json(healthy)["alive"]
     finally:
         os.killpg(spawner.pid, signal.SIGKILL)
-        subprocess.run(["pkill", "-f", f"DFLASHCTL_JOB_ID={victim}"], check=False)
-        subprocess.run(["pkill", "-x", "-f", "sleep 1000"], check=False)
+        kill_marked(f"DFLASHCTL_JOB_ID={victim}")  # the respawned sleeps carry the victim's tag
     assert cli_json("kill")["result"] == "KILLED"  # the retry reaches the same job, now cleanly
     assert status_json(victim)["state"] == "KILLED"
     assert cli_json("kill", healthy)["result"] == "KILLED"

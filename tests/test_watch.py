@@ -221,8 +221,7 @@ def test_unreachable_host_then_back_keeps_state_and_does_not_restart(box, sshd):
             rec = json.loads(line)
             seen.append(rec)
             if rec["state"] == "RUNNING" and "UNREACHABLE" not in states(seen) and sshd.proc is not None:
-                sshd.stop()
-                subprocess.run(["pkill", "-f", "sshd: root@notty"], check=False)  # drop open sessions, like a reboot
+                sshd.stop(drop_sessions=True)  # its open sessions too, like a reboot
             if rec["state"] == "UNREACHABLE" and sshd.proc is None:
                 time.sleep(2)
                 sshd.start()

@@ -391,6 +391,9 @@ def notify(w: Watcher, v: Verdict, say: Callable[[str], None]) -> None:
 
 
 CONSEQUENCES = ("NCCL_TIMEOUT", "STALLED", "LOST")  # what the other nodes show when one of them failed first
+# A node whose failure is only a lost peer ("Connection closed by peer") names no cause: the peer's own verdict is
+# awaited this long (its torchrun may take a second or two longer to end) before the lost peer is called the failure.
+PEER_GRACE_S = 15.0
 
 @dataclass
 class NodesWatcher(Watcher):
@@ -432,12 +435,21 @@ class NodesWatcher(Watcher):
             return Verdict("UNREACHABLE", f"no node answers ({', '.join(names)})", others, verdicts[0].advice)
         bad = [(i, v) for i, v in reachable if v.state in FAILURES]
         if bad:
-            def first(item):
+            def lost_peer(i: int, v: Verdict) -> bool:
+                return v.state in CONSEQUENCES or any(PEER_LOST.search(line) for line in self.nodes[i].tail)
+
+            def first(item):  # a failure of its own over a lost peer, then the first seen, the first ended
                 i, v = item
                 ended = self.nodes[i].exit_time
-                peer = v.state in CONSEQUENCES or any(PEER_LOST.search(line) for line in self.nodes[i].tail)
-                return (self.bad_since[i], peer, ended if ended is not None else float("inf"), i)
+                return (lost_peer(i, v), self.bad_since[i], ended if ended is not None else float("inf"), i)
 
+            if all(lost_peer(i, v) for i, v in bad):
+                waiting = [names[i] for i, v in reachable if v.state not in FAILURES and v.state != "FINISHED"]
+                seen = min(self.bad_since[i] for i, _ in bad)
+                if waiting and now - seen < PEER_GRACE_S:
+                    lost = ", ".join(names[i] for i, _ in bad)
+                    return Verdict("RUNNING", f"node {lost} lost a peer; waiting for {', '.join(waiting)} to say why",
+                                   others, None, verdicts[0].step)  # fmt: skip
             i, v = min(bad, key=first)
             return Verdict(v.state, f"node {names[i]}: {v.reason}", [*v.evidence, *others], v.advice, v.step)
         head = verdicts[0]
