@@ -2,12 +2,13 @@
 
     .venv/bin/python bench/deploy_bench.py [--files 2000] [--mb 50] [--repeat 5]
 
-Prints a table (median seconds of --repeat runs) and appends nothing: copy the table into docs/benchmarks.md.
+Prints a table (median seconds of --repeat runs) and writes bench/results/deploy.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shutil
@@ -99,6 +100,13 @@ def main() -> None:
     print(f"| no change | {nochange_ours:.3f} | {nochange_rsync:.3f} |")
     print(f"| one file changed | {one_change_ours:.3f} | {one_change_rsync:.3f} |")
     print(f"first deploy sent {first.files_sent} files, {first.bytes_sent / 1e6:.1f} MB")
+    out = {"machine": f"{platform.node()} {platform.machine()}", "cpu_count": os.cpu_count(), "python": py,
+           "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "files": args.files, "mb": args.mb,
+           "repeat": args.repeat, "ssh_connections_per_deploy": conns,
+           "median_s": {"first": {"dflashctl": round(first_s, 3), "rsync": round(rsync_first_s, 3)},
+                        "no_change": {"dflashctl": round(nochange_ours, 3), "rsync": round(nochange_rsync, 3)},
+                        "one_file": {"dflashctl": round(one_change_ours, 3), "rsync": round(one_change_rsync, 3)}}}
+    (Path(__file__).resolve().parent / "results" / "deploy.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -195,15 +195,21 @@ class HashCache:
         return digest
 
     def save(self) -> None:
-        try:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.fresh, f, separators=(",", ":"))
-            os.replace(tmp, self.path)
-        except OSError:
-            pass  # only a cache
+        _write_private_json(self.path, self.fresh)  # only a cache: a failed write is a slower next deploy
+
+
+def _write_private_json(path: Path, body) -> None:
+    """A state-dir file (0600 in a 0700 dir), replaced whole by a rename; a failure to write it is ignored (what
+    these files hold is a shortcut, rebuilt when missing)."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f, separators=(",", ":"))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def build_manifest(root: Path, files: list[str] | None = None, cache: bool = True) -> Manifest:
@@ -335,15 +341,7 @@ class LastDeploy:
 
     def write(self, abs_wd: str, version: str, manifest: Manifest) -> None:
         body = {"workdir": abs_wd, "version": version, "files": {k: v.to_json() for k, v in manifest.items()}}
-        try:
-            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(body, f, separators=(",", ":"))
-            os.replace(tmp, self.path)
-        except OSError:
-            pass  # only a shortcut: the next deploy reads the remote state instead
+        _write_private_json(self.path, body)  # unwritten: the next deploy reads the remote state instead
 
 
 def deploy(
