@@ -34,9 +34,6 @@ def _stand_in(module: str, names: tuple[str, ...]) -> types.ModuleType:
         def __new__(cls, *args, **kwargs):
             return getattr(real(), cls.__name__)(*args, **kwargs)
 
-        def __init_subclass__(cls, **kwargs):
-            super().__init_subclass__(**kwargs)
-
     def attr(name: str):
         if name.startswith("__"):  # the import system's own questions (__spec__, __path__): no reason to load
             raise AttributeError(name)
