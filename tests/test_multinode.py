@@ -147,17 +147,24 @@ def test_doctor_checks_every_node_the_rendezvous_port_and_versions(two_hosts, tm
     assert "29911 is in use on nodea" in checks["rendezvous port"]["detail"] and not got["ok"]
 
 
-def test_the_first_node_to_fail_is_named_not_the_one_that_lost_its_peer(client, monkeypatch):
-    """Both nodes crashed in the same poll: the head's log shows gloo losing its peer, node b's the real error."""
-    from dflashctl.jobs.watch import make_watcher
-    from dflashctl.judge.health import Verdict
+def two_node_record():
+    """A recorded job over nodea and nodeb (never launched): what the multi-node verdict is judged over."""
     from dflashctl.model.record import JobRecord
 
     host = {"name": "nodea", "ssh": "testbox"}
     members = [{"node": i, "host_name": n, "host": {"name": n, "ssh": "testbox"}, "run_dir": f"/r/{n}",
                 "session": f"s{i}"} for i, n in enumerate(("nodea", "nodeb"))]  # fmt: skip
-    job = JobRecord(id="mn-1", name="mn", project="/p", job_file="/j.yaml", host_name="nodea", host=host, release="r",
-                    command="c", run_dir="/r/nodea", session="s0", launched_at=0.0, members=members)  # fmt: skip
+    return JobRecord(id="mn-1", name="mn", project="/p", job_file="/j.yaml", host_name="nodea", host=host,
+                     release="r", command="c", run_dir="/r/nodea", session="s0", launched_at=0.0,
+                     members=members)  # fmt: skip
+
+
+def test_the_first_node_to_fail_is_named_not_the_one_that_lost_its_peer(client, monkeypatch):
+    """Both nodes crashed in the same poll: the head's log shows gloo losing its peer, node b's the real error."""
+    from dflashctl.jobs.watch import make_watcher
+    from dflashctl.judge.health import Verdict
+
+    job = two_node_record()
     w = make_watcher(job)
     w.tail.extend(["RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer."])
     w.others[0].tail.extend(["RuntimeError: injected fault at step 5"])
@@ -175,13 +182,8 @@ def test_a_node_that_only_lost_its_peer_waits_for_the_peer_to_say_why(client, mo
     from dflashctl.jobs import watch
     from dflashctl.jobs.watch import make_watcher
     from dflashctl.judge.health import Verdict
-    from dflashctl.model.record import JobRecord
 
-    host = {"name": "nodea", "ssh": "testbox"}
-    members = [{"node": i, "host_name": n, "host": {"name": n, "ssh": "testbox"}, "run_dir": f"/r/{n}",
-                "session": f"s{i}"} for i, n in enumerate(("nodea", "nodeb"))]  # fmt: skip
-    job = JobRecord(id="mn-1", name="mn", project="/p", job_file="/j.yaml", host_name="nodea", host=host, release="r",
-                    command="c", run_dir="/r/nodea", session="s0", launched_at=0.0, members=members)  # fmt: skip
+    job = two_node_record()
     w = make_watcher(job)
     w.tail.extend(["RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29086.",
                    *(f"  frame {k}" for k in range(40)), "ChildFailedError:"])  # fmt: skip

@@ -184,10 +184,16 @@ def curve_point(work: Path, drafter: Path, step: int, s: dict) -> dict:
     return {"step": step, "tau": r["tau_prompt_mean"], "tau_pooled": r["tau_pooled"], "draft_steps": r["draft_steps"]}
 
 
+def ours_name(s: dict) -> str:
+    """`ours`, or `ours<tag>` for a variant (`--set tag="-b2"`): its run dir, drafters, logs and results."""
+    return f"ours{s.get('tag', '')}"
+
+
 def export_ours(work: Path, run: Path, step: int) -> Path:
-    out = work / f"drafter-{run.name.removeprefix('run-')}-step{step}"
+    name = run.name.removeprefix("run-")  # a variant's own name: two runs side by side never share a log
+    out = work / f"drafter-{name}-step{step}"
     sh([sys.executable, "-m", "trainer.export", "--run-dir", str(run), "--step", str(step), "--out", str(out)],
-       work / f"export-ours-{step}.log")  # fmt: skip
+       work / f"export-{name}-{step}.log")  # fmt: skip
     return out
 
 
@@ -195,7 +201,7 @@ def phase_ours(work: Path, s: dict, log: Path) -> dict:
     """Train our drafter on the regenerated data as a user runs it, then export and measure each checkpoint."""
     import yaml
 
-    cfg, name = our_config(work, s), f"ours{s.get('tag', '')}"  # a tag names a variant (`--set tag="-b2"`)
+    cfg, name = our_config(work, s), ours_name(s)
     (work / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     for stale in (f"run-{name}", *(p.name for p in work.glob(f"drafter-{name}-step*"))):
         shutil.rmtree(work / stale, ignore_errors=True)
@@ -307,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.set:
         key, _, value = item.partition("=")
         s[key] = json.loads(value)
-    phase = args.phase + (s.get("tag", "") if args.phase == "ours" else "")
+    phase = ours_name(s) if args.phase == "ours" else args.phase
     log = args.work / f"{phase}.log"
     t0 = time.time()
     fn = {

@@ -435,15 +435,15 @@ class NodesWatcher(Watcher):
             return Verdict("UNREACHABLE", f"no node answers ({', '.join(names)})", others, verdicts[0].advice)
         bad = [(i, v) for i, v in reachable if v.state in FAILURES]
         if bad:
-            def lost_peer(i: int, v: Verdict) -> bool:
-                return v.state in CONSEQUENCES or any(PEER_LOST.search(line) for line in self.nodes[i].tail)
+            lost_peer = {i: v.state in CONSEQUENCES or any(PEER_LOST.search(line) for line in self.nodes[i].tail)
+                         for i, v in bad}  # fmt: skip
 
             def first(item):  # a failure of its own over a lost peer, then the first seen, the first ended
-                i, v = item
+                i, _ = item
                 ended = self.nodes[i].exit_time
-                return (lost_peer(i, v), self.bad_since[i], ended if ended is not None else float("inf"), i)
+                return (lost_peer[i], self.bad_since[i], ended if ended is not None else float("inf"), i)
 
-            if all(lost_peer(i, v) for i, v in bad):
+            if all(lost_peer.values()):
                 waiting = [names[i] for i, v in reachable if v.state not in FAILURES and v.state != "FINISHED"]
                 seen = min(self.bad_since[i] for i, _ in bad)
                 if waiting and now - seen < PEER_GRACE_S:

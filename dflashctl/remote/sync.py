@@ -361,7 +361,7 @@ def deploy(
     version = manifest_version(local)
     last = LastDeploy(runner.host, workdir)
     known = None if dry_run else last.read()
-    report = None
+    report, travelled = None, 0
     if known is not None and known[1] != version:  # one remote command: the changes against what we last deployed
         abs_wd, base, base_files = known
         plan = plan_changes(local, base_files)
@@ -369,13 +369,13 @@ def deploy(
                               files_sent=len(plan.send), files_deleted=len(plan.delete), sent=plan.send,
                               deleted=plan.delete)  # fmt: skip
         if not _send_release(runner, root, local, plan.send, abs_wd, version, base, report, progress, fallback=False):
-            report = None  # the base is gone from the remote: read its state and plan again
+            report, travelled = None, report.bytes_sent  # the base is gone from the remote: read its state, plan again
     if report is None:
         abs_wd, current, remote = read_remote_state(runner, workdir)
         plan = plan_changes(local, remote) if current != version else Plan([], [])
         report = DeployReport(host=runner.host.name, code_dir=f"{abs_wd}/code", version=version,
                               files_sent=len(plan.send), files_deleted=len(plan.delete), dry_run=dry_run,
-                              sent=plan.send, deleted=plan.delete)  # fmt: skip
+                              sent=plan.send, deleted=plan.delete, bytes_sent=travelled)  # fmt: skip
         if not dry_run and current != version:
             _send_release(runner, root, local, plan.send, abs_wd, version, current, report, progress, fallback=True)
     if not dry_run:
