@@ -34,6 +34,7 @@ lint: venv
 # Two workers, one test module at a time each: the end-to-end tests spend much of their time waiting on processes,
 # so two run side by side on a 2-core machine (about 1.5 cores busy on average).
 PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?= --durations=30
 
 # The project's own bytecode, written once: an editable install compiles none of it, and where
 # PYTHONDONTWRITEBYTECODE is set every process (each CLI call, each trainer rank) would compile it again (0.2 s).
@@ -41,7 +42,7 @@ bytecode: venv
 	$(PY) -m compileall -q -j 0 dflashctl trainer tests bench > /dev/null
 
 test: system-deps venv lint bytecode
-	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile --durations=30
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-fast: venv
 	$(VENV)/bin/pytest -q -m "not slow"

@@ -17,9 +17,12 @@ import pytest
 import torch
 
 TESTS = Path(__file__).resolve().parent
-# This process keeps every core for its own torch work; the processes the tests start (torchrun's ranks, trainer
-# runs, remote jobs) get one thread each, so that two ranks on a 2-core machine do not oversubscribe it.
-torch.set_num_threads(max(1, os.cpu_count() or 1))
+# This process keeps its share of the cores for its own torch work (all of them alone, one each for two test workers
+# on two cores: oversubscribed OpenMP threads spin against each other, and a tiny model gains nothing from a second
+# thread); the processes the tests start (torchrun's ranks, trainer runs, remote jobs) get one thread each, so that
+# two ranks on a 2-core machine do not oversubscribe it.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, _WORKERS)))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Jobs the tests start live on a tmux server of their own: a test that kills "the" server must never reach the
 # developer's real jobs on the default `dflashctl` socket.
