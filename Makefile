@@ -1,16 +1,18 @@
-# One command sets up a fresh machine and runs the tests: `make test`.
+# One command sets up a fresh machine and runs the tests: `make test`. The Slurm daemons and munge are for the
+# tests' one-machine cluster (tests/slurm_cluster.py); nothing else uses them.
 # torch is pinned to 2.13.0 here because that release is a CPU build; an unpinned torch pulls a CUDA build of
 # several GB. The code itself supports torch >= 2.6.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
-APT_PACKAGES := openssh-server openssh-client tmux rsync git
+APT_PACKAGES := openssh-server openssh-client tmux rsync git slurmctld slurmd slurm-client munge
 
 .PHONY: test test-fast lint bytecode system-deps venv demo clean
 
 system-deps:
 	@missing=""; \
-	for p in sshd:openssh-server ssh:openssh-client tmux:tmux rsync:rsync git:git; do \
+	for p in sshd:openssh-server ssh:openssh-client tmux:tmux rsync:rsync git:git slurmctld:slurmctld slurmd:slurmd \
+	         sbatch:slurm-client munged:munge; do \
 	  cmd=$${p%%:*}; pkg=$${p##*:}; \
 	  command -v $$cmd >/dev/null 2>&1 || [ -x /usr/sbin/$$cmd ] || missing="$$missing $$pkg"; \
 	done; \

@@ -114,6 +114,9 @@ def deploy(
 def doctor(host: str = HostArg, as_json: bool = JsonOpt, accept_new: bool = AcceptNewOpt) -> None:
     """Check that HOST can run jobs: ssh, container, Python, torch, GPUs, tmux, rsync, disk, clock.
 
+    A Slurm host: the login node, the scheduler's commands, the partition and account, and one short srun that a
+    compute node sees the workdir and imports torch.
+
     Given a job file over several hosts, check every node, then that each reaches the head's rendezvous port and
     that all run the same torch and NCCL."""
     from rich.table import Table
@@ -133,8 +136,14 @@ def doctor(host: str = HostArg, as_json: bool = JsonOpt, accept_new: bool = Acce
         reports = run_nodes_doctor(hosts, lambda h: open_runner(h, accept_new), rendezvous_address(hosts[0]),
                                    job.rdzv_port or rdzv_port_for(job.name))  # fmt: skip
     else:
-        with open_runner(resolve_host(host, root), accept_new) as runner:
-            reports = [run_doctor(runner)]
+        target = resolve_host(host, root)
+        with open_runner(target, accept_new) as runner:
+            if target.slurm is not None:
+                from dflashctl.remote.doctor_slurm import run_slurm_doctor
+
+                reports = [run_slurm_doctor(runner)]
+            else:
+                reports = [run_doctor(runner)]
     if as_json:
         print_json(reports[0].to_dict() if len(reports) == 1 else {"ok": all(r.ok for r in reports),
                                                                      "reports": [r.to_dict() for r in reports]})
@@ -165,7 +174,8 @@ def launch(
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Start JOB_FILE's job in its own tmux session on its host and record it locally."""
+    """Start JOB_FILE's job in its own tmux session on its host (on a Slurm host: submit it with sbatch) and record
+    it locally."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
     from dflashctl.show.render import byte_progress, err, out, print_json
@@ -522,7 +532,10 @@ def attach(
     write: bool = Flag("--write", help="Attach read-write: your keys reach the job (Ctrl-C too)."),
     dry_run: bool = Flag("--dry-run", help="Print the command that would attach; run nothing."),
 ) -> None:
-    """Open the job's tmux pane in this terminal, over ssh (read-only unless --write; detach with Ctrl-b d)."""
+    """Open the job's tmux pane in this terminal, over ssh (read-only unless --write; detach with Ctrl-b d).
+
+    A Slurm job: follow its train.log on the login node (Ctrl-C stops following), or with --write attach to its
+    running step with sattach."""
     import os
     import shlex
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflashctl.errors import ConfigError
 
@@ -28,6 +28,47 @@ CONTAINER_SPEC = re.compile(r"pct:[0-9]+|docker:[A-Za-z0-9][A-Za-z0-9_.-]*")
 # Top-level keys a hosts file may hold; dflashctl.yaml is read with the same rules.
 PROJECT_KEYS = {"hosts"}
 HOSTNAME = re.compile(r"[A-Za-z0-9_.:-]+")  # names, IPv4 and bare IPv6 literals; nothing a shell would read
+SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+")  # sbatch --time: MM, MM:SS, H:MM:SS, D-H[:MM[:SS]]
+SBATCH_OPTION = re.compile(r"--[a-z][a-z-]*(=[^\x00-\x1f]*)?")  # one long option, never a newline
+
+
+def check_sbatch_options(value: list[str]) -> list[str]:
+    """Extra sbatch options are `--name` or `--name=value`, one per item: each becomes one `#SBATCH` line."""
+    for opt in value:
+        if not SBATCH_OPTION.fullmatch(opt):
+            raise ValueError(f"{opt!r}: expected a long sbatch option `--name` or `--name=value` with no newline")
+    return value
+
+
+class SlurmHost(BaseModel):
+    """A Slurm cluster reached through its login node: jobs are submitted with sbatch, not started in tmux."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    login: str | None = Field(None, description="the login node's ssh destination; none: this machine is one")
+    partition: str | None = Field(None, description="sbatch --partition; default: the cluster's default partition")
+    account: str | None = Field(None, description="sbatch --account")
+    time: str | None = Field(None, description="wall time per submission (sbatch --time), e.g. 24:00:00")
+    extra: list[str] = Field(default_factory=list, description="more sbatch options, e.g. [--qos=high]")
+
+    @field_validator("partition", "account")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not SAFE_NAME.fullmatch(value):
+            raise ValueError("expected a name of [A-Za-z0-9._-]")
+        return value
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_TIME.fullmatch(value):
+            raise ValueError("expected a Slurm time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
+        return value
+
+    @field_validator("extra")
+    @classmethod
+    def _extra(cls, value: list[str]) -> list[str]:
+        return check_sbatch_options(value)
 
 
 class HostConfig(BaseModel):
@@ -51,6 +92,24 @@ class HostConfig(BaseModel):
         None, description="the address other nodes reach this host at for a multi-node job's rendezvous (a "
         "container's own address differs from its host's); default: the ssh HostName, 127.0.0.1 for `local`",
     )  # fmt: skip
+    slurm: SlurmHost | None = Field(None, description="a Slurm cluster: jobs go through sbatch on its login node")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _login_is_the_ssh_destination(cls, data: Any) -> Any:
+        """A cluster's `slurm.login` is where dflashctl connects: it becomes `ssh` (given both, they must agree)."""
+        if isinstance(data, dict) and isinstance(data.get("slurm"), dict) and data["slurm"].get("login"):
+            login = data["slurm"]["login"]
+            if data.get("ssh") not in (None, login):
+                raise ValueError("`ssh` and `slurm.login` name different login nodes: give one")
+            data = {**data, "ssh": login}
+        return data
+
+    @model_validator(mode="after")
+    def _cluster_has_no_container(self) -> HostConfig:
+        if self.slurm is not None and self.container is not None:
+            raise ValueError("a Slurm host runs jobs through sbatch: `container` cannot be set with `slurm`")
+        return self
 
     @field_validator("container")
     @classmethod

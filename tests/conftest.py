@@ -103,8 +103,9 @@ def _keygen(path: Path) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
 
 
-def start_sshd(d: Path) -> SshServer:
-    """Generate keys and a config under d and start sshd on a free loopback port (used by tests and bench/)."""
+def start_sshd(d: Path, extra_env: dict[str, str] | None = None) -> SshServer:
+    """Generate keys and a config under d and start sshd on a free loopback port (used by tests and bench/); its
+    sessions get `extra_env` too (a login node's SLURM_CONF)."""
     _keygen(d / "host_key")
     _keygen(d / "user_key")
     pct_root = d / "containers"
@@ -119,6 +120,7 @@ def start_sshd(d: Path) -> SshServer:
         f"FAKE_PCT_ROOT={pct_root}",
         f"FAKE_NVIDIA_SMI_APPS={apps}",
         f"FAKE_NVIDIA_SMI_GPUS={gpus}",
+        *(f"{k}={v}" for k, v in (extra_env or {}).items()),
     ]
     env_opts = ",".join(f'environment="{kv}"' for kv in env)
     (d / "authorized_keys").write_text(f"{env_opts} {(d / 'user_key.pub').read_text()}")

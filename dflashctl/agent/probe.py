@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 
+from . import slurm
 from .common import locked, read_int, read_json, start_time, write_atomic
 from .pack import own_archive
 
@@ -496,9 +497,13 @@ def snapshot(req: dict) -> dict:
     now = time.time()
     run_dir = req.get("run_dir")
     snap: dict = {"time": now, "run_dir": run_dir, "run_dir_exists": bool(run_dir and os.path.isdir(run_dir))}
-    snap["session"] = tmux_session(req.get("session"), int(req.get("capture_lines", 40)))
+    lines = int(req.get("capture_lines", 40))
+    scheduled = req.get("scheduler") == "slurm" and bool(run_dir)
+    # a Slurm job's "pane" is its submission: alive, ended (with its exit status) or unknown to the scheduler
+    snap["session"] = slurm.session_info(run_dir, lines) if scheduled else tmux_session(req.get("session"), lines)
     table = proc_table()
-    snap["procs"] = job_processes(table, launcher_of(run_dir, snap["session"]), req.get("job_id"))
+    root = None if scheduled else launcher_of(run_dir, snap["session"])  # Slurm's nodes: the tag on this machine
+    snap["procs"] = job_processes(table, root, req.get("job_id"))
     if run_dir and req.get("append_events") and snap["run_dir_exists"]:
         try:  # a full disk loses the events, never the snapshot
             fd = os.open(os.path.join(run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -827,7 +832,15 @@ def reap(req: dict) -> dict:
             if not os.path.exists(os.path.join(run_dir, STOP_REQUEST)):
                 body = {"time": time.time(), "by": req.get("by", "dflashctl kill")}
                 write_atomic(os.path.join(run_dir, STOP_REQUEST), json.dumps(body).encode())
-    report = stop_processes(run_dir, req.get("session"), req.get("job_id"), float(req.get("grace_s", 40)))
+    grace = float(req.get("grace_s", 40))
+    if req.get("scheduler") == "slurm" and has_dir:  # scancel, seen to end; then what is left on this machine
+        job = slurm.current_job(run_dir)
+        q = slurm.cancel(job, grace + 30) if job else {"known": False}
+        report = stop_processes(run_dir, None, req.get("job_id"), grace)
+        report["slurm"] = {"id": job, "state": q.get("state"), "source": q.get("source")}
+        report["session_closed"] = not q.get("known") or bool(q.get("final"))
+    else:
+        report = stop_processes(run_dir, req.get("session"), req.get("job_id"), grace)
     if req.get("gpus", True):
         gpu = read_gpus(req)  # read now, after the kill (a host-side reading is made by a second call)
         report["gpu_check"] = f"{gpu['source']} after the kill" if gpu["source"] != "none" else "none: no GPU tools"
@@ -842,7 +855,7 @@ def reap(req: dict) -> dict:
 
 
 def record_stop_result(run_dir: str, report: dict) -> None:
-    body = {k: report.get(k) for k in ("result", "remaining", "gpu_holders", "gpu_check", "session_closed")}
+    body = {k: report.get(k) for k in ("result", "remaining", "gpu_holders", "gpu_check", "session_closed", "slurm")}
     write_atomic(os.path.join(run_dir, STOP_RESULT), json.dumps({"time": time.time(), **body}).encode())
 
 
@@ -905,12 +918,17 @@ MIN_FREE_GIB = 1.0  # a launch needs room for logs and a first checkpoint; docto
 
 
 def preconditions(req: dict, wd: str) -> list[tuple[str, str]]:
-    """What the job needs from this host, checked before anything is created: (job file key, problem)."""
+    """What the job needs from this host, checked before anything is created: (job file key, problem). A Slurm login
+    node needs the scheduler's commands instead of tmux; its Python is not the compute nodes' to judge (`doctor`
+    asks a compute node)."""
     problems = []
-    if not shutil.which("tmux"):
+    scheduled = req.get("scheduler") == "slurm"
+    if scheduled:
+        problems += [("host.slurm", f"{t} is not on the login node's PATH") for t in slurm.missing_tools()]
+    elif not shutil.which("tmux"):
         problems.append(("host", "tmux is not installed on this host"))
     needs = req.get("needs") or {}
-    if needs.get("torch"):
+    if needs.get("torch") and not scheduled:
         code = "import torch; print(torch.__version__, int(torch.cuda.is_available()), torch.cuda.device_count())"
         rc, out = _run([req["python"], "-c", code], timeout=180)
         if rc != 0:
@@ -927,8 +945,45 @@ def preconditions(req: dict, wd: str) -> list[tuple[str, str]]:
     return problems
 
 
+def launch_slurm(req: dict, payload: bytes) -> dict:
+    """A Slurm host: the run dir written as for tmux, then one `sbatch` of its batch script. The scheduler owns the
+    GPUs, so there is no GPU check here; sbatch's own refusal (a bad partition, account or time) refuses the launch
+    and leaves no run dir. A dry run asks `sbatch --test-only` with the same script."""
+    wd = req["workdir"]
+    missing = preconditions(req, wd if os.path.isdir(wd) else os.path.dirname(wd) or "/")
+    if missing:
+        return {"refused": [m for _, m in missing], "key": missing[0][0], "config": True}
+    files = json.loads(payload or b"{}")
+    release = os.path.join(wd, "releases", req["release"])
+    if not req.get("skip_release") and not os.path.isfile(os.path.join(release, ".dflashctl-manifest.json")):
+        return {"refused": [f"release {req['release']} is not deployed in {wd} (run dflashctl deploy)"]}
+    if req.get("check_only"):
+        if slurm.SCRIPT in files:
+            err = slurm.test_only(files[slurm.SCRIPT], wd if os.path.isdir(wd) else "/")
+            if err:
+                return {"refused": [f"sbatch --test-only: {err}"], "key": "host.slurm", "config": True}
+        return {"ok": True, "overrides": []}
+    os.makedirs(os.path.join(wd, "runs"), mode=0o700, exist_ok=True)
+    run = os.path.join(wd, "runs", req["job_id"])
+    try:
+        os.mkdir(run, 0o700)
+    except FileExistsError:
+        return {"refused": [f"run dir {run} already exists"]}
+    for name, text in files.items():
+        write_atomic(os.path.join(run, name), text.encode("utf-8", "surrogateescape"))
+    write_atomic(os.path.join(run, AGENT_FILE), own_archive())
+    os.mkdir(os.path.join(run, "inductor-cache"), 0o700)
+    job, err = slurm.submit(run, [])
+    if job is None:
+        shutil.rmtree(run, ignore_errors=True)  # made by this call a moment ago: nothing of the job ran
+        return {"refused": [f"sbatch refused the job: {err}"], "key": "host.slurm", "config": True}
+    return {"run_dir": run, "pane_pid": None, "slurm_job": job, "overrides": []}
+
+
 def launch(req: dict, payload: bytes) -> dict:
     """Check and start under one host-wide lock, so that two launches at the same moment cannot both take a GPU."""
+    if req.get("scheduler") == "slurm":
+        return launch_slurm(req, payload)
     wd = req["workdir"]
     check_only = bool(req.get("check_only"))  # a dry run or a pre-deploy check: every check, nothing written
     if not check_only:
@@ -996,38 +1051,64 @@ def launch(req: dict, payload: bytes) -> dict:
     return {"run_dir": run, "pane_pid": pane_pid, "overrides": overrides}
 
 
+def _restart_refused(req: dict, run: str) -> dict | None:
+    """The rules every restart keeps, read under the run dir's lock: no restart after a stop request, one per failed
+    attempt however many watchers saw it, none beyond `max_restarts`, none into a disk that is still full."""
+    if os.path.exists(os.path.join(run, STOP_REQUEST)):
+        return {"restarted": False, "why": "a stop was requested (dflashctl kill)"}
+    count = read_int(os.path.join(run, RESTARTS)) or 0
+    if count != int(req["attempt"]):
+        return {"restarted": False, "why": f"already restarted by another watcher (restart {count})",
+                "restarts": count}  # fmt: skip
+    if count >= int(req["max_restarts"]):
+        return {"restarted": False, "why": f"max_restarts ({req['max_restarts']}) reached", "restarts": count}
+    need = req.get("min_free_gib")
+    if isinstance(need, (int, float)):
+        st = os.statvfs(run)
+        free = st.f_bavail * st.f_frsize / 2**30
+        if free < need:
+            return {"restarted": False, "restarts": count, "why": f"the disk is still full: {free:.2f} GiB free at "
+                    f"the run dir, a checkpoint needs {need:.2f} GiB"}  # fmt: skip
+    return None
+
+
 def restart(req: dict) -> dict:
     """One restart of a job, decided and done under the run dir's lock (which `reap` also takes): never after a stop
-    request, at most once per failed attempt however many watchers saw it, never beyond `max_restarts`."""
+    request, at most once per failed attempt however many watchers saw it, never beyond `max_restarts`. A Slurm
+    job is resubmitted: the old submission cancelled and seen to end first, a failed node excluded from then on."""
     run = req["run_dir"]
     if not os.path.isdir(run):
         return {"restarted": False, "why": "the run dir is gone"}
+    scheduled = req.get("scheduler") == "slurm"
     if not any(os.path.isfile(os.path.join(run, f)) for f in (AGENT_FILE, "launcher.py")):
         return {"restarted": False, "why": "launched by an older dflashctl (no launcher in its run dir): relaunch it"}
-    with locked(os.path.join(run, ".restart.lock"), timeout=float(req.get("grace_s", 40)) + 60):
-        if os.path.exists(os.path.join(run, STOP_REQUEST)):
-            return {"restarted": False, "why": "a stop was requested (dflashctl kill)"}
+    grace = float(req.get("grace_s", 40))
+    with locked(os.path.join(run, ".restart.lock"), timeout=grace + 60):
+        refused = _restart_refused(req, run)
+        if refused:
+            return refused
         count = read_int(os.path.join(run, RESTARTS)) or 0
-        if count != int(req["attempt"]):
-            return {"restarted": False, "why": f"already restarted by another watcher (restart {count})",
-                    "restarts": count}  # fmt: skip
-        if count >= int(req["max_restarts"]):
-            return {"restarted": False, "why": f"max_restarts ({req['max_restarts']}) reached", "restarts": count}
-        need = req.get("min_free_gib")
-        if isinstance(need, (int, float)):
-            st = os.statvfs(run)
-            free = st.f_bavail * st.f_frsize / 2**30
-            if free < need:
-                return {"restarted": False, "restarts": count, "why": f"the disk is still full: {free:.2f} GiB free at "
-                        f"the run dir, a checkpoint needs {need:.2f} GiB"}  # fmt: skip
-        stopped = stop_processes(run, req["session"], req["job_id"], float(req.get("grace_s", 40)))
+        if scheduled:
+            old = slurm.current_job(run)
+            q = slurm.cancel(old, grace + 30) if old else {}
+            if q.get("known") and not q.get("final"):
+                return {"restarted": False, "restarts": count,
+                        "why": f"slurm job {old} is still {q.get('state')} after scancel"}  # fmt: skip
+            slurm.exclude_failed_nodes(run, q)
+        stopped = stop_processes(run, None if scheduled else req["session"], req["job_id"], grace)
         if stopped["remaining"]:
             return {"restarted": False, "why": f"the old attempt survived SIGKILL: pids {stopped['remaining']}",
                     "restarts": count}  # fmt: skip
-        write_atomic(os.path.join(run, RESTARTS), f"{count + 1}\n".encode())
         for stale in ("exit_code", WRAPPER_PID):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(run, stale))
+        if scheduled:
+            job, err = slurm.submit(run, list(req.get("args", [])))
+            if job is None:
+                return {"restarted": False, "why": f"sbatch refused the resubmission: {err}", "restarts": count}
+            write_atomic(os.path.join(run, RESTARTS), f"{count + 1}\n".encode())
+            return {"restarted": True, "restarts": count + 1, "pane_pid": None, "slurm_job": job, "stopped": stopped}
+        write_atomic(os.path.join(run, RESTARTS), f"{count + 1}\n".encode())
         pane_pid = start_session(run, req["session"], req["python"], list(req.get("args", [])))
     return {"restarted": True, "restarts": count + 1, "pane_pid": pane_pid, "stopped": stopped}
 

@@ -45,9 +45,13 @@ def stop(runner: Runner, job: JobRecord, grace_s: float | None = None) -> KillRe
     host = runner.host
     on_host = bool(host.container and host.gpu_query == "host")
     req = {"action": "reap", "run_dir": job.run_dir, "session": job.session, "job_id": job.tag, "grace_s": grace,
-           "tmux_socket": job.tmux_socket, "gpus": not on_host}  # fmt: skip
-    ans = session.call_agent(runner, req, timeout=grace + 90)
+           "tmux_socket": job.tmux_socket, "gpus": not on_host and job.scheduler == "tmux",
+           **session.scheduler_of(job)}  # fmt: skip
+    ans = session.call_agent(runner, req, timeout=grace + 120)
     holders, check = ans["gpu_holders"], ans["gpu_check"]
+    if job.scheduler == "slurm":
+        said = ans.get("slurm") or {}
+        check = f"slurm job {said.get('id')}: {said.get('state') or 'unknown'} ({said.get('source') or 'no record'})"
     if on_host:
         every = set(ans["every"])
         seen = session.call_agent(runner, {"action": "gpu_holders"}, on_host=True)  # pids in every namespace
@@ -68,6 +72,7 @@ class RestartOutcome:
     restarts: int  # the run dir's count after this call
     why: str = ""
     pane_pid: int | None = None
+    slurm_job: str | None = None  # a Slurm job's new submission
 
 
 def restart(runner: Runner, job: JobRecord, attempt: int, min_free_gib: float | None = None) -> RestartOutcome:
@@ -77,10 +82,11 @@ def restart(runner: Runner, job: JobRecord, attempt: int, min_free_gib: float | 
     req = {"action": "restart", "run_dir": job.run_dir, "session": job.session, "job_id": job.tag,
            "tmux_socket": job.tmux_socket, "attempt": attempt, "max_restarts": job.watch.max_restarts,
            "grace_s": job.kill_grace_s, "python": runner.host.python,
-           "args": ["--resume"] if job.is_trainer else [], "gpus": False, "min_free_gib": min_free_gib}  # fmt: skip
-    ans = session.call_agent(runner, req, timeout=job.kill_grace_s + 120)
+           "args": ["--resume"] if job.is_trainer else [], "gpus": False, "min_free_gib": min_free_gib,
+           **session.scheduler_of(job)}  # fmt: skip
+    ans = session.call_agent(runner, req, timeout=job.kill_grace_s + 150)
     return RestartOutcome(bool(ans.get("restarted")), int(ans.get("restarts", attempt)), ans.get("why", ""),
-                          ans.get("pane_pid"))  # fmt: skip
+                          ans.get("pane_pid"), ans.get("slurm_job"))  # fmt: skip
 
 
 def each_member(job: JobRecord, open_runner: Callable[[HostConfig], Runner], fn: Callable[[Runner, JobRecord], object]):

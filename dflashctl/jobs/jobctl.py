@@ -48,6 +48,7 @@ class LaunchReport:
     files: dict[str, str] = field(default_factory=dict)
     remote_commands: list[str] = field(default_factory=list)
     nodes: list[dict] = field(default_factory=list)  # a multi-node job: host, run_dir, session, pane_pid, gpus each
+    slurm_job: str | None = None  # a Slurm host's job id (none for tmux, or a dry run)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,6 +64,7 @@ def launch(
     registry.all_jobs()  # records that cannot be read refuse the launch before anything starts remotely
     job, trainer_cfg = load_job(job_path, root)
     hosts = [resolve_host(n.host, root) for n in job.nodes]
+    _check_scheduler(job, hosts, job_path)
     job_id = new_job_id(job.name)
     local_version = manifest_version(build_manifest(root))
     if job.multi_node:
@@ -77,7 +79,8 @@ def launch(
                 f"{host.name}: deployed code is {current or 'nothing'}, the local tree is {local_version}; "
                 f"run `dflashctl deploy {host.name}` or launch with --deploy"
             )
-        command = job.command or session.trainer_command(job, host.python)
+        cluster = host.slurm
+        command = job.command or session.trainer_command(job, host.python, slurm=cluster is not None)
         report = LaunchReport(
             id=job_id, host=host.name, run_dir=f"{abs_wd}/runs/{job_id}", session=session.session_name(job_id),
             pane_pid=None, release=local_version, command=command, gpus=job.gpu_indices, overrides=[],
@@ -85,33 +88,51 @@ def launch(
         )  # fmt: skip
         req = {"action": "launch", "workdir": abs_wd, "job_id": job_id, "name": job.name, "session": report.session,
                "gpus": job.gpu_indices, "force": force, "release": local_version, "python": host.python,
-               "tmux_socket": socket, "needs": {"torch": job.trainer is not None, "cuda": bool(job.gpu_indices)}}
+               "tmux_socket": socket, "needs": {"torch": job.trainer is not None, "cuda": bool(job.gpu_indices)},
+               **({"scheduler": "slurm"} if cluster else {})}  # fmt: skip
+        files = session.run_files(job, job_id, host.python, trainer_cfg, local_version, cluster=cluster)
         if dry_run or deploy_first:  # every launch check before a dry-run's "would launch" or a --deploy's upload
-            pre = session.call_agent(runner, {**req, "check_only": True, "skip_release": deploy_first})
+            # a Slurm dry run sends the batch script along: `sbatch --test-only` judges it, submitting nothing
+            check = json.dumps({k: v for k, v in files.items() if k == "sbatch.sh"}).encode() if dry_run else b""
+            pre = session.call_agent(runner, {**req, "check_only": True, "skip_release": deploy_first}, payload=check)
             _raise_refusal(pre, host, job_path)
             report.overrides = list(pre.get("overrides", []))
         if dry_run:
-            report.files = session.run_files(job, job_id, host.python, trainer_cfg, local_version, redact=True)
-            report.remote_commands = [runner.describe([host.python, "-c", "<dflashctl probe>", "launch", job_id])]
+            report.files = session.run_files(job, job_id, host.python, trainer_cfg, local_version, redact=True,
+                                             cluster=cluster)  # fmt: skip
+            what = ["sbatch", f"{report.run_dir}/sbatch.sh"] if cluster else [host.python, "-c", "<dflashctl probe>",
+                                                                               "launch", job_id]  # fmt: skip
+            report.remote_commands = [runner.describe(what)]
             return report
         if deploy_first:
             deploy(runner, root, host.workdir, progress=progress)
-        files = session.run_files(job, job_id, host.python, trainer_cfg, local_version)
         ans = session.call_agent(runner, req, payload=json.dumps(files).encode())
     if ans.get("refused"):
         if ans.get("config"):
             raise ConfigError(str(job_path), ans.get("key"), f"{'; '.join(ans['refused'])} (host {host.name})")
         raise RefusedError(f"{host.name}: {'; '.join(ans['refused'])} (use --force to launch anyway)")
     report.run_dir, report.pane_pid, report.overrides = ans["run_dir"], ans["pane_pid"], ans.get("overrides", [])
+    report.slurm_job = ans.get("slurm_job")
     registry.record(JobRecord(
         id=job_id, name=job.name, project=str(root), job_file=str(job_path.resolve()), host_name=host.name,
         host=host, release=local_version, command=command, run_dir=report.run_dir, session=report.session,
         pane_pid=report.pane_pid, gpus=job.gpu_indices, launched_at=time.time(), kill_grace_s=job.kill_grace_s,
         is_trainer=job.trainer is not None, overrides=report.overrides, tmux_socket=socket,
         watch=job.watch.model_copy(update={"startup_budget_s": job.startup_budget(trainer_cfg)}),
-        steps=(trainer_cfg or {}).get("steps"),
+        steps=(trainer_cfg or {}).get("steps"), slurm_job=report.slurm_job,
     ))  # fmt: skip
     return report
+
+
+def _check_scheduler(job, hosts: list[HostConfig], job_path: Path) -> None:
+    """A job's `slurm:` needs a Slurm host, and a Slurm host runs all of a job's nodes itself (`slurm.nodes`)."""
+    if job.multi_node and any(h.slurm is not None for h in hosts):
+        names = ", ".join(h.name for h in hosts if h.slurm is not None)
+        raise ConfigError(str(job_path), "hosts", f"{names} is a Slurm cluster: name it alone as `host:` and ask for "
+                          "several nodes with `slurm: {nodes: N}`")  # fmt: skip
+    if job.slurm is not None and hosts[0].slurm is None:
+        raise ConfigError(str(job_path), "slurm", f"host {hosts[0].name} is not a Slurm host (its entry has no "
+                          "`slurm:`)")  # fmt: skip
 
 
 def rdzv_port_for(name: str) -> int:
@@ -369,10 +390,15 @@ def logs(
 
 def attach_argv(job: JobRecord, write: bool = False) -> list[str]:
     """The command that opens the job's pane: `ssh -t HOST [pct exec CT --] tmux -L SOCK attach -r -t =SESSION`.
-    The system's ssh is used, so the user's own config, agent and known_hosts apply."""
+    The system's ssh is used, so the user's own config, agent and known_hosts apply. A Slurm job has no pane: its
+    train.log is followed (`tail -F`), or with `write` its step is attached with `sattach`."""
     from dflashctl.remote.transport import container_prefix
 
     tmux = ["tmux", "-L", job.tmux_socket, "attach", "-t", f"={job.session}", *([] if write else ["-r"])]
+    if job.scheduler == "slurm":  # no pane: follow the log read-only, or (--write) sattach to the newest step 0
+        log = shlex.quote(f"{job.run_dir}/train.log")
+        tmux = ["bash", "-c", f'exec sattach "$(cat {shlex.quote(job.run_dir)}/slurm_job).0"' if write
+                else f"exec tail -n 100 -F {log}"]  # fmt: skip
     host = job.host
     prefix = container_prefix(host)
     if prefix[:2] == ["docker", "exec"]:

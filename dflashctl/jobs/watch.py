@@ -167,6 +167,9 @@ class Watcher:
         h.pane_dead = bool(pane.get("pane_dead"))
         h.pane_status = pane.get("exit_status")
         h.pane_lines = pane.get("lines", []) if h.session_exists else []
+        h.scheduler = pane.get("slurm") if self.job.scheduler == "slurm" else None
+        if h.scheduler is None and self.job.scheduler == "slurm":  # never submitted: nothing known of it
+            h.scheduler = {"state": "UNKNOWN"}
         if pane.get("created") and not h.started_at:
             h.started_at = float(pane["created"])
         h.run_dir_exists = snap["run_dir_exists"]
@@ -344,6 +347,8 @@ def run(
         if v.state in w.cfg.restart_on and not opts.once and w.history.stop_request is None:
             if w.restarts < w.cfg.max_restarts and restart(w, v, say, wait):
                 continue
+            if w.unsaid:  # the refused restart's reason, in a last record of the same verdict (`--json` sees it)
+                emit(w, v, w.record(v))
             return v
         if opts.once or v.state in TERMINAL:
             return v
@@ -364,7 +369,8 @@ def restart(w: Watcher, v: Verdict, say: Callable[[str], None], wait: Callable[[
         return False
     w.restarts = outcome.restarts
     w.job = w.job.model_copy(update={"restarts": w.restarts, "pane_pid": outcome.pane_pid or w.job.pane_pid})
-    registry.update(w.job.id, pane_pid=w.job.pane_pid, restarts=w.restarts, state="STARTING")
+    registry.update(w.job.id, pane_pid=w.job.pane_pid, restarts=w.restarts, state="STARTING",
+                    **({"slurm_job": outcome.slurm_job} if outcome.slurm_job else {}))  # fmt: skip
     if outcome.restarted:
         w.log_event({"decision": "restart", "after": v.state, "attempt": w.restarts, "reason": v.reason})
     else:

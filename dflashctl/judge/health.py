@@ -11,10 +11,12 @@ import re
 import statistics
 from dataclasses import asdict, dataclass, field
 
+SLURM_ENDS = ("TIMEOUT", "PREEMPTED", "NODE_FAIL", "CANCELLED")  # Slurm's own ends of a job, as states
 FAILURES = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "STALLED", "LOST",
-            "PROBE_FAILED", "KILL_FAILED", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL")  # fmt: skip
+            "PROBE_FAILED", "KILL_FAILED", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL", *SLURM_ENDS)  # fmt: skip
 TERMINAL = ("FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "LOST",
-            "PROBE_FAILED", "KILLED", "KILL_FAILED", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL")  # fmt: skip
+            "PROBE_FAILED", "KILLED", "KILL_FAILED", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL",
+            *SLURM_ENDS)  # fmt: skip
 STOP_RESULT_GRACE_S = 120.0  # after grace_s, how long a kill may take to record its result before it is presumed dead
 ADVICE = {
     "DENSE_FALLBACK": "flex_attention ran, or was about to run, without compile: check TORCH_COMPILE_DISABLE, the "
@@ -44,6 +46,14 @@ ADVICE = {
     "workers, smaller prefetch, no host copies of the target) or use fewer ranks per host.",
     "DISK_FULL": "the run dir's file system is full: free space (old checkpoints, inductor caches) or lower "
     "checkpoint.keep; not restarted while the disk is still full.",
+    "PENDING": "the job waits in Slurm's queue for the reason shown (Priority, Resources, ReqNodeNotAvail, ...); "
+    "`squeue --start -j ID` estimates when it starts.",
+    "TIMEOUT": "the job ran out of its wall time (sbatch --time): a restart resubmits it with --resume from the "
+    "newest checkpoint; ask for a longer `time:` to need fewer.",
+    "PREEMPTED": "the scheduler took the nodes for a job of higher priority: a restart resubmits with --resume.",
+    "NODE_FAIL": "a node of the allocation failed: a restart resubmits with --resume, excluding that node.",
+    "CANCELLED": "the Slurm job was cancelled outside dflashctl (scancel, an administrator): relaunch it if that was "
+    "not meant. Not restarted: someone stopped it on purpose.",
 }
 
 RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:\s?")
@@ -398,6 +408,7 @@ class History:
     kernel_oom: list[str] = field(default_factory=list)  # the kernel log's OOM-killer lines since launch, if readable
     kernel_xid: list[str] = field(default_factory=list)  # the kernel log's GPU driver (Xid) lines since launch
     nonfinite_steps: int = 0  # consecutive non-finite steps the trainer skipped
+    scheduler: dict | None = None  # a Slurm job's state as the scheduler said it: id, state, reason, nodes, exit
 
 
 @dataclass
@@ -530,10 +541,14 @@ def assess(h: History, th: Thresholds) -> Verdict:
     if h.stop_request is not None:
         return _stopped(h)
     lines = this_attempt(h.log_tail + [ln for ln in h.pane_lines if ln not in h.log_tail[-200:]])
+    if h.scheduler is not None:
+        scheduled = _scheduled(h)
+        if scheduled is not None:
+            return scheduled
     if h.exit_code is not None or (h.session_exists and h.pane_dead):
         return _ended(h, lines)
     if not h.session_exists:
-        what = "run dir" if not h.run_dir_exists else "tmux session"
+        what = "run dir" if not h.run_dir_exists else ("Slurm job" if h.scheduler is not None else "tmux session")
         return _verdict("LOST", f"the {what} is gone and no exit status was written", [f"{what} missing"], h)
     if not h.run_dir_exists:
         return _verdict("LOST", "the run dir is gone", ["run dir missing"], h)
@@ -579,6 +594,39 @@ def assess(h: History, th: Thresholds) -> Verdict:
     if h.nonfinite_steps:
         ev.append(f"{h.nonfinite_steps} non-finite steps in a row skipped (no update)")
     return _verdict("RUNNING", f"step {h.last_step}, {tps}{loss}", ev, h)
+
+
+# Slurm's ends that name their cause themselves: they outrank what the log shows (the SIGTERM traceback of a job out of
+# time, the other nodes' NCCL timeouts after a node failed). FAILED and COMPLETED leave the cause to the log.
+SLURM_END_STATE = {"TIMEOUT": "TIMEOUT", "DEADLINE": "TIMEOUT", "PREEMPTED": "PREEMPTED", "NODE_FAIL": "NODE_FAIL",
+                   "BOOT_FAIL": "NODE_FAIL", "OUT_OF_MEMORY": "HOST_OOM", "CANCELLED": "CANCELLED"}  # fmt: skip
+SLURM_QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED")
+
+
+def _scheduled(h: History) -> Verdict | None:
+    """What Slurm's word on the job settles by itself: queued (PENDING, with Slurm's reason), or one of its own ends.
+    None: the job runs or ended by itself, and the usual rules judge it from its files."""
+    s = h.scheduler or {}
+    state, reason, job = str(s.get("state") or ""), str(s.get("reason") or "None"), s.get("id")
+    nodes = f" on {s['nodes']}" if s.get("nodes") and s.get("nodes") != "(null)" else ""
+    said = f"slurm job {job} {state}{nodes}" + (f" ({reason})" if reason != "None" else "")
+    at = [f"last step {h.last_step}"] if h.last_step is not None else []
+    if state in SLURM_QUEUED:
+        why = reason if reason != "None" else "waiting to be scheduled"
+        return _verdict("PENDING", f"{state.lower()} in Slurm's queue: {why}", [said], h)
+    verdict = SLURM_END_STATE.get(state)
+    if verdict is None:
+        return None
+    if verdict == "TIMEOUT":
+        limit = f" ({s['time_limit']})" if s.get("time_limit") else ""
+        return _verdict("TIMEOUT", f"out of wall time{limit}", [said, *at], h)
+    if verdict == "NODE_FAIL":
+        return _verdict("NODE_FAIL", f"a node failed{nodes}: the restart excludes it", [said, *at], h)
+    if verdict == "HOST_OOM":
+        return _verdict("HOST_OOM", "Slurm: OUT_OF_MEMORY (the job's memory limit on its nodes)", [said, *at], h)
+    if verdict == "PREEMPTED":
+        return _verdict("PREEMPTED", "preempted by the scheduler", [said, *at], h)
+    return _verdict("CANCELLED", "cancelled outside dflashctl (scancel, or an administrator)", [said, *at], h)
 
 
 def _stopped(h: History) -> Verdict:

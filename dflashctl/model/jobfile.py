@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dflashctl.config import SAFE_NAME, format_validation_error, load_yaml
+from dflashctl.config import SAFE_NAME, SLURM_TIME, check_sbatch_options, format_validation_error, load_yaml
 from dflashctl.errors import ConfigError
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch
@@ -27,12 +27,16 @@ SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNO
 MAX_GPUS = 1024
 STATES = ("STARTING", "RUNNING", "STALLED", "FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT",
           "CRASHED", "CONFIG_ERROR", "LOST")  # fmt: skip
-# they would repeat (or are done); a GPU_FAULT's GPU is broken: a relaunch names other GPUs
-NEVER_RESTART = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "CONFIG_ERROR", "FINISHED", "GPU_FAULT")
+# they would repeat (or are done); a GPU_FAULT's GPU is broken: a relaunch names other GPUs; a job CANCELLED by
+# someone else (scancel, an admin) was stopped on purpose
+NEVER_RESTART = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "CONFIG_ERROR", "FINISHED", "GPU_FAULT", "CANCELLED")
 State = Literal[
     "STARTING", "RUNNING", "STALLED", "FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT",
     "CRASHED", "CONFIG_ERROR", "LOST", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL",
+    "TIMEOUT", "PREEMPTED", "NODE_FAIL",  # Slurm's own ends (restartable; NODE_FAIL's node is then excluded)
 ]  # fmt: skip
+# Slurm's ends that a restart resumes from: they happen only on Slurm hosts, so they are in every job's default
+DEFAULT_RESTART_ON = ["CRASHED", "STALLED", "NCCL_TIMEOUT", "TIMEOUT", "PREEMPTED", "NODE_FAIL"]
 
 
 class NotifyConfig(BaseModel):
@@ -79,7 +83,7 @@ class WatchConfig(BaseModel):
     throughput_floor: float | None = Field(None, ge=0, description="tokens/s under this for `slow_polls`: STALLED")
     throughput_drop: float = Field(0.3, gt=0, lt=1, description="under this fraction of its rolling median: STALLED")
     slow_polls: int = Field(3, ge=1, le=1000, description="consecutive slow polls before STALLED")
-    restart_on: list[State] = Field(default_factory=lambda: ["CRASHED", "STALLED", "NCCL_TIMEOUT"])
+    restart_on: list[State] = Field(default_factory=lambda: list(DEFAULT_RESTART_ON))
     max_restarts: int = Field(3, ge=0, le=100)
     backoff_s: float = Field(30.0, ge=0, le=86400, description="wait before the first restart; doubles each time")
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
@@ -118,6 +122,28 @@ class NodeSpec(BaseModel):
         return value
 
 
+class SlurmJob(BaseModel):
+    """What a job asks of a Slurm cluster beyond the host's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    nodes: int = Field(1, ge=1, le=1024, description="sbatch --nodes: one torchrun per node (srun)")
+    time: str | None = Field(None, description="wall time per submission (sbatch --time), over the host's")
+    extra: list[str] = Field(default_factory=list, description="more sbatch options, after the host's")
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, value: str | None) -> str | None:
+        if value is not None and not SLURM_TIME.fullmatch(value):
+            raise ValueError("expected a Slurm time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
+        return value
+
+    @field_validator("extra")
+    @classmethod
+    def _extra(cls, value: list[str]) -> list[str]:
+        return check_sbatch_options(value)
+
+
 class JobConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -138,6 +164,7 @@ class JobConfig(BaseModel):
     inductor_cache: Literal["clear", "keep"] = Field("clear", description="the job's own TORCHINDUCTOR_CACHE_DIR")
     kill_grace_s: float = Field(40.0, ge=0, le=3600, description="SIGTERM to SIGKILL (torchrun needs ~30 s)")
     watch: WatchConfig = Field(default_factory=WatchConfig)
+    slurm: SlurmJob | None = Field(None, description="nodes, wall time and sbatch options on a Slurm host")
 
     @field_validator("name")
     @classmethod

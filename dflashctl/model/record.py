@@ -16,7 +16,7 @@ from dflashctl.model.jobfile import WatchConfig, node_tag
 
 STATE_ENV = "DFLASHCTL_STATE_DIR"
 # states in which a job may still be running (a failure state is an attempt that ended; a restart says STARTING)
-ALIVE_STATES = ("STARTING", "RUNNING", "STALLED", "STOPPING", "UNREACHABLE", "PROBE_FAILED")
+ALIVE_STATES = ("PENDING", "STARTING", "RUNNING", "STALLED", "STOPPING", "UNREACHABLE", "PROBE_FAILED")
 
 
 class Member(BaseModel):
@@ -67,6 +67,12 @@ class JobRecord(BaseModel):
     killed_at: float | None = None
     members: list[Member] = Field(default_factory=list, description="the nodes of a multi-node job, head first")
     node_tag: str | None = None  # a node's process tag when it is not the job id (node i > 0: `<id>.node<i>`)
+    slurm_job: str | None = None  # a Slurm host's job id at launch (a restart resubmits: the run dir has the newest)
+
+    @property
+    def scheduler(self) -> str:
+        """Who runs the job's processes on the remote: `tmux` (a session per job) or `slurm` (sbatch)."""
+        return "slurm" if self.host.slurm is not None else "tmux"
 
     @model_validator(mode="before")
     @classmethod

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import yaml
 
 from dflashctl.agent import probe
-from dflashctl.config import SAFE_NAME, HostConfig
+from dflashctl.config import SAFE_NAME, HostConfig, SlurmHost
 from dflashctl.errors import ConfigError, ProbeFailedError
 from dflashctl.model.jobfile import JobConfig, node_tag, redact_env, redact_job_snapshot
 from dflashctl.remote.agent_bundle import AGENT, boot_argv
@@ -71,14 +71,18 @@ def node_session(job_id: str, node: NodePlace | None) -> str:
     return base if node is None or node.rank == 0 else f"{base}-node{node.rank}"
 
 
-def trainer_command(job: JobConfig, python: str, node: NodePlace | None = None) -> str:
+def trainer_command(job: JobConfig, python: str, node: NodePlace | None = None, slurm: bool = False) -> str:
     """The bundled trainer under torchrun (several processes or nodes) or alone; "$@" carries --resume on a restart.
 
     Over several nodes, torchrun's static rendezvous with `--node-rank`: global rank 0 is on the head, so the head's
     run dir holds metrics.jsonl, the heartbeat and the export (c10d's rendezvous orders nodes by address and pid,
-    not by node rank)."""
+    not by node rank). Under Slurm, each node's srun task starts one torchrun, its node rank Slurm's SLURM_NODEID and
+    the head the allocation's first node (sbatch.sh exports MASTER_ADDR and MASTER_PORT)."""
     q = shlex.quote(python)
     args = '-m trainer.train --config "$RUN/trainer.yaml" --run-dir "$RUN" "$@"'
+    if slurm and job.slurm is not None and job.slurm.nodes > 1:
+        return (f'{q} -m torch.distributed.run --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" '
+                f'--nproc-per-node {job.nproc} --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" {args}')
     if node is not None:
         head = f"--master-addr {shlex.quote(node.head_addr)} --master-port {node.port}"
         return (f"{q} -m torch.distributed.run --nnodes {node.count} --node-rank {node.rank} --nproc-per-node "
@@ -88,9 +92,10 @@ def trainer_command(job: JobConfig, python: str, node: NodePlace | None = None) 
     return f"{q} {args}"
 
 
-def job_env(job: JobConfig, job_id: str, node: NodePlace | None = None) -> dict[str, str]:
+def job_env(job: JobConfig, job_id: str, node: NodePlace | None = None, slurm: bool = False) -> dict[str, str]:
     gpus = list(node.gpus) if node is not None else job.gpu_indices
-    asked = job.gpus is not None or (node is not None and bool(node.gpus))
+    # Slurm gives each node its GPUs (and sets CUDA_VISIBLE_DEVICES) itself
+    asked = not slurm and (job.gpus is not None or (node is not None and bool(node.gpus)))
     place = {}
     if node is not None:  # a `command:` job over several nodes starts its own torchrun from these
         place = {"NNODES": str(node.count), "NODE_RANK": str(node.rank), "MASTER_ADDR": node.head_addr,
@@ -136,24 +141,89 @@ exit "$rc"
 """
 
 
+def sbatch_options(job: JobConfig, job_id: str, cluster: SlurmHost) -> list[str]:
+    """The `#SBATCH` options: one task per node (each starts its own torchrun), the job's GPUs per node, the host's
+    partition, account and time, the job's time over the host's, then the host's and the job's extra options.
+
+    `--no-requeue`: Slurm would otherwise requeue a batch job after a node failure and rerun it from the start, past
+    dflashctl's rules; so the job ends NODE_FAIL (or PREEMPTED) and the watcher resubmits it with --resume, the
+    failed node excluded, within max_restarts and never after a kill. An extra `--requeue` gives that back to Slurm."""
+    spec = job.slurm
+    opts = [f"--job-name={job_id}", f"--nodes={spec.nodes if spec else 1}", "--ntasks-per-node=1",
+            "--output=slurm-%j.out", "--open-mode=append", "--no-requeue"]  # fmt: skip
+    if job.gpu_indices:
+        opts.append(f"--gpus-per-node={len(job.gpu_indices)}")
+    if job.nproc > 1 or job.gpu_indices:
+        opts.append(f"--cpus-per-task={max(1, job.nproc)}")
+    opts += [f"--partition={cluster.partition}"] if cluster.partition else []
+    opts += [f"--account={cluster.account}"] if cluster.account else []
+    wall = (spec.time if spec else None) or cluster.time
+    opts += [f"--time={wall}"] if wall else []
+    return [*opts, *cluster.extra, *(spec.extra if spec else [])]
+
+
+def render_sbatch(job: JobConfig, job_id: str, release: str, cluster: SlurmHost, redact: bool = False) -> str:
+    """The batch script of a Slurm job: run.sh's work (the environment, the release, train.log, exit_code) with the
+    command started on every node by one srun. Submitted from the run dir, which is its working dir: sbatch runs
+    a copy of the script, never this file, so the run dir is found as SLURM_SUBMIT_DIR."""
+    env = job_env(job, job_id, slurm=True)
+    if redact:
+        env = redact_env(env, job.secret_env)
+    exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
+    cache = "inductor-cache" if job.inductor_cache == "clear" else "../../inductor-cache"
+    port = f"{job.rdzv_port}" if job.rdzv_port else "$((29500 + SLURM_JOB_ID % 400))"
+    header = "\n".join(f"#SBATCH {opt}" for opt in sbatch_options(job, job_id, cluster))
+    return f"""#!/usr/bin/env bash
+{header}
+# Written by `dflashctl launch` for job {job_id}: runs command.sh in release {release} of the code on every node of
+# the allocation (one srun task per node), appends its output to train.log, records its exit status in exit_code.
+RUN="${{SLURM_SUBMIT_DIR:?submit this script with sbatch from its run dir}}"
+export RUN DFLASHCTL_RUN_DIR="$RUN" TORCHINDUCTOR_CACHE_DIR="$RUN/{cache}"
+{exports}
+rm -f "$RUN/exit_code"
+stamp() {{ date -u +%Y-%m-%dT%H:%M:%SZ; }}
+if ! cd "$RUN/../../releases/{release}" 2>/dev/null; then
+  echo "[dflashctl] $(stamp) release {release} is not deployed next to $RUN (run dflashctl deploy)" >> "$RUN/train.log"
+  echo 1 > "$RUN/exit_code"; exit 1
+fi
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_ADDR="${{head_node:-127.0.0.1}}" MASTER_PORT={port} NNODES="$SLURM_JOB_NUM_NODES"
+echo "[dflashctl] $(stamp) start slurm job $SLURM_JOB_ID on $SLURM_JOB_NODELIST $*" >> "$RUN/train.log"
+srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 bash --noprofile --norc -c \
+  'export NODE_RANK="$SLURM_NODEID"; exec bash --noprofile --norc "$RUN/command.sh" "$@"' srun-task "$@" \
+  >> "$RUN/train.log" 2>&1
+rc=$?
+echo "[dflashctl] $(stamp) exit $rc" >> "$RUN/train.log"
+printf '%s\\n' "$rc" > "$RUN/exit_code.tmp" && mv -f "$RUN/exit_code.tmp" "$RUN/exit_code"
+exit "$rc"
+"""
+
+
 def run_files(
     job: JobConfig, job_id: str, python: str, trainer_cfg: dict | None, release: str, redact: bool = False,
-    node: NodePlace | None = None,
+    node: NodePlace | None = None, cluster: SlurmHost | None = None,
 ) -> dict[str, str]:  # fmt: skip
-    """The files of a run dir, as written at launch; restarts reuse them (the job file is snapshotted here)."""
-    command = trainer_command(job, python, node) if job.trainer is not None else job.command
+    """The files of a run dir, as written at launch; restarts reuse them (the job file is snapshotted here). A Slurm
+    job has `sbatch.sh` where a tmux job has `run.sh` and `tmux.conf`."""
+    scheduled = cluster is not None
+    command = trainer_command(job, python, node, scheduled) if job.trainer is not None else job.command
     snapshot = job.model_dump(mode="json")
     if redact:
         redact_job_snapshot(snapshot)
     gpus = list(node.gpus) if node is not None else job.gpu_indices
     where = {"node_rank": node.rank, "nodes": node.count, "head": f"{node.head_addr}:{node.port}"} if node else {}
+    if scheduled:
+        where = {"scheduler": "slurm"}
     files = {
-        "run.sh": render_wrapper(job, job_id, release, redact, node),
         "command.sh": f"# the job's command ({job.name})\n{command}\n",
-        "tmux.conf": TMUX_CONF,
         "job.json": json.dumps({"id": job_id, "name": job.name, "session": node_session(job_id, node),
                                 "release": release, "gpus": gpus, **where, "job": snapshot}, indent=1),  # fmt: skip
     }
+    if scheduled:
+        files["sbatch.sh"] = render_sbatch(job, job_id, release, cluster, redact)
+    else:
+        files["run.sh"] = render_wrapper(job, job_id, release, redact, node)
+        files["tmux.conf"] = TMUX_CONF
     if trainer_cfg is not None:
         if node is not None:  # no shared file system assumed: every node keeps checkpoints to resume from
             ckpt = dict(trainer_cfg.get("checkpoint") or {})
@@ -210,4 +280,10 @@ def probe_request(job, log_offset: int = 0, metrics_offset: int = 0, capture_lin
         "metrics_offset": metrics_offset,
         "capture_lines": capture_lines,
         "tmux_socket": job.tmux_socket,
+        **scheduler_of(job),
     }
+
+
+def scheduler_of(job) -> dict:
+    """What every agent request about a job carries when a scheduler, not tmux, runs it."""
+    return {"scheduler": "slurm"} if job.host.slurm is not None else {}

@@ -1,0 +1,188 @@
+"""Slurm on the login node: submit a run dir's batch script, read a job's state, cancel it and see it end.
+
+Part of the remote agent (stdlib only, Python 3.8+). A run dir of a Slurm job holds `sbatch.sh` (written at launch)
+and `slurm_job`, the id of its newest submission (a restart resubmits and rewrites it); nodes that failed are kept in
+`slurm_exclude`, so that every later submission avoids them.
+
+A job's state comes from `scontrol show job` (the controller's memory: pending, running, and ended jobs for
+MinJobAge, 300 s by default), else from `sacct` (the accounting database, where the cluster has one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+
+from .common import read_json, write_atomic
+
+JOB_FILE, EXCLUDE_FILE, SCRIPT = "slurm_job", "slurm_exclude", "sbatch.sh"
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+         "DEADLINE", "REVOKED", "SPECIAL_EXIT")  # fmt: skip
+JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")  # fullmatch; an array task's id is JOB_TASK
+FIELD = re.compile(r"(\w+)=(\S*)")
+TOOLS = ("sbatch", "squeue", "scontrol", "scancel", "sacct", "sinfo", "srun", "sattach", "sacctmgr")
+
+
+def _run(argv: list[str], timeout: float = 30.0, cwd: str | None = None, stdin: str | None = None
+         ) -> tuple[int, str, str]:  # fmt: skip
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd, input=stdin,
+                           stdin=None if stdin is not None else subprocess.DEVNULL)  # fmt: skip
+        return p.returncode, p.stdout, p.stderr
+    except FileNotFoundError:
+        return 127, "", f"{argv[0]}: not found"
+    except subprocess.TimeoutExpired:
+        return 124, "", f"{argv[0]}: no answer in {timeout:g} s"
+
+
+def missing_tools(names: tuple[str, ...] = ("sbatch", "scontrol", "scancel")) -> list[str]:
+    return [n for n in names if shutil.which(n) is None]
+
+
+def current_job(run_dir: str) -> str | None:
+    """The id of the run dir's newest submission, or None (never submitted, or the file is not an id)."""
+    try:
+        with open(os.path.join(run_dir, JOB_FILE)) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return text if JOB_ID.fullmatch(text) else None
+
+
+def excluded(run_dir: str) -> list[str]:
+    nodes = read_json(os.path.join(run_dir, EXCLUDE_FILE))
+    return [n for n in nodes if isinstance(n, str)] if isinstance(nodes, list) else []
+
+
+def parse_scontrol(text: str) -> dict:
+    """`scontrol show job -o ID`: one line of Key=Value fields."""
+    fields = dict(FIELD.findall(text))
+    return {
+        "state": fields.get("JobState", ""),
+        "reason": fields.get("Reason", "None").replace("_", " "),  # the one-line form writes its spaces as `_`
+        "exit": fields.get("ExitCode"),
+        "nodes": fields.get("NodeList"),
+        "start": fields.get("StartTime"),
+        "time_limit": fields.get("TimeLimit"),
+        "run_time": fields.get("RunTime"),
+    }
+
+
+def parse_sacct(text: str) -> dict | None:
+    """`sacct -n -P -X -o State,Reason,ExitCode,NodeList,Start,Timelimit`: the allocation's line; its state may read
+    `CANCELLED by 1000`."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return None
+    parts = (lines[0].split("|") + [""] * 6)[:6]
+    return {"state": parts[0].split()[0] if parts[0] else "", "reason": parts[1] or "None", "exit": parts[2],
+            "nodes": parts[3], "start": parts[4], "time_limit": parts[5], "run_time": None}  # fmt: skip
+
+
+def _epoch(stamp: str | None) -> float | None:
+    """Slurm's local-time `2026-12-01T19:09:44` as seconds since the epoch (this machine's clock and zone)."""
+    try:
+        return time.mktime(time.strptime(stamp or "", "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+def query(job_id: str) -> dict:
+    """The job's state: `known` False when neither the controller nor the accounting knows the id."""
+    rc, out, err = _run(["scontrol", "show", "job", "-o", job_id])
+    info = parse_scontrol(out) if rc == 0 and out.strip() else None
+    source = "scontrol"
+    if info is None or not info["state"]:
+        rc2, out2, _ = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o",
+                             "State,Reason,ExitCode,NodeList,Start,Timelimit"])  # fmt: skip
+        info = parse_sacct(out2) if rc2 == 0 else None
+        source = "sacct"
+    if not info or not info["state"]:
+        why = err.strip().splitlines()[-1] if err.strip() else "unknown job id"
+        return {"id": job_id, "known": False, "why": why[:200]}
+    code = None
+    if info.get("exit") and ":" in info["exit"]:
+        status, _, signal_no = info["exit"].partition(":")
+        if status.isdigit() and signal_no.isdigit():
+            code = int(status) if int(signal_no) == 0 else 128 + int(signal_no)
+    state = info["state"].rstrip("+")
+    return {**info, "id": job_id, "known": True, "state": state, "final": state in FINAL, "exit_code": code,
+            "started": _epoch(info.get("start")) if state not in ("PENDING",) else None, "source": source}  # fmt: skip
+
+
+def session_info(run_dir: str, lines: int) -> dict:
+    """The run's Slurm job in the shape of a tmux pane (exists, dead, exit status, created, last output lines), with
+    the scheduler's own word under `slurm`: what the judge reads for PENDING and for Slurm's ends."""
+    job = current_job(run_dir)
+    if job is None:
+        return {"exists": False, "slurm": None}
+    q = query(job)
+    if not q["known"]:
+        return {"exists": False, "slurm": {"id": job, "state": "UNKNOWN", "reason": q["why"]}}
+    info = {"exists": True, "pane_pid": None, "pane_dead": q["final"], "exit_status": q["exit_code"],
+            "created": q["started"], "slurm": {k: q.get(k) for k in ("id", "state", "reason", "nodes", "exit",
+                                                                    "time_limit", "source")}}  # fmt: skip
+    if lines > 0:  # what Slurm itself wrote (time limit, cancellation, node failure): the batch output
+        try:
+            with open(os.path.join(run_dir, f"slurm-{job}.out"), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 16384))
+                text = f.read().decode(errors="replace")
+            info["lines"] = text.rstrip("\n").splitlines()[-lines:]
+        except OSError:
+            info["lines"] = []
+    return info
+
+
+def submit(run_dir: str, args: list[str]) -> tuple[str | None, str]:
+    """sbatch the run dir's script (its working dir: the run dir) with the job's arguments; records the new id.
+    Returns (id, "") or (None, sbatch's error)."""
+    argv = ["sbatch", "--parsable"]
+    nodes = excluded(run_dir)
+    if nodes:
+        argv.append("--exclude=" + ",".join(nodes))
+    rc, out, err = _run([*argv, os.path.join(run_dir, SCRIPT), *args], timeout=60, cwd=run_dir)
+    job = out.strip().split(";")[0] if rc == 0 else ""
+    if not JOB_ID.fullmatch(job):
+        return None, (err.strip().splitlines() or [f"sbatch exit status {rc}, no job id"])[-1][:300]
+    write_atomic(os.path.join(run_dir, JOB_FILE), f"{job}\n".encode())
+    return job, ""
+
+
+def test_only(script: str, cwd: str) -> str:
+    """`sbatch --test-only` with the script on stdin: the scheduler's word on the partition, account, time and
+    resources, submitting nothing. Returns the problem, or "" when sbatch would take the job."""
+    rc, out, err = _run(["sbatch", "--test-only"], timeout=60, cwd=cwd, stdin=script)
+    if rc == 0:
+        return ""
+    lines = [ln for ln in (err or out).strip().splitlines() if ln.strip()]
+    return (lines[-1] if lines else f"sbatch exit status {rc}")[:300]
+
+
+def exclude_failed_nodes(run_dir: str, q: dict) -> None:
+    """A job that ended NODE_FAIL: its nodes join the run's exclusions, so no resubmission lands on them again."""
+    if q.get("state") not in ("NODE_FAIL", "BOOT_FAIL") or not q.get("nodes"):
+        return
+    rc, out, _ = _run(["scontrol", "show", "hostnames", q["nodes"]])
+    nodes = out.split() if rc == 0 else [q["nodes"]]
+    merged = sorted(set(excluded(run_dir)) | set(nodes))
+    write_atomic(os.path.join(run_dir, EXCLUDE_FILE), json.dumps(merged).encode())
+
+
+def cancel(job_id: str, wait_s: float) -> dict:
+    """scancel (Slurm signals every step, waits KillWait, then SIGKILLs), then wait for a final state. Returns the
+    last query; `final` False when the job had not ended within `wait_s`."""
+    q = query(job_id)
+    if q.get("known") and not q.get("final"):
+        _run(["scancel", job_id])
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            q = query(job_id)
+            if not q.get("known") or q.get("final"):
+                break
+            time.sleep(0.5)
+    return q

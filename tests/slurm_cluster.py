@@ -1,0 +1,174 @@
+"""A real one-machine Slurm cluster for the tests: munged, slurmctld and one slurmd on this machine, CPUs only.
+
+Everything lives under one directory (config, state, spool, logs, munge's key and socket) and the daemons are
+started by the suite and stopped by pid; the machine's own Slurm, if any, is never touched. Where the daemons cannot
+start (no slurm-wlm, not root, a hostname that does not resolve), `start_cluster` raises `ClusterUnavailable` saying
+why, and the tests skip with that reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "srun", "sinfo")
+
+
+class ClusterUnavailable(RuntimeError):
+    """Why this machine cannot run the test cluster."""
+
+
+@dataclass
+class Cluster:
+    dir: Path
+    conf: Path
+    node: str
+    partition: str = "debug"
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """What the cluster's client commands need (a real login node has it in /etc/slurm)."""
+        return {"SLURM_CONF": str(self.conf)}
+
+    def scontrol(self, *args: str) -> str:
+        res = subprocess.run(["scontrol", *args], env={**os.environ, **self.env}, capture_output=True, text=True,
+                             timeout=30)  # fmt: skip
+        if res.returncode != 0:
+            raise RuntimeError(f"scontrol {' '.join(args)}: {res.stderr.strip()}")
+        return res.stdout
+
+    def drain(self, reason: str = "tests") -> None:
+        self.scontrol("update", f"NodeName={self.node}", "State=DRAIN", f"Reason={reason}")
+
+    def resume(self) -> None:
+        self.scontrol("update", f"NodeName={self.node}", "State=RESUME")
+
+    def resume_if_drained(self) -> None:
+        """A test that failed while the node was drained leaves it so: the next test starts from an idle node."""
+        info = self.scontrol("show", "node", self.node)
+        if "DRAIN" in info:
+            self.resume()
+        self.wait_idle()
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """The node takes jobs (after a start or a resume)."""
+        deadline = time.monotonic() + timeout
+        state = ""
+        while time.monotonic() < deadline:
+            res = subprocess.run(["sinfo", "-h", "-n", self.node, "-o", "%t"], env={**os.environ, **self.env},
+                                 capture_output=True, text=True, timeout=10)  # fmt: skip
+            state = res.stdout.strip()
+            if state in ("idle", "mix", "alloc"):
+                return
+            time.sleep(0.2)
+        raise ClusterUnavailable(f"slurmd's node {self.node} did not come up (state {state!r}): see {self.dir}/log")
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        self.procs.clear()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _find(name: str) -> str | None:
+    return shutil.which(name) or next((p for p in (f"/usr/sbin/{name}", f"/usr/bin/{name}") if Path(p).exists()),
+                                      None)  # fmt: skip
+
+
+def start_cluster(d: Path, cpus: int = 2, kill_wait_s: int = 2) -> Cluster:
+    """Write the config under `d` and start the three daemons; the node is idle when this returns."""
+    missing = [n for n in (*DAEMONS, *CLIENTS) if _find(n) is None]
+    if missing:
+        raise ClusterUnavailable(f"Slurm is not installed here ({', '.join(missing)} missing): `make test` installs "
+                                 "slurmctld, slurmd, slurm-client and munge")  # fmt: skip
+    if os.geteuid() != 0:
+        raise ClusterUnavailable("the test cluster runs its daemons as root (SlurmUser=root); this user is not")
+    node = socket.gethostname().split(".")[0]
+    try:
+        socket.gethostbyname(node)
+    except OSError:
+        why = f"this machine's hostname {node!r} does not resolve (slurmd names its node so)"
+        raise ClusterUnavailable(why) from None
+    for sub in ("state", "spool", "log", "munge"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    os.chmod(d / "munge", 0o700)
+    key = d / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    os.chmod(key, 0o400)
+    sock = d / "munge" / "sock"
+    if len(str(sock)) > 100:
+        raise ClusterUnavailable(f"the munge socket's path is too long for a unix socket: {sock}")
+    conf = d / "slurm.conf"
+    conf.write_text("\n".join([
+        "ClusterName=dflashtest",
+        f"SlurmctldHost={node}(127.0.0.1)",
+        f"SlurmctldPort={_free_port()}",
+        f"SlurmdPort={_free_port()}",
+        "SlurmUser=root",
+        "AuthType=auth/munge",
+        f"AuthInfo=socket={sock}",
+        "CredType=cred/munge",
+        f"StateSaveLocation={d / 'state'}",
+        f"SlurmdSpoolDir={d / 'spool'}",
+        f"SlurmctldPidFile={d / 'slurmctld.pid'}",
+        f"SlurmdPidFile={d / 'slurmd.pid'}",
+        f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}",
+        f"SlurmdLogFile={d / 'log' / 'slurmd.log'}",
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_CPU",
+        "MinJobAge=3600",  # ended jobs stay in the controller's memory: their final state is read with scontrol
+        f"KillWait={kill_wait_s}",
+        "ReturnToService=2",
+        "MpiDefault=none",
+        "SchedulerType=sched/backfill",
+        f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
+        f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP",
+    ]) + "\n")  # fmt: skip
+    cluster = Cluster(d, conf, node)
+    env = {**os.environ, **cluster.env}
+    log = open(d / "log" / "daemons.log", "ab")  # noqa: SIM115 - kept open for the daemons' lifetime
+    try:
+        cluster.procs.append(subprocess.Popen(
+            [_find("munged"), "-F", "-f", f"--socket={sock}", f"--key-file={key}", f"--pid-file={d / 'munge.pid'}",
+             f"--log-file={d / 'log' / 'munged.log'}", f"--seed-file={d / 'munge' / 'seed'}"],
+            stdout=log, stderr=log, env=env,
+        ))  # fmt: skip
+        deadline = time.monotonic() + 10
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not sock.exists():
+            raise ClusterUnavailable(f"munged did not start: see {d / 'log'}")
+        cluster.procs.append(subprocess.Popen([_find("slurmctld"), "-D", "-i", "-f", str(conf)], stdout=log,
+                                              stderr=log, env=env))  # fmt: skip
+        cluster.procs.append(subprocess.Popen([_find("slurmd"), "-D", "-f", str(conf), "-N", node], stdout=log,
+                                              stderr=log, env=env))  # fmt: skip
+        cluster.wait_idle()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster

@@ -1,0 +1,274 @@
+"""Slurm clusters end to end: a real one-machine Slurm (munged, slurmctld, slurmd), the suite's sshd as its login node,
+the tiny CPU trainer under sbatch, and dflashctl's launch, status, watch, restarts and kill through the scheduler.
+
+Where the daemons cannot start here, every test of this module skips and says why (tests/slurm_cluster.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_cli, start_sshd
+from tests.slurm_cluster import ClusterUnavailable, start_cluster
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINER = """
+  target: {random_preset: tiny-qwen3, dtype: float32}
+  drafter: {num_layers: 1, block_size: 8}
+  attention: {backend: dense}
+  data: {anchors_per_seq: 16, seq_buckets: [128], synthetic_samples: 16, holdout: 2}
+  device: cpu
+  steps: STEPS
+  log_every: 5
+  heartbeat_s: 0.5
+  checkpoint: {every: 10, keep: 2}
+  eval: {prompts: 1, max_new_tokens: 8}
+"""
+WATCH = "watch:\n  interval_s: 1\n  backoff_s: 0.5\n  slow_polls: 1000\n"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    try:
+        c = start_cluster(tmp_path_factory.mktemp("slurm"))
+    except ClusterUnavailable as e:
+        pytest.skip(f"no Slurm test cluster on this machine: {e}")
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def login(tmp_path_factory, cluster):
+    """The cluster's login node: an sshd whose sessions know the cluster (SLURM_CONF, as /etc/slurm would)."""
+    server = start_sshd(tmp_path_factory.mktemp("login"), extra_env=cluster.env)
+    yield server
+    server.stop(drop_sessions=True)
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch, login, cluster):
+    """A client whose host `cluster` is the Slurm cluster behind `login`, with this repo deployed to its workdir."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "known_hosts").write_text(f"[127.0.0.1]:{login.port} {login.host_pubkey}\n")
+    (home / ".ssh" / "config").write_text(
+        f"Host login\n  HostName 127.0.0.1\n  Port {login.port}\n  User root\n  IdentityFile {login.user_key}\n"
+    )
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(
+        "hosts:\n  cluster:\n    slurm: {login: login, partition: debug, time: '10:00'}\n"
+        f"    python: {sys.executable}\n    workdir: {tmp_path / 'shared'}\n"
+    )
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("DFLASHCTL_HOSTS", str(hosts))
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    monkeypatch.chdir(ROOT)
+    assert run_cli("deploy", "cluster", cwd=ROOT).code == 0
+    cluster.resume_if_drained()
+    return tmp_path
+
+
+def write_job(d: Path, name: str, *, steps: int | None = None, command: str | None = None, env: dict | None = None,
+              extra: str = "", watch: str = "") -> Path:  # fmt: skip
+    body = f"name: {name}\nhost: cluster\nkill_grace_s: 5\n" + (f"env: {json.dumps(env)}\n" if env else "")
+    if command is not None:
+        body += f"command: {json.dumps(command)}\n"
+    else:
+        body += "nproc_per_node: 2\ntrainer:" + TRAINER.replace("STEPS", str(steps))
+    path = d / f"{name}.yaml"
+    path.write_text(body + extra + WATCH + watch)
+    return path
+
+
+def launch(job: Path) -> dict:
+    res = run_cli("launch", str(job), "--json", cwd=ROOT)
+    assert res.code == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def status(job_id: str) -> dict:
+    res = run_cli("status", job_id, "--json", cwd=ROOT)
+    assert res.stdout, res.stderr
+    return json.loads(res.stdout)
+
+
+def watch(job_id: str, *extra: str, timeout: float = 400) -> tuple[int, list[dict]]:
+    res = run_cli("watch", job_id, "--json", *extra, cwd=ROOT, timeout=timeout)
+    return res.code, [json.loads(line) for line in res.stdout.splitlines()]
+
+
+def states(records: list[dict]) -> list[str]:
+    out: list[str] = []
+    for r in records:
+        if not out or out[-1] != r["state"]:
+            out.append(r["state"])
+    return out
+
+
+def slurm_state(cluster, job: str) -> str:
+    line = cluster.scontrol("show", "job", "-o", job)
+    return next(f.split("=", 1)[1] for f in line.split() if f.startswith("JobState="))
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_pending_while_drained_then_runs_to_finished_in_the_same_run_dir_layout(site, cluster):
+    """A drained node: PENDING with Slurm's reason (not STARTING), in `status` and `ls`; resumed, it trains under
+    torchrun (2 ranks) to FINISHED, with the run dir a tmux job would have."""
+    cluster.drain("maintenance")
+    try:
+        rep = launch(write_job(site, "queued", steps=12))
+        assert rep["slurm_job"] and rep["slurm_job"].isdigit()
+        st = wait_for(lambda: (s := status(rep["id"]))["state"] == "PENDING" and s, 30, "PENDING")
+        assert st["reason"].startswith("pending in Slurm's queue: "), st
+        assert any(why in st["reason"] for why in ("ReqNodeNotAvail", "Resources", "DRAINED")), st
+        assert any(f"slurm job {rep['slurm_job']} PENDING" in e for e in st["evidence"])
+        ls = json.loads(run_cli("ls", "--json", cwd=ROOT).stdout)["jobs"]
+        assert [j["state"] for j in ls if j["id"] == rep["id"]] == ["PENDING"]
+    finally:
+        cluster.resume()
+    code, records = watch(rep["id"], "--until-done")
+    assert code == 0 and states(records)[-1] == "FINISHED", states(records)
+    run = Path(rep["run_dir"])
+    assert {"sbatch.sh", "command.sh", "job.json", "trainer.yaml", "metrics.jsonl", "train.log"} <= {
+        p.name for p in run.iterdir()}  # fmt: skip
+    assert (run / "exit_code").read_text().strip() == "0"
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in steps if "step" in r and "event" not in r) == 12
+    assert oct(run.stat().st_mode & 0o777) == "0o700" and oct((run / "sbatch.sh").stat().st_mode & 0o777) == "0o600"
+    assert slurm_state(cluster, rep["slurm_job"]) == "COMPLETED"
+
+
+def test_a_crash_is_resubmitted_with_resume_by_one_of_two_watchers(site, cluster):
+    """A crash at step 15: two watchers see it; exactly one resubmits (sbatch once more, --resume), and the run
+    continues from its step-10 checkpoint to FINISHED."""
+    rep = launch(write_job(site, "crashy", steps=24, env={"TRAINER_FAULT": "crash@15"},
+                           watch="  max_restarts: 1\n"))  # fmt: skip
+    results: list = [None, None]
+
+    def one(i: int) -> None:
+        results[i] = watch(rep["id"], "--until-done")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    for code, records in results:
+        assert code == 0 and states(records)[-1] == "FINISHED", states(records)
+    restarts = [e for _, recs in results for r in recs for e in r["events"] if e["decision"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["after"] == "CRASHED", restarts
+    run = Path(rep["run_dir"])
+    assert (run / "restarts").read_text().strip() == "1"
+    starts = [ln for ln in (run / "train.log").read_text().splitlines() if "] " in ln and " start slurm job " in ln]
+    assert len(starts) == 2 and starts[0].endswith(rep["slurm_job"] + " on " + cluster.node + " ")
+    assert starts[1].endswith(" --resume"), starts
+    second = (run / "slurm_job").read_text().strip()
+    assert second != rep["slurm_job"] and slurm_state(cluster, second) == "COMPLETED"
+    starts = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"start"' in x]
+    assert [s.get("resumed_from") for s in starts] == [None, 10]
+
+
+def test_kill_is_scancel_verified_by_the_scheduler(site, cluster):
+    rep = launch(write_job(site, "sleeper", command="sleep 300"))
+    wait_for(lambda: status(rep["id"])["state"] == "RUNNING", 30, "RUNNING")
+    res = run_cli("kill", rep["id"], "--json", cwd=ROOT)
+    report = json.loads(res.stdout)
+    assert res.code == 0 and report["result"] == "KILLED", report
+    assert f"slurm job {rep['slurm_job']}: CANCELLED" in report["gpu_check"]
+    assert slurm_state(cluster, rep["slurm_job"]) == "CANCELLED"
+    assert status(rep["id"])["state"] == "KILLED"
+    code, records = watch(rep["id"], "--once")
+    assert records[-1]["state"] == "KILLED" and records[-1]["restarts"] == 0  # never restarted after our kill
+
+
+def test_cancelled_by_someone_else_is_said_and_not_restarted(site, cluster):
+    rep = launch(write_job(site, "cancelled", command="sleep 300"))
+    wait_for(lambda: status(rep["id"])["state"] == "RUNNING", 30, "RUNNING")
+    subprocess.run(["scancel", rep["slurm_job"]], env={**os.environ, **cluster.env}, check=True)
+    wait_for(lambda: slurm_state(cluster, rep["slurm_job"]) == "CANCELLED", 30, "CANCELLED")
+    code, records = watch(rep["id"], "--until-done")
+    assert code == 29 and records[-1]["state"] == "CANCELLED" and records[-1]["restarts"] == 0
+    assert "outside dflashctl" in records[-1]["reason"]
+
+
+@pytest.mark.slow
+def test_out_of_wall_time_is_timeout_then_resubmitted(site, cluster):
+    """A 1-minute wall time: Slurm ends the job TIMEOUT (not CRASHED, whatever its log says); the restart
+    resubmits it, and the second submission finishes."""
+    command = 'if [ -s "$RUN/restarts" ]; then echo second attempt done; else echo first; sleep 600; fi'
+    rep = launch(write_job(site, "walltime", command=command, extra="slurm: {time: '1'}\n"))
+    code, records = watch(rep["id"], "--until-done", timeout=500)
+    seen = states(records)
+    assert code == 0 and seen[-1] == "FINISHED" and "TIMEOUT" in seen, seen
+    timeout = next(r for r in records if r["state"] == "TIMEOUT")
+    assert "out of wall time" in timeout["reason"] and f"slurm job {rep['slurm_job']} TIMEOUT" in timeout["evidence"][0]
+    assert slurm_state(cluster, rep["slurm_job"]) == "TIMEOUT"
+    assert "second attempt done" in (Path(rep["run_dir"]) / "train.log").read_text()
+
+
+def test_dry_run_prints_the_batch_script_and_sbatch_judges_it(site, cluster):
+    job = write_job(site, "dry", steps=5, extra="gpus: 0\nslurm: {nodes: 1, extra: ['--comment=drafter']}\n")
+    res = run_cli("launch", str(job), "--dry-run", cwd=ROOT)
+    assert res.code == 0, res.stderr
+    for line in ("#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=debug",
+                 "#SBATCH --time=10:00", "#SBATCH --comment=drafter", "srun --nodes"):  # fmt: skip
+        assert line in res.stdout, line
+    assert "remote: " in res.stdout and "sbatch" in res.stdout
+    runs = site / "shared" / "runs"
+    assert not runs.exists() or not list(runs.iterdir())  # nothing submitted, nothing written
+    # a partition the cluster does not have: sbatch --test-only says so, exit 2, nothing submitted
+    hosts = Path(os.environ["DFLASHCTL_HOSTS"])
+    hosts.write_text(hosts.read_text().replace("partition: debug", "partition: nosuch"))
+    res = run_cli("launch", str(job), "--dry-run", cwd=ROOT)
+    assert res.code == 2 and "host.slurm" in res.stderr and "partition" in res.stderr.lower(), res.stderr
+    res = run_cli("launch", str(job), cwd=ROOT)
+    assert res.code == 2 and "sbatch refused the job" in res.stderr, res.stderr
+    assert not runs.exists() or not list(runs.iterdir())  # the refused launch left no run dir
+
+
+def test_doctor_checks_the_cluster(site, cluster):
+    res = run_cli("doctor", "cluster", "--json", cwd=ROOT, timeout=200)
+    report = json.loads(res.stdout)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert res.code == 0 and report["ok"], report
+    for name in ("slurm tools", "partition", "compute node"):
+        assert checks[name]["status"] == "ok", checks[name]
+    assert "torch" in checks["compute node"]["detail"] and "sees the workdir" in checks["compute node"]["detail"]
+
+
+def test_a_node_failure_is_node_fail_and_the_resubmission_excludes_the_node(site, cluster):
+    """The node goes DOWN under a running job: NODE_FAIL (Slurm does not requeue it: --no-requeue), and the restart
+    resubmits with the node excluded. This cluster has no other node, so sbatch refuses, and that is said."""
+    rep = launch(write_job(site, "nodefail", command="sleep 300", watch="  max_restarts: 2\n"))
+    wait_for(lambda: status(rep["id"])["state"] == "RUNNING", 30, "RUNNING")
+    try:
+        cluster.scontrol("update", f"NodeName={cluster.node}", "State=DOWN", "Reason=tests")
+        wait_for(lambda: slurm_state(cluster, rep["slurm_job"]) == "NODE_FAIL", 60, "NODE_FAIL")
+        code, records = watch(rep["id"], "--until-done")
+    finally:
+        cluster.resume_if_drained()
+    assert code == 28 and records[-1]["state"] == "NODE_FAIL", states(records)
+    assert f"on {cluster.node}" in records[-1]["reason"]
+    said = [e for r in records for e in r["events"] if e["decision"] == "no_restart"]
+    assert said and "sbatch refused the resubmission" in said[0]["why"], said
+    run = Path(rep["run_dir"])
+    assert json.loads((run / "slurm_exclude").read_text()) == [cluster.node]
+    assert (run / "slurm_job").read_text().strip() == rep["slurm_job"] and not (run / "restarts").exists()
