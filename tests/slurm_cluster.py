@@ -52,6 +52,26 @@ class Cluster:
     def resume(self) -> None:
         self.scontrol("update", f"NodeName={self.node}", "State=RESUME")
 
+    def stop_controller(self) -> None:
+        """slurmctld goes away (a crash, a restart for maintenance); the jobs on the node keep running."""
+        ctld = self.procs[1]
+        ctld.terminate()
+        ctld.wait(15)
+
+    def start_controller(self) -> None:
+        """slurmctld comes back and reads its saved state: the jobs it knew are known again."""
+        log = open(self.dir / "log" / "daemons.log", "ab")  # noqa: SIM115 - kept open for the daemon's lifetime
+        self.procs[1] = subprocess.Popen([_find("slurmctld"), "-D", "-i", "-f", str(self.conf)], stdout=log,
+                                         stderr=log, env={**os.environ, **self.env})  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            res = subprocess.run(["scontrol", "ping"], env={**os.environ, **self.env}, capture_output=True, text=True,
+                                 timeout=10)  # fmt: skip
+            if "UP" in res.stdout:
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"slurmctld did not come back: see {self.dir}/log")
+
     def resume_if_drained(self) -> None:
         """A test that failed while the node was drained leaves it so: the next test starts from an idle node."""
         info = self.scontrol("show", "node", self.node)
@@ -73,6 +93,16 @@ class Cluster:
         raise ClusterUnavailable(f"slurmd's node {self.node} did not come up (state {state!r}): see {self.dir}/log")
 
     def stop(self) -> None:
+        """Cancel every job of this cluster (slurmd's steps would outlive it), then stop the daemons by pid."""
+        if self.procs and self.procs[1].poll() is None:
+            env = {**os.environ, **self.env}
+            subprocess.run(["scancel", "--full", "--user=root"], env=env, capture_output=True, timeout=30)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                res = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True, timeout=10)
+                if res.returncode != 0 or not res.stdout.strip():
+                    break
+                time.sleep(0.2)
         for proc in reversed(self.procs):
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
@@ -143,6 +173,7 @@ def start_cluster(d: Path, cpus: int = 2, kill_wait_s: int = 2) -> Cluster:
         "SelectTypeParameters=CR_CPU",
         "MinJobAge=3600",  # ended jobs stay in the controller's memory: their final state is read with scontrol
         f"KillWait={kill_wait_s}",
+        "MessageTimeout=3",  # a client's wait on a controller that is away (default 10 s, retried)
         "ReturnToService=2",
         "MpiDefault=none",
         "SchedulerType=sched/backfill",

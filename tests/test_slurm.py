@@ -272,3 +272,29 @@ def test_a_node_failure_is_node_fail_and_the_resubmission_excludes_the_node(site
     run = Path(rep["run_dir"])
     assert json.loads((run / "slurm_exclude").read_text()) == [cluster.node]
     assert (run / "slurm_job").read_text().strip() == rep["slurm_job"] and not (run / "restarts").exists()
+
+
+def test_a_silent_controller_keeps_the_state_and_a_kill_meanwhile_fails_honestly(site, cluster):
+    """slurmctld stops: `status` says UNREACHABLE with scontrol's error and keeps the recorded RUNNING (never LOST);
+    a kill meanwhile cannot be verified: KILL_FAILED. Back, `kill` again reaches the same job: KILLED."""
+    rep = launch(write_job(site, "silent", command="sleep 300"))
+    wait_for(lambda: status(rep["id"])["state"] == "RUNNING", 30, "RUNNING")
+    cluster.stop_controller()
+    try:
+        t0 = time.monotonic()
+        st = status(rep["id"])
+        print(f"status with the controller down: {time.monotonic() - t0:.1f} s")
+        assert st["state"] == "UNREACHABLE" and "controller did not answer" in st["reason"], st
+        assert any("last state RUNNING" in e for e in st["evidence"]), st
+        ls = json.loads(run_cli("ls", "--json", cwd=ROOT).stdout)["jobs"]
+        assert [j["state"] for j in ls if j["id"] == rep["id"]] == ["RUNNING"]
+        res = run_cli("kill", rep["id"], "--grace", "1", "--json", cwd=ROOT)
+        assert res.code == 1 and json.loads(res.stdout)["result"] == "KILL_FAILED", res.stdout
+    finally:
+        cluster.start_controller()
+    res = run_cli("kill", "--json", cwd=ROOT)  # no id: the job whose kill failed
+    report = json.loads(res.stdout)
+    assert res.code == 0 and report["result"] == "KILLED" and report["id"] == rep["id"], report
+    # FAILED rather than CANCELLED here: this login node is also the compute node, so the first kill's SIGTERM to
+    # the job's processes on this machine ended it while the controller was away
+    assert slurm_state(cluster, rep["slurm_job"]) in ("CANCELLED", "FAILED")

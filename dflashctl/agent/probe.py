@@ -837,8 +837,9 @@ def reap(req: dict) -> dict:
         job = slurm.current_job(run_dir)
         q = slurm.cancel(job, grace + 30) if job else {"known": False}
         report = stop_processes(run_dir, None, req.get("job_id"), grace)
-        report["slurm"] = {"id": job, "state": q.get("state"), "source": q.get("source")}
-        report["session_closed"] = not q.get("known") or bool(q.get("final"))
+        report["slurm"] = {"id": job, "state": q.get("state") or ("gone" if q.get("known") is False else "no answer"),
+                           "source": q.get("source") or q.get("cancel_error") or q.get("why")}  # fmt: skip
+        report["session_closed"] = q.get("known") is False or bool(q.get("final"))
     else:
         report = stop_processes(run_dir, req.get("session"), req.get("job_id"), grace)
     if req.get("gpus", True):
@@ -1091,9 +1092,10 @@ def restart(req: dict) -> dict:
         if scheduled:
             old = slurm.current_job(run)
             q = slurm.cancel(old, grace + 30) if old else {}
-            if q.get("known") and not q.get("final"):
+            if q.get("known") is not False and not q.get("final"):
+                state = q.get("state") or f"unknown ({q.get('why')})"
                 return {"restarted": False, "restarts": count,
-                        "why": f"slurm job {old} is still {q.get('state')} after scancel"}  # fmt: skip
+                        "why": f"slurm job {old} is still {state} after scancel"}  # fmt: skip
             slurm.exclude_failed_nodes(run, q)
         stopped = stop_processes(run, None if scheduled else req["session"], req["job_id"], grace)
         if stopped["remaining"]:

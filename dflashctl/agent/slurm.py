@@ -92,7 +92,9 @@ def _epoch(stamp: str | None) -> float | None:
 
 
 def query(job_id: str) -> dict:
-    """The job's state: `known` False when neither the controller nor the accounting knows the id."""
+    """The job's state. `known` False when the controller says the id is not a job of its (and the accounting, where
+    there is one, does not know it either); None when the controller did not answer: nothing is known then, and
+    the job may well be running."""
     rc, out, err = _run(["scontrol", "show", "job", "-o", job_id])
     info = parse_scontrol(out) if rc == 0 and out.strip() else None
     source = "scontrol"
@@ -102,8 +104,8 @@ def query(job_id: str) -> dict:
         info = parse_sacct(out2) if rc2 == 0 else None
         source = "sacct"
     if not info or not info["state"]:
-        why = err.strip().splitlines()[-1] if err.strip() else "unknown job id"
-        return {"id": job_id, "known": False, "why": why[:200]}
+        why = (err.strip().splitlines() or ["unknown job id"])[-1][:200]
+        return {"id": job_id, "known": False if rc == 0 or "Invalid job id" in err else None, "why": why}
     code = None
     if info.get("exit") and ":" in info["exit"]:
         status, _, signal_no = info["exit"].partition(":")
@@ -121,6 +123,8 @@ def session_info(run_dir: str, lines: int) -> dict:
     if job is None:
         return {"exists": False, "slurm": None}
     q = query(job)
+    if q["known"] is None:  # the controller did not answer: the job is not gone, its state is not known now
+        return {"exists": True, "pane_dead": False, "slurm": {"id": job, "state": "NO_ANSWER", "reason": q["why"]}}
     if not q["known"]:
         return {"exists": False, "slurm": {"id": job, "state": "UNKNOWN", "reason": q["why"]}}
     info = {"exists": True, "pane_pid": None, "pane_dead": q["final"], "exit_status": q["exit_code"],
@@ -177,12 +181,15 @@ def cancel(job_id: str, wait_s: float) -> dict:
     """scancel (Slurm signals every step, waits KillWait, then SIGKILLs), then wait for a final state. Returns the
     last query; `final` False when the job had not ended within `wait_s`."""
     q = query(job_id)
-    if q.get("known") and not q.get("final"):
-        _run(["scancel", job_id])
+    if q.get("known") is not False and not q.get("final"):
+        rc, _, err = _run(["scancel", job_id])
+        if rc != 0:  # the controller did not take it (down, or the job ended meanwhile): said, never waited on
+            q = query(job_id)
+            return q if q.get("final") or q.get("known") is False else {**q, "cancel_error": err.strip()[-200:]}
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             q = query(job_id)
-            if not q.get("known") or q.get("final"):
+            if q.get("known") is False or q.get("final"):
                 break
             time.sleep(0.5)
     return q

@@ -170,6 +170,8 @@ class Watcher:
         h.scheduler = pane.get("slurm") if self.job.scheduler == "slurm" else None
         if h.scheduler is None and self.job.scheduler == "slurm":  # never submitted: nothing known of it
             h.scheduler = {"state": "UNKNOWN"}
+        if h.scheduler and h.scheduler.get("state") == "NO_ANSWER" and self.state != "UNREACHABLE":
+            h.last_state = self.state or self.job.state  # kept through the scheduler's silence, as the host's
         if pane.get("created") and not h.started_at:
             h.started_at = float(pane["created"])
         h.run_dir_exists = snap["run_dir_exists"]
@@ -497,5 +499,6 @@ def judge(job: JobRecord, snap: dict) -> Verdict:
     w = make_watcher(job)
     w.fold(snap)
     v = assess(w.history, w.thresholds)
-    registry.update(job.id, state=v.state, reason=v.reason)
+    if v.state != "UNREACHABLE":  # a silent scheduler concludes nothing: the record keeps its last state
+        registry.update(job.id, state=v.state, reason=v.reason)
     return v

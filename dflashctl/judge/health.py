@@ -611,6 +611,9 @@ def _scheduled(h: History) -> Verdict | None:
     nodes = f" on {s['nodes']}" if s.get("nodes") and s.get("nodes") != "(null)" else ""
     said = f"slurm job {job} {state}{nodes}" + (f" ({reason})" if reason != "None" else "")
     at = [f"last step {h.last_step}"] if h.last_step is not None else []
+    if state == "NO_ANSWER":  # like a host that does not answer: nothing is concluded, the last state is kept
+        ev = [f"slurm job {job}: {reason}", f"last state {h.last_state or 'not seen yet'}"]
+        return _verdict("UNREACHABLE", "Slurm's controller did not answer on the login node", ev, h)
     if state in SLURM_QUEUED:
         why = reason if reason != "None" else "waiting to be scheduled"
         return _verdict("PENDING", f"{state.lower()} in Slurm's queue: {why}", [said], h)

@@ -162,14 +162,20 @@ def sbatch_options(job: JobConfig, job_id: str, cluster: SlurmHost) -> list[str]
     return [*opts, *cluster.extra, *(spec.extra if spec else [])]
 
 
-def render_sbatch(job: JobConfig, job_id: str, release: str, cluster: SlurmHost, redact: bool = False) -> str:
-    """The batch script of a Slurm job: run.sh's work (the environment, the release, train.log, exit_code) with the
-    command started on every node by one srun. Submitted from the run dir, which is its working dir: sbatch runs
-    a copy of the script, never this file, so the run dir is found as SLURM_SUBMIT_DIR."""
+def render_env(job: JobConfig, job_id: str, redact: bool = False) -> str:
+    """A Slurm job's environment, sourced by its batch script from the run dir (0600): Slurm keeps a copy of every
+    batch script it is given in its spool (`scontrol write batch_script` prints it), so the secrets stay out of it."""
     env = job_env(job, job_id, slurm=True)
     if redact:
         env = redact_env(env, job.secret_env)
-    exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
+    return f"# the environment of job {job_id}, sourced by sbatch.sh\n" + "".join(
+        f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
+
+
+def render_sbatch(job: JobConfig, job_id: str, release: str, cluster: SlurmHost) -> str:
+    """The batch script of a Slurm job: run.sh's work (the environment, the release, train.log, exit_code) with the
+    command started on every node by one srun. Submitted from the run dir, which is its working dir: sbatch runs
+    a copy of the script, never this file, so the run dir is found as SLURM_SUBMIT_DIR."""
     cache = "inductor-cache" if job.inductor_cache == "clear" else "../../inductor-cache"
     port = f"{job.rdzv_port}" if job.rdzv_port else "$((29500 + SLURM_JOB_ID % 400))"
     header = "\n".join(f"#SBATCH {opt}" for opt in sbatch_options(job, job_id, cluster))
@@ -179,7 +185,7 @@ def render_sbatch(job: JobConfig, job_id: str, release: str, cluster: SlurmHost,
 # the allocation (one srun task per node), appends its output to train.log, records its exit status in exit_code.
 RUN="${{SLURM_SUBMIT_DIR:?submit this script with sbatch from its run dir}}"
 export RUN DFLASHCTL_RUN_DIR="$RUN" TORCHINDUCTOR_CACHE_DIR="$RUN/{cache}"
-{exports}
+. "$RUN/env.sh"
 rm -f "$RUN/exit_code"
 stamp() {{ date -u +%Y-%m-%dT%H:%M:%SZ; }}
 if ! cd "$RUN/../../releases/{release}" 2>/dev/null; then
@@ -220,7 +226,8 @@ def run_files(
                                 "release": release, "gpus": gpus, **where, "job": snapshot}, indent=1),  # fmt: skip
     }
     if scheduled:
-        files["sbatch.sh"] = render_sbatch(job, job_id, release, cluster, redact)
+        files["sbatch.sh"] = render_sbatch(job, job_id, release, cluster)
+        files["env.sh"] = render_env(job, job_id, redact)
     else:
         files["run.sh"] = render_wrapper(job, job_id, release, redact, node)
         files["tmux.conf"] = TMUX_CONF
