@@ -290,7 +290,9 @@ def _leftovers(marks: tuple[str, ...]) -> list[str]:
 # The modules that take longest (`make test` prints the slowest tests), run first: `make test` runs the suite on two
 # workers, one module at a time each (`--dist loadfile`, so module fixtures are built once), and a long module
 # started last would leave one worker idle while the other finishes it.
-RUN_FIRST = ("test_watch", "test_multinode", "test_trainer_data_eval", "test_trainer_run", "test_launch",
+# the Slurm tests first: much of their time is spent waiting on the scheduler (a wall time, a queue), which the other
+# worker fills with CPU work
+RUN_FIRST = ("test_slurm", "test_watch", "test_multinode", "test_trainer_data_eval", "test_trainer_run", "test_launch",
              "test_safety", "test_trainer_flex", "test_failures_e2e", "test_trainer_export", "test_trainer_parallel",
              "test_transport", "test_pull")  # fmt: skip
 

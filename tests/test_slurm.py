@@ -78,12 +78,12 @@ def site(tmp_path, monkeypatch, login, cluster):
 
 
 def write_job(d: Path, name: str, *, steps: int | None = None, command: str | None = None, env: dict | None = None,
-              extra: str = "", watch: str = "") -> Path:  # fmt: skip
+              extra: str = "", watch: str = "", nproc: int = 1) -> Path:  # fmt: skip
     body = f"name: {name}\nhost: cluster\nkill_grace_s: 5\n" + (f"env: {json.dumps(env)}\n" if env else "")
     if command is not None:
         body += f"command: {json.dumps(command)}\n"
     else:
-        body += "nproc_per_node: 2\ntrainer:" + TRAINER.replace("STEPS", str(steps))
+        body += f"nproc_per_node: {nproc}\ntrainer:" + TRAINER.replace("STEPS", str(steps))
     path = d / f"{name}.yaml"
     path.write_text(body + extra + WATCH + watch)
     return path
@@ -134,7 +134,7 @@ def test_pending_while_drained_then_runs_to_finished_in_the_same_run_dir_layout(
     torchrun (2 ranks) to FINISHED, with the run dir a tmux job would have."""
     cluster.drain("maintenance")
     try:
-        rep = launch(write_job(site, "queued", steps=12))
+        rep = launch(write_job(site, "queued", steps=12, nproc=2))
         assert rep["slurm_job"] and rep["slurm_job"].isdigit()
         st = wait_for(lambda: (s := status(rep["id"]))["state"] == "PENDING" and s, 30, "PENDING")
         assert st["reason"].startswith("pending in Slurm's queue: "), st
