@@ -406,13 +406,17 @@ def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt,
 
     jobs = registry.all_jobs(None if all_projects else str(find_project_root()))
     if as_json:
-        print_json({"jobs": [{"id": j.id, "host": j.host_name, "state": j.state, "checked_at": j.checked_at,
-                              "launched_at": j.launched_at, "run_dir": j.run_dir, "gpus": j.gpus} for j in jobs]})
+        print_json({"jobs": [{"id": j.id, "host": j.host_name, "state": j.state, "reason": j.reason,
+                              "checked_at": j.checked_at, "launched_at": j.launched_at, "run_dir": j.run_dir,
+                              "gpus": j.gpus, "slurm_job": j.slurm_job} for j in jobs]})  # fmt: skip
         return
     if not jobs and not all_projects and registry.all_jobs():
         err.print("no jobs launched from this project; `dflashctl ls --all-projects` lists the others")
     now = time.time()
-    rows = [(j.id, j.host_name, j.state, _ago(now - j.checked_at) if j.checked_at else "-",
+    def state(j) -> str:  # a queued Slurm job says why it waits: Slurm's reason
+        return f"PENDING: {j.reason.split(': ', 1)[-1]}" if j.state == "PENDING" and j.reason else j.state
+
+    rows = [(j.id, j.host_name, state(j), _ago(now - j.checked_at) if j.checked_at else "-",
              time.strftime("%Y-%m-%d %H:%M", time.localtime(j.launched_at)), ",".join(map(str, j.gpus)) or "-",
              j.run_dir) for j in jobs]  # fmt: skip
     cols = ("id", "host", "state", "seen", "launched", "gpus", "run dir")

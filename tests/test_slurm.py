@@ -141,7 +141,11 @@ def test_pending_while_drained_then_runs_to_finished_in_the_same_run_dir_layout(
         assert any(why in st["reason"] for why in ("ReqNodeNotAvail", "Resources", "DRAINED")), st
         assert any(f"slurm job {rep['slurm_job']} PENDING" in e for e in st["evidence"])
         ls = json.loads(run_cli("ls", "--json", cwd=ROOT).stdout)["jobs"]
-        assert [j["state"] for j in ls if j["id"] == rep["id"]] == ["PENDING"]
+        mine = [j for j in ls if j["id"] == rep["id"]]
+        assert [(j["state"], j["slurm_job"]) for j in mine] == [("PENDING", rep["slurm_job"])]
+        assert mine[0]["reason"] == st["reason"]
+        table = run_cli("ls", cwd=ROOT).stdout  # a pipe: tab-separated, the state with Slurm's reason
+        assert f"PENDING: {st['reason'].split(': ', 1)[1]}" in table
     finally:
         cluster.resume()
     code, records = watch(rep["id"], "--until-done")
@@ -298,3 +302,21 @@ def test_a_silent_controller_keeps_the_state_and_a_kill_meanwhile_fails_honestly
     # FAILED rather than CANCELLED here: this login node is also the compute node, so the first kill's SIGTERM to
     # the job's processes on this machine ended it while the controller was away
     assert slurm_state(cluster, rep["slurm_job"]) in ("CANCELLED", "FAILED")
+
+
+def test_a_kill_while_queued_cancels_the_submission(site, cluster):
+    """Killed while PENDING: nothing ran, the submission is CANCELLED, KILLED; the node back, nothing starts."""
+    cluster.drain("queued kill")
+    try:
+        rep = launch(write_job(site, "queuedkill", command="echo should never run"))
+        wait_for(lambda: status(rep["id"])["state"] == "PENDING", 30, "PENDING")
+        res = run_cli("kill", rep["id"], "--json", cwd=ROOT)
+        assert res.code == 0 and json.loads(res.stdout)["result"] == "KILLED", res.stdout
+        assert slurm_state(cluster, rep["slurm_job"]) == "CANCELLED"
+    finally:
+        cluster.resume()
+    cluster.wait_idle()
+    time.sleep(2)
+    log = Path(rep["run_dir"]) / "train.log"
+    assert not log.exists() or "should never run" not in log.read_text()
+    assert status(rep["id"])["state"] == "KILLED"

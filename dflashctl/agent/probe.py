@@ -19,6 +19,10 @@ container's host by the same command. Actions:
 - `files`, `chunk` (pull): files to bring back with their sha256; then raw bytes of one of them, a chunk at a time.
 - `tail`: the last lines of a file, read from its end (bounded however long its lines are).
 
+On a Slurm host (`"scheduler": "slurm"` in the request) the job's "pane" is its newest submission (agent/slurm.py):
+`launch` writes the same run dir and runs `sbatch` instead of tmux, `restart` cancels the old submission, sees it end
+and resubmits, `reap` runs `scancel` and waits for a final state, and `snapshot` reports Slurm's word on the job.
+
 A process of the job is a descendant of the job's launcher (a child subreaper, so nothing escapes by double-forking
 or `setsid`) or carries the job's tag in its environment; it is named by (pid, start time). A dead pane contributes no
 process: its pid may belong to someone else by now. Nothing here imports the rest of dflashctl.
