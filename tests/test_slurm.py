@@ -193,6 +193,9 @@ def test_a_crash_is_resubmitted_with_resume_by_one_of_two_watchers(site, cluster
 def test_kill_is_scancel_verified_by_the_scheduler(site, cluster):
     rep = launch(write_job(site, "sleeper", command="sleep 300"))
     wait_for(lambda: status(rep["id"])["state"] == "RUNNING", 30, "RUNNING")
+    attach = run_cli("attach", rep["id"], "--dry-run", cwd=ROOT).stdout  # no pane: the log, followed read-only
+    assert attach.startswith("ssh -t") and f"tail -n 100 -F {rep['run_dir']}/train.log" in attach, attach
+    assert "sattach" in run_cli("attach", rep["id"], "--write", "--dry-run", cwd=ROOT).stdout
     res = run_cli("kill", rep["id"], "--json", cwd=ROOT)
     report = json.loads(res.stdout)
     assert res.code == 0 and report["result"] == "KILLED", report

@@ -186,7 +186,8 @@ def trainer_pid(job_id: str) -> int:
 
 @pytest.mark.slow
 def test_sigstop_is_stalled_then_restarted(box):
-    job = write_job(box, "frozen", 100000, watch="  stall_after_s: 6\n  heartbeat_max_age_s: 4\n  max_restarts: 1\n")
+    job = write_job(box, "frozen", 100000, env={"TRAINER_FAULT": "pace@100"},  # alive for long, at little CPU
+                    watch="  stall_after_s: 6\n  heartbeat_max_age_s: 4\n  max_restarts: 1\n")  # fmt: skip
     job_id = launch(job)
     proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -214,7 +215,7 @@ def test_sigstop_is_stalled_then_restarted(box):
 
 @pytest.mark.slow
 def test_unreachable_host_then_back_keeps_state_and_does_not_restart(box, sshd):
-    job_id = launch(write_job(box, "flaky", 400))
+    job_id = launch(write_job(box, "flaky", 60, env={"TRAINER_FAULT": "pace@250"}))  # 15 s of steps, little CPU
     proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
     seen: list[dict] = []

@@ -3,7 +3,9 @@
 kinds: `crash` (raise at the start of the step, once per run dir), `nan` (the loss is NaN from that step on, as a
 diverging run's is), `hang` (sleep at the start of the step, so that
 a test can SIGKILL a process that is known to be alive), `hang-in-checkpoint` (sleep after the checkpoint's weights
-are written but before it is complete). Unset in normal use; a malformed value is ignored.
+are written but before it is complete). And `pace@<ms>`: sleep that many milliseconds at the start of every step, so
+that a test has a live trainer (heartbeat, steps) for a while at almost no CPU cost. Unset in normal use; a malformed
+value is ignored.
 """
 
 from __future__ import annotations
@@ -21,7 +23,15 @@ def _armed(kind: str, step: int) -> bool:
     return want == kind and at.isdigit() and int(at) == step
 
 
+def _pace_s() -> float:
+    want, _, ms = os.environ.get(ENV, "").partition("@")
+    return int(ms) / 1000 if want == "pace" and ms.isdigit() else 0.0
+
+
 def at_step_start(step: int, run_dir: Path | None) -> None:
+    pace = _pace_s()
+    if pace:
+        time.sleep(pace)
     if _armed("hang", step):
         time.sleep(3600)
     if _armed("crash", step) and run_dir is not None:
