@@ -126,7 +126,7 @@ def _find(name: str) -> str | None:
                                       None)  # fmt: skip
 
 
-def start_cluster(d: Path, cpus: int = 2, kill_wait_s: int = 2) -> Cluster:
+def start_cluster(d: Path, cpus: int = 4, kill_wait_s: int = 2) -> Cluster:
     """Write the config under `d` and start the three daemons; the node is idle when this returns."""
     missing = [n for n in (*DAEMONS, *CLIENTS) if _find(n) is None]
     if missing:
@@ -177,6 +177,7 @@ def start_cluster(d: Path, cpus: int = 2, kill_wait_s: int = 2) -> Cluster:
         "ReturnToService=2",
         "MpiDefault=none",
         "SchedulerType=sched/backfill",
+        "SlurmdParameters=config_overrides",  # the node has the CPUs the config says: jobs that sleep share cores
         f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
         f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP",
     ]) + "\n")  # fmt: skip

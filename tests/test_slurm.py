@@ -53,28 +53,54 @@ def login(tmp_path_factory, cluster):
     server.stop(drop_sessions=True)
 
 
-@pytest.fixture
-def site(tmp_path, monkeypatch, login, cluster):
-    """A client whose host `cluster` is the Slurm cluster behind `login`, with this repo deployed to its workdir."""
-    home = tmp_path / "home"
+def client_env(d: Path, login) -> dict[str, str]:
+    """A client of its own under `d`: a home whose ssh config names the login node `login`, a hosts file whose
+    `cluster` is the Slurm cluster behind it (workdir `d/shared`), a registry of its own."""
+    home = d / "home"
     (home / ".ssh").mkdir(parents=True)
     (home / ".ssh" / "known_hosts").write_text(f"[127.0.0.1]:{login.port} {login.host_pubkey}\n")
     (home / ".ssh" / "config").write_text(
         f"Host login\n  HostName 127.0.0.1\n  Port {login.port}\n  User root\n  IdentityFile {login.user_key}\n"
     )
-    hosts = tmp_path / "hosts.yaml"
+    hosts = d / "hosts.yaml"
     hosts.write_text(
         "hosts:\n  cluster:\n    slurm: {login: login, partition: debug, time: '10:00'}\n"
-        f"    python: {sys.executable}\n    workdir: {tmp_path / 'shared'}\n"
+        f"    python: {sys.executable}\n    workdir: {d / 'shared'}\n"
     )
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("DFLASHCTL_HOSTS", str(hosts))
-    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "state"))
+    return {"HOME": str(home), "DFLASHCTL_HOSTS": str(hosts), "DFLASHCTL_STATE_DIR": str(d / "state")}
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch, login, cluster):
+    """A client whose host `cluster` is the Slurm cluster behind `login`, with this repo deployed to its workdir."""
+    for key, value in client_env(tmp_path, login).items():
+        monkeypatch.setenv(key, value)
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     monkeypatch.chdir(ROOT)
     assert run_cli("deploy", "cluster", cwd=ROOT).code == 0
     cluster.resume_if_drained()
     return tmp_path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def walltime(tmp_path_factory, login, cluster):
+    """Launched before the module's first test and checked near its end: a job with a 1-minute wall time, watched
+    in the background by `watch --until-done`, so that the minute Slurm takes to end it overlaps the other tests.
+    It has a client (and registry) of its own; only the node failure test, which would end it too, runs after it."""
+    d = tmp_path_factory.mktemp("walltime")
+    env = client_env(d, login)
+    assert run_cli("deploy", "cluster", cwd=ROOT, env=env).code == 0
+    command = 'if [ -s "$RUN/restarts" ]; then echo second attempt done; else echo first; sleep 600; fi'
+    res = run_cli("launch", str(write_job(d, "walltime", command=command, extra="slurm: {time: '1'}\n")), "--json",
+                  cwd=ROOT, env=env)  # fmt: skip
+    assert res.code == 0, res.stderr
+    rep = json.loads(res.stdout)
+    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", rep["id"], "--until-done", "--json"],
+                            cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    yield rep, proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
 
 
 def write_job(d: Path, name: str, *, steps: int | None = None, command: str | None = None, env: dict | None = None,
@@ -216,21 +242,6 @@ def test_cancelled_by_someone_else_is_said_and_not_restarted(site, cluster):
     assert "outside dflashctl" in records[-1]["reason"]
 
 
-@pytest.mark.slow
-def test_out_of_wall_time_is_timeout_then_resubmitted(site, cluster):
-    """A 1-minute wall time: Slurm ends the job TIMEOUT (not CRASHED, whatever its log says); the restart
-    resubmits it, and the second submission finishes."""
-    command = 'if [ -s "$RUN/restarts" ]; then echo second attempt done; else echo first; sleep 600; fi'
-    rep = launch(write_job(site, "walltime", command=command, extra="slurm: {time: '1'}\n"))
-    code, records = watch(rep["id"], "--until-done", timeout=500)
-    seen = states(records)
-    assert code == 0 and seen[-1] == "FINISHED" and "TIMEOUT" in seen, seen
-    timeout = next(r for r in records if r["state"] == "TIMEOUT")
-    assert "out of wall time" in timeout["reason"] and f"slurm job {rep['slurm_job']} TIMEOUT" in timeout["evidence"][0]
-    assert slurm_state(cluster, rep["slurm_job"]) == "TIMEOUT"
-    assert "second attempt done" in (Path(rep["run_dir"]) / "train.log").read_text()
-
-
 def test_dry_run_prints_the_batch_script_and_sbatch_judges_it(site, cluster):
     job = write_job(site, "dry", steps=5, extra="gpus: 0\nslurm: {nodes: 1, extra: ['--comment=drafter']}\n")
     res = run_cli("launch", str(job), "--dry-run", cwd=ROOT)
@@ -259,6 +270,20 @@ def test_doctor_checks_the_cluster(site, cluster):
     for name in ("slurm tools", "partition", "compute node"):
         assert checks[name]["status"] == "ok", checks[name]
     assert "torch" in checks["compute node"]["detail"] and "sees the workdir" in checks["compute node"]["detail"]
+
+
+def test_out_of_wall_time_is_timeout_then_resubmitted(walltime, cluster):
+    """A 1-minute wall time (launched by the fixture before the first test): Slurm ends the job TIMEOUT (not CRASHED,
+    whatever its log says); the restart resubmits it, and the second submission finishes."""
+    rep, proc = walltime
+    out, _ = proc.communicate(timeout=400)
+    records = [json.loads(line) for line in out.splitlines()]
+    seen = states(records)
+    assert proc.returncode == 0 and seen[-1] == "FINISHED" and "TIMEOUT" in seen, seen
+    timeout = next(r for r in records if r["state"] == "TIMEOUT")
+    assert "out of wall time" in timeout["reason"] and f"slurm job {rep['slurm_job']} TIMEOUT" in timeout["evidence"][0]
+    assert slurm_state(cluster, rep["slurm_job"]) == "TIMEOUT"
+    assert "second attempt done" in (Path(rep["run_dir"]) / "train.log").read_text()
 
 
 def test_a_node_failure_is_node_fail_and_the_resubmission_excludes_the_node(site, cluster):
