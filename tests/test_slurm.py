@@ -151,7 +151,7 @@ def wait_for(predicate, timeout: float, what: str):
         got = predicate()
         if got:
             return got
-        time.sleep(0.5)
+        time.sleep(1.0)  # each look is a `dflashctl status`: a CLI start, an ssh call, the agent
     raise AssertionError(f"timed out waiting for {what}")
 
 
