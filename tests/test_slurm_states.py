@@ -179,3 +179,18 @@ def test_the_agent_refuses_a_slurm_launch_without_the_schedulers_commands(tmp_pa
     ans = probe.launch(req, b"{}")
     assert ans["config"] and ans["key"] == "host.slurm" and "sbatch is not on the login node's PATH" in ans["refused"]
     assert not (tmp_path / "wd").exists()
+
+
+def test_tunnel_to_a_slurm_job_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Its ports are on a compute node behind the login node: said, exit 2, no ssh started."""
+    from dflashctl.jobs import registry
+    from dflashctl.model.record import JobRecord
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "s"))
+    registry.record(JobRecord(id="j-20261201T100000Z-aaaa", name="j", project=str(ROOT), job_file="/j.yaml",
+                              host_name="cluster", host=cluster_host(), release="abc", command="true",
+                              run_dir="/shared/me/runs/j", session="j", launched_at=1.0, state="RUNNING",
+                              slurm_job="7"))  # fmt: skip
+    res = run_cli("tunnel", "j-20261201T100000Z-aaaa", "6006", cwd=ROOT)
+    assert res.code == 2 and "Slurm cluster" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr

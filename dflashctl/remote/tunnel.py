@@ -117,6 +117,9 @@ def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_r
 
     from dflashctl.remote.connect import open_runner
 
+    if job.host.slurm is not None:  # the port is on a compute node the scheduler chose, behind the login node
+        raise RefusedError(f"{job.id} runs on a Slurm cluster: its ports are on a compute node, which tunnel does not "
+                           "reach yet (`ssh -L PORT:NODE:PORT LOGIN`, NODE from `squeue -j ID -o %N`)")  # fmt: skip
     if not job.live:
         raise RefusedError(f"{job.id} is {job.state}, not running: nothing to tunnel to (`dflashctl status` looks "
                            "again)")  # fmt: skip
