@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, start_sshd
+from tests.conftest import _leftovers, run_cli, start_sshd
 from tests.slurm_cluster import ClusterUnavailable, start_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -227,6 +227,10 @@ def test_kill_is_scancel_verified_by_the_scheduler(site, cluster):
     assert res.code == 0 and report["result"] == "KILLED", report
     assert f"slurm job {rep['slurm_job']}: CANCELLED" in report["gpu_check"]
     assert slurm_state(cluster, rep["slurm_job"]) == "CANCELLED"
+    squeue = subprocess.run(["squeue", "-h", "-j", rep["slurm_job"]], env={**os.environ, **cluster.env},
+                            capture_output=True, text=True, check=True)  # fmt: skip
+    assert squeue.stdout.strip() == ""  # not even COMPLETING: nothing of it left on the node
+    assert not _leftovers((rep["id"],))  # no process carries the job's tag
     assert status(rep["id"])["state"] == "KILLED"
     code, records = watch(rep["id"], "--once")
     assert records[-1]["state"] == "KILLED" and records[-1]["restarts"] == 0  # never restarted after our kill

@@ -177,9 +177,17 @@ def exclude_failed_nodes(run_dir: str, q: dict) -> None:
     write_atomic(os.path.join(run_dir, EXCLUDE_FILE), json.dumps(merged).encode())
 
 
+def listed(job_id: str) -> bool:
+    """squeue still lists the job: pending, running, or COMPLETING (a final state is set at once, while its
+    processes on the nodes are still being killed); an ended job is not listed."""
+    rc, out, _ = _run(["squeue", "-h", "-j", job_id, "-o", "%T"])
+    return rc == 0 and bool(out.strip())
+
+
 def cancel(job_id: str, wait_s: float) -> dict:
-    """scancel (Slurm signals every step, waits KillWait, then SIGKILLs), then wait for a final state. Returns the
-    last query; `final` False when the job had not ended within `wait_s`."""
+    """scancel (Slurm signals every step, waits KillWait, then SIGKILLs), then wait for a final state and for squeue
+    to stop listing the job (no process of it left on its nodes). Returns the last query; `final` False when the
+    job had not ended within `wait_s`."""
     q = query(job_id)
     if q.get("known") is not False and not q.get("final"):
         rc, _, err = _run(["scancel", job_id])
@@ -189,7 +197,9 @@ def cancel(job_id: str, wait_s: float) -> dict:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             q = query(job_id)
-            if q.get("known") is False or q.get("final"):
+            if q.get("known") is False or (q.get("final") and not listed(job_id)):
                 break
             time.sleep(0.5)
+        else:
+            q = {**q, "final": False, "state": f"{q.get('state')} (still listed by squeue)"} if q.get("final") else q
     return q
