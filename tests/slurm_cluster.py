@@ -1,4 +1,5 @@
-"""A real one-machine Slurm cluster for the tests: munged, slurmctld and one slurmd on this machine, CPUs only.
+"""A real one-machine Slurm cluster for the tests: munged, slurmctld and two slurmd (nodes `n1`, `n2`, Slurm's
+multiple-slurmd mode) on this machine, CPUs only.
 
 Everything lives under one directory (config, state, spool, logs, munge's key and socket) and the daemons are
 started by the suite and stopped by pid; the machine's own Slurm, if any, is never touched. Where the daemons cannot
@@ -26,13 +27,25 @@ class ClusterUnavailable(RuntimeError):
     """Why this machine cannot run the test cluster."""
 
 
+NODES = ("n1", "n2")
+
+
 @dataclass
 class Cluster:
     dir: Path
     conf: Path
-    node: str
+    nodes: tuple[str, ...] = NODES
     partition: str = "debug"
     procs: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def node(self) -> str:
+        """The first node: where a one-node job lands while both are idle."""
+        return self.nodes[0]
+
+    @property
+    def hostlist(self) -> str:
+        return ",".join(self.nodes)
 
     @property
     def env(self) -> dict[str, str]:
@@ -47,10 +60,10 @@ class Cluster:
         return res.stdout
 
     def drain(self, reason: str = "tests") -> None:
-        self.scontrol("update", f"NodeName={self.node}", "State=DRAIN", f"Reason={reason}")
+        self.scontrol("update", f"NodeName={self.hostlist}", "State=DRAIN", f"Reason={reason}")
 
     def resume(self) -> None:
-        self.scontrol("update", f"NodeName={self.node}", "State=RESUME")
+        self.scontrol("update", f"NodeName={self.hostlist}", "State=RESUME")
 
     def stop_controller(self) -> None:
         """slurmctld goes away (a crash, a restart for maintenance); the jobs on the node keep running."""
@@ -73,24 +86,24 @@ class Cluster:
         raise RuntimeError(f"slurmctld did not come back: see {self.dir}/log")
 
     def resume_if_drained(self) -> None:
-        """A test that failed while the node was drained leaves it so: the next test starts from an idle node."""
-        info = self.scontrol("show", "node", self.node)
-        if "DRAIN" in info:
+        """A test that failed while a node was drained or down leaves it so: the next test starts from idle nodes."""
+        info = self.scontrol("show", "node", self.hostlist)
+        if "DRAIN" in info or "DOWN" in info:
             self.resume()
         self.wait_idle()
 
     def wait_idle(self, timeout: float = 30.0) -> None:
-        """The node takes jobs (after a start or a resume)."""
+        """Every node takes jobs (after a start or a resume)."""
         deadline = time.monotonic() + timeout
-        state = ""
+        states = ""
         while time.monotonic() < deadline:
-            res = subprocess.run(["sinfo", "-h", "-n", self.node, "-o", "%t"], env={**os.environ, **self.env},
-                                 capture_output=True, text=True, timeout=10)  # fmt: skip
-            state = res.stdout.strip()
-            if state in ("idle", "mix", "alloc"):
+            argv = ["sinfo", "-h", "-N", "-n", self.hostlist, "-o", "%t"]
+            res = subprocess.run(argv, env={**os.environ, **self.env}, capture_output=True, text=True, timeout=10)
+            states = res.stdout.split()
+            if len(states) == len(self.nodes) and all(st in ("idle", "mix", "alloc") for st in states):
                 return
             time.sleep(0.2)
-        raise ClusterUnavailable(f"slurmd's node {self.node} did not come up (state {state!r}): see {self.dir}/log")
+        raise ClusterUnavailable(f"the nodes {self.hostlist} did not come up (states {states!r}): see {self.dir}/log")
 
     def stop(self) -> None:
         """Cancel every job of this cluster (slurmd's steps would outlive it), then stop the daemons by pid."""
@@ -126,19 +139,19 @@ def _find(name: str) -> str | None:
                                       None)  # fmt: skip
 
 
-def start_cluster(d: Path, cpus: int = 4, kill_wait_s: int = 2) -> Cluster:
-    """Write the config under `d` and start the three daemons; the node is idle when this returns."""
+def start_cluster(d: Path, cpus: int = 2, kill_wait_s: int = 2) -> Cluster:
+    """Write the config under `d` and start the daemons; both nodes are idle when this returns."""
     missing = [n for n in (*DAEMONS, *CLIENTS) if _find(n) is None]
     if missing:
         raise ClusterUnavailable(f"Slurm is not installed here ({', '.join(missing)} missing): `make test` installs "
                                  "slurmctld, slurmd, slurm-client and munge")  # fmt: skip
     if os.geteuid() != 0:
         raise ClusterUnavailable("the test cluster runs its daemons as root (SlurmUser=root); this user is not")
-    node = socket.gethostname().split(".")[0]
+    host = socket.gethostname().split(".")[0]
     try:
-        socket.gethostbyname(node)
+        socket.gethostbyname(host)
     except OSError:
-        why = f"this machine's hostname {node!r} does not resolve (slurmd names its node so)"
+        why = f"this machine's hostname {host!r} does not resolve (slurmctld names its host so)"
         raise ClusterUnavailable(why) from None
     for sub in ("state", "spool", "log", "munge"):
         (d / sub).mkdir(parents=True, exist_ok=True)
@@ -152,19 +165,18 @@ def start_cluster(d: Path, cpus: int = 4, kill_wait_s: int = 2) -> Cluster:
     conf = d / "slurm.conf"
     conf.write_text("\n".join([
         "ClusterName=dflashtest",
-        f"SlurmctldHost={node}(127.0.0.1)",
+        f"SlurmctldHost={host}(127.0.0.1)",
         f"SlurmctldPort={_free_port()}",
-        f"SlurmdPort={_free_port()}",
         "SlurmUser=root",
         "AuthType=auth/munge",
         f"AuthInfo=socket={sock}",
         "CredType=cred/munge",
         f"StateSaveLocation={d / 'state'}",
-        f"SlurmdSpoolDir={d / 'spool'}",
+        f"SlurmdSpoolDir={d / 'spool'}/%n",
         f"SlurmctldPidFile={d / 'slurmctld.pid'}",
-        f"SlurmdPidFile={d / 'slurmd.pid'}",
+        f"SlurmdPidFile={d / 'slurmd-%n.pid'}",
         f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}",
-        f"SlurmdLogFile={d / 'log' / 'slurmd.log'}",
+        f"SlurmdLogFile={d / 'log' / 'slurmd-%n.log'}",
         "ProctrackType=proctrack/linuxproc",
         "TaskPlugin=task/none",
         "JobAcctGatherType=jobacct_gather/none",
@@ -177,11 +189,14 @@ def start_cluster(d: Path, cpus: int = 4, kill_wait_s: int = 2) -> Cluster:
         "ReturnToService=2",
         "MpiDefault=none",
         "SchedulerType=sched/backfill",
-        "SlurmdParameters=config_overrides",  # the node has the CPUs the config says: jobs that sleep share cores
-        f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
-        f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP",
+        "SlurmdParameters=config_overrides",  # a node has the CPUs the config says: jobs that sleep share cores
+        *(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} State=UNKNOWN"
+          for n in NODES),
+        f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP",
     ]) + "\n")  # fmt: skip
-    cluster = Cluster(d, conf, node)
+    for n in NODES:
+        (d / "spool" / n).mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(d, conf)
     env = {**os.environ, **cluster.env}
     log = open(d / "log" / "daemons.log", "ab")  # noqa: SIM115 - kept open for the daemons' lifetime
     try:
@@ -197,8 +212,9 @@ def start_cluster(d: Path, cpus: int = 4, kill_wait_s: int = 2) -> Cluster:
             raise ClusterUnavailable(f"munged did not start: see {d / 'log'}")
         cluster.procs.append(subprocess.Popen([_find("slurmctld"), "-D", "-i", "-f", str(conf)], stdout=log,
                                               stderr=log, env=env))  # fmt: skip
-        cluster.procs.append(subprocess.Popen([_find("slurmd"), "-D", "-f", str(conf), "-N", node], stdout=log,
-                                              stderr=log, env=env))  # fmt: skip
+        for n in NODES:
+            cluster.procs.append(subprocess.Popen([_find("slurmd"), "-D", "-f", str(conf), "-N", n], stdout=log,
+                                                  stderr=log, env=env))  # fmt: skip
         cluster.wait_idle()
     except BaseException:
         cluster.stop()

@@ -175,7 +175,9 @@ def render_env(job: JobConfig, job_id: str, redact: bool = False) -> str:
 def render_sbatch(job: JobConfig, job_id: str, release: str, cluster: SlurmHost) -> str:
     """The batch script of a Slurm job: run.sh's work (the environment, the release, train.log, exit_code) with the
     command started on every node by one srun. Submitted from the run dir, which is its working dir: sbatch runs
-    a copy of the script, never this file, so the run dir is found as SLURM_SUBMIT_DIR."""
+    a copy of the script, never this file, so the run dir is found as SLURM_SUBMIT_DIR. The rendezvous is at the
+    allocation's first node (`scontrol show hostnames`), at the address Slurm itself reaches it by (its NodeAddr,
+    which is its name unless the cluster says otherwise)."""
     cache = "inductor-cache" if job.inductor_cache == "clear" else "../../inductor-cache"
     port = f"{job.rdzv_port}" if job.rdzv_port else "$((29500 + SLURM_JOB_ID % 400))"
     header = "\n".join(f"#SBATCH {opt}" for opt in sbatch_options(job, job_id, cluster))
@@ -193,7 +195,8 @@ if ! cd "$RUN/../../releases/{release}" 2>/dev/null; then
   echo 1 > "$RUN/exit_code"; exit 1
 fi
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export MASTER_ADDR="${{head_node:-127.0.0.1}}" MASTER_PORT={port} NNODES="$SLURM_JOB_NUM_NODES"
+head_addr=$(scontrol show node "$head_node" -o 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+export MASTER_ADDR="${{head_addr:-$head_node}}" MASTER_PORT={port} NNODES="$SLURM_JOB_NUM_NODES"
 echo "[dflashctl] $(stamp) start slurm job $SLURM_JOB_ID on $SLURM_JOB_NODELIST $*" >> "$RUN/train.log"
 srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 bash --noprofile --norc -c \
   'export NODE_RANK="$SLURM_NODEID"; exec bash --noprofile --norc "$RUN/command.sh" "$@"' srun-task "$@" \
