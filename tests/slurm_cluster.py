@@ -97,7 +97,7 @@ class Cluster:
         deadline = time.monotonic() + timeout
         states = ""
         while time.monotonic() < deadline:
-            argv = ["sinfo", "-h", "-N", "-n", self.hostlist, "-o", "%t"]
+            argv = ["sinfo", "-h", "-N", "-p", self.partition, "-n", self.hostlist, "-o", "%t"]
             res = subprocess.run(argv, env={**os.environ, **self.env}, capture_output=True, text=True, timeout=10)
             states = res.stdout.split()
             if len(states) == len(self.nodes) and all(st in ("idle", "mix", "alloc") for st in states):
@@ -192,7 +192,11 @@ def start_cluster(d: Path, cpus: int = 2, kill_wait_s: int = 2) -> Cluster:
         "SlurmdParameters=config_overrides",  # a node has the CPUs the config says: jobs that sleep share cores
         *(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} State=UNKNOWN"
           for n in NODES),
-        f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP",
+        # a job of partition `high` preempts (cancels) the jobs of `debug` it needs the nodes of
+        "PreemptType=preempt/partition_prio",
+        "PreemptMode=CANCEL",
+        f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP PriorityTier=1",
+        f"PartitionName=high Nodes={','.join(NODES)} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF",
     ]) + "\n")  # fmt: skip
     for n in NODES:
         (d / "spool" / n).mkdir(parents=True, exist_ok=True)

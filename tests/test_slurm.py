@@ -54,6 +54,14 @@ def login(tmp_path_factory, cluster):
     server.stop(drop_sessions=True)
 
 
+def walltime_output(walltime: dict) -> str:
+    """The background watch's output, read once, when it has ended (a test that only needs the nodes free waits
+    for it too)."""
+    if walltime["out"] is None:
+        walltime["out"], _ = walltime["proc"].communicate(timeout=400)
+    return walltime["out"]
+
+
 def client_env(d: Path, login) -> dict[str, str]:
     """A client of its own under `d`: a home whose ssh config names the login node `login`, a hosts file whose
     `cluster` is the Slurm cluster behind it (workdir `d/shared`), a registry of its own."""
@@ -98,7 +106,7 @@ def walltime(tmp_path_factory, login, cluster):
     rep = json.loads(res.stdout)
     proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", rep["id"], "--until-done", "--json"],
                             cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)  # fmt: skip
-    yield rep, proc
+    yield {"rep": rep, "proc": proc, "out": None}
     if proc.poll() is None:
         proc.kill()
         proc.wait(10)
@@ -284,11 +292,9 @@ def test_doctor_checks_the_cluster(site, cluster):
 def test_out_of_wall_time_is_timeout_then_resubmitted(walltime, cluster):
     """A 1-minute wall time (launched by the fixture before the first test): Slurm ends the job TIMEOUT (not CRASHED,
     whatever its log says); the restart resubmits it, and the second submission finishes."""
-    rep, proc = walltime
-    out, _ = proc.communicate(timeout=400)
-    records = [json.loads(line) for line in out.splitlines()]
+    rep, records = walltime["rep"], [json.loads(line) for line in walltime_output(walltime).splitlines()]
     seen = states(records)
-    assert proc.returncode == 0 and seen[-1] == "FINISHED" and "TIMEOUT" in seen, seen
+    assert walltime["proc"].returncode == 0 and seen[-1] == "FINISHED" and "TIMEOUT" in seen, seen
     timeout = next(r for r in records if r["state"] == "TIMEOUT")
     assert "out of wall time" in timeout["reason"] and f"slurm job {rep['slurm_job']} TIMEOUT" in timeout["evidence"][0]
     assert slurm_state(cluster, rep["slurm_job"]) == "TIMEOUT"
@@ -320,6 +326,24 @@ def test_a_node_failure_is_node_fail_and_the_resubmission_excludes_the_node(site
     assert f"ExcNodeList={first}" in info and f"NodeList={other}" in info
     assert slurm_state(cluster, second) == "COMPLETED"
     assert f"resubmitted to {other}" in (run / "train.log").read_text()
+
+
+def test_preempted_is_resubmitted_and_runs_once_the_nodes_are_free(site, cluster, walltime):
+    """A job of a higher-priority partition takes both nodes: ours ends PREEMPTED (not CANCELLED, not CRASHED), is
+    resubmitted with --resume, waits PENDING while the other job runs, then finishes."""
+    walltime_output(walltime)  # whole nodes are asked for: the wall-time job must be done with its CPU
+    command = 'if [ -s "$RUN/restarts" ]; then echo "after the preemption"; else sleep 300; fi'
+    rep = launch(write_job(site, "preemptible", command=command, extra="slurm: {nodes: 2, extra: [--exclusive]}\n"))
+    wait_for(lambda: status(rep["id"])["state"] == "RUNNING", 30, "RUNNING")
+    env = {**os.environ, **cluster.env}
+    subprocess.run(["sbatch", "-p", "high", "-N", "2", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 4"],
+                   env=env, check=True, capture_output=True)  # fmt: skip
+    code, records = watch(rep["id"], "--until-done")
+    seen = states(records)
+    assert code == 0 and "PREEMPTED" in seen and seen[-1] == "FINISHED", seen
+    assert slurm_state(cluster, rep["slurm_job"]) == "PREEMPTED"
+    assert any(e["decision"] == "restart" and e["after"] == "PREEMPTED" for r in records for e in r["events"])
+    assert "after the preemption" in (Path(rep["run_dir"]) / "train.log").read_text()
 
 
 def test_a_silent_controller_keeps_the_state_and_a_kill_meanwhile_fails_honestly(site, cluster):
