@@ -14,10 +14,10 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflashctl.errors import ConfigError
 
@@ -32,12 +32,23 @@ SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+")  # sbatch --time: 
 SBATCH_OPTION = re.compile(r"--[a-z][a-z-]*(=[^\x00-\x1f]*)?")  # one long option, never a newline
 
 
-def check_sbatch_options(value: list[str]) -> list[str]:
+def _sbatch_options(value: list[str]) -> list[str]:
     """Extra sbatch options are `--name` or `--name=value`, one per item: each becomes one `#SBATCH` line."""
     for opt in value:
         if not SBATCH_OPTION.fullmatch(opt):
             raise ValueError(f"{opt!r}: expected a long sbatch option `--name` or `--name=value` with no newline")
     return value
+
+
+def _slurm_time(value: str | None) -> str | None:
+    if value is not None and not SLURM_TIME.fullmatch(value):
+        raise ValueError("expected a Slurm time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
+    return value
+
+
+# what a host and a job file both say to sbatch, checked alike
+SbatchOptions = Annotated[list[str], AfterValidator(_sbatch_options)]
+SlurmTime = Annotated[str | None, AfterValidator(_slurm_time)]
 
 
 class SlurmHost(BaseModel):
@@ -48,8 +59,8 @@ class SlurmHost(BaseModel):
     login: str | None = Field(None, description="the login node's ssh destination; none: this machine is one")
     partition: str | None = Field(None, description="sbatch --partition; default: the cluster's default partition")
     account: str | None = Field(None, description="sbatch --account")
-    time: str | None = Field(None, description="wall time per submission (sbatch --time), e.g. 24:00:00")
-    extra: list[str] = Field(default_factory=list, description="more sbatch options, e.g. [--qos=high]")
+    time: SlurmTime = Field(None, description="wall time per submission (sbatch --time), e.g. 24:00:00")
+    extra: SbatchOptions = Field(default_factory=list, description="more sbatch options, e.g. [--qos=high]")
 
     @field_validator("partition", "account")
     @classmethod
@@ -58,17 +69,6 @@ class SlurmHost(BaseModel):
             raise ValueError("expected a name of [A-Za-z0-9._-]")
         return value
 
-    @field_validator("time")
-    @classmethod
-    def _time(cls, value: str | None) -> str | None:
-        if value is not None and not SLURM_TIME.fullmatch(value):
-            raise ValueError("expected a Slurm time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
-        return value
-
-    @field_validator("extra")
-    @classmethod
-    def _extra(cls, value: list[str]) -> list[str]:
-        return check_sbatch_options(value)
 
 
 class HostConfig(BaseModel):

@@ -19,20 +19,9 @@ import pytest
 
 from tests.conftest import _leftovers, run_cli, start_sshd
 from tests.slurm_cluster import ClusterUnavailable, start_cluster
+from tests.test_watch import TRAINER, states  # the same tiny trainer and state sequence as the tmux watch tests
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAINER = """
-  target: {random_preset: tiny-qwen3, dtype: float32}
-  drafter: {num_layers: 1, block_size: 8}
-  attention: {backend: dense}
-  data: {anchors_per_seq: 16, seq_buckets: [128], synthetic_samples: 16, holdout: 2}
-  device: cpu
-  steps: STEPS
-  log_every: 5
-  heartbeat_s: 0.5
-  checkpoint: {every: 10, keep: 2}
-  eval: {prompts: 1, max_new_tokens: 8}
-"""
 WATCH = "watch:\n  interval_s: 1\n  backoff_s: 0.5\n  slow_polls: 1000\n"
 
 
@@ -139,14 +128,6 @@ def status(job_id: str) -> dict:
 def watch(job_id: str, *extra: str, timeout: float = 400) -> tuple[int, list[dict]]:
     res = run_cli("watch", job_id, "--json", *extra, cwd=ROOT, timeout=timeout)
     return res.code, [json.loads(line) for line in res.stdout.splitlines()]
-
-
-def states(records: list[dict]) -> list[str]:
-    out: list[str] = []
-    for r in records:
-        if not out or out[-1] != r["state"]:
-            out.append(r["state"])
-    return out
 
 
 def slurm_state(cluster, job: str) -> str:

@@ -950,6 +950,21 @@ def preconditions(req: dict, wd: str) -> list[tuple[str, str]]:
     return problems
 
 
+def make_run_dir(wd: str, job_id: str, files: dict) -> str | None:
+    """The run dir (0700) with the launch's files (0600), this very agent (a tmux pane's launcher runs it) and the
+    job's inductor cache; None when it exists already (never reused)."""
+    run = os.path.join(wd, "runs", job_id)
+    try:
+        os.mkdir(run, 0o700)
+    except FileExistsError:
+        return None
+    for name, text in files.items():
+        write_atomic(os.path.join(run, name), text.encode("utf-8", "surrogateescape"))
+    write_atomic(os.path.join(run, AGENT_FILE), own_archive())
+    os.mkdir(os.path.join(run, "inductor-cache"), 0o700)
+    return run
+
+
 def launch_slurm(req: dict, payload: bytes) -> dict:
     """A Slurm host: the run dir written as for tmux, then one `sbatch` of its batch script. The scheduler owns the
     GPUs, so there is no GPU check here; sbatch's own refusal (a bad partition, account or time) refuses the launch
@@ -969,15 +984,9 @@ def launch_slurm(req: dict, payload: bytes) -> dict:
                 return {"refused": [f"sbatch --test-only: {err}"], "key": "host.slurm", "config": True}
         return {"ok": True, "overrides": []}
     os.makedirs(os.path.join(wd, "runs"), mode=0o700, exist_ok=True)
-    run = os.path.join(wd, "runs", req["job_id"])
-    try:
-        os.mkdir(run, 0o700)
-    except FileExistsError:
-        return {"refused": [f"run dir {run} already exists"]}
-    for name, text in files.items():
-        write_atomic(os.path.join(run, name), text.encode("utf-8", "surrogateescape"))
-    write_atomic(os.path.join(run, AGENT_FILE), own_archive())
-    os.mkdir(os.path.join(run, "inductor-cache"), 0o700)
+    run = make_run_dir(wd, req["job_id"], files)
+    if run is None:
+        return {"refused": [f"run dir {os.path.join(wd, 'runs', req['job_id'])} already exists"]}
     job, err = slurm.submit(run, [])
     if job is None:
         shutil.rmtree(run, ignore_errors=True)  # made by this call a moment ago: nothing of the job ran
@@ -1043,15 +1052,9 @@ def launch(req: dict, payload: bytes) -> dict:
             return {"refused": refused}
         if req.get("check_only"):  # a multi-node launch asks every node before starting any
             return {"ok": True, "overrides": overrides}
-        run = os.path.join(wd, "runs", req["job_id"])
-        try:
-            os.mkdir(run, 0o700)
-        except FileExistsError:
-            return {"refused": [f"run dir {run} already exists"]}
-        for name, text in files.items():
-            write_atomic(os.path.join(run, name), text.encode("utf-8", "surrogateescape"))
-        write_atomic(os.path.join(run, AGENT_FILE), own_archive())  # the pane's launcher, this very agent
-        os.mkdir(os.path.join(run, "inductor-cache"), 0o700)
+        run = make_run_dir(wd, req["job_id"], files)
+        if run is None:
+            return {"refused": [f"run dir {os.path.join(wd, 'runs', req['job_id'])} already exists"]}
         pane_pid = start_session(run, req["session"], req["python"], [])
     return {"run_dir": run, "pane_pid": pane_pid, "overrides": overrides}
 

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dflashctl.config import SAFE_NAME, SLURM_TIME, check_sbatch_options, format_validation_error, load_yaml
+from dflashctl.config import SAFE_NAME, SbatchOptions, SlurmTime, format_validation_error, load_yaml
 from dflashctl.errors import ConfigError
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch
@@ -128,20 +128,8 @@ class SlurmJob(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     nodes: int = Field(1, ge=1, le=1024, description="sbatch --nodes: one torchrun per node (srun)")
-    time: str | None = Field(None, description="wall time per submission (sbatch --time), over the host's")
-    extra: list[str] = Field(default_factory=list, description="more sbatch options, after the host's")
-
-    @field_validator("time")
-    @classmethod
-    def _time(cls, value: str | None) -> str | None:
-        if value is not None and not SLURM_TIME.fullmatch(value):
-            raise ValueError("expected a Slurm time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
-        return value
-
-    @field_validator("extra")
-    @classmethod
-    def _extra(cls, value: list[str]) -> list[str]:
-        return check_sbatch_options(value)
+    time: SlurmTime = Field(None, description="wall time per submission (sbatch --time), over the host's")
+    extra: SbatchOptions = Field(default_factory=list, description="more sbatch options, after the host's")
 
 
 class JobConfig(BaseModel):
