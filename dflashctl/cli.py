@@ -121,29 +121,11 @@ def doctor(host: str = HostArg, as_json: bool = JsonOpt, accept_new: bool = Acce
     that all run the same torch and NCCL."""
     from rich.table import Table
 
-    from dflashctl.config import find_project_root, resolve_host
-    from dflashctl.remote.connect import open_runner
-    from dflashctl.remote.doctor import run_doctor, run_nodes_doctor
+    from dflashctl.config import find_project_root
+    from dflashctl.jobs.jobctl import doctor_reports
     from dflashctl.show.render import out, print_json
 
-    root = find_project_root()
-    if host.endswith((".yaml", ".yml")) and Path(host).is_file():
-        from dflashctl.jobs.jobctl import rdzv_port_for, rendezvous_address
-        from dflashctl.model.jobfile import load_job
-
-        job, _ = load_job(Path(host), root)
-        hosts = [resolve_host(n.host, root) for n in job.nodes]
-        reports = run_nodes_doctor(hosts, lambda h: open_runner(h, accept_new), rendezvous_address(hosts[0]),
-                                   job.rdzv_port or rdzv_port_for(job.name))  # fmt: skip
-    else:
-        target = resolve_host(host, root)
-        with open_runner(target, accept_new) as runner:
-            if target.slurm is not None:
-                from dflashctl.remote.doctor_slurm import run_slurm_doctor
-
-                reports = [run_slurm_doctor(runner)]
-            else:
-                reports = [run_doctor(runner)]
+    reports = doctor_reports(host, find_project_root(), accept_new)
     if as_json:
         print_json(reports[0].to_dict() if len(reports) == 1 else {"ok": all(r.ok for r in reports),
                                                                      "reports": [r.to_dict() for r in reports]})

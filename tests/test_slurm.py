@@ -268,6 +268,9 @@ def test_doctor_checks_the_cluster(site, cluster):
     for name in ("slurm tools", "partition", "compute node"):
         assert checks[name]["status"] == "ok", checks[name]
     assert "torch" in checks["compute node"]["detail"] and "sees the workdir" in checks["compute node"]["detail"]
+    job = write_job(site, "doc", command="true")  # a job file on the cluster: the cluster's checks too
+    res = run_cli("doctor", str(job), "--json", cwd=ROOT, timeout=200)
+    assert res.code == 0 and "slurm tools" in {c["name"] for c in json.loads(res.stdout)["checks"]}, res.stdout
 
 
 def test_out_of_wall_time_is_timeout_then_resubmitted(walltime, cluster):

@@ -135,6 +135,28 @@ def _check_scheduler(job, hosts: list[HostConfig], job_path: Path) -> None:
                           "`slurm:`)")  # fmt: skip
 
 
+def doctor_reports(spec: str, root: Path, accept_new: bool = False) -> list:
+    """`doctor HOST|JOB.yaml`: a host's own checks (a Slurm host's: doctor_slurm), or, for a job file over several
+    hosts, every node's and then the job's (rendezvous port, the same torch and NCCL)."""
+    from dflashctl.remote.doctor import run_doctor, run_nodes_doctor
+
+    if spec.endswith((".yaml", ".yml")) and Path(spec).is_file():
+        job, _ = load_job(Path(spec), root)
+        hosts = [resolve_host(n.host, root) for n in job.nodes]
+        if len(hosts) > 1:
+            return run_nodes_doctor(hosts, lambda h: open_runner(h, accept_new), rendezvous_address(hosts[0]),
+                                    job.rdzv_port or rdzv_port_for(job.name))  # fmt: skip
+        target = hosts[0]
+    else:
+        target = resolve_host(spec, root)
+    with open_runner(target, accept_new) as runner:
+        if target.slurm is not None:
+            from dflashctl.remote.doctor_slurm import run_slurm_doctor
+
+            return [run_slurm_doctor(runner)]
+        return [run_doctor(runner)]
+
+
 def rdzv_port_for(name: str) -> int:
     """A port of the job name's own (two live jobs of one name on one head are refused), known before the launch so
     that `doctor JOB.yaml` checks the port the job will use."""
