@@ -167,6 +167,7 @@ def test_pending_while_drained_then_runs_on_two_nodes_to_finished_in_the_same_ru
         cluster.resume()
     code, records = watch(rep["id"], "--until-done")
     assert code == 0 and states(records)[-1] == "FINISHED", states(records)
+    assert all(r["gpus"] == [] for r in records)  # the login node's GPUs (its nvidia-smi has some) are not the job's
     run = Path(rep["run_dir"])
     assert {"sbatch.sh", "command.sh", "job.json", "trainer.yaml", "metrics.jsonl", "train.log"} <= {
         p.name for p in run.iterdir()}  # fmt: skip

@@ -295,5 +295,6 @@ def probe_request(job, log_offset: int = 0, metrics_offset: int = 0, capture_lin
 
 
 def scheduler_of(job) -> dict:
-    """What every agent request about a job carries when a scheduler, not tmux, runs it."""
-    return {"scheduler": "slurm"} if job.host.slurm is not None else {}
+    """What every agent request about a job carries when a scheduler, not tmux, runs it. The login node's GPUs are
+    not the job's: they are never read for it (the trainer records its own in gpu.jsonl on the compute nodes)."""
+    return {"scheduler": "slurm", "gpus": False} if job.host.slurm is not None else {}
