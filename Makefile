@@ -1,24 +1,32 @@
-# One command sets up a fresh machine and runs the tests: `make test`. The Slurm daemons and munge are for the
-# tests' one-machine cluster (tests/slurm_cluster.py); nothing else uses them.
+# One command sets up a fresh machine and runs the tests: `make test`.
 # torch is pinned to 2.13.0 here because that release is a CPU build; an unpinned torch pulls a CUDA build of
 # several GB. The code itself supports torch >= 2.6.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
-APT_PACKAGES := openssh-server openssh-client tmux rsync git slurmctld slurmd slurm-client munge
+# command:package pairs. The Slurm daemons and munge are for the tests' one-machine cluster (tests/slurm_cluster.py)
+# and nothing else: where apt cannot install them, the Slurm tests skip and say why, and the rest runs.
+REQUIRED_DEPS := sshd:openssh-server ssh:openssh-client tmux:tmux rsync:rsync git:git
+SLURM_DEPS := slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge
 
 .PHONY: test test-fast lint bytecode system-deps venv demo clean
 
+define missing_of
+missing=""; for p in $(1); do cmd=$${p%%:*}; pkg=$${p##*:}; \
+  command -v $$cmd >/dev/null 2>&1 || [ -x /usr/sbin/$$cmd ] || missing="$$missing $$pkg"; done
+endef
+
 system-deps:
-	@missing=""; \
-	for p in sshd:openssh-server ssh:openssh-client tmux:tmux rsync:rsync git:git slurmctld:slurmctld slurmd:slurmd \
-	         sbatch:slurm-client munged:munge; do \
-	  cmd=$${p%%:*}; pkg=$${p##*:}; \
-	  command -v $$cmd >/dev/null 2>&1 || [ -x /usr/sbin/$$cmd ] || missing="$$missing $$pkg"; \
-	done; \
+	@$(call missing_of,$(REQUIRED_DEPS)); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+	@$(call missing_of,$(SLURM_DEPS)); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing (for the Slurm tests):$$missing"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) || \
+	    echo "could not install$$missing: the Slurm tests will skip"; \
 	fi
 
 $(VENV)/.installed: pyproject.toml
