@@ -1059,12 +1059,12 @@ def launch(req: dict, payload: bytes) -> dict:
     return {"run_dir": run, "pane_pid": pane_pid, "overrides": overrides}
 
 
-def _restart_refused(req: dict, run: str) -> dict | None:
-    """The rules every restart keeps, read under the run dir's lock: no restart after a stop request, one per failed
-    attempt however many watchers saw it, none beyond `max_restarts`, none into a disk that is still full."""
+def _restart_refused(req: dict, run: str, count: int) -> dict | None:
+    """The rules every restart keeps, read under the run dir's lock (`count`: its restarts so far): no restart after
+    a stop request, one per failed attempt however many watchers saw it, none beyond `max_restarts`, none into a
+    disk that is still full."""
     if os.path.exists(os.path.join(run, STOP_REQUEST)):
         return {"restarted": False, "why": "a stop was requested (dflashctl kill)"}
-    count = read_int(os.path.join(run, RESTARTS)) or 0
     if count != int(req["attempt"]):
         return {"restarted": False, "why": f"already restarted by another watcher (restart {count})",
                 "restarts": count}  # fmt: skip
@@ -1092,10 +1092,10 @@ def restart(req: dict) -> dict:
         return {"restarted": False, "why": "launched by an older dflashctl (no launcher in its run dir): relaunch it"}
     grace = float(req.get("grace_s", 40))
     with locked(os.path.join(run, ".restart.lock"), timeout=grace + 60):
-        refused = _restart_refused(req, run)
+        count = read_int(os.path.join(run, RESTARTS)) or 0
+        refused = _restart_refused(req, run, count)
         if refused:
             return refused
-        count = read_int(os.path.join(run, RESTARTS)) or 0
         if scheduled:
             old = slurm.current_job(run)
             q = slurm.cancel(old, grace + 30) if old else {}

@@ -24,7 +24,6 @@ FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL"
          "DEADLINE", "REVOKED", "SPECIAL_EXIT")  # fmt: skip
 JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")  # fullmatch; an array task's id is JOB_TASK
 FIELD = re.compile(r"(\w+)=(\S*)")
-TOOLS = ("sbatch", "squeue", "scontrol", "scancel", "sacct", "sinfo", "srun", "sattach", "sacctmgr")
 
 
 def _run(argv: list[str], timeout: float = 30.0, cwd: str | None = None, stdin: str | None = None
@@ -68,7 +67,6 @@ def parse_scontrol(text: str) -> dict:
         "nodes": fields.get("NodeList"),
         "start": fields.get("StartTime"),
         "time_limit": fields.get("TimeLimit"),
-        "run_time": fields.get("RunTime"),
     }
 
 
@@ -80,7 +78,7 @@ def parse_sacct(text: str) -> dict | None:
         return None
     parts = (lines[0].split("|") + [""] * 6)[:6]
     return {"state": parts[0].split()[0] if parts[0] else "", "reason": parts[1] or "None", "exit": parts[2],
-            "nodes": parts[3], "start": parts[4], "time_limit": parts[5], "run_time": None}  # fmt: skip
+            "nodes": parts[3], "start": parts[4], "time_limit": parts[5]}  # fmt: skip
 
 
 def _epoch(stamp: str | None) -> float | None:

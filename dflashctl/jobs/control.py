@@ -45,7 +45,7 @@ def stop(runner: Runner, job: JobRecord, grace_s: float | None = None) -> KillRe
     host = runner.host
     on_host = bool(host.container and host.gpu_query == "host")
     req = {"action": "reap", "run_dir": job.run_dir, "session": job.session, "job_id": job.tag, "grace_s": grace,
-           "tmux_socket": job.tmux_socket, "gpus": not on_host and job.scheduler == "tmux",
+           "tmux_socket": job.tmux_socket, "gpus": not on_host,
            **session.scheduler_of(job)}  # fmt: skip
     ans = session.call_agent(runner, req, timeout=grace + 120)
     holders, check = ans["gpu_holders"], ans["gpu_check"]

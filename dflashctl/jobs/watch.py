@@ -167,11 +167,11 @@ class Watcher:
         h.pane_dead = bool(pane.get("pane_dead"))
         h.pane_status = pane.get("exit_status")
         h.pane_lines = pane.get("lines", []) if h.session_exists else []
-        h.scheduler = pane.get("slurm") if self.job.scheduler == "slurm" else None
-        if h.scheduler is None and self.job.scheduler == "slurm":  # never submitted: nothing known of it
-            h.scheduler = {"state": "UNKNOWN"}
-        if h.scheduler and h.scheduler.get("state") == "NO_ANSWER" and self.state != "UNREACHABLE":
-            h.last_state = self.state or self.job.state  # kept through the scheduler's silence, as the host's
+        h.scheduler = None
+        if self.job.scheduler == "slurm":
+            h.scheduler = pane.get("slurm") or {"state": "UNKNOWN"}  # none: never submitted, nothing known of it
+            if h.scheduler.get("state") == "NO_ANSWER" and self.state != "UNREACHABLE":
+                h.last_state = self.state or self.job.state  # kept through the scheduler's silence, as the host's
         if pane.get("created") and not h.started_at:
             h.started_at = float(pane["created"])
         h.run_dir_exists = snap["run_dir_exists"]

@@ -111,13 +111,16 @@ def job_env(job: JobConfig, job_id: str, node: NodePlace | None = None, slurm: b
     }
 
 
+def env_exports(env: dict[str, str], job: JobConfig, redact: bool = False) -> str:
+    """`export NAME=value` lines for a shell, values quoted; with `redact`, secrets as *** (what is shown)."""
+    shown = redact_env(env, job.secret_env) if redact else env
+    return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in shown.items())
+
+
 def render_wrapper(
     job: JobConfig, job_id: str, release: str, redact: bool = False, node: NodePlace | None = None
 ) -> str:
-    env = job_env(job, job_id, node)
-    if redact:
-        env = redact_env(env, job.secret_env)
-    exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
+    exports = env_exports(job_env(job, job_id, node), job, redact)
     # clear: a job-scoped cache, empty at launch and kept across its restarts; keep: one per host, shared
     cache = "inductor-cache" if job.inductor_cache == "clear" else "../../inductor-cache"
     return f"""#!/usr/bin/env bash
@@ -165,11 +168,8 @@ def sbatch_options(job: JobConfig, job_id: str, cluster: SlurmHost) -> list[str]
 def render_env(job: JobConfig, job_id: str, redact: bool = False) -> str:
     """A Slurm job's environment, sourced by its batch script from the run dir (0600): Slurm keeps a copy of every
     batch script it is given in its spool (`scontrol write batch_script` prints it), so the secrets stay out of it."""
-    env = job_env(job, job_id, slurm=True)
-    if redact:
-        env = redact_env(env, job.secret_env)
-    return f"# the environment of job {job_id}, sourced by sbatch.sh\n" + "".join(
-        f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
+    exports = env_exports(job_env(job, job_id, slurm=True), job, redact)
+    return f"# the environment of job {job_id}, sourced by sbatch.sh\n{exports}\n"
 
 
 def render_sbatch(job: JobConfig, job_id: str, release: str, cluster: SlurmHost) -> str:
@@ -220,9 +220,10 @@ def run_files(
     if redact:
         redact_job_snapshot(snapshot)
     gpus = list(node.gpus) if node is not None else job.gpu_indices
-    where = {"node_rank": node.rank, "nodes": node.count, "head": f"{node.head_addr}:{node.port}"} if node else {}
     if scheduled:
         where = {"scheduler": "slurm"}
+    else:
+        where = {"node_rank": node.rank, "nodes": node.count, "head": f"{node.head_addr}:{node.port}"} if node else {}
     files = {
         "command.sh": f"# the job's command ({job.name})\n{command}\n",
         "job.json": json.dumps({"id": job_id, "name": job.name, "session": node_session(job_id, node),

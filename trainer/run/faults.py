@@ -17,15 +17,18 @@ from pathlib import Path
 ENV = "TRAINER_FAULT"
 
 
+def _number_for(kind: str) -> int | None:
+    """The number after `kind@` in TRAINER_FAULT, or None (another kind, unset, or malformed)."""
+    want, _, at = os.environ.get(ENV, "").partition("@")
+    return int(at) if want == kind and at.isdigit() else None
+
+
 def _armed(kind: str, step: int) -> bool:
-    spec = os.environ.get(ENV, "")
-    want, _, at = spec.partition("@")
-    return want == kind and at.isdigit() and int(at) == step
+    return _number_for(kind) == step
 
 
 def _pace_s() -> float:
-    want, _, ms = os.environ.get(ENV, "").partition("@")
-    return int(ms) / 1000 if want == "pace" and ms.isdigit() else 0.0
+    return (_number_for("pace") or 0) / 1000
 
 
 def at_step_start(step: int, run_dir: Path | None) -> None:
@@ -48,8 +51,7 @@ def in_checkpoint(step: int) -> None:
 
 def poison_loss(step: int, loss):
     """`nan@N`: from step N on the loss is NaN (and with it every gradient), as in a run that diverges."""
-    spec = os.environ.get(ENV, "")
-    want, _, at = spec.partition("@")
-    if want == "nan" and at.isdigit() and step >= int(at):
+    start = _number_for("nan")
+    if start is not None and step >= start:
         return loss * float("nan")
     return loss
