@@ -106,3 +106,26 @@ def test_fused_lm_head_cross_entropy_matches_the_plain_one():
     with torch.no_grad():  # evaluation path: no gradient kept
         l2, _, c2 = block_loss(hidden, head, labels, weights, fused=True)
     assert torch.allclose(l0, l2, rtol=1e-5) and torch.equal(c0, c2)
+
+
+def test_init_std_draws_every_linear_weight_from_that_normal_and_leaves_the_norms():
+    def weights(extra: dict):
+        parts = build(from_dict({**TINY, "steps": 1, "drafter": {**TINY["drafter"], **extra}}))
+        return parts.drafter
+
+    default, hf = weights({}), weights({"init_std": 0.02})
+    for (name, w0), (_, w1) in zip(default.named_parameters(), hf.named_parameters(), strict=True):
+        if name.endswith("norm.weight"):
+            assert torch.equal(w1, torch.ones_like(w1)), name
+        else:  # torch's default is uniform(+-1/sqrt(fan_in)): bounded, std 1/sqrt(3 fan_in)
+            assert abs(float(w1.std()) - 0.02) < 0.003, name
+            fan_in = w0.shape[1]
+            assert float(w0.abs().max()) <= fan_in**-0.5, name
+            assert abs(float(w0.std()) - (3 * fan_in) ** -0.5) < 0.2 * (3 * fan_in) ** -0.5, name
+
+
+def test_init_std_out_of_range_names_its_key():
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="drafter.init_std"):
+        from_dict({**TINY, "drafter": {**TINY["drafter"], "init_std": 2.0}})

@@ -44,6 +44,9 @@ class DrafterConfig:
     mask_token_id: int | None = None
     activation_checkpointing: bool = False  # recompute each drafter layer in backward (use_reentrant=False)
     init_from: str | None = None  # a drafter in the public DFlash format (config.json, model.safetensors) to start from
+    # linear weights drawn from N(0, init_std) (Hugging Face's convention, initializer_range 0.02) instead of torch's
+    # default uniform(+-1/sqrt(fan_in)); None keeps torch's. Ignored with init_from.
+    init_std: float | None = None
 
     def shape_overrides(self) -> dict:
         """The widths that differ from the target's when set (model.drafter_dims takes them)."""
@@ -222,6 +225,8 @@ def validate(cfg: TrainConfig, source: str) -> TrainConfig:
     mode, _ = parse_parallel(cfg.target.parallel, source)
     if mode != "replicate" and cfg.target.compile == "on":
         raise ConfigError(source, "target.compile", "on is for a replicated target (leave it auto with parallel)")
+    if cfg.drafter.init_std is not None and not 0 < cfg.drafter.init_std < 1:
+        raise ConfigError(source, "drafter.init_std", "must be a standard deviation between 0 and 1 (e.g. 0.02)")
     if cfg.target.memory_gib is not None and not cfg.target.memory_gib > 0:
         raise ConfigError(source, "target.memory_gib", "must be a positive number of GiB")
     """Cross-field checks that the types alone cannot express."""

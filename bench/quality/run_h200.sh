@@ -16,10 +16,14 @@ q() { python3 bench/quality/run_quality.py --work "$WORK" "$@"; }
 keep() { (cd "$WORK" && tar czf "$OUTDIR/quality.tgz" --exclude=regen.jsonl -- *.json *.jsonl *.log) 2>/dev/null || true; }
 [ -f "$WORK/target.json" ] || q --phase target; keep
 [ -f "$WORK/data.json" ] || q --phase data; keep
+# PHASES=prepare: the target, its answers and the hidden-state dump only (a pass in two calls of a time limit)
+if [ "${PHASES:-all}" = prepare ]; then [ -f "$WORK/features.json" ] || q --phase features; keep; exit 0; fi
 q --phase ours > "$WORK/ours.out" 2>&1 & ours=$!
-(q --phase features && PYTHONPATH=/tmp/sfsite q --phase specforge) > "$WORK/specforge.out" 2>&1 & sf=$!
-# a variant of ours beside the rest, for the "why" runs, e.g. VARIANT='--set tag="-b2" --set betas=[0.9,0.999]'
+( ([ -f "$WORK/features.json" ] || q --phase features) && PYTHONPATH=/tmp/sfsite q --phase specforge) > "$WORK/specforge.out" 2>&1 & sf=$!
+# variants of ours beside the rest, for the "why" runs, e.g. VARIANT='--set tag="-b2" --set betas=[0.9,0.999]'
+# (VARIANT2 a second one: --set init_std=0.02 for Hugging Face's initialisation)
 if [ -n "${VARIANT:-}" ]; then eval "q --phase ours $VARIANT" > "$WORK/variant.out" 2>&1 & fi
+if [ -n "${VARIANT2:-}" ]; then eval "q --phase ours $VARIANT2" > "$WORK/variant2.out" 2>&1 & fi
 [ "${LOOKUP:-1}" = 0 ] || q --phase lookup > "$WORK/lookup.out" 2>&1 || true
 keep
 wait $ours || echo "ours failed: $(tail -5 "$WORK/ours.out")"

@@ -114,7 +114,7 @@ def phase_target(work: Path, s: dict, log: Path) -> dict:
 def our_config(work: Path, s: dict) -> dict:
     return {
         "target": {"path": str(work / "target"), "dtype": s["dtype"]},
-        "drafter": {"num_layers": s["layers"], "block_size": s["block"]},
+        "drafter": {"num_layers": s["layers"], "block_size": s["block"], "init_std": s.get("init_std")},
         "attention": {"backend": s["attention"]},
         "data": {"path": str(work / "regen.jsonl"), "anchors_per_seq": s["anchors"], "seq_buckets": s["buckets"],
                  "batch_size": s["batch"], "holdout": 0},

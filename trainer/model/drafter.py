@@ -122,6 +122,13 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(d) for _ in range(d.num_layers))
         self.final_norm = RMSNorm(d.hidden, eps=d.rms_eps)
 
+    @torch.no_grad()
+    def init_linear_weights(self, std: float) -> None:
+        """Every linear weight from N(0, std), as Hugging Face models initialise (norms stay at one)."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+
     def forward(
         self,
         target_hidden: torch.Tensor,  # [B, S, n*C]

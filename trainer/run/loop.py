@@ -153,6 +153,8 @@ def build(
     dims = drafter_dims(target.config, d.num_layers, len(target.layer_ids), overrides)
     torch.manual_seed(cfg.seed)
     drafter = Drafter(dims, d.activation_checkpointing).to(device)
+    if d.init_std is not None and not d.init_from:
+        drafter.init_linear_weights(d.init_std)
     mask_id = resolve_mask_token(cfg, target.config, soft_tokenizer(cfg), source)
     if d.init_from:  # fine-tune a drafter in the public DFlash format
         from trainer.model.dflash_format import check_matches, draft_config, read_export
