@@ -8,7 +8,7 @@ import torch
 from trainer.config import TargetConfig, from_dict
 from trainer.data.dataset import make_dataset
 from trainer.model.target import default_layer_ids, load_target
-from trainer.run.loop import build, forward_loss, make_batch
+from trainer.run.loop import build, forward_loss, make_batch, preflight
 from trainer.run.training import train
 
 
@@ -129,3 +129,33 @@ def test_init_std_out_of_range_names_its_key():
 
     with pytest.raises(ConfigError, match="drafter.init_std"):
         from_dict({**TINY, "drafter": {**TINY["drafter"], "init_std": 2.0}})
+
+
+def test_compiled_drafter_layers_give_the_eager_gradients_and_compile_nothing_after_preflight():
+    """The training path runs the compiled layers (Dynamo's full graph of each layer, forward and backward; Inductor's
+    code generation is torch's, so the CPU test compiles through aot_eager), with the same loss and gradients."""
+    from trainer.model.compile_policy import graphs_compiled, unfreeze_compiles
+
+    cfg = from_dict({**TINY, "steps": 1, "data": {**TINY["data"], "seq_buckets": [128]}})
+    results = []
+    for compiled in (False, True):
+        parts = build(cfg)
+        assert not parts.drafter._compiled  # auto: off on the CPU
+        ds = make_dataset(cfg.data, 128, 8, 0)
+        if compiled:
+            parts.drafter.compile_layers(backend="aot_eager")
+            before = graphs_compiled()
+            preflight(parts)
+            assert graphs_compiled() > before  # the layers were traced
+            after = graphs_compiled()
+        try:
+            loss_sum, w_sum, _ = forward_loss(parts, make_batch(parts, ds, 128, [0, 1], 0))
+            (loss_sum / w_sum).backward()
+        finally:
+            unfreeze_compiles()
+        if compiled:
+            assert graphs_compiled() == after  # the step ran the preflight's graphs
+        results.append((float(loss_sum), torch.cat([p.grad.flatten() for p in parts.drafter.parameters()])))
+    (loss0, grad0), (loss1, grad1) = results
+    assert loss0 == pytest.approx(loss1, rel=1e-6)
+    assert torch.allclose(grad0, grad1, atol=1e-6)

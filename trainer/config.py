@@ -47,6 +47,9 @@ class DrafterConfig:
     # linear weights drawn from N(0, init_std) (Hugging Face's convention, initializer_range 0.02) instead of torch's
     # default uniform(+-1/sqrt(fan_in)); None keeps torch's. Ignored with init_from.
     init_std: float | None = None
+    # compile each layer's forward and backward (norms, RoPE, projections, flex attention, MLP: one graph per bucket
+    # serves every layer) instead of the flex call alone; auto = on for training on CUDA with flex, off on the CPU
+    compile: Literal["auto", "on", "off"] = "auto"
 
     def shape_overrides(self) -> dict:
         """The widths that differ from the target's when set (model.drafter_dims takes them)."""

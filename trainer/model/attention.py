@@ -76,6 +76,8 @@ class FlexBackend:
         return block_mask_from_anchors(anchors, anchor_valid, seq_len, block_size)
 
     def __call__(self, q_BHQD, k_BGKD, v_BGKD, mask: BlockMask) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # inside a compiled drafter layer: traced into its graph, the guard folded
+            return _guarded_flex(q_BHQD, k_BGKD, v_BGKD, mask)
         return guarded_flex(q_BHQD, k_BGKD, v_BGKD, mask)
 
 

@@ -121,6 +121,17 @@ class Drafter(nn.Module):
         self.ctx_norm = RMSNorm(d.hidden, eps=d.rms_eps)
         self.layers = nn.ModuleList(DrafterLayer(d) for _ in range(d.num_layers))
         self.final_norm = RMSNorm(d.hidden, eps=d.rms_eps)
+        self._compiled: list = []
+
+    def compile_layers(self, backend: str = "inductor") -> None:
+        """Regional compilation, as the target's: each layer's forward through torch.compile (dynamic=False,
+        fullgraph), its backward compiled with it. Eagerly the norms, RoPE's fp32 passes and the MLP's activation each
+        read and write the whole [Q, width] activation; compiled they fuse into the matmuls' neighbours. The layers
+        share one code object and take their weights as graph inputs, so one graph per bucket serves all of them, and
+        the flex call inside is traced into the same graph (its guard still raises wherever it would run eagerly).
+        Used by training only (`compiled=True`): decoding runs other shapes through the flex call's own compile."""
+        self._compiled = [torch.compile(layer.forward, backend=backend, dynamic=False, fullgraph=True)
+                          for layer in self.layers]  # fmt: skip
 
     @torch.no_grad()
     def init_linear_weights(self, std: float) -> None:
@@ -136,6 +147,7 @@ class Drafter(nn.Module):
         block_pos: torch.Tensor,  # [B, Q]
         mask,
         backend,
+        compiled: bool = False,
     ) -> torch.Tensor:
         B, S, _ = target_hidden.shape
         ctx = self.ctx_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))  # [B, S, C]
@@ -143,7 +155,8 @@ class Drafter(nn.Module):
         rope_ctx = rope_cos_sin(ctx_pos, self.d.head_dim, self.d.rope_theta)
         rope_q = rope_cos_sin(block_pos, self.d.head_dim, self.d.rope_theta)
         x = block_emb.to(ctx.dtype)
-        for layer in self.layers:
+        steps = self._compiled if compiled and self._compiled else self.layers
+        for layer in steps:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, ctx, rope_q, rope_ctx, mask, backend, use_reentrant=False)
             else:

@@ -155,6 +155,9 @@ def build(
     drafter = Drafter(dims, d.activation_checkpointing).to(device)
     if d.init_std is not None and not d.init_from:
         drafter.init_linear_weights(d.init_std)
+    flex_on_cuda = device.type == "cuda" and cfg.attention.backend == "flex"
+    if for_training and (d.compile == "on" or (d.compile == "auto" and flex_on_cuda)):
+        drafter.compile_layers()
     mask_id = resolve_mask_token(cfg, target.config, soft_tokenizer(cfg), source)
     if d.init_from:  # fine-tune a drafter in the public DFlash format
         from trainer.model.dflash_format import check_matches, draft_config, read_export
@@ -202,11 +205,13 @@ def autocast(parts: Parts):
     return contextlib.nullcontext()
 
 
-def drafter_output(parts: Parts, drafter: torch.nn.Module, b: BlockBatch, backend=None) -> torch.Tensor:
+def drafter_output(
+    parts: Parts, drafter: torch.nn.Module, b: BlockBatch, backend=None, compiled: bool = False
+) -> torch.Tensor:
     """Target hidden states -> drafter -> [B, Q, C] final hidden states of the block tokens (b on parts.device).
 
     `drafter` is the module to call: the Drafter itself or its DistributedDataParallel wrapper; `backend` defaults to
-    the training attention.
+    the training attention; `compiled` runs the drafter's compiled layers where it has them (training's shapes).
     """
     backend = backend or parts.backend
     hidden = parts.target.hidden_states(b.input_ids, compiled=True)  # [B, S, n*C], no grad
@@ -214,7 +219,7 @@ def drafter_output(parts: Parts, drafter: torch.nn.Module, b: BlockBatch, backen
     heads = parts.drafter.d.num_heads
     mask = backend.build_mask(b.anchors, b.anchor_valid, b.seq_len, b.block_size, heads)
     with autocast(parts):
-        return drafter(hidden, block_emb, b.block_pos, mask, backend)  # [B, Q, C]
+        return drafter(hidden, block_emb, b.block_pos, mask, backend, compiled=compiled)  # [B, Q, C]
 
 
 def forward_loss(
@@ -222,7 +227,7 @@ def forward_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weighted CE sum, weight sum, weighted correct sum) for one batch on parts.device."""
     b = batch.to(parts.device)
-    out = drafter_output(parts, drafter or parts.drafter, b)
+    out = drafter_output(parts, drafter or parts.drafter, b, compiled=True)
     with autocast(parts):
         return block_loss(out, parts.target.lm_head, b.labels, b.weights, parts.cfg.optim.chunked_loss,
                           parts.cfg.optim.loss_kernel)
