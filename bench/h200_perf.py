@@ -178,7 +178,7 @@ def split_step(parts, opt, batch, kernel: str) -> dict:
     emb = parts.target.embed(b.block_ids)
     mask = parts.backend.build_mask(b.anchors, b.anchor_valid, b.seq_len, b.block_size, parts.drafter.d.num_heads)
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = parts.drafter(hidden, emb, b.block_pos, mask, parts.backend)
+        out = parts.drafter(hidden, emb, b.block_pos, mask, parts.backend, compiled=True)
     ev[2].record()
     out_d = out.detach().requires_grad_(True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -433,11 +433,15 @@ def main() -> None:
     ap.add_argument("--steady-steps", type=int, default=105)
     ap.add_argument("--skip-cli", action="store_true")
     ap.add_argument("--skip-isolated", action="store_true", help="no isolated kernel / SDPA / dense comparison")
+    ap.add_argument("--drafter-compile", choices=["auto", "on", "off"], default="auto",
+                    help="drafter.compile: its layers compiled whole (auto on CUDA), or the flex call alone (off)")
     args = ap.parse_args()
+    CONFIG["drafter"] = {**CONFIG.get("drafter", {}), "compile": args.drafter_compile}
     import torch
 
     # no CUDA in this process before the cycle: its context would count as an unknown process on the GPU
-    report: dict = {"date": time.strftime("%Y-%m-%d"), "torch_version": torch.__version__, "two_gpu_speedup": None}
+    report: dict = {"date": time.strftime("%Y-%m-%d"), "torch_version": torch.__version__, "two_gpu_speedup": None,
+                    "drafter_compile": args.drafter_compile}
     if not args.skip_cli:
         try:
             report["cli"] = cli_cycle()

@@ -203,3 +203,25 @@ def test_the_curves_plot_from_a_results_file(tmp_path):
     assert plot_quality.main([str(source), str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
     assert plot_quality.main(["one-argument"]) == 2
+
+
+def test_variant_settings_take_json_or_a_bare_word():
+    import run_quality
+
+    sets = run_quality.parse_sets(["tag=-b2", 'betas=[0.9,0.999]', "init_std=0.02", 'tag2="-x"'])
+    assert sets == {"tag": "-b2", "betas": [0.9, 0.999], "init_std": 0.02, "tag2": "-x"}
+    assert run_quality.ours_name(sets) == "ours-b2"
+
+
+def test_paired_taus_count_wins_and_bracket_the_mean_difference(tmp_path):
+    import pair_taus
+
+    a = {i: 2.0 for i in range(20)}
+    b = {i: 2.0 + (0.5 if i % 4 else -0.5) for i in range(20)}  # 15 higher by 0.5, 5 lower by 0.5
+    r = pair_taus.paired(a, b)
+    assert r["prompts"] == 20 and r["prompts_b_higher"] == 15 and r["prompts_a_higher"] == 5
+    assert r["b_minus_a"] == pytest.approx(0.25)
+    lo, hi = r["bootstrap_95"]
+    assert lo < 0.25 < hi and lo > 0  # 15 of 20 ahead: the interval stays above zero
+    (tmp_path / "x.jsonl").write_text('{"index": 3, "tau": 1.5}\n\n{"index": 4, "tau": 2.5}\n')
+    assert pair_taus.per_prompt(tmp_path / "x.jsonl") == {3: 1.5, 4: 2.5}

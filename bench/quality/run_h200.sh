@@ -20,7 +20,7 @@ keep() { (cd "$WORK" && tar czf "$OUTDIR/quality.tgz" --exclude=regen.jsonl -- *
 if [ "${PHASES:-all}" = prepare ]; then [ -f "$WORK/features.json" ] || q --phase features; keep; exit 0; fi
 q --phase ours > "$WORK/ours.out" 2>&1 & ours=$!
 ( ([ -f "$WORK/features.json" ] || q --phase features) && PYTHONPATH=/tmp/sfsite q --phase specforge) > "$WORK/specforge.out" 2>&1 & sf=$!
-# variants of ours beside the rest, for the "why" runs, e.g. VARIANT='--set tag="-b2" --set betas=[0.9,0.999]'
+# variants of ours beside the rest, for the "why" runs, e.g. VARIANT='--set tag=-b2 --set betas=[0.9,0.999]'
 # (VARIANT2 a second one: --set init_std=0.02 for Hugging Face's initialisation)
 if [ -n "${VARIANT:-}" ]; then eval "q --phase ours $VARIANT" > "$WORK/variant.out" 2>&1 & fi
 if [ -n "${VARIANT2:-}" ]; then eval "q --phase ours $VARIANT2" > "$WORK/variant2.out" 2>&1 & fi

@@ -301,18 +301,28 @@ def specforge_log_stats(sf_log: Path) -> dict:
             "loss": [(k, round(r["train/loss"], 4)) for k, r in rows if "train/loss" in r][::5]}  # fmt: skip
 
 
+def parse_sets(items: list[str]) -> dict:
+    """`KEY=JSON` overrides; a value that is not JSON (a bare word whose quotes a shell ate) is the string itself."""
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench/quality/run_quality.py", description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, type=Path)
     ap.add_argument("--phase", required=True, choices=["target", "data", "features", "ours", "specforge", "lookup"])
     ap.add_argument("--scale", choices=sorted(SCALES), default="gpu")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override one scale setting")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="override one scale setting (JSON, else a string)")
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    s = dict(SCALES[args.scale])
-    for item in args.set:
-        key, _, value = item.partition("=")
-        s[key] = json.loads(value)
+    s = {**SCALES[args.scale], **parse_sets(args.set)}
     phase = ours_name(s) if args.phase == "ours" else args.phase
     log = args.work / f"{phase}.log"
     t0 = time.time()
