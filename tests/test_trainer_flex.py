@@ -126,3 +126,24 @@ def test_guard_refuses_eager_flex(mode, tmp_path):
     assert "2.00 GiB" in message
     assert ("disabled" in message) if mode == "disabled" else ("recompile limit" in message)
     assert int(grew_mib) < 256  # nothing near the 2 GiB score matrix was allocated
+
+
+def test_compiled_drafter_layers_still_refuse_to_run_flex_eagerly():
+    """The drafter's compiled layers trace the flex call into their own graph; with compilation off they run eagerly,
+    and the flex call inside must still raise rather than materialise the dense scores."""
+    import torch._dynamo
+
+    from trainer.errors import DenseFallbackError
+    from trainer.model.drafter import Drafter, DrafterDims
+
+    dims = DrafterDims(hidden=32, intermediate=64, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=2,
+                       num_target_layers=2)  # fmt: skip
+    drafter = Drafter(dims)
+    drafter.compile_layers()
+    flex = FlexBackend()
+    S, A, bs = 4096, 256, 16  # Q = 4096, KV = 8192: the dense scores would be 0.5 GiB
+    anc = (torch.arange(A) * 8 + 1).view(1, -1)
+    mask = flex.build_mask(anc, torch.ones(1, A, dtype=torch.bool), S, bs, dims.num_heads)
+    args = (torch.randn(1, S, 2 * 32), torch.randn(1, A * bs, 32), torch.arange(A * bs).view(1, -1), mask, flex)
+    with torch.no_grad(), torch._dynamo.config.patch(disable=True), pytest.raises(DenseFallbackError, match="disabled"):
+        drafter(*args, compiled=True)
