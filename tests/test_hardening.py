@@ -345,6 +345,21 @@ def boot(home: Path, stdin: bytes, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*argv, *args], input=stdin, capture_output=True, env={**os.environ, "HOME": str(home)})
 
 
+def test_a_remote_sitecustomize_that_prints_cannot_corrupt_the_agents_answer(tmp_path):
+    """A remote Python whose site hooks print (a sitecustomize, a .pth of some install): the agent is stdlib only and
+    starts without `site`, so its stdout stays the one JSON answer the client parses."""
+    home, hooks = tmp_path / "home", tmp_path / "hooks"
+    home.mkdir()
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text("print('welcome to the cluster')\n")
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(hooks)}
+    chatty = subprocess.run([sys.executable, "-c", "pass"], capture_output=True, text=True, env=env)
+    assert chatty.stdout == "welcome to the cluster\n"  # the hook is live for an ordinary start
+    argv = boot_argv(sys.executable, "probe", json.dumps({"action": "tail", "path": "/proc/version", "lines": 1}))
+    res = subprocess.run(argv, input=AGENT, capture_output=True, env=env)
+    assert res.returncode == 0 and json.loads(res.stdout)["exists"]
+
+
 def test_the_agent_runs_only_when_its_hash_matches_and_keeps_a_private_copy(tmp_path):
     home = tmp_path / "home"
     home.mkdir()

@@ -37,5 +37,6 @@ BOOT = (
 
 
 def boot_argv(python: str, action: str, *args: str) -> list[str]:
-    """The remote argv of one agent action; its stdin must start with AGENT."""
-    return [python, "-c", BOOT, str(len(AGENT)), AGENT_SHA, action, *args]
+    """The remote argv of one agent action; its stdin must start with AGENT. `-S`: the agent is stdlib only, so the
+    interpreter skips `site`: a remote's sitecustomize or .pth hook that prints can never corrupt its JSON answer."""
+    return [python, "-S", "-c", BOOT, str(len(AGENT)), AGENT_SHA, action, *args]
