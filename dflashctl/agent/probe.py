@@ -41,9 +41,14 @@ import subprocess
 import sys
 import time
 
-from . import slurm
 from .common import locked, read_int, read_json, start_time, write_atomic
-from .pack import own_archive
+
+
+def _slurm():
+    """agent/slurm.py, imported where a Slurm host needs it: a poll of a tmux job never pays for it."""
+    from . import slurm
+
+    return slurm
 
 TMUX = ["tmux", "-L", "dflashctl"]  # the dedicated server; a request's `tmux_socket` names another
 GPU_FIELDS = [
@@ -504,7 +509,7 @@ def snapshot(req: dict) -> dict:
     lines = int(req.get("capture_lines", 40))
     scheduled = req.get("scheduler") == "slurm" and bool(run_dir)
     # a Slurm job's "pane" is its submission: alive, ended (with its exit status) or unknown to the scheduler
-    snap["session"] = slurm.session_info(run_dir, lines) if scheduled else tmux_session(req.get("session"), lines)
+    snap["session"] = _slurm().session_info(run_dir, lines) if scheduled else tmux_session(req.get("session"), lines)
     table = proc_table()
     root = None if scheduled else launcher_of(run_dir, snap["session"])  # Slurm's nodes: the tag on this machine
     snap["procs"] = job_processes(table, root, req.get("job_id"))
@@ -838,8 +843,8 @@ def reap(req: dict) -> dict:
                 write_atomic(os.path.join(run_dir, STOP_REQUEST), json.dumps(body).encode())
     grace = float(req.get("grace_s", 40))
     if req.get("scheduler") == "slurm" and has_dir:  # scancel, seen to end; then what is left on this machine
-        job = slurm.current_job(run_dir)
-        q = slurm.cancel(job, grace + 30) if job else {"known": False}
+        job = _slurm().current_job(run_dir)
+        q = _slurm().cancel(job, grace + 30) if job else {"known": False}
         report = stop_processes(run_dir, None, req.get("job_id"), grace)
         report["slurm"] = {"id": job, "state": q.get("state") or ("gone" if q.get("known") is False else "no answer"),
                            "source": q.get("source") or q.get("cancel_error") or q.get("why")}  # fmt: skip
@@ -929,7 +934,7 @@ def preconditions(req: dict, wd: str) -> list[tuple[str, str]]:
     problems = []
     scheduled = req.get("scheduler") == "slurm"
     if scheduled:
-        problems += [("host.slurm", f"{t} is not on the login node's PATH") for t in slurm.missing_tools()]
+        problems += [("host.slurm", f"{t} is not on the login node's PATH") for t in _slurm().missing_tools()]
     elif not shutil.which("tmux"):
         problems.append(("host", "tmux is not installed on this host"))
     needs = req.get("needs") or {}
@@ -960,6 +965,8 @@ def make_run_dir(wd: str, job_id: str, files: dict) -> str | None:
         return None
     for name, text in files.items():
         write_atomic(os.path.join(run, name), text.encode("utf-8", "surrogateescape"))
+    from .pack import own_archive  # zipfile and pathlib: only a launch copies the agent
+
     write_atomic(os.path.join(run, AGENT_FILE), own_archive())
     os.mkdir(os.path.join(run, "inductor-cache"), 0o700)
     return run
@@ -978,8 +985,8 @@ def launch_slurm(req: dict, payload: bytes) -> dict:
     if not req.get("skip_release") and not os.path.isfile(os.path.join(release, ".dflashctl-manifest.json")):
         return {"refused": [f"release {req['release']} is not deployed in {wd} (run dflashctl deploy)"]}
     if req.get("check_only"):
-        if slurm.SCRIPT in files:
-            err = slurm.test_only(files[slurm.SCRIPT], wd if os.path.isdir(wd) else "/")
+        if _slurm().SCRIPT in files:
+            err = _slurm().test_only(files[_slurm().SCRIPT], wd if os.path.isdir(wd) else "/")
             if err:
                 return {"refused": [f"sbatch --test-only: {err}"], "key": "host.slurm", "config": True}
         return {"ok": True, "overrides": []}
@@ -987,7 +994,7 @@ def launch_slurm(req: dict, payload: bytes) -> dict:
     run = make_run_dir(wd, req["job_id"], files)
     if run is None:
         return {"refused": [f"run dir {os.path.join(wd, 'runs', req['job_id'])} already exists"]}
-    job, err = slurm.submit(run, [])
+    job, err = _slurm().submit(run, [])
     if job is None:
         shutil.rmtree(run, ignore_errors=True)  # made by this call a moment ago: nothing of the job ran
         return {"refused": [f"sbatch refused the job: {err}"], "key": "host.slurm", "config": True}
@@ -1097,13 +1104,13 @@ def restart(req: dict) -> dict:
         if refused:
             return refused
         if scheduled:
-            old = slurm.current_job(run)
-            q = slurm.cancel(old, grace + 30) if old else {}
+            old = _slurm().current_job(run)
+            q = _slurm().cancel(old, grace + 30) if old else {}
             if q.get("known") is not False and not q.get("final"):
                 state = q.get("state") or f"unknown ({q.get('why')})"
                 return {"restarted": False, "restarts": count,
                         "why": f"slurm job {old} is still {state} after scancel"}  # fmt: skip
-            slurm.exclude_failed_nodes(run, q)
+            _slurm().exclude_failed_nodes(run, q)
         stopped = stop_processes(run, None if scheduled else req["session"], req["job_id"], grace)
         if stopped["remaining"]:
             return {"restarted": False, "why": f"the old attempt survived SIGKILL: pids {stopped['remaining']}",
@@ -1112,7 +1119,7 @@ def restart(req: dict) -> dict:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(run, stale))
         if scheduled:
-            job, err = slurm.submit(run, list(req.get("args", [])))
+            job, err = _slurm().submit(run, list(req.get("args", [])))
             if job is None:
                 return {"restarted": False, "why": f"sbatch refused the resubmission: {err}", "restarts": count}
             write_atomic(os.path.join(run, RESTARTS), f"{count + 1}\n".encode())

@@ -17,7 +17,7 @@ AGENT = build()
 AGENT_SHA = hashlib.sha256(AGENT).hexdigest()
 
 BOOT = (
-    "import sys,os,hashlib,runpy,tempfile\n"
+    "import sys,os,hashlib,runpy\n"
     "n=int(sys.argv.pop(1));h=sys.argv.pop(1);z=sys.stdin.buffer.read(n)\n"
     "if hashlib.sha256(z).hexdigest()!=h:\n"
     " sys.exit('dflashctl agent: %d bytes arrived, not the agent of hash %s'%(len(z),h))\n"
@@ -31,7 +31,7 @@ BOOT = (
     " with os.fdopen(fd,'wb') as f:f.write(z)\n"
     " os.replace(t,p);return p\n"
     "try:p=keep(os.path.join(os.path.expanduser('~'),'.cache','dflashctl'))\n"
-    "except OSError:p=keep(os.path.join(tempfile.gettempdir(),'dflashctl-agent-%d'%os.getuid()))\n"
+    "except OSError:import tempfile;p=keep(os.path.join(tempfile.gettempdir(),'dflashctl-agent-%d'%os.getuid()))\n"
     "sys.argv[0]=p;runpy.run_path(p,run_name='__main__')\n"
 )
 
