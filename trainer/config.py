@@ -225,6 +225,7 @@ def _build(cls: type, data: dict, source: str, prefix: str = "") -> Any:
 
 
 def validate(cfg: TrainConfig, source: str) -> TrainConfig:
+    """Cross-field checks that the types alone cannot express."""
     mode, _ = parse_parallel(cfg.target.parallel, source)
     if mode != "replicate" and cfg.target.compile == "on":
         raise ConfigError(source, "target.compile", "on is for a replicated target (leave it auto with parallel)")
@@ -232,7 +233,6 @@ def validate(cfg: TrainConfig, source: str) -> TrainConfig:
         raise ConfigError(source, "drafter.init_std", "must be a standard deviation between 0 and 1 (e.g. 0.02)")
     if cfg.target.memory_gib is not None and not cfg.target.memory_gib > 0:
         raise ConfigError(source, "target.memory_gib", "must be a positive number of GiB")
-    """Cross-field checks that the types alone cannot express."""
     d = cfg.drafter
     if d.block_size < 2 or 128 % d.block_size:
         raise ConfigError(source, "drafter.block_size", "must divide 128 (2, 4, 8, 16, 32, 64 or 128): a flex tile "
