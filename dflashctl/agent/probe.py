@@ -843,8 +843,9 @@ def reap(req: dict) -> dict:
                 write_atomic(os.path.join(run_dir, STOP_REQUEST), json.dumps(body).encode())
     grace = float(req.get("grace_s", 40))
     if req.get("scheduler") == "slurm" and has_dir:  # scancel, seen to end; then what is left on this machine
-        job = _slurm().current_job(run_dir)
-        q = _slurm().cancel(job, grace + 30) if job else {"known": False}
+        slurm = _slurm()
+        job = slurm.current_job(run_dir)
+        q = slurm.cancel(job, grace + 30) if job else {"known": False}
         report = stop_processes(run_dir, None, req.get("job_id"), grace)
         report["slurm"] = {"id": job, "state": q.get("state") or ("gone" if q.get("known") is False else "no answer"),
                            "source": q.get("source") or q.get("cancel_error") or q.get("why")}  # fmt: skip
@@ -976,6 +977,7 @@ def launch_slurm(req: dict, payload: bytes) -> dict:
     """A Slurm host: the run dir written as for tmux, then one `sbatch` of its batch script. The scheduler owns the
     GPUs, so there is no GPU check here; sbatch's own refusal (a bad partition, account or time) refuses the launch
     and leaves no run dir. A dry run asks `sbatch --test-only` with the same script."""
+    slurm = _slurm()
     wd = req["workdir"]
     missing = preconditions(req, wd if os.path.isdir(wd) else os.path.dirname(wd) or "/")
     if missing:
@@ -985,8 +987,8 @@ def launch_slurm(req: dict, payload: bytes) -> dict:
     if not req.get("skip_release") and not os.path.isfile(os.path.join(release, ".dflashctl-manifest.json")):
         return {"refused": [f"release {req['release']} is not deployed in {wd} (run dflashctl deploy)"]}
     if req.get("check_only"):
-        if _slurm().SCRIPT in files:
-            err = _slurm().test_only(files[_slurm().SCRIPT], wd if os.path.isdir(wd) else "/")
+        if slurm.SCRIPT in files:
+            err = slurm.test_only(files[slurm.SCRIPT], wd if os.path.isdir(wd) else "/")
             if err:
                 return {"refused": [f"sbatch --test-only: {err}"], "key": "host.slurm", "config": True}
         return {"ok": True, "overrides": []}
@@ -994,7 +996,7 @@ def launch_slurm(req: dict, payload: bytes) -> dict:
     run = make_run_dir(wd, req["job_id"], files)
     if run is None:
         return {"refused": [f"run dir {os.path.join(wd, 'runs', req['job_id'])} already exists"]}
-    job, err = _slurm().submit(run, [])
+    job, err = slurm.submit(run, [])
     if job is None:
         shutil.rmtree(run, ignore_errors=True)  # made by this call a moment ago: nothing of the job ran
         return {"refused": [f"sbatch refused the job: {err}"], "key": "host.slurm", "config": True}
@@ -1095,6 +1097,7 @@ def restart(req: dict) -> dict:
     if not os.path.isdir(run):
         return {"restarted": False, "why": "the run dir is gone"}
     scheduled = req.get("scheduler") == "slurm"
+    slurm = _slurm() if scheduled else None
     if not any(os.path.isfile(os.path.join(run, f)) for f in (AGENT_FILE, "launcher.py")):
         return {"restarted": False, "why": "launched by an older dflashctl (no launcher in its run dir): relaunch it"}
     grace = float(req.get("grace_s", 40))
@@ -1104,13 +1107,13 @@ def restart(req: dict) -> dict:
         if refused:
             return refused
         if scheduled:
-            old = _slurm().current_job(run)
-            q = _slurm().cancel(old, grace + 30) if old else {}
+            old = slurm.current_job(run)
+            q = slurm.cancel(old, grace + 30) if old else {}
             if q.get("known") is not False and not q.get("final"):
                 state = q.get("state") or f"unknown ({q.get('why')})"
                 return {"restarted": False, "restarts": count,
                         "why": f"slurm job {old} is still {state} after scancel"}  # fmt: skip
-            _slurm().exclude_failed_nodes(run, q)
+            slurm.exclude_failed_nodes(run, q)
         stopped = stop_processes(run, None if scheduled else req["session"], req["job_id"], grace)
         if stopped["remaining"]:
             return {"restarted": False, "why": f"the old attempt survived SIGKILL: pids {stopped['remaining']}",
@@ -1119,7 +1122,7 @@ def restart(req: dict) -> dict:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(run, stale))
         if scheduled:
-            job, err = _slurm().submit(run, list(req.get("args", [])))
+            job, err = slurm.submit(run, list(req.get("args", [])))
             if job is None:
                 return {"restarted": False, "why": f"sbatch refused the resubmission: {err}", "restarts": count}
             write_atomic(os.path.join(run, RESTARTS), f"{count + 1}\n".encode())
