@@ -94,6 +94,44 @@ def test_failed_and_completed_are_judged_from_the_exit_code_and_the_log():
     assert assess(killed, TH).state == "HOST_OOM"
 
 
+@pytest.mark.parametrize("state", ["RUNNING", "COMPLETING"])
+def test_a_command_ended_while_slurm_still_says_it_runs_waits_for_slurms_word(state):
+    """A preemption with GraceTime, the time limit or a scancel signal the job before Slurm's state says why, and a
+    probe can read the scheduler just before the exit: the SIGTERM's exit 143 is not CRASHED (nor restarted as one)
+    while Slurm has not spoken; its next word settles it. A command that ended by itself long ago is judged."""
+    h = history(state, SIGTERM_TAIL[:3], exit_code=143)
+    h.pane_dead, h.exit_time = False, h.now - 2
+    v = assess(h, TH)
+    assert v.state == "RUNNING" and "waiting for Slurm's word" in v.reason, v
+    assert v.evidence == ["exit_code 143 written 2 s ago", f"slurm job 7 still {state}"]
+    h.scheduler["state"] = "PREEMPTED"
+    assert assess(h, TH).state == "PREEMPTED"
+    h.scheduler["state"], h.exit_time = state, h.now - 31  # Slurm never said otherwise: the files judge
+    assert assess(h, TH).state == "CRASHED"
+
+
+def test_the_probe_asks_slurm_again_once_it_has_read_an_exit(tmp_path, monkeypatch):
+    """The probe reads the scheduler, then the run dir: a preemption between the two shows a RUNNING job with an
+    exit code. Slurm sets PREEMPTED before the signal that ends the command, so the probe asks again after reading
+    the exit, and the snapshot carries the scheduler's word on the end (recorded answers: RUNNING, then PREEMPTED)."""
+    from dflashctl.agent import probe
+
+    bin_dir, run = tmp_path / "bin", tmp_path / "run"
+    bin_dir.mkdir(), run.mkdir()
+    (run / "slurm_job").write_text("1\n")
+    (run / "exit_code").write_text("143\n")
+    answers = [FIXTURES / "scontrol-running.txt", FIXTURES / "scontrol-preempted.txt"]
+    (bin_dir / "scontrol").write_text(  # the first call answers RUNNING, every later one PREEMPTED
+        f"#!/bin/sh\nif [ -e {tmp_path}/asked ]; then cat {answers[1]}\n"
+        f"else touch {tmp_path}/asked; cat {answers[0]}; fi\n"
+    )
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    snap = probe.snapshot({"run_dir": str(run), "scheduler": "slurm", "gpus": False, "capture_lines": 0})
+    assert snap["exit_code"] == 143 and snap["session"]["slurm"]["state"] == "PREEMPTED"
+    assert snap["session"]["pane_dead"] and snap["session"]["exit_status"] == 143
+
+
 def test_pending_names_slurms_reason_and_a_gone_job_is_lost():
     h = history("PENDING", reason="Priority")
     v = assess(h, TH)

@@ -527,6 +527,10 @@ def snapshot(req: dict) -> dict:
                                        int(req.get("max_metrics_bytes", 1 << 20)))  # fmt: skip
         snap["heartbeat"] = read_heartbeat(run_dir, now)
         snap["exit_code"] = read_int(os.path.join(run_dir, "exit_code"))
+        if scheduled and snap["exit_code"] is not None and not snap["session"].get("pane_dead"):
+            # asked again after the exit was read: a preemption or a time limit sets Slurm's state before the
+            # signal that ends the command, so this answer names the cause where the first one was too early
+            snap["session"] = _slurm().session_info(run_dir, lines)
         try:  # when it ended, on this clock: over several nodes, which one failed first
             snap["exit_time"] = os.path.getmtime(os.path.join(run_dir, "exit_code"))
         except OSError:

@@ -177,6 +177,7 @@ class Watcher:
         h.run_dir_exists = snap["run_dir_exists"]
         h.exit_code = snap.get("exit_code")
         self.exit_time = snap.get("exit_time") if isinstance(snap.get("exit_time"), (int, float)) else None
+        h.exit_time = self.exit_time
         h.stop_request, h.stop_result = snap.get("stop_request"), snap.get("stop_result")
         log = snap.get("log") or {}
         self.log_offset = log.get("offset", self.log_offset)

@@ -409,6 +409,7 @@ class History:
     kernel_xid: list[str] = field(default_factory=list)  # the kernel log's GPU driver (Xid) lines since launch
     nonfinite_steps: int = 0  # consecutive non-finite steps the trainer skipped
     scheduler: dict | None = None  # a Slurm job's state as the scheduler said it: id, state, reason, nodes, exit
+    exit_time: float | None = None  # when exit_code was written, remote clock
 
 
 @dataclass
@@ -542,7 +543,7 @@ def assess(h: History, th: Thresholds) -> Verdict:
         return _stopped(h)
     lines = this_attempt(h.log_tail + [ln for ln in h.pane_lines if ln not in h.log_tail[-200:]])
     if h.scheduler is not None:
-        scheduled = _scheduled(h)
+        scheduled = _scheduled(h) or _settling(h)
         if scheduled is not None:
             return scheduled
     if h.exit_code is not None or (h.session_exists and h.pane_dead):
@@ -630,6 +631,26 @@ def _scheduled(h: History) -> Verdict | None:
     if verdict == "PREEMPTED":
         return _verdict("PREEMPTED", "preempted by the scheduler", [said, *at], h)
     return _verdict("CANCELLED", "cancelled outside dflashctl (scancel, or an administrator)", [said, *at], h)
+
+
+SLURM_ACTIVE = ("RUNNING", "COMPLETING", "CONFIGURING", "SIGNALING", "STAGE_OUT", "RESIZING")
+SLURM_SETTLE_S = 30.0  # after the command's end, how long Slurm may take to say its own end of the job
+
+
+def _settling(h: History) -> Verdict | None:
+    """The command ended (exit_code written) while Slurm still says the job runs: a preemption, the time limit or a
+    scancel signal the job before its state says so (GraceTime, KillWait), and a probe may read the scheduler just
+    before the exit. Slurm's own word names the cause within seconds; until then nothing is concluded (a preempted
+    job is not CRASHED). Past SLURM_SETTLE_S the files judge, as for a job that ended by itself."""
+    state = str((h.scheduler or {}).get("state") or "")
+    if h.exit_code is None or state not in SLURM_ACTIVE:
+        return None
+    ended = h.exit_time if h.exit_time is not None else h.now
+    if h.now - ended > SLURM_SETTLE_S:
+        return None
+    ev = [f"exit_code {h.exit_code} written {max(0.0, h.now - ended):.0f} s ago",
+          f"slurm job {(h.scheduler or {}).get('id')} still {state}"]  # fmt: skip
+    return _verdict("RUNNING", f"the command ended (exit {h.exit_code}); waiting for Slurm's word on the job", ev, h)
 
 
 def _stopped(h: History) -> Verdict:
