@@ -249,7 +249,7 @@ class Run:
                 self.model.register_comm_hook(None, bf16_compress_hook)
         self.opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                      weight_decay=cfg.optim.weight_decay,
-                                     fused=self.world.device.type == "cuda")  # fmt: skip
+                                     fused=True)  # fmt: skip  # found_inf: the skip decided on the device
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.global_batch = cfg.data.batch_size * self.layout.dp  # the ranks of a tensor group share their batch
         self.stream = DataStream(self.ds, self.global_batch, cfg.seed)
@@ -311,6 +311,23 @@ class Run:
         self.result.preflight = report
         self.baseline = graphs_compiled()
 
+    def _step_update(self, numbers: torch.Tensor) -> list[float]:
+        """Queue the update, then bring the step's numbers (loss and correct sums, peaks, weight total, grad norm)
+        to the host. The fused AdamW skips the update on the device when the loss or the grad norm is not finite
+        (its `found_inf`, as GradScaler uses it), so the host waits for the numbers only and the device runs the
+        update while the host prepares the next step; the guard then counts the same skip from the same numbers."""
+        self.opt.found_inf = (~(torch.isfinite(numbers[0]) & torch.isfinite(numbers[-1]))).float()
+        if numbers.device.type != "cuda":
+            self.opt.step()
+            return numbers.tolist()
+        host = torch.empty(numbers.shape, dtype=numbers.dtype, pin_memory=True)
+        host.copy_(numbers, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self.opt.step()  # queued behind the copy: the host does not wait for it
+        copied.synchronize()
+        return host.tolist()
+
     def train_step(self, step: int) -> None:
         """One optimiser step over `grad_accum` micro-batches of one global batch; the loss normalised over every
         rank and micro-batch; skipped (no update) when the loss or the grad norm is not finite."""
@@ -326,9 +343,9 @@ class Run:
             epoch, gb = self.stream.next()
             seq_len, idx = shard(gb, layout.dp_rank, cfg.data.batch_size)
             micro.append(make_batch(parts, self.ds, seq_len, idx, epoch))
-        w_local = sum(float(b.weights.sum()) for b in micro)
-        w_global = all_reduce_sum(torch.tensor([w_local], dtype=torch.float64, device=world.device), world).item()
-        scale = world.size / max(w_global, 1e-6)
+        # the weight total stays on the device: no host sync before the step's first kernel
+        w_global = all_reduce_sum(torch.stack([b.weights.sum().double() for b in micro]).sum().reshape(1), world)
+        scale = world.size / w_global.clamp_min(1e-6)
         sums = torch.zeros(2, dtype=torch.float64, device=world.device)  # [loss sum, correct sum]
         tokens = 0
         for i, batch in enumerate(micro):
@@ -344,12 +361,12 @@ class Run:
         peak = torch.cuda.max_memory_allocated(world.device) / 2**30 if cuda else _max_rss_gib()
         peaks = torch.zeros(world.size, dtype=torch.float64, device=world.device)
         peaks[world.rank] = peak
-        reduced = all_reduce_sum(torch.cat([sums, peaks]), world).tolist()  # one collective, one sync per step
-        loss_v, acc_v = (v / max(w_global, 1e-6) for v in reduced[:2])
-        gnorm = float(grad_norm)  # computed before the collective: the sync above already waited for it
-        finite = guard.check(step, loss_v, gnorm, self.sched.get_last_lr()[0])  # the same on every rank
-        if finite:
-            self.opt.step()
+        reduced = all_reduce_sum(torch.cat([sums, peaks]), world)  # one collective, one sync per step
+        numbers = torch.cat([reduced, w_global, grad_norm.detach().double().reshape(1)])
+        host = self._step_update(numbers)
+        loss_v, acc_v = (v / max(host[-2], 1e-6) for v in host[:2])
+        gnorm = host[-1]
+        finite = guard.check(step, loss_v, gnorm, self.sched.get_last_lr()[0])  # the device's own skip, counted
         self.sched.step()  # a skipped step still counts: the schedule follows the step number
         self.opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
@@ -363,7 +380,7 @@ class Run:
         if self.metrics:
             rec = {"step": step, "epoch": epoch, "tokens_per_s": round(tps, 1), "loss": _json_number(loss_v, 6),
                    "acc": round(acc_v, 6), "lr": lr, "grad_norm": _json_number(gnorm, 6),
-                   "peak_mem_gib": round(peak, 3), "peak_mem_gib_ranks": [round(x, 3) for x in reduced[2:]]}
+                   "peak_mem_gib": round(peak, 3), "peak_mem_gib_ranks": [round(x, 3) for x in host[2:-2]]}
             if not finite:
                 rec.update(skipped=True, nonfinite_steps=guard.streak)
             self.metrics.write(rec)
