@@ -119,3 +119,30 @@ def test_non_finite_weights_are_never_saved_or_exported(tmp_path):
     with pytest.raises(NonFiniteWeightsError):
         write_export(tmp_path / "export", {"fc.weight": lin.weight.detach()}, {"architectures": ["DFlashDraftModel"]})
     assert not (tmp_path / "export").exists()
+
+
+def test_a_non_finite_step_is_skipped_by_the_optimizer_itself_and_a_finite_one_updates():
+    """The update is queued before the host reads the step's numbers (Run._step_update): the fused AdamW skips it
+    on the device when the loss sum or the grad norm is not finite. A skipped step leaves weights, moments and the
+    step count as they were; the next finite step updates as if the bad one never happened."""
+    from types import SimpleNamespace
+
+    from trainer.run.training import Run
+
+    torch.manual_seed(0)
+    p, q = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
+    q.data.copy_(p.data)
+    run = SimpleNamespace(opt=torch.optim.AdamW([p], lr=0.1, fused=True))
+    ref = torch.optim.AdamW([q], lr=0.1, fused=True)  # never sees the bad step
+    grad = torch.randn(4)
+    numbers = torch.tensor([3.0, 1.0, 0.5, 8.0, 2.0], dtype=torch.float64)  # loss, correct, peak, weight, grad norm
+    for bad in ([float("nan"), 1.0, 0.5, 8.0, 2.0], [3.0, 1.0, 0.5, 8.0, float("inf")]):
+        before = p.detach().clone()
+        p.grad = grad.clone()
+        host = Run._step_update(run, torch.tensor(bad, dtype=torch.float64))
+        assert not math.isfinite(host[0]) or not math.isfinite(host[-1])
+        assert torch.equal(p.detach(), before) and float(run.opt.state[p]["step"]) == 0
+    p.grad, q.grad = grad.clone(), grad.clone()
+    assert Run._step_update(run, numbers) == numbers.tolist()
+    ref.step()
+    assert torch.equal(p.detach(), q.detach()) and float(run.opt.state[p]["step"]) == 1
