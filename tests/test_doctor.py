@@ -44,3 +44,28 @@ def test_doctor_fails_when_container_is_missing(cli, client):
 def test_doctor_table_for_people(cli, client):
     res = cli("doctor", "testbox")
     assert res.code == 0 and "tmux" in res.stdout and "reachable" in res.stdout
+
+
+def test_one_interpreter_says_python_torch_and_nccl_and_a_missing_torch_leaves_its_facts_empty(tmp_path):
+    """The facts script asks the host's Python once for its version, torch's and NCCL's (torch imported once, not
+    twice); a Python without torch still gives its version, and the torch and NCCL facts read as absent."""
+    import subprocess
+    import sys
+
+    from dflashctl.remote.doctor import FACTS_SCRIPT, parse_facts
+
+    bare = tmp_path / "python-without-site"  # this Python without site-packages: no torch there
+    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.chmod(0o755)
+    seen = {}
+    for py in (sys.executable, str(bare), str(tmp_path / "no-such-python")):
+        out = subprocess.run(["bash", "-c", FACTS_SCRIPT, "facts", str(tmp_path), py], capture_output=True,
+                             text=True, timeout=120).stdout  # fmt: skip
+        facts = parse_facts(out)
+        seen[py] = (facts.get("python", ""), facts.get("torch", ""), facts.get("nccl", ""), "tmux" in facts)
+    version = sys.version.split()[0]
+    import torch
+
+    assert seen[sys.executable][0] == version and seen[sys.executable][1].startswith(torch.__version__)
+    assert seen[str(bare)] == (version, "", "", True)
+    assert seen[str(tmp_path / "no-such-python")] == ("", "", "", True)

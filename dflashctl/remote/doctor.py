@@ -14,14 +14,18 @@ MAX_CLOCK_OFFSET_S = 5.0  # heartbeat ages and stall timers compare remote times
 GPU_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total,ecc.errors.uncorrected.volatile.total",
              "--format=csv,noheader,nounits"]  # fmt: skip
 
-# Prints key=value lines; each probe tolerates the tool being absent. $1 is the workdir, $2 the Python.
+# Prints key=value lines; each probe tolerates the tool being absent (a missing line reads as an empty fact). $1 is
+# the workdir, $2 the Python: one interpreter says its version, then torch's and NCCL's (torch imported once: seconds
+# on a loaded login node), and stops at the first that is missing.
 FACTS_SCRIPT = (
     WORKDIR_PRELUDE
     + r"""py="$1"
-echo "python=$("$py" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null)"
-echo "torch=$("$py" -c 'import torch as t; c = t.cuda
-print(t.__version__, t.version.cuda, c.is_available(), c.device_count())' 2>/dev/null)"
-echo "nccl=$("$py" -c 'import torch as t; print(".".join(map(str, t.cuda.nccl.version())))' 2>/dev/null)"
+"$py" -c 'import sys
+print("python=" + sys.version.split()[0], flush=True)
+import torch as t
+c = t.cuda
+print("torch=%s %s %s %s" % (t.__version__, t.version.cuda, c.is_available(), c.device_count()), flush=True)
+print("nccl=" + ".".join(map(str, c.nccl.version())))' 2>/dev/null
 echo "tmux=$(tmux -V 2>/dev/null)"
 echo "rsync=$(rsync --version 2>/dev/null | head -n 1)"
 d="$wd"; while [ ! -d "$d" ] && [ "$d" != / ]; do d=$(dirname -- "$d"); done
