@@ -56,3 +56,43 @@ def test_one_command_reads_gpus_on_the_container_host(client, sshd):
         assert snap["gpu"]["source"] == source
         assert snap["gpu"]["gpus"][0]["name"] == "NVIDIA H200" and snap["gpu"]["gpus"][0]["mem_total_mib"] == 143771
         assert snap["gpu"]["apps"][0]["pid"] == 854
+
+
+def test_a_launchs_torch_check_is_kept_until_the_interpreter_or_torch_changes(tmp_path, monkeypatch):
+    """`import torch` at every launch costs seconds: a success is kept (0600, beside the agent) and reused while the
+    interpreter, torch's files, the boot and the driver are the same; a reinstall of torch, a failure, a garbage
+    or group-writable cache are each checked again. A stand-in torch package lets the test change its files."""
+    import json
+    import os
+
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "version.py").write_text("__version__ = '9.9.0'\n")
+    init = "from torch.version import __version__\nclass cuda:\n    is_available = staticmethod(lambda: False)\n" \
+           "    device_count = staticmethod(lambda: 0)\n"  # fmt: skip
+    (fake / "__init__.py").write_text(init)
+    calls = tmp_path / "calls"
+    py = tmp_path / "python"  # the job's Python: this one, seeing the stand-in, counting its `import torch`
+    py.write_text(f'#!/bin/sh\ncase "$2" in "import torch;"*) echo x >> {calls};; esac\n'
+                  f'PYTHONPATH={fake.parent} exec {sys.executable} -S "$@"\n')  # fmt: skip
+    py.chmod(0o755)
+    home = tmp_path / "agent-home"
+    home.mkdir(mode=0o700)
+    monkeypatch.setattr(sys, "argv", [str(home / "agent-x.pyz")])
+
+    def imports() -> int:
+        return len(calls.read_text().splitlines()) if calls.exists() else 0
+
+    assert probe.torch_check(str(py)) == (0, "9.9.0 0 0\n") and imports() == 1
+    cache = home / probe.TORCH_CACHE
+    assert oct(cache.stat().st_mode & 0o777) == "0o600"
+    assert probe.torch_check(str(py))[0] == 0 and imports() == 1  # kept
+    (fake / "version.py").write_text("__version__ = '9.9.1'\n")  # a reinstall replaces torch's files
+    assert probe.torch_check(str(py)) == (0, "9.9.1 0 0\n") and imports() == 2
+    cache.write_text("[not a dict")
+    assert probe.torch_check(str(py))[0] == 0 and imports() == 3 and json.loads(cache.read_text())
+    os.chmod(cache, 0o666)  # others may write it: not believed
+    assert probe.torch_check(str(py))[0] == 0 and imports() == 4
+    (fake / "__init__.py").write_text("raise ImportError('libcudart.so.13: cannot open shared object file')\n")
+    (fake / "version.py").write_text("__version__ = '9.9.2'\n")
+    assert probe.torch_check(str(py))[0] != 0 and probe.torch_check(str(py))[0] != 0 and imports() == 6  # never kept

@@ -52,17 +52,23 @@ def test_tiny_dense_run_finishes(tmp_path):
     assert "step 2/2" in proc.stdout and "finished: 2 steps" in proc.stdout
 
 
-def test_a_bad_config_is_refused_before_torch_is_imported(tmp_path):
+@pytest.mark.parametrize("extra, key", [
+    ("optim: {learning_rate: 1}\n", "optim.learning_rate: unknown key"),
+    ("attention: {backend: flex}\n", "attention.backend: flex has no backward on the CPU"),  # device: cpu, said
+    ("attention: {backend: dense}\ngrad_reduce_dtype: bfloat16\n", "grad_reduce_dtype: a bfloat16 gradient"),
+])  # fmt: skip
+def test_a_bad_config_is_refused_before_torch_is_imported(tmp_path, extra, key):
     """`python -m trainer.config` promises validation without torch; the trainer refuses a bad file the same way, so
-    a typo costs a fraction of a second, not torch's import (seconds on a loaded login node)."""
+    a typo costs a fraction of a second, not torch's import (seconds on a loaded login node). So is what the CPU the
+    file names cannot train with."""
     import subprocess
     import sys
 
     cfg = tmp_path / "train.yaml"
-    cfg.write_text(BASE + "optim: {learning_rate: 1}\n")
+    cfg.write_text(BASE + extra)
     code = ("import sys; from trainer.train import main; rc = main(['--config', sys.argv[1]]); "
             "print(rc, 'torch' in sys.modules)")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code, str(cfg)], capture_output=True, text=True, timeout=60,
                           cwd=TESTS.parent)  # fmt: skip
     assert proc.stdout.split() == ["2", "False"], proc.stderr
-    assert "optim.learning_rate: unknown key" in proc.stderr
+    assert key in proc.stderr

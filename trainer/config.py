@@ -224,6 +224,18 @@ def _build(cls: type, data: dict, source: str, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+def check_device_supports(cfg: TrainConfig, device_type: str, source: str) -> None:
+    """What a device type cannot train with. flex_attention has no backward on the CPU (torch 2.13: "FlexAttention
+    does not support backward on CPU"), and gloo has no bfloat16 all-reduce worth having."""
+    if device_type != "cpu":
+        return
+    if cfg.grad_reduce_dtype == "bfloat16":
+        raise ConfigError(source, "grad_reduce_dtype", "a bfloat16 gradient all-reduce needs NCCL (CUDA); use float32")
+    if cfg.attention.backend == "flex":
+        raise ConfigError(source, "attention.backend", "flex has no backward on the CPU in this torch; train "
+                          "with backend: dense on the CPU (flex is for CUDA; evaluation on the CPU may still use it)")
+
+
 def validate(cfg: TrainConfig, source: str) -> TrainConfig:
     """Cross-field checks that the types alone cannot express."""
     mode, _ = parse_parallel(cfg.target.parallel, source)

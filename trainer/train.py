@@ -45,9 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if run_dir:
             run_dir.mkdir(parents=True, exist_ok=True)
-        from trainer.config import load_config
+        from trainer.config import check_device_supports, load_config
 
         cfg = load_config(args.config)  # before torch is imported: a bad config is refused in a fraction of a second
+        if cfg.device == "cpu":  # so is what a CPU cannot train with, where the file says cpu (auto: known later)
+            check_device_supports(cfg, "cpu", args.config)
         from trainer.run.distributed import init_world
         from trainer.run.training import train
 

@@ -932,6 +932,60 @@ def our_live_jobs(workdir: str) -> list[dict]:
 MIN_FREE_GIB = 1.0  # a launch needs room for logs and a first checkpoint; doctor warns well before this
 
 
+TORCH_CHECK = "import torch; print(torch.__version__, int(torch.cuda.is_available()), torch.cuda.device_count())"
+# where torch would come from, without importing it (50 ms against seconds): the key of a cached TORCH_CHECK
+TORCH_WHERE = ("import importlib.util as u, os, sys; s = u.find_spec('torch'); "
+               "print(os.path.realpath(sys.executable), sys.version.split()[0], s.origin if s else '', sep='\\n')")
+TORCH_CACHE = "torch-check.json"  # beside the agent's copies (~/.cache/dflashctl, 0700), 0600
+
+
+def _torch_key(python: str) -> str | None:
+    """What a successful `import torch` depends on here: the interpreter (real path and version), torch's own files
+    (version.py's inode, size and mtime: any reinstall replaces it), the boot, and the NVIDIA driver loaded. None
+    when torch is not found (nothing is cached then)."""
+    rc, out = _run([python, "-c", TORCH_WHERE], timeout=60)
+    lines = out.splitlines()
+    if rc != 0 or len(lines) != 3 or not lines[2]:
+        return None
+    try:
+        st = os.stat(os.path.join(os.path.dirname(lines[2]), "version.py"))
+    except OSError:
+        return None
+    parts = [lines[0], lines[1], lines[2], f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"]
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/driver/nvidia/version"):
+        try:
+            with open(path, "rb") as f:
+                parts.append(hashlib.sha256(f.read(4096)).hexdigest()[:16])
+        except OSError:
+            parts.append("-")
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def torch_check(python: str) -> tuple[int, str]:
+    """(exit status, "VERSION CUDA_AVAILABLE DEVICES") of importing torch with the job's Python. A launch asks at
+    every start, and the import takes seconds (more on a loaded login node): a success is kept under `_torch_key`,
+    so the next launch with the same interpreter, torch install, boot and driver reuses it. A failure is never kept
+    (the user may fix it); a cache that is garbage, or another user's, is ignored."""
+    key = _torch_key(python)
+    cache = os.path.join(os.path.dirname(os.path.abspath(sys.argv[0] or ".")), TORCH_CACHE)
+    try:  # ours alone: a file of another user, or one others may write, is not believed
+        st = os.stat(cache)
+        mine = st.st_uid == os.getuid() and not st.st_mode & 0o022
+    except OSError:
+        mine = False
+    known = read_json(cache, limit=1 << 16) if key and mine else None
+    known = known if isinstance(known, dict) else {}
+    if key and isinstance(known.get(key), str) and len(known[key].split()) == 3:
+        return 0, known[key]
+    rc, out = _run([python, "-c", TORCH_CHECK], timeout=180)
+    if rc == 0 and key and len(out.split()) == 3:
+        kept = {k: v for k, v in list(known.items())[-7:] if isinstance(v, str)}  # a few interpreters, not more
+        kept[key] = out.strip()
+        with contextlib.suppress(OSError):  # a read-only or full home: checked again next time, nothing lost
+            write_atomic(cache, json.dumps(kept).encode())
+    return rc, out
+
+
 def preconditions(req: dict, wd: str) -> list[tuple[str, str]]:
     """What the job needs from this host, checked before anything is created: (job file key, problem). A Slurm login
     node needs the scheduler's commands instead of tmux; its Python is not the compute nodes' to judge (`doctor`
@@ -944,8 +998,7 @@ def preconditions(req: dict, wd: str) -> list[tuple[str, str]]:
         problems.append(("host", "tmux is not installed on this host"))
     needs = req.get("needs") or {}
     if needs.get("torch") and not scheduled:
-        code = "import torch; print(torch.__version__, int(torch.cuda.is_available()), torch.cuda.device_count())"
-        rc, out = _run([req["python"], "-c", code], timeout=180)
+        rc, out = torch_check(req["python"])
         if rc != 0:
             problems.append(("host.python", f"{req['python']} cannot import torch (the trainer needs it)"))
         elif needs.get("cuda") and out.split()[1:2] != ["1"]:

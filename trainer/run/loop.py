@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, check_device_supports
 from trainer.data.dataset import Dataset
 from trainer.errors import ConfigError
 from trainer.model.attention import make_backend
@@ -25,22 +25,15 @@ from trainer.model.target import Target, load_target, resolve_device  # noqa: F4
 
 
 def check_backend_supports_training(cfg: TrainConfig, device: torch.device, source: str) -> None:
-    """flex_attention has no backward on the CPU (torch 2.13: "FlexAttention does not support backward on CPU")."""
-    if cfg.grad_reduce_dtype == "bfloat16" and device.type == "cpu":
-        raise ConfigError(source, "grad_reduce_dtype", "a bfloat16 gradient all-reduce needs NCCL (CUDA); use float32")
+    """What the resolved device cannot train with (`device: auto` is known only now; `device: cpu` was refused
+    before torch's import by the same check_device_supports)."""
+    check_device_supports(cfg, device.type, source)
     if cfg.optim.loss_kernel == "fused":
         from trainer.model import ce_kernel
 
         if not ce_kernel.available(device):
             raise ConfigError(source, "optim.loss_kernel", f"fused needs Triton on CUDA (or TRITON_INTERPRET=1 on the "
                               f"CPU); here: {device.type}, triton {'present' if ce_kernel.triton else 'missing'}")
-    if cfg.attention.backend == "flex" and device.type == "cpu":
-        raise ConfigError(
-            source,
-            "attention.backend",
-            "flex has no backward on the CPU in this torch; train with backend: dense on the CPU "
-            "(flex is for CUDA; evaluation on the CPU may still use it)",
-        )
 
 
 @dataclass
