@@ -213,6 +213,11 @@ def test_export_out_never_replaces_what_is_not_an_export(tmp_path):
     assert (other / "thesis.tex").read_text() == "years of work" and a_file.read_text() == "x"
     assert (run / "metrics.jsonl").exists() and (run / "checkpoints" / "step-00000002").is_dir()
     assert not list(tmp_path.rglob(".*tmp*"))  # nothing left behind
+    code = ("import sys; from trainer.serve.export import main; rc = main(['--run-dir', sys.argv[1], '--out', "
+            "sys.argv[1]]); print(rc, 'torch' in sys.modules)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert proc.stdout.split() == ["2", "False"], proc.stderr  # refused before torch's import: a fraction of a second
 
 
 def test_export_replaces_an_earlier_export_or_fills_an_empty_folder(tmp_path):

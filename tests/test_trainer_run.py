@@ -67,10 +67,18 @@ def has_event(run_dir: Path, event: str, **fields) -> bool:
     return any(r.get("event") == event and all(r.get(k) == v for k, v in fields.items()) for r in records(run_dir))
 
 
-def test_run_dir_follows_the_metrics_contract(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = run(trainer_cmd(write_config(tmp_path), run_dir))
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One uninterrupted run of the module's config (6 steps, checkpoints at 3 and 6), trained once for the tests
+    that only read it or copy it: the metrics contract, the bitwise reference, the checkpoint fallback."""
+    d = tmp_path_factory.mktemp("straight")
+    proc = run(trainer_cmd(write_config(d), d / "run"))
     assert proc.returncode == 0, proc.stderr
+    return d / "run", proc
+
+
+def test_run_dir_follows_the_metrics_contract(straight):
+    run_dir, proc = straight
     recs = records(run_dir)
     for rec in recs:
         assert validate_record(rec) == [], rec
@@ -86,10 +94,9 @@ def test_run_dir_follows_the_metrics_contract(tmp_path):
     assert "step 6/6" in proc.stdout and "finished: 6 steps" in proc.stdout
 
 
-def test_resume_after_sigkill_is_bitwise_exact(tmp_path):
+def test_resume_after_sigkill_is_bitwise_exact(tmp_path, straight):
     cfg = write_config(tmp_path)
-    straight = tmp_path / "straight"
-    assert run(trainer_cmd(cfg, straight)).returncode == 0
+    straight = straight[0]  # the same config, never interrupted
 
     killed = tmp_path / "killed"
     env = {**os.environ, "TRAINER_FAULT": "hang@4"}  # alive and past the step-3 checkpoint when killed
@@ -215,14 +222,13 @@ def flip_first_byte(path: Path) -> None:
     path.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
 
 
-def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path):
+def test_resume_falls_back_to_the_newest_intact_checkpoint(tmp_path, straight):
     """A truncated state.pt, a flipped safetensors header or a missing file in the newest checkpoint: resume uses the
     previous one and says so in metrics.jsonl; when none is intact it is a config-class error (exit 2, no restart)."""
     import shutil
 
     cfg = write_config(tmp_path)
-    base = tmp_path / "base"
-    assert run(trainer_cmd(cfg, base)).returncode == 0
+    base = straight[0]  # copied before any damage: the shared run stays as trained
     ckpts = lambda d: d / "checkpoints"  # noqa: E731
     damages = {
         "truncated": lambda c: (c / "state.pt").write_bytes((c / "state.pt").read_bytes()[:100]),

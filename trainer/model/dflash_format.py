@@ -20,12 +20,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer.errors import ConfigError, NonFiniteWeightsError
+from trainer.model.export_dir import DTYPE_NAMES, EXPORT_FILES, check_out  # noqa: F401 - their home is export_dir
 
 # trainer name -> public name: whole prefixes, then parts inside a layer's names
 PREFIXES = {"ctx_norm.": "hidden_norm.", "final_norm.": "norm."}
 INFIXES = {".input_norm.": ".input_layernorm.", ".post_attn_norm.": ".post_attention_layernorm.",
            ".attn.": ".self_attn."}  # fmt: skip
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def _rename(name: str, prefixes: dict[str, str], infixes: dict[str, str]) -> str:
@@ -71,42 +72,6 @@ def draft_config(dims, block_size: int, layer_ids: list[int], mask_token_id: int
         "dflash_config": {"block_size": block_size, "target_layer_ids": list(layer_ids),
                           "mask_token_id": int(mask_token_id)},  # fmt: skip
     }
-
-
-EXPORT_FILES = {"config.json", "model.safetensors"}
-
-
-def check_out(out: Path, run_dir: Path | None = None, source: str = "--out") -> Path:
-    """Where an export may go: a missing path, an empty folder, or an earlier export (config.json naming
-    DFlashDraftModel, model.safetensors, nothing else). Never a file, a symlink, the run dir, one of its parents or
-    a folder holding anything else: those are refused (ConfigError) before anything is written."""
-    out = Path(out)
-    if out.is_symlink():
-        raise ConfigError(source, None, f"{out} is a symlink: give the folder itself")
-    full = out.resolve()
-    if run_dir is not None:
-        run = Path(run_dir).resolve()
-        if full == run or full in run.parents:
-            raise ConfigError(source, None, f"{out} is the run dir or holds it: the export would replace the run")
-    if full == Path(full.anchor) or full == Path.home().resolve():
-        raise ConfigError(source, None, f"{out} is not a folder an export may replace")
-    if not out.exists():
-        return full
-    if not out.is_dir():
-        raise ConfigError(source, None, f"{out} exists and is not a folder")
-    names = {p.name for p in out.iterdir()}
-    if not names:
-        return full
-    if names <= EXPORT_FILES and "config.json" in names:
-        try:
-            arch = json.loads((out / "config.json").read_text()).get("architectures") or []
-        except (OSError, ValueError, AttributeError):
-            arch = []
-        if "DFlashDraftModel" in arch:
-            return full
-    shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
-    raise ConfigError(source, None, f"{out} holds other files ({shown}): give an empty or new folder, or an earlier "
-                      "export")  # fmt: skip
 
 
 def write_export(out: Path, state: dict[str, torch.Tensor], config: dict, dtype: str = "bfloat16",

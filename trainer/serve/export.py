@@ -14,12 +14,13 @@ import sys
 from pathlib import Path
 
 from trainer.errors import ConfigError, NonFiniteWeightsError
-from trainer.model.dflash_format import DTYPES, check_out, draft_config, write_export
+from trainer.model.export_dir import DTYPE_NAMES, check_out
 
 
 def export_run(run_dir: Path, out: Path, step: int | None = None, dtype: str = "bfloat16") -> Path:
     """Export a checkpoint of a run (`step`, or the newest intact one) with the run's own config."""
     from trainer.config import from_dict
+    from trainer.model.dflash_format import draft_config, write_export
     from trainer.model.drafter import drafter_dims
     from trainer.model.target import RANDOM_PRESETS, default_layer_ids
     from trainer.run import checkpoint
@@ -67,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest intact one)")
     ap.add_argument("--out", required=True, help="a new or empty folder, or an earlier export to replace")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    ap.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bfloat16")
     args = ap.parse_args(argv)
     try:
-        check_out(Path(args.out), Path(args.run_dir))  # before anything loads
+        check_out(Path(args.out), Path(args.run_dir))  # before anything loads, torch included
         out = export_run(Path(args.run_dir), Path(args.out), args.step, args.dtype)
     except (ConfigError, NonFiniteWeightsError) as e:
         print(f"export refused: {e}", file=sys.stderr)
