@@ -69,3 +69,22 @@ def test_a_bad_config_is_refused_before_torch_is_imported(tmp_path, extra, key):
                           cwd=TESTS.parent)  # fmt: skip
     assert proc.stdout.split() == ["2", "False"], proc.stderr
     assert key in proc.stderr
+
+
+def test_the_dense_cap_is_checked_from_the_targets_config_before_its_weights_load(tmp_path):
+    """A run whose dense score matrix is over `attention.dense_max_gib` is refused from the target's config.json
+    alone: here the target folder has no weights at all, and the refusal is still the cap's, not a missing file."""
+    from trainer.config import from_dict
+    from trainer.data.tiny import write_tiny_target
+    from trainer.errors import ConfigError
+    from trainer.run.loop import build
+
+    full, bare = tmp_path / "full", tmp_path / "bare"
+    write_tiny_target(full)
+    bare.mkdir()
+    (bare / "config.json").write_text((full / "config.json").read_text())  # the config, no weights, no tokenizer
+    cfg = from_dict({"target": {"path": str(bare), "dtype": "float32"}, "drafter": {"num_layers": 1, "block_size": 8},
+                     "attention": {"backend": "dense", "dense_max_gib": 1e-6}, "device": "cpu",
+                     "data": {"anchors_per_seq": 16, "seq_buckets": [128]}, "steps": 1}, "t.yaml")  # fmt: skip
+    with pytest.raises(ConfigError, match="attention.dense_max_gib: the dense reference would allocate"):
+        build(cfg, "t.yaml")

@@ -90,16 +90,20 @@ class DenseBackend:
         self.max_gib = max_gib
         self.source = source
 
-    def build_mask(self, anchors, anchor_valid, seq_len: int, block_size: int, num_heads: int) -> torch.Tensor:
-        B, q_len, kv_len = _mask_shape(anchors, seq_len, block_size)
-        gib = dense_score_gib(B, num_heads, q_len, kv_len)
+    def check_size(self, batch: int, num_heads: int, seq_len: int, anchors: int, block_size: int) -> None:
+        """Refuse a score matrix above the cap: at each mask, and before the target loads (loop.build) for the
+        largest bucket, so that a run that cannot fit says so before minutes of loading."""
+        gib = dense_score_gib(batch, num_heads, anchors * block_size, seq_len + anchors * block_size)
         if gib > self.max_gib:
             raise ConfigError(
                 self.source,
                 "attention.dense_max_gib",
                 f"the dense reference would allocate {gib:.2f} GiB per score matrix at seq {seq_len} with "
-                f"{anchors.shape[1]} anchors, above the cap of {self.max_gib:g} GiB; use backend: flex on a GPU",
+                f"{anchors} anchors, above the cap of {self.max_gib:g} GiB; use backend: flex on a GPU",
             )
+
+    def build_mask(self, anchors, anchor_valid, seq_len: int, block_size: int, num_heads: int) -> torch.Tensor:
+        self.check_size(anchors.shape[0], num_heads, seq_len, anchors.shape[1], block_size)
         return dense_mask(anchors, anchor_valid, seq_len, block_size)  # [B, 1, Q, KV]
 
     def __call__(self, q_BHQD, k_BGKD, v_BGKD, mask: torch.Tensor) -> torch.Tensor:

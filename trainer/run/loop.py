@@ -133,6 +133,14 @@ def build(
         check_backend_supports_training(cfg, device, source)
     apply_compile_policy(cfg.attention.recompile_limit)
     memory = plan_memory(cfg, device, layout, source) if for_training else None
+    backend = make_backend(cfg.attention.backend, cfg.attention.dense_max_gib, source)
+    if for_training and cfg.attention.backend == "dense":  # its cap, from the target's config alone
+        from trainer.model.target import target_config
+
+        heads = drafter_dims(target_config(cfg.target, source), cfg.drafter.num_layers, 1,
+                             cfg.drafter.shape_overrides()).num_heads  # fmt: skip
+        backend.check_size(cfg.data.batch_size, heads, cfg.data.seq_buckets[-1], cfg.data.anchors_per_seq,
+                           cfg.drafter.block_size)  # fmt: skip
     target = load_target(cfg.target, cfg.drafter.num_layers, device, source, layout)
     compile_target = cfg.target.compile == "on" or (cfg.target.compile == "auto" and device.type == "cuda")
     if compile_target and layout.mode == "replicate":  # sharded layers run eager (DTensor and FSDP hooks)
@@ -159,7 +167,6 @@ def build(
         expected = draft_config(dims, d.block_size, target.layer_ids, mask_id, target.config)
         check_matches(config, expected, source)
         drafter.load_state_dict(weights, strict=True)
-    backend = make_backend(cfg.attention.backend, cfg.attention.dense_max_gib, source)
     eval_name = cfg.eval.backend or cfg.attention.backend
     same = eval_name == cfg.attention.backend
     eval_backend = backend if same else make_backend(eval_name, cfg.attention.dense_max_gib, source)
