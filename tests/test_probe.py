@@ -96,3 +96,35 @@ def test_a_launchs_torch_check_is_kept_until_the_interpreter_or_torch_changes(tm
     (fake / "__init__.py").write_text("raise ImportError('libcudart.so.13: cannot open shared object file')\n")
     (fake / "version.py").write_text("__version__ = '9.9.2'\n")
     assert probe.torch_check(str(py))[0] != 0 and probe.torch_check(str(py))[0] != 0 and imports() == 6  # never kept
+
+
+def test_the_agent_runs_from_its_byte_compiled_files_and_never_from_damaged_ones(tmp_path):
+    """BOOT unpacks the checked archive beside its cached copy once (`agent-SHA/`, byte-compiled, with the digest of
+    its sources) and runs from there: no module compiled again at each call. A tree whose sources no longer match
+    their digest is never run (the archive is); a copy made from the tree for a run dir is the archive, byte for
+    byte."""
+    import json
+    import os
+
+    from dflashctl.remote.agent_bundle import AGENT, AGENT_SHA, boot_argv
+
+    env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"]}
+    req = json.dumps({"run_dir": str(tmp_path), "gpus": False})
+
+    def call() -> dict:
+        proc = subprocess.run(boot_argv(sys.executable, "probe", req), input=AGENT, capture_output=True, env=env,
+                              timeout=60)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    assert call()["run_dir_exists"]
+    tree = tmp_path / ".cache" / "dflashctl" / f"agent-{AGENT_SHA}"
+    assert (tree / ".digest").is_file() and list((tree / "dflashctl_agent" / "__pycache__").glob("probe.*.pyc"))
+    assert call()["run_dir_exists"]  # from the tree now
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from dflashctl_agent.pack import own_archive; "
+            "sys.stdout.buffer.write(own_archive())")  # fmt: skip
+    copy = subprocess.run([sys.executable, "-S", "-c", code, str(tree)], capture_output=True, env=env, timeout=60)
+    assert copy.stdout == AGENT
+    probe_py = tree / "dflashctl_agent" / "probe.py"
+    probe_py.write_text("raise SystemExit('damaged')\n" + probe_py.read_text())
+    assert call()["run_dir_exists"]  # the damaged tree is not run: the archive answers

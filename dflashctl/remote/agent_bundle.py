@@ -2,7 +2,10 @@
 
 Each remote command sends the zipapp on stdin ahead of its own payload: `python3 -c BOOT LEN SHA ACTION ...`. BOOT
 reads LEN bytes, checks their SHA-256, keeps them as ~/.cache/dflashctl/agent-SHA.pyz (0700 dir, 0600 file, written
-atomically; a cached copy is checked again before use), and runs it with the rest of stdin left to the action. So
+atomically; a cached copy is checked again before use), and runs it with the rest of stdin left to the action: from
+its files unpacked beside it (`agent-SHA/`, byte-compiled once; their digest, taken from the checked archive, is
+compared at every call; a zipapp's modules are compiled again at every import, about 0.1 s a call here), else from
+the archive itself. So
 the remote needs nothing installed, never runs a copy that differs from this client's, and a job's tmux pane can run
 the launcher from a file (`agent.pyz`, copied into the run dir at launch).
 """
@@ -30,9 +33,32 @@ BOOT = (
     " t='%s.%d'%(p,os.getpid());fd=os.open(t,os.O_WRONLY|os.O_CREAT|os.O_TRUNC,0o600)\n"
     " with os.fdopen(fd,'wb') as f:f.write(z)\n"
     " os.replace(t,p);return p\n"
+    "def digest(d):\n"
+    " g=hashlib.sha256()\n"
+    " for r,ds,fs in os.walk(d):\n"
+    "  ds[:]=sorted(x for x in ds if x!='__pycache__')\n"
+    "  for x in sorted(fs):\n"
+    "   if x.endswith('.py'):\n"
+    "    q=os.path.join(r,x)\n"
+    "    with open(q,'rb') as f:g.update(os.path.relpath(q,d).encode()+b'\\0'+f.read())\n"
+    " return g.hexdigest()\n"
+    "def tree(p):\n"
+    " d=p[:-4]\n"
+    " try:\n"
+    "  with open(os.path.join(d,'.digest')) as f:\n"
+    "   if f.read()==digest(d):return d\n"
+    "  return p\n"
+    " except OSError:pass\n"
+    " t='%s.%d'%(d,os.getpid())\n"
+    " try:\n"
+    "  import compileall,io,zipfile;zipfile.ZipFile(io.BytesIO(z)).extractall(t);compileall.compile_dir(t,quiet=2)\n"
+    "  with open(os.path.join(t,'.digest'),'w') as f:f.write(digest(t))\n"
+    "  os.rename(t,d);return d\n"
+    " except OSError:\n"
+    "  import shutil;shutil.rmtree(t,True);return p\n"
     "try:p=keep(os.path.join(os.path.expanduser('~'),'.cache','dflashctl'))\n"
     "except OSError:import tempfile;p=keep(os.path.join(tempfile.gettempdir(),'dflashctl-agent-%d'%os.getuid()))\n"
-    "sys.argv[0]=p;runpy.run_path(p,run_name='__main__')\n"
+    "sys.argv[0]=p;runpy.run_path(tree(p),run_name='__main__')\n"
 )
 
 
