@@ -168,7 +168,7 @@ def test_the_first_node_to_fail_is_named_not_the_one_that_lost_its_peer(client, 
     w = make_watcher(job)
     w.tail.extend(["RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer."])
     w.others[0].tail.extend(["RuntimeError: injected fault at step 5"])
-    w.exit_time, w.others[0].exit_time = 100.0, 100.5  # the head even wrote its exit code first
+    w.history.exit_time, w.others[0].history.exit_time = 100.0, 100.5  # the head even wrote its exit code first
     v = w.combine([Verdict("CRASHED", "ChildFailedError (exit 1)"), Verdict("CRASHED", "ChildFailedError (exit 1)")])
     assert v.state == "CRASHED" and v.reason.startswith("node nodeb:")
     v = w.combine([Verdict("RUNNING", "step 3"), Verdict("UNREACHABLE", "no route")])
@@ -187,7 +187,7 @@ def test_a_node_that_only_lost_its_peer_waits_for_the_peer_to_say_why(client, mo
     w = make_watcher(job)
     w.tail.extend(["RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29086.",
                    *(f"  frame {k}" for k in range(40)), "ChildFailedError:"])  # fmt: skip
-    w.exit_time = 100.0
+    w.history.exit_time = 100.0
     clock = [1000.0]
     monkeypatch.setattr(watch.time, "time", lambda: clock[0])
     head_crash = Verdict("CRASHED", "ChildFailedError (exit 1)")
@@ -195,7 +195,7 @@ def test_a_node_that_only_lost_its_peer_waits_for_the_peer_to_say_why(client, mo
     assert v.state == "RUNNING" and "nodea lost a peer; waiting for nodeb" in v.reason
     clock[0] += 2
     w.others[0].tail.extend(["RuntimeError: injected fault at step 5"])
-    w.others[0].exit_time = 101.0
+    w.others[0].history.exit_time = 101.0
     v = w.combine([head_crash, Verdict("CRASHED", "RuntimeError: injected fault at step 5")])
     assert v.state == "CRASHED" and v.reason.startswith("node nodeb:"), v.reason
 

@@ -91,7 +91,6 @@ class Watcher:
     unsaid: list[dict] = field(default_factory=list)  # decisions not yet carried by a poll record
     said: deque = field(default_factory=lambda: deque(maxlen=5))  # the newest decisions, for the live view
     notes: list[str] = field(default_factory=list)
-    exit_time: float | None = None  # when the attempt ended, on the remote's clock
 
     def __post_init__(self) -> None:
         self.restarts = self.job.restarts
@@ -176,8 +175,7 @@ class Watcher:
             h.started_at = float(pane["created"])
         h.run_dir_exists = snap["run_dir_exists"]
         h.exit_code = snap.get("exit_code")
-        self.exit_time = snap.get("exit_time") if isinstance(snap.get("exit_time"), (int, float)) else None
-        h.exit_time = self.exit_time
+        h.exit_time = snap.get("exit_time") if isinstance(snap.get("exit_time"), (int, float)) else None
         h.stop_request, h.stop_result = snap.get("stop_request"), snap.get("stop_result")
         log = snap.get("log") or {}
         self.log_offset = log.get("offset", self.log_offset)
@@ -449,7 +447,7 @@ class NodesWatcher(Watcher):
 
             def first(item):  # a failure of its own over a lost peer, then the first seen, the first ended
                 i, _ = item
-                ended = self.nodes[i].exit_time
+                ended = self.nodes[i].history.exit_time
                 return (lost_peer[i], self.bad_since[i], ended if ended is not None else float("inf"), i)
 
             if all(lost_peer.values()):
