@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainer.errors import ConfigError, NonFiniteWeightsError
-from trainer.model.export_dir import DTYPE_NAMES, EXPORT_FILES, check_out  # noqa: F401 - their home is export_dir
+from trainer.model.export_dir import DTYPE_NAMES, check_out
 
 # trainer name -> public name: whole prefixes, then parts inside a layer's names
 PREFIXES = {"ctx_norm.": "hidden_norm.", "final_norm.": "norm."}
