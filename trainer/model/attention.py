@@ -45,10 +45,9 @@ def _guarded_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask:
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _mask_shape(anchors: torch.Tensor, seq_len: int, block_size: int) -> tuple[int, int, int]:
+def _mask_shape(batch: int, anchors: int, seq_len: int, block_size: int) -> tuple[int, int, int]:
     """(B, Q_LEN, KV_LEN) of the attention a mask is built for (layout in trainer.mask)."""
-    B, A = anchors.shape
-    return B, A * block_size, seq_len + A * block_size
+    return batch, anchors * block_size, seq_len + anchors * block_size
 
 
 # Compiled once, at module level. dynamic=False: shapes are bucketed, and the preflight compiles every bucket.
@@ -93,7 +92,8 @@ class DenseBackend:
     def check_size(self, batch: int, num_heads: int, seq_len: int, anchors: int, block_size: int) -> None:
         """Refuse a score matrix above the cap: at each mask, and before the target loads (loop.build) for the
         largest bucket, so that a run that cannot fit says so before minutes of loading."""
-        gib = dense_score_gib(batch, num_heads, anchors * block_size, seq_len + anchors * block_size)
+        B, q_len, kv_len = _mask_shape(batch, anchors, seq_len, block_size)
+        gib = dense_score_gib(B, num_heads, q_len, kv_len)
         if gib > self.max_gib:
             raise ConfigError(
                 self.source,
