@@ -169,6 +169,7 @@ def split_step(parts, opt, batch, kernel: str) -> dict:
     import torch
 
     from trainer.model.drafter import block_loss
+    from trainer.run.update import clip_into_update
 
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
     b = batch.to(parts.device)
@@ -187,7 +188,7 @@ def split_step(parts, opt, batch, kernel: str) -> dict:
     ev[3].record()
     out.backward(out_d.grad)
     ev[4].record()
-    torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), 1.0)
+    clip_into_update(opt, parts.drafter.parameters(), 1.0)  # the trainer's update: the clip inside AdamW
     opt.step()
     opt.zero_grad(set_to_none=True)
     ev[5].record()
@@ -196,17 +197,23 @@ def split_step(parts, opt, batch, kernel: str) -> dict:
     return {n: ev[i].elapsed_time(ev[i + 1]) for i, n in enumerate(names)}
 
 
-def real_step(parts, opt, batch) -> float:
-    """The trainer's own path (forward_loss, backward, clip, AdamW); seconds."""
+def real_step(parts, opt, batch, fold_clip: bool = True) -> float:
+    """The trainer's own path (forward_loss, backward, the clip folded into the fused AdamW); seconds.
+    `fold_clip=False`: clip_grad_norm_'s own scaling pass, then the update (the trainer until round 7)."""
     import torch
 
     from trainer.run.loop import forward_loss
+    from trainer.run.update import clip_into_update
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     loss_sum, w_sum, _ = forward_loss(parts, batch)
     (loss_sum / w_sum).backward()
-    torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), 1.0)
+    if fold_clip:
+        clip_into_update(opt, parts.drafter.parameters(), 1.0)
+    else:
+        opt.grad_scale = None
+        torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
@@ -221,16 +228,18 @@ def variants(parts, opt, batch, S: int) -> dict:
 
     out = {}
 
-    def run(tag: str, n: int = 12) -> None:
+    def run(tag: str, n: int = 12, fold_clip: bool = True) -> None:
         times, peaks = [], []
         for i in range(n):
             torch.cuda.reset_peak_memory_stats()
-            times.append(real_step(parts, opt, batch(i)))
+            times.append(real_step(parts, opt, batch(i), fold_clip))
             peaks.append(torch.cuda.max_memory_allocated() / 2**30)
         out[f"tokens_per_s_{tag}"] = round(S / statistics.median(times[2:]))
         out[f"peak_gib_{tag}"] = round(max(peaks[2:]), 2)
 
     run("default")
+    run("unfolded_clip", fold_clip=False)
+    run("default_again")  # the spread between two runs of the same code
     parts.cfg.optim.loss_kernel = "plain"
     run("plain_loss")
     parts.cfg.optim.loss_kernel = "auto"
@@ -341,7 +350,7 @@ def isolated_attention(parts, batch, reps: int = 20) -> dict:
     return out
 
 
-def step_benchmark(steady_steps: int, isolated: bool = True) -> dict:
+def step_benchmark(steady_steps: int, isolated: bool = True, extras: bool = True) -> dict:
     import torch
 
     from trainer.config import from_dict
@@ -358,6 +367,13 @@ def step_benchmark(steady_steps: int, isolated: bool = True) -> dict:
     pf = preflight(parts)
     rep["preflight_s"] = round(time.perf_counter() - t0, 1)
     rep["preflight_peak_gib"] = {k: round(v, 2) for k, v in pf.peak_mem_gib.items()}
+    rep["preflight_bucket_s"] = {k: round(v, 2) for k, v in pf.seconds.items()}
+    try:  # where the preflight's compile time went (Dynamo's own accounting, cumulative per phase)
+        from torch._dynamo.utils import compile_times
+
+        rep["compile_times"] = str(compile_times(repr="str", aggregate=True))[:4000]
+    except Exception as e:  # its signature moves between releases
+        rep["compile_times"] = f"{type(e).__name__}: {e}"
     print(f"built in {rep['build_s']} s, preflight {rep['preflight_s']} s", flush=True)
     baseline = graphs_compiled()
     opt = torch.optim.AdamW(parts.drafter.parameters(), lr=6e-4, betas=(0.9, 0.95), fused=True)  # as the trainer
@@ -403,9 +419,12 @@ def step_benchmark(steady_steps: int, isolated: bool = True) -> dict:
     rep["mfu"] = round(total / step_s / 1e12 / rep["peak_matmul_tflops"], 4)
     rep["memory_by_step"] = mem
     rep["memory_steady"] = mem[5] == mem[steady_steps] if steady_steps > 5 else None
-    rep.update(variants(parts, opt, batch, S))
+    if extras:
+        rep.update(variants(parts, opt, batch, S))
     rep["recompiles_after_preflight"] = graphs_compiled() - baseline
     print(f"step {rep['step_ms']} ms, {rep['tokens_per_s']} tok/s, MFU {rep['mfu']}", flush=True)
+    if not extras:
+        return rep
 
     prof = profile_attention(parts, opt, steady)
     attn_ms = prof["attn_fwd_ms"] + prof["attn_bwd_ms"]
@@ -435,13 +454,21 @@ def main() -> None:
     ap.add_argument("--skip-isolated", action="store_true", help="no isolated kernel / SDPA / dense comparison")
     ap.add_argument("--drafter-compile", choices=["auto", "on", "off"], default="auto",
                     help="drafter.compile: its layers compiled whole (auto on CUDA), or the flex call alone (off)")
+    ap.add_argument("--buckets", type=int, nargs="+", default=[3072],
+                    help="seq buckets the preflight compiles (the step runs at 3072), timed per bucket")
+    ap.add_argument("--flex-options", default="{}", help="flex_attention kernel_options, JSON (bench/flex_tiles.py)")
+    ap.add_argument("--no-extras", action="store_true", help="the step alone: no variants, profile or isolated kernels")
     args = ap.parse_args()
     CONFIG["drafter"] = {**CONFIG.get("drafter", {}), "compile": args.drafter_compile}
+    CONFIG["data"] = {**CONFIG["data"], "seq_buckets": sorted(set(args.buckets) | {3072})}
+    from trainer.model import attention
+
+    attention.KERNEL_OPTIONS.update(json.loads(args.flex_options))
     import torch
 
     # no CUDA in this process before the cycle: its context would count as an unknown process on the GPU
     report: dict = {"date": time.strftime("%Y-%m-%d"), "torch_version": torch.__version__, "two_gpu_speedup": None,
-                    "drafter_compile": args.drafter_compile}
+                    "drafter_compile": args.drafter_compile, "flex_options": attention.KERNEL_OPTIONS}
     if not args.skip_cli:
         try:
             report["cli"] = cli_cycle()
@@ -450,12 +477,12 @@ def main() -> None:
             report["cli"] = {"error": f"{type(e).__name__}: {e}"}
         print(json.dumps(report["cli"], default=str)[:3000], flush=True)
     report["gpu"] = torch.cuda.get_device_name()
-    report.update(step_benchmark(args.steady_steps, not args.skip_isolated))
+    report.update(step_benchmark(args.steady_steps, not args.skip_isolated, not args.no_extras))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     print("\n| measurement | value |\n| --- | --- |")
     for k, v in report.items():
-        if k not in ("profile_top", "cli", "isolated"):
+        if k not in ("profile_top", "cli", "isolated", "compile_times"):
             print(f"| {k} | {v} |")
     print("\nprofile (device ms per step):")
     for row in report.get("profile_top", [])[:15]:

@@ -146,3 +146,32 @@ def test_a_non_finite_step_is_skipped_by_the_optimizer_itself_and_a_finite_one_u
     assert Run._step_update(run, numbers) == numbers.tolist()
     ref.step()
     assert torch.equal(p.detach(), q.detach()) and float(run.opt.state[p]["step"]) == 1
+
+
+@pytest.mark.parametrize("grad_size", [0.01, 50.0])  # under the clip (no change) and far over it (scaled down)
+def test_the_clip_folded_into_the_update_trains_as_clip_grad_norm_then_step(grad_size):
+    """clip_into_update hands the clip to the fused AdamW as its grad_scale instead of scaling every gradient in a
+    pass of its own: over three steps the weights and moments match clip_grad_norm_ + step, and the norm returned
+    is the same pre-clip norm."""
+    from trainer.run.update import clip_into_update
+
+    torch.manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 7)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = torch.optim.AdamW(ours, lr=0.05, betas=(0.9, 0.95), fused=True)
+    opt_ref = torch.optim.AdamW(ref, lr=0.05, betas=(0.9, 0.95), fused=True)
+    for _ in range(3):
+        grads = [torch.randn(s) * grad_size for s in shapes]
+        for p, q, g in zip(ours, ref, grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        norm = clip_into_update(opt, ours, 1.0)
+        norm_ref = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        assert torch.allclose(norm, norm_ref)
+        assert (float(opt.grad_scale) > 1.0) == (grad_size > 1.0)
+        opt.step()
+        opt_ref.step()
+    for p, q in zip(ours, ref, strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(opt.state[p]["exp_avg"], opt_ref.state[q]["exp_avg"], rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], opt_ref.state[q]["exp_avg_sq"], rtol=1e-5, atol=1e-12)

@@ -18,16 +18,21 @@ keep() { (cd "$WORK" && tar czf "$OUTDIR/quality.tgz" --exclude=regen.jsonl -- *
 [ -f "$WORK/data.json" ] || q --phase data; keep
 # PHASES=prepare: the target, its answers and the hidden-state dump only (a pass in two calls of a time limit)
 if [ "${PHASES:-all}" = prepare ]; then [ -f "$WORK/features.json" ] || q --phase features; keep; exit 0; fi
+( while sleep 30; do keep; done ) & keeper=$!  # a pass cut by its time limit still leaves what it measured
+trap 'kill $keeper 2>/dev/null' EXIT
 q --phase ours > "$WORK/ours.out" 2>&1 & ours=$!
 ( ([ -f "$WORK/features.json" ] || q --phase features) && PYTHONPATH=/tmp/sfsite q --phase specforge) > "$WORK/specforge.out" 2>&1 & sf=$!
 # variants of ours beside the rest, for the "why" runs, e.g. VARIANT='--set tag=-b2 --set betas=[0.9,0.999]'
-# (VARIANT2 a second one: --set init_std=0.02 for Hugging Face's initialisation)
-if [ -n "${VARIANT:-}" ]; then eval "q --phase ours $VARIANT" > "$WORK/variant.out" 2>&1 & fi
-if [ -n "${VARIANT2:-}" ]; then eval "q --phase ours $VARIANT2" > "$WORK/variant2.out" 2>&1 & fi
+# (VARIANT2, VARIANT3 more of them: --set init_std=0.02 for Hugging Face's initialisation, --set buckets=[1024] for
+# batches mixed across lengths and padded, as SpecForge's)
+for v in VARIANT VARIANT2 VARIANT3; do
+  if [ -n "${!v:-}" ]; then eval "q --phase ours ${!v}" > "$WORK/$v.out" 2>&1 & fi
+done
 [ "${LOOKUP:-1}" = 0 ] || q --phase lookup > "$WORK/lookup.out" 2>&1 || true
 keep
 wait $ours || echo "ours failed: $(tail -5 "$WORK/ours.out")"
 keep
 wait $sf || echo "specforge failed: $(tail -30 "$WORK/specforge.out")"
+kill $keeper 2>/dev/null
 wait
 keep

@@ -38,11 +38,17 @@ def _fallback_message(B: int, H: int, Q: int, KV: int, limit_hit: bool = False) 
     )
 
 
+# flex_attention's `kernel_options` (tile sizes, USE_TMA...) for every call; empty: Inductor's defaults for the GPU.
+# Read when a shape is compiled, so set it before the preflight (bench/flex_tiles.py measures the choices).
+KERNEL_OPTIONS: dict[str, int | bool] = {}
+
+
 def _guarded_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
     if not torch.compiler.is_compiling():
         B, H, Q, _ = q.shape
         raise DenseFallbackError(_fallback_message(B, H, Q, k.shape[2]))
-    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
+                          kernel_options=dict(KERNEL_OPTIONS) or None)  # fmt: skip
 
 
 def _mask_shape(batch: int, anchors: int, seq_len: int, block_size: int) -> tuple[int, int, int]:

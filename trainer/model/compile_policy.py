@@ -48,6 +48,17 @@ class PolicyInBackward(torch.autograd.Function):
         return grad
 
 
+def start_compile_workers() -> None:
+    """Start Inductor's pool of compile workers now. Inductor starts it at the first compile (the preflight's first
+    bucket), and until its subprocesses have imported torch it compiles kernels one at a time in this process; started
+    before the target loads, their start-up overlaps the load instead."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # older torch: the first compile starts it, as before
+        return
+    maybe_warm_pool()
+
+
 def graphs_compiled() -> int:
     """Dynamo graphs compiled so far in this process (a recompile adds one)."""
     from torch._dynamo.utils import counters

@@ -18,7 +18,7 @@ from trainer.config import TrainConfig, check_device_supports
 from trainer.data.dataset import Dataset
 from trainer.errors import ConfigError
 from trainer.model.attention import make_backend
-from trainer.model.compile_policy import apply_compile_policy, freeze_compiles
+from trainer.model.compile_policy import apply_compile_policy, freeze_compiles, start_compile_workers
 from trainer.model.drafter import Drafter, block_loss, drafter_dims
 from trainer.model.mask import BlockBatch, anchor_generator, build_blocks, sample_anchors
 from trainer.model.target import Target, load_target, resolve_device  # noqa: F401 - resolve_device: its callers
@@ -132,6 +132,8 @@ def build(
     if for_training:
         check_backend_supports_training(cfg, device, source)
     apply_compile_policy(cfg.attention.recompile_limit)
+    if for_training and device.type == "cuda":  # the preflight compiles (flex at least): workers start during the load
+        start_compile_workers()
     memory = plan_memory(cfg, device, layout, source) if for_training else None
     backend = make_backend(cfg.attention.backend, cfg.attention.dense_max_gib, source)
     if for_training and cfg.attention.backend == "dense":  # its cap, from the target's config alone

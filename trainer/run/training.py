@@ -30,6 +30,7 @@ from trainer.run.gpu_history import GpuHistory
 from trainer.run.loggers import check_available, open_sinks
 from trainer.run.loop import Parts, build, forward_loss, lr_lambda, make_batch, preflight
 from trainer.run.metrics import Heartbeat, MetricsWriter
+from trainer.run.update import clip_into_update
 
 
 def _json_number(value: float, digits: int) -> float | None:
@@ -357,7 +358,7 @@ class Run:
                 (loss_sum * scale).backward()
             sums += torch.stack([loss_sum.detach().double(), correct.detach().double()])
             tokens += batch.input_ids.numel()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.optim.grad_clip)
+        grad_norm = clip_into_update(self.opt, self.drafter.parameters(), cfg.optim.grad_clip)  # applied by step()
         peak = torch.cuda.max_memory_allocated(world.device) / 2**30 if cuda else _max_rss_gib()
         peaks = torch.zeros(world.size, dtype=torch.float64, device=world.device)
         peaks[world.rank] = peak
