@@ -59,6 +59,7 @@ def main() -> None:
     for name, opts in OPTIONS.items():
         if args.only and name not in args.only:
             continue
+        torch._dynamo.reset()  # each option set is a new compile of the same code, not a recompile against a limit
         fn = torch.compile(partial(flex_attention, block_mask=mask, enable_gqa=True, kernel_options=opts or None),
                            dynamic=False, fullgraph=True)  # fmt: skip
         qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
@@ -72,7 +73,7 @@ def main() -> None:
             rows.append({"name": name, "options": opts, "error": f"{type(e).__name__}: {str(e)[:300]}"})
             print(f"{name}: {rows[-1]['error']}", flush=True)
             continue
-        got = [out.detach(), qg.grad, kg.grad, vg.grad]
+        got = [out.detach().clone(), qg.grad.clone(), kg.grad.clone(), vg.grad.clone()]  # timing adds to .grad
         if ref is None:
             ref = got
         err = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, ref, strict=True)]

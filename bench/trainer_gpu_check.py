@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 from bench.common import QWEN3_8B_WORKLOAD  # noqa: E402
 
 
-def run(work: Path, name: str, steps: int, extra: dict, env: dict) -> dict:
+def run(work: Path, name: str, steps: int, extra: dict, env: dict, every: int = 4) -> dict:
     cfg = {**QWEN3_8B_WORKLOAD, "device": "cuda", "steps": steps, "log_every": 5,
-           "checkpoint": {"every": 4, "keep": 3}, **extra}  # fmt: skip
+           "checkpoint": {"every": every, "keep": 3}, **extra}  # fmt: skip
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run_dir = work / name
@@ -57,14 +57,17 @@ def run(work: Path, name: str, steps: int, extra: dict, env: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--every", type=int, default=4, help="steps between checkpoints (each is 12.6 GB at this shape)")
     args = ap.parse_args()
     import torch
 
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
         report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                  "clean": run(work, "clean", 20, {}, {}),
-                  "nan": run(work, "nan", 20, {"optim": {"max_nonfinite_steps": 3}}, {"TRAINER_FAULT": "nan@6"})}
+                  "clean": run(work, "clean", args.steps, {}, {}, args.every),
+                  "nan": run(work, "nan", args.steps, {"optim": {"max_nonfinite_steps": 3}}, {"TRAINER_FAULT": "nan@6"},
+                             args.every)}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=1))

@@ -345,7 +345,8 @@ class Run:
             seq_len, idx = shard(gb, layout.dp_rank, cfg.data.batch_size)
             micro.append(make_batch(parts, self.ds, seq_len, idx, epoch))
         # the weight total stays on the device: no host sync before the step's first kernel
-        w_global = all_reduce_sum(torch.stack([b.weights.sum().double() for b in micro]).sum().reshape(1), world)
+        w_local = torch.stack([b.weights.sum().double() for b in micro]).sum().reshape(1).to(world.device)
+        w_global = all_reduce_sum(w_local, world)
         scale = world.size / w_global.clamp_min(1e-6)
         sums = torch.zeros(2, dtype=torch.float64, device=world.device)  # [loss sum, correct sum]
         tokens = 0
