@@ -376,7 +376,7 @@ def step_benchmark(steady_steps: int, isolated: bool = True, extras: bool = True
         rep["compile_times"] = f"{type(e).__name__}: {e}"
     print(f"built in {rep['build_s']} s, preflight {rep['preflight_s']} s", flush=True)
     baseline = graphs_compiled()
-    opt = torch.optim.AdamW(parts.drafter.parameters(), lr=6e-4, betas=(0.9, 0.95), fused=True)  # as the trainer
+    opt = torch.optim.AdamW(parts.drafter.parameters(), lr=6e-4, betas=(0.9, 0.999), fused=True)  # as the trainer
     S, A, bs = 3072, 512, 16
 
     class Full:  # full-length sequences, anchors resampled per step like real epochs

@@ -9,6 +9,10 @@ import json
 import sys
 from pathlib import Path
 
+LABELS = {"ours": "dflashctl trainer", "specforge": "SpecForge 0.2.0 (offline)",
+          "ours-b2": "ours, betas (0.9, 0.999)", "ours-i2": "ours, init N(0, 0.02)",
+          "ours-mix": "ours, lengths mixed in a batch"}  # fmt: skip
+
 
 def plot(results: dict, out: Path) -> None:
     import matplotlib
@@ -17,9 +21,11 @@ def plot(results: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
-    for name, label in (("ours", "dflashctl trainer"), ("specforge", "SpecForge 0.2.0 (offline)")):
-        curve = results[name]["tau_vs_step"]
-        ms = results[name].get("step_time_ms_median")
+    # a pass with variants keeps its trainings under "runs"; earlier passes have "ours" and "specforge" at the top
+    runs = results.get("runs") or {name: results[name] for name in ("ours", "specforge")}
+    for name, run in runs.items():
+        curve, ms = run["tau_vs_step"], run.get("step_time_ms_median")
+        label = LABELS.get(name, name)
         ax.plot([p["step"] for p in curve], [p["tau"] for p in curve], marker="o",
                 label=f"{label}, {ms:.0f} ms/step" if ms else label)  # fmt: skip
     lookup = results.get("prompt_lookup", {}).get("tau_prompt_mean")
