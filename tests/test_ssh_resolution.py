@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from pathlib import Path
 
 from tests.conftest import run_cli
 
@@ -76,3 +77,32 @@ def test_unknown_host_keys_are_shown_as_sha256(client, sshd, tmp_path):
     fp = __import__("subprocess").run(["ssh-keygen", "-l", "-f", str(sshd.dir / "host_key.pub")], capture_output=True,
                                       text=True).stdout.split()[1]  # fmt: skip
     assert res.code == 2 and fp.startswith("SHA256:") and fp in res.stderr
+
+
+def test_without_an_ssh_client_the_fallback_parser_still_runs_match_exec(tmp_path):
+    """paramiko loads without `invoke` (70 ms of every remote command); the fallback parser, used only where no
+    OpenSSH client is installed, brings it back, so a `Match exec` line is still evaluated, not an ImportError."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "config").write_text('Match exec "true"\n  HostName 10.9.8.7\n  Port 2200\n')
+    script = (
+        "import sys\n"
+        "from dflashctl.config import HostConfig\n"
+        "from dflashctl.remote import ssh\n"
+        "print('invoke' in sys.modules)\n"
+        "t = ssh.resolve_ssh_target(HostConfig(name='m', ssh='matched'))\n"
+        "print(t.hostname, t.port, t.source)\n"
+    )
+    bin_dir = tmp_path / "bin"  # a PATH with a shell for `Match exec`, and no OpenSSH client
+    bin_dir.mkdir()
+    (bin_dir / "bash").symlink_to(shutil.which("bash"))
+    env = {**os.environ, "HOME": str(home), "PATH": str(bin_dir)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         stdin=subprocess.DEVNULL, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["False", "10.9.8.7 2200 paramiko"]

@@ -15,15 +15,28 @@ import shlex
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import paramiko
-
 from dflashctl.config import HostConfig
 from dflashctl.errors import ConfigError, HostKeyError, UnreachableError
 from dflashctl.remote.transport import CHUNK, MAX_OUTPUT_CAPTURED, Result, Runner, _feed
+
+# paramiko.config imports `invoke` (and unittest.mock with it: 70 ms of every remote command's start) only to run
+# `Match exec` lines of an ssh config itself. dflashctl reads the config through OpenSSH's own `ssh -G`, so invoke is
+# kept out while paramiko loads (paramiko allows that: it raises only if such a line is evaluated), and brought in
+# by the fallback parser alone (`_paramiko_config`).
+_hide_invoke = "invoke" not in sys.modules
+if _hide_invoke:
+    sys.modules["invoke"] = None  # type: ignore[assignment]
+try:
+    import paramiko
+finally:
+    if _hide_invoke:
+        del sys.modules["invoke"]
+
 
 # paramiko logs a failed handshake with a 20-line traceback to stderr; our one-line error says it instead
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
@@ -173,10 +186,7 @@ def resolve_ssh_target(host: HostConfig) -> SshTarget:
             proxy_command=None if proxy in (None, "none") else proxy,
             in_config=hostname != alias or bool(proxy and proxy != "none"),
         )
-    cfg = paramiko.SSHConfig()
-    path = ssh_config_path()
-    if path.is_file():
-        cfg = paramiko.SSHConfig.from_path(str(path))
+    cfg = _paramiko_config(ssh_config_path())
     opts = cfg.lookup(alias)
     known = opts.get("userknownhostsfile", "~/.ssh/known_hosts").split()[0]
     keys = [host.identity_file] if host.identity_file else list(opts.get("identityfile", []))
@@ -191,6 +201,18 @@ def resolve_ssh_target(host: HostConfig) -> SshTarget:
         source="paramiko",
         in_config="hostname" in opts,
     )
+
+
+def _paramiko_config(path: Path) -> paramiko.SSHConfig:
+    """The fallback parser (no `ssh` on this machine), with invoke back for its `Match exec` lines."""
+    if paramiko.config.invoke is None:
+        try:
+            import invoke
+
+            paramiko.config.invoke = invoke
+        except ImportError:  # paramiko says so if a `Match exec` line is evaluated
+            pass
+    return paramiko.SSHConfig.from_path(str(path)) if path.is_file() else paramiko.SSHConfig()
 
 
 def client_options(host: HostConfig) -> list[str]:
