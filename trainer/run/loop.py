@@ -132,8 +132,6 @@ def build(
     if for_training:
         check_backend_supports_training(cfg, device, source)
     apply_compile_policy(cfg.attention.recompile_limit)
-    if for_training and device.type == "cuda":  # the preflight compiles (flex at least): workers start during the load
-        start_compile_workers()
     memory = plan_memory(cfg, device, layout, source) if for_training else None
     backend = make_backend(cfg.attention.backend, cfg.attention.dense_max_gib, source)
     if for_training and cfg.attention.backend == "dense":  # its cap, from the target's config alone
@@ -143,6 +141,8 @@ def build(
                              cfg.drafter.shape_overrides()).num_heads  # fmt: skip
         backend.check_size(cfg.data.batch_size, heads, cfg.data.seq_buckets[-1], cfg.data.anchors_per_seq,
                            cfg.drafter.block_size)  # fmt: skip
+    if for_training and device.type == "cuda":  # the preflight compiles (flex at least): workers start during the load
+        start_compile_workers()  # after every refusal above: a config error starts nothing
     target = load_target(cfg.target, cfg.drafter.num_layers, device, source, layout)
     compile_target = cfg.target.compile == "on" or (cfg.target.compile == "auto" and device.type == "cuda")
     if compile_target and layout.mode == "replicate":  # sharded layers run eager (DTensor and FSDP hooks)

@@ -344,7 +344,8 @@ class Run:
             epoch, gb = self.stream.next()
             seq_len, idx = shard(gb, layout.dp_rank, cfg.data.batch_size)
             micro.append(make_batch(parts, self.ds, seq_len, idx, epoch))
-        # the weight total stays on the device: no host sync before the step's first kernel
+        # the weight total is summed from the host's batch and copied to the device (an async copy that waits for
+        # nothing queued there), where the loss and the all-reduce need it: no host sync before the step's first kernel
         w_local = torch.stack([b.weights.sum().double() for b in micro]).sum().reshape(1).to(world.device)
         w_global = all_reduce_sum(w_local, world)
         scale = world.size / w_global.clamp_min(1e-6)
