@@ -203,6 +203,21 @@ def test_the_curves_plot_from_a_results_file(tmp_path):
     assert plot_quality.main([str(source), str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
     assert plot_quality.main(["one-argument"]) == 2
+    # a pass with variants keeps every training under "runs": each is a curve with its own label
+    curve = [{"step": 300, "tau": 1.4}, {"step": 600, "tau": 2.0}]
+    runs = {"runs": {name: {"tau_vs_step": curve, "step_time_ms_median": 42} for name in ("ours", "ours-b2", "x")}}
+    source.write_text(json.dumps(runs))
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    real_savefig = plt.Figure.savefig
+    plt.Figure.savefig = lambda fig, *a, **k: (drawn.extend(t.get_text() for t in fig.axes[0].get_legend().get_texts()),
+                                               real_savefig(fig, *a, **k))  # fmt: skip
+    try:
+        assert plot_quality.main([str(source), str(out)]) == 0
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert drawn == ["dflashctl trainer, 42 ms/step", "ours, betas (0.9, 0.999), 42 ms/step", "x, 42 ms/step"]
 
 
 def test_variant_settings_take_json_or_a_bare_word():
