@@ -18,11 +18,7 @@ def clip_into_update(opt: torch.optim.Optimizer, params: Iterable[torch.nn.Param
     """The global L2 norm of the gradients (before clipping, as `clip_grad_norm_` returns it), with the clip handed
     to `opt` as its `grad_scale`: the next `opt.step()` applies it. `opt` must be a fused Adam or AdamW (only the
     fused kernels read `grad_scale`). The norm stays on the device: no host sync."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        opt.grad_scale = None
-        return torch.zeros((), dtype=torch.float32)
-    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)  # none: 0, scale 1
     # clip_grad_norm_ multiplies by min(max_norm / (norm + 1e-6), 1); dividing by its inverse is the same clip
     opt.grad_scale = ((norm.float() + 1e-6) / max_norm).clamp_min(1.0)
     return norm
