@@ -1,0 +1,96 @@
+"""Cold preflight per bucket: each run is `python -m trainer.train` at the paper shape with buckets 1024 / 2048 / 3072
+and empty Inductor and Triton caches of its own. With `--env KEY=VALUE` (repeatable), a variant (the same run with
+that environment) alternates with the plain run, so that the machine's drift falls on both.
+
+    python bench/cold_preflight.py [--repeat 2] [--env KEY=VALUE ...] [--out bench/results/h200-cold-preflight.json]
+
+Per run: the preflight's seconds per bucket (its metrics record), and the wall time from the process's start to the
+preflight's start (imports, target load, data) and to the first step, so a change that only moved time would show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import QWEN3_8B_WORKLOAD  # noqa: E402
+
+BUCKETS = [1024, 2048, 3072]
+
+
+def run(work: Path, name: str, extra_env: dict[str, str]) -> dict:
+    data = {**QWEN3_8B_WORKLOAD["data"], "seq_buckets": BUCKETS, "synthetic_samples": 6}
+    cfg = {**QWEN3_8B_WORKLOAD, "data": data, "device": "cuda", "steps": 3, "log_every": 1,
+           "checkpoint": {"every": 1000, "keep": 1}}  # fmt: skip
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run_dir = work / name
+    cache = work / f"{name}-cache"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
+           **extra_env}  # fmt: skip
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(path), "--run-dir", str(run_dir)],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    pre = next((r for r in recs if r.get("event") == "preflight"), None)
+    first_progress = next((r for r in recs if r.get("event") == "preflight_progress"), None)
+    first_step = next((r for r in recs if "event" not in r), None)
+    seconds = {int(k): v for k, v in pre["seconds"].items()} if pre else {}
+    return {"variant": ",".join(f"{k}={v}" for k, v in extra_env.items()) or "plain", "exit": proc.returncode,
+            "preflight_s": [round(seconds.get(b, float("nan")), 2) for b in BUCKETS],
+            "to_preflight_s": round(first_progress["time"] - t0, 1) if first_progress else None,
+            "to_first_step_s": round(first_step["time"] - t0, 1) if first_step else None,
+            "recompiles": sum(1 for r in recs if r.get("event") == "recompile"),
+            "stderr_tail": proc.stderr.strip().splitlines()[-3:]}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE of the variant run beside the plain one")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    variant = dict(e.split("=", 1) for e in args.env)
+    import torch
+
+    runs = []
+    with tempfile.TemporaryDirectory() as d:
+        for i in range(args.repeat):
+            for j, extra in enumerate([{}, variant] if variant else [{}]):
+                runs.append(run(Path(d), f"r{i}-{j}", extra))
+                print(json.dumps(runs[-1]), flush=True)
+    print("| run | preflight s per bucket 1024 / 2048 / 3072 | start to preflight s | start to first step s |")
+    print("| --- | --- | --- | --- |")
+    summary = {}
+    for name in dict.fromkeys(r["variant"] for r in runs):
+        mine = [r for r in runs if r["variant"] == name and r["exit"] == 0]
+        if not mine:
+            last = [r for r in runs if r["variant"] == name][-1]
+            print(f"| {name} | failed (exit {last['exit']}): {last['stderr_tail'][-1:]} | | |")
+            continue
+        med = [round(statistics.median(r["preflight_s"][j] for r in mine), 2) for j in range(len(BUCKETS))]
+        pre = statistics.median(r["to_preflight_s"] for r in mine)
+        first = statistics.median(r["to_first_step_s"] for r in mine)
+        summary[name] = {"preflight_s": med, "to_preflight_s": pre, "to_first_step_s": first}
+        print(f"| {name} | {' / '.join(f'{x:.2f}' for x in med)} | {pre:.1f} | {first:.1f} |")
+    report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "command": " ".join(["python", *sys.argv]), "buckets": BUCKETS, "runs": runs,
+              "median": summary}  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
