@@ -1,6 +1,7 @@
-"""Deploy against plain `rsync -a` over the same loopback sshd: no-change and one-file-change, ssh connections used.
+"""Deploy against plain `rsync -a` over the same loopback sshd: a first deploy into an empty workdir, no change, one
+file changed, and the ssh connections a deploy opens.
 
-    .venv/bin/python bench/deploy_bench.py [--files 2000] [--mb 50] [--repeat 5]
+    .venv/bin/python bench/deploy_bench.py [--files 2000] [--mb 50] [--repeat 5] [--repeat-first 3]
 
 Prints a table (median seconds of --repeat runs) and writes bench/results/deploy.json.
 """
@@ -12,6 +13,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +42,7 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=2000)
     ap.add_argument("--mb", type=int, default=50)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat-first", type=int, default=3, help="first deploys, each into an empty workdir")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="deploy-bench-"))
     server, home = loopback_sshd(work)
@@ -51,24 +54,39 @@ def main() -> None:
         "-o BatchMode=yes -o StrictHostKeyChecking=yes"
     )
 
-    def ours():
+    def ours(dst: str = "dst-ours"):
         before = SshRunner.connections_opened
         with SshRunner(host) as r:
-            rep = deploy(r, src, str(work / "dst-ours"))
+            rep = deploy(r, src, str(work / dst))
         return rep, SshRunner.connections_opened - before
 
-    def rsync():
-        subprocess.run(
-            ["rsync", "-a", "--delete", "-e", ssh_cmd, f"{src}/", f"root@127.0.0.1:{work}/dst-rsync/"], check=True
-        )
+    def rsync(dst: str = "dst-rsync"):
+        subprocess.run(["rsync", "-a", "--delete", "-e", ssh_cmd, f"{src}/", f"root@127.0.0.1:{work}/{dst}/"],
+                       check=True)  # fmt: skip
+
+    fresh = iter(range(10**6))
+
+    def first_ours():  # an empty workdir, no record of a last deploy, no hash cache: every file is read and hashed
+        shutil.rmtree(state, ignore_errors=True)
+        return ours(f"first-{next(fresh)}")
+
+    def first_rsync():
+        rsync(f"first-{next(fresh)}")
 
     try:
-        t0 = time.perf_counter()
+        from dflashctl.model.record import state_dir
+
+        state = state_dir()
         first, conns = ours()
-        first_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
         rsync()
-        rsync_first_s = time.perf_counter() - t0
+        firsts = {"ours": [], "rsync": []}
+        for _ in range(args.repeat_first):  # alternating, each after a sync: neither pays the other's dirty pages
+            for name, fn in (("ours", first_ours), ("rsync", first_rsync)):
+                os.sync()
+                t0 = time.perf_counter()
+                fn()
+                firsts[name].append(time.perf_counter() - t0)
+        first_s, rsync_first_s = (statistics.median(firsts[k]) for k in ("ours", "rsync"))
         nochange_ours = timed(lambda: ours(), args.repeat)
         nochange_rsync = timed(rsync, args.repeat)
         counter = iter(range(10**6))
@@ -93,16 +111,20 @@ def main() -> None:
 
     py = platform.python_version()
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores; python {py}")
-    print(f"tree: {args.files} files, {args.mb} MB; median of {args.repeat}; ssh connections per deploy: {conns}")
+    print(f"tree: {args.files} files, {args.mb} MB; median of {args.repeat} ({args.repeat_first} for first deploys); "
+          f"ssh connections per deploy: {conns}")
     print("| case | dflashctl deploy (s) | rsync -a over ssh (s) |")
     print("| --- | --- | --- |")
     print(f"| first deploy (everything) | {first_s:.3f} | {rsync_first_s:.3f} |")
     print(f"| no change | {nochange_ours:.3f} | {nochange_rsync:.3f} |")
     print(f"| one file changed | {one_change_ours:.3f} | {one_change_rsync:.3f} |")
-    print(f"first deploy sent {first.files_sent} files, {first.bytes_sent / 1e6:.1f} MB")
+    print(f"first deploy sent {first.files_sent} files, {first.bytes_sent / 1e6:.1f} MB; each first deploy (s): "
+          f"ours {[round(x, 2) for x in firsts['ours']]}, rsync {[round(x, 2) for x in firsts['rsync']]}")
     out = {"machine": f"{platform.node()} {platform.machine()}", "cpu_count": os.cpu_count(), "python": py,
            "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "files": args.files, "mb": args.mb,
-           "repeat": args.repeat, "ssh_connections_per_deploy": conns,
+           "repeat": args.repeat, "repeat_first": args.repeat_first,
+           "first_each_s": {k: [round(x, 3) for x in v] for k, v in firsts.items()},
+           "ssh_connections_per_deploy": conns,
            "median_s": {"first": {"dflashctl": round(first_s, 3), "rsync": round(rsync_first_s, 3)},
                         "no_change": {"dflashctl": round(nochange_ours, 3), "rsync": round(nochange_rsync, 3)},
                         "one_file": {"dflashctl": round(one_change_ours, 3), "rsync": round(one_change_rsync, 3)}}}

@@ -47,5 +47,7 @@ def is_output(rel: str, outputs: set[str]) -> bool:
     """`rel` (a project-relative POSIX path) is the list itself, a listed file, or inside a listed folder."""
     if rel == LIST_NAME:
         return True
+    if not outputs:  # the common case, asked once per untracked file: no path objects made
+        return False
     parts = PurePosixPath(rel).parts
     return any("/".join(parts[:i]) in outputs for i in range(1, len(parts) + 1))

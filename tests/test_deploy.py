@@ -133,3 +133,39 @@ def test_a_deploy_after_this_machines_last_one_is_one_remote_command_and_survive
     garbled = deploy(cli, "local", str(wd))
     assert garbled["remote_commands"] == 2 and remote_tree(wd / "code")["pkg/b.py"] == "B = 30\n"
     assert os.readlink(wd / "code") == f"releases/{garbled['version']}"
+
+
+def test_the_release_agent_runs_under_the_interpreter_behind_a_shim_and_falls_back_when_gone(cli, client, tmp_path):
+    """A `python3` that is a version manager's shim runs once; later deploys start the interpreter the agent
+    reported (no shim on every call). When that interpreter is gone, the deploy still lands through the shim and
+    records the interpreter anew."""
+    import sys
+
+    from dflashctl.model.record import state_dir
+
+    shim, calls = tmp_path / "shim" / "python3", tmp_path / "shim-calls"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\necho "$$" >> {calls}\nexec {sys.executable} "$@"\n')
+    shim.chmod(0o755)
+    wd = tmp_path / "wd"
+    client.write_hosts(f"hosts:\n  shimmed:\n    python: {shim}\n    workdir: {wd}\n")
+    root = client.project
+    make_project(root)
+    deploy(cli, "shimmed", str(wd))
+    assert len(calls.read_text().split()) == 1
+    (record,) = (state_dir() / "last-deploy").iterdir()
+    remembered = json.loads(record.read_text())["python"]
+    assert remembered.startswith("/") and remembered != str(shim)
+
+    (root / "pkg" / "a.py").write_text("A = 10\n")
+    deploy(cli, "shimmed", str(wd))
+    assert len(calls.read_text().split()) == 1  # the remembered interpreter, not the shim
+    assert remote_tree(wd / "code")["pkg/a.py"] == "A = 10\n"
+
+    body = json.loads(record.read_text())
+    record.write_text(json.dumps({**body, "python": str(tmp_path / "gone" / "python3")}))
+    (root / "pkg" / "a.py").write_text("A = 11\n")
+    again = deploy(cli, "shimmed", str(wd))
+    assert again["sent"] == ["pkg/a.py"] and remote_tree(wd / "code")["pkg/a.py"] == "A = 11\n"
+    assert len(calls.read_text().split()) == 2  # the vanished one failed to start: the shim ran it
+    assert json.loads(record.read_text())["python"] == remembered

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from dflashctl.agent import probe
+from dflashctl.agent.common import locked
 from dflashctl.jobs.watch import Watcher
 from dflashctl.judge.health import assess
 from dflashctl.model.jobfile import WatchConfig
@@ -314,7 +315,8 @@ def test_releases_no_live_job_uses_are_collected(tmp_path):
             (run / "job.json").write_text(json.dumps({"release": v}))
             (run / "exit_code").write_text("0\n")
         time.sleep(0.02)  # distinct mtimes: newest first
-    kept = set(os.listdir(wd / "releases"))
+    with locked(str(wd / ".deploy.lock")):  # the collection, after each answer, holds the lock until it is done
+        kept = set(os.listdir(wd / "releases"))
     assert kept == {versions[1], *versions[-3:]}, (kept, versions)
     assert os.readlink(wd / "code") == f"releases/{versions[-1]}"
 
@@ -438,3 +440,33 @@ def test_the_agent_runs_on_python_3_8_probe_with_gpu_readings_and_release(tmp_pa
     res = subprocess.run(argv, input=AGENT + stream, capture_output=True, env={**os.environ, "HOME": str(tmp_path)})
     assert json.loads(res.stdout)["ok"], res.stderr.decode()[-2000:]
     assert (wd / "code" / "a.py").read_text() == "print(1)\n"
+
+
+def test_a_file_gone_between_hashing_and_sending_fails_the_deploy_on_this_side(tmp_path):
+    """The tar is written while it travels: a file removed after the manifest was built ends the stream early (the
+    agent then refuses it, nothing switched) and the deploy names the file."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a.py", "b.py"):
+        (src / name).write_text(f"{name}\n")
+    manifest = sync.build_manifest(src, ["a.py", "b.py"], cache=False)
+    (src / "b.py").unlink()
+    pipe = sync.TarPipe(src, ["a.py", "b.py"], manifest)
+    data = pipe.read()
+    with pytest.raises(sync.DflashError, match=r"b\.py.*changed while deploying"):
+        pipe.close()
+    ans = run_agent(tmp_path / "wd", {"version": sync.manifest_version(manifest), "base": None}, data)
+    assert not ans["ok"] and not (tmp_path / "wd" / "code").exists()
+
+
+def test_a_stream_whose_reader_stops_ends_its_writer(tmp_path):
+    """The command exits without reading (a full disk, a refusal): closing the pipe ends the writer thread, with no
+    error of its own."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big.bin").write_bytes(os.urandom(4 << 20))  # far more than a pipe holds
+    manifest = sync.build_manifest(src, ["big.bin"], cache=False)
+    pipe = sync.TarPipe(src, ["big.bin"], manifest)
+    assert pipe.read(1024)
+    pipe.close()
+    assert not pipe._thread.is_alive() and 0 < pipe.sent < (4 << 20)

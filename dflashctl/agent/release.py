@@ -6,7 +6,8 @@ unchanged ones hard-linked from the base release, then every file's hash, size, 
 checked against the manifest (the tar's last member) and nothing else may be there. Only then is the staging dir
 renamed to `releases/<version>/` and `code` (a symlink) switched to it with one rename. Any failure (a full disk, a
 killed connection, a corrupt stream) leaves the previous release current and intact; the next deploy removes the
-leftover staging dir. Releases that no live job uses are collected, keeping the newest few.
+leftover staging dir. Releases that no live job uses are collected, keeping the newest few: after the answer, by a
+detached child holding the lock.
 """
 
 from __future__ import annotations
@@ -45,12 +46,21 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def extract(stream, staging: str, written: set[str]) -> bytes:
+def _makedirs(path: str, made: set[str]) -> None:
+    """os.makedirs of a file's directory, once per directory (a release of thousands of files has few)."""
+    parent = os.path.dirname(path)
+    if parent not in made:
+        os.makedirs(parent, exist_ok=True)
+        made.add(parent)
+
+
+def extract(stream, staging: str, written: dict[str, str | None], made: set[str]) -> bytes:
     """Write the tar's regular files and symlinks into staging (symlinks last, so no file is written through one),
-    adding their paths to `written`. Returns the manifest's bytes."""
+    recording each path in `written` with the sha256 of the bytes written (None for a symlink): verification then
+    needs no second read. Returns the manifest's bytes."""
     manifest = None
     links = []
-    with tarfile.open(fileobj=stream, mode="r|") as tar:
+    with tarfile.open(fileobj=stream, mode="r|", bufsize=1 << 16) as tar:
         for m in tar:
             if not _safe(m.name):
                 raise ReleaseError(f"unsafe path in the stream: {m.name!r}")
@@ -62,24 +72,26 @@ def extract(stream, staging: str, written: set[str]) -> bytes:
                 continue
             if not m.isreg():
                 raise ReleaseError(f"unexpected member type in the stream: {m.name!r}")
-            written.add(m.name)
             path = os.path.join(staging, m.name)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _makedirs(path, made)
             src = tar.extractfile(m)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            h = hashlib.sha256()
             try:
                 while True:
                     block = src.read(1 << 20)
                     if not block:
                         break
+                    h.update(block)
                     write_all(fd, block)
                 os.fchmod(fd, m.mode & 0o777)
             finally:
                 os.close(fd)
+            written[m.name] = h.hexdigest()
     for name, target in links:
-        written.add(name)
+        written[name] = None
         path = os.path.join(staging, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _makedirs(path, made)
         os.symlink(target, path)
     if manifest is None:
         raise ReleaseError("the stream ended before its manifest (interrupted or corrupt)")
@@ -89,7 +101,7 @@ def extract(stream, staging: str, written: set[str]) -> bytes:
 FSYNC_EACH_UP_TO = 64  # written files fsynced one by one up to this many; more: one syncfs(2) of the filesystem
 
 
-def make_durable(staging: str, written: set[str]) -> None:
+def make_durable(staging: str, written) -> None:
     """What this release wrote reaches the disk before `code` points at it: the files the stream carried (one fsync
     each when few; one syncfs(2) when many, rather than thousands of fsyncs) and every directory entry (the hard
     links included). Files linked from the base release were made durable by its own deploy."""
@@ -117,20 +129,19 @@ def make_durable(staging: str, written: set[str]) -> None:
         _fsync_dir(dirpath)
 
 
-def link_unchanged(files: dict, staging: str, base_dir: str | None) -> set[str]:
+def link_unchanged(files: dict, staging: str, base_dir: str | None, written, made: set[str]) -> set[str]:
     """Hard-link every manifest entry the stream did not carry from the base release (immutable: sharing inodes
     with it is safe). Returns the linked paths."""
     linked: set[str] = set()
     for rel in files:
-        dst = os.path.join(staging, rel)
-        if os.path.lexists(dst):
+        if rel in written:
             continue
         if base_dir is None:
             raise ReleaseError(f"need_full: {rel!r} was not sent and there is no base release")
-        src = os.path.join(base_dir, rel)
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        dst = os.path.join(staging, rel)
+        _makedirs(dst, made)
         try:
-            os.link(src, dst, follow_symlinks=False)
+            os.link(os.path.join(base_dir, rel), dst, follow_symlinks=False)
         except OSError as e:
             raise ReleaseError(f"need_full: cannot link {rel!r} from the base release: {e.strerror}") from None
         linked.add(rel)
@@ -145,13 +156,12 @@ def _sha_file(path: str) -> str:
     return h.hexdigest()
 
 
-def verify(
-    root: str, files: dict, linked: frozenset[str] = frozenset(), written: frozenset[str] | None = None
-) -> list[str]:
+def verify(root: str, files: dict, linked: frozenset[str] = frozenset(), written: dict | None = None) -> list[str]:
     """Every manifest entry is there with its hash, size and mode (symlinks: their target), and nothing else was
     written. A file hard-linked from the base release is that release's verified file (link(2) made it the same
-    inode), so it is not read again; everything the stream carried is hashed. `written=None` (an existing release
-    checked for reuse): every file is hashed and the tree is walked for strays."""
+    inode), so it is not read again; a file the stream carried is checked against the hash of the bytes written to
+    it (`written`: path -> sha256). `written=None` (an existing release checked for reuse): every file is read and
+    hashed, and the tree is walked for strays."""
     problems = []
     for rel, (sha, size, mode) in files.items():
         if rel in linked:
@@ -166,17 +176,19 @@ def verify(
             target = os.readlink(path).encode("utf-8", "surrogateescape") if stat.S_ISLNK(st.st_mode) else None
             if target is None or hashlib.sha256(target).hexdigest() != sha:
                 problems.append(f"wrong symlink: {rel}")
-        elif not stat.S_ISREG(st.st_mode) or st.st_size != size or _sha_file(path) != sha:
+            continue
+        digest = written.get(rel) if written is not None else None
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size or (digest or _sha_file(path)) != sha:
             problems.append(f"wrong content: {rel}")
         elif st.st_mode & 0o777 != mode & 0o777:
             problems.append(f"wrong mode: {rel}")
     if written is None:
-        written = set()
+        written = {}
         for dirpath, dirnames, filenames in os.walk(root):
             rel_dir = os.path.relpath(dirpath, root)
             for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-                written.add(name if rel_dir == "." else f"{rel_dir}/{name}")
-        written.discard(MANIFEST_NAME)
+                written[name if rel_dir == "." else f"{rel_dir}/{name}"] = None
+        written.pop(MANIFEST_NAME, None)
     problems += [f"unexpected: {rel}" for rel in sorted(set(written) - set(files))]
     return problems
 
@@ -242,61 +254,88 @@ def parse_manifest(raw: bytes) -> tuple[str, dict]:
 
 
 def release(req: dict, stream) -> dict:
+    """Stage, verify and switch to the release; the caller holds the deploy lock."""
     t0 = time.monotonic()
     wd = req["workdir"]
     releases = os.path.join(wd, "releases")
-    os.makedirs(releases, exist_ok=True)
-    with locked(os.path.join(wd, ".deploy.lock"), timeout=600.0, held_by="another deploy"):
-        for d in os.listdir(releases):
-            if d.startswith(".staging-"):
-                shutil.rmtree(os.path.join(releases, d), ignore_errors=True)
-        version = req["version"]
-        if not _safe(version) or "/" in version:
-            raise ReleaseError(f"bad version {version!r}")
-        final = os.path.join(releases, version)
-        base = req.get("base")
-        base_dir = os.path.join(releases, base) if isinstance(base, str) and _safe(base) and "/" not in base else None
-        staging = os.path.join(releases, f".staging-{version}-{os.getpid()}")
-        os.mkdir(staging, 0o755)
-        try:
-            written: set[str] = set()
-            got_version, files = parse_manifest(extract(stream, staging, written))
-            if got_version != version:
-                raise ReleaseError(f"the stream is version {got_version}, expected {version}")
-            if os.path.isdir(final) and not verify(final, files):  # already deployed and intact: reuse it
-                shutil.rmtree(staging)
-                switch(wd, version)
-                gone = collect(wd, version)
-                return {"ok": True, "reused": True, "linked": 0, "verified": len(files), "collected": gone}
-            base_ok = base_dir if base_dir and os.path.isdir(base_dir) else None
-            linked = link_unchanged(files, staging, base_ok)
-            with open(os.path.join(staging, MANIFEST_NAME), "w") as f:
-                json.dump({"version": version, "files": {k: list(v) for k, v in files.items()}}, f)
-            problems = verify(staging, files, frozenset(linked), frozenset(written))
-            if problems:
-                raise ReleaseError(f"verification failed ({len(problems)}): {'; '.join(problems[:5])}")
-            t_verified = time.monotonic()
-            make_durable(staging, written)
-            if os.path.isdir(final):  # a broken leftover of the same version: replaced, never trusted
-                shutil.rmtree(final)
-            os.rename(staging, final)
-            _fsync_dir(releases)
+    for d in os.listdir(releases):
+        if d.startswith(".staging-"):
+            shutil.rmtree(os.path.join(releases, d), ignore_errors=True)
+    version = req["version"]
+    if not _safe(version) or "/" in version:
+        raise ReleaseError(f"bad version {version!r}")
+    final = os.path.join(releases, version)
+    base = req.get("base")
+    base_dir = os.path.join(releases, base) if isinstance(base, str) and _safe(base) and "/" not in base else None
+    staging = os.path.join(releases, f".staging-{version}-{os.getpid()}")
+    os.mkdir(staging, 0o755)
+    try:
+        written: dict[str, str | None] = {}
+        made: set[str] = {staging}
+        got_version, files = parse_manifest(extract(stream, staging, written, made))
+        if got_version != version:
+            raise ReleaseError(f"the stream is version {got_version}, expected {version}")
+        if os.path.isdir(final) and not verify(final, files):  # already deployed and intact: reuse it
+            shutil.rmtree(staging)
             switch(wd, version)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        t_switched = time.monotonic()
-        gone = collect(wd, version)
-        seconds = {"stage_and_verify": t_verified - t0, "durable_and_switch": t_switched - t_verified,
-                   "collect": time.monotonic() - t_switched}  # fmt: skip
-        return {"ok": True, "reused": False, "linked": len(linked), "verified": len(files), "collected": gone,
-                "seconds": {k: round(v, 3) for k, v in seconds.items()}}  # fmt: skip
+            return {"ok": True, "reused": True, "linked": 0, "verified": len(files), "python": sys.executable}
+        base_ok = base_dir if base_dir and os.path.isdir(base_dir) else None
+        linked = link_unchanged(files, staging, base_ok, written, made)
+        with open(os.path.join(staging, MANIFEST_NAME), "w") as f:  # dumps: the C encoder, dump streams in Python
+            f.write(json.dumps({"version": version, "files": {k: list(v) for k, v in files.items()}}))
+        problems = verify(staging, files, frozenset(linked), written)
+        if problems:
+            raise ReleaseError(f"verification failed ({len(problems)}): {'; '.join(problems[:5])}")
+        t_verified = time.monotonic()
+        make_durable(staging, written)
+        if os.path.isdir(final):  # a broken leftover of the same version: replaced, never trusted
+            shutil.rmtree(final)
+        os.rename(staging, final)
+        _fsync_dir(releases)
+        switch(wd, version)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    seconds = {"stage_and_verify": t_verified - t0, "durable_and_switch": time.monotonic() - t_verified}
+    return {"ok": True, "reused": False, "linked": len(linked), "verified": len(files), "python": sys.executable,
+            "seconds": {k: round(v, 3) for k, v in seconds.items()}}  # fmt: skip
+
+
+def collect_after_answer(wd: str, version: str) -> None:
+    """Old releases are removed after the answer is out: a child process, in a session of its own with no tie to the
+    command's output, deletes them while the deploy already returns (thousands of files take a tenth of a second).
+    Called under the deploy lock, whose open file the child inherits: the lock stays held until the collection is
+    done, so the next deploy waits for it. Where fork fails, they are removed now."""
+    try:
+        pid = os.fork()
+    except OSError:
+        collect(wd, version)
+        return
+    if pid:
+        return
+    try:  # the child: never returns into the caller's code
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        collect(wd, version)
+    except BaseException:  # noqa: BLE001 - nobody to tell; the next deploy collects again
+        pass
+    finally:
+        os._exit(0)
 
 
 def main() -> int:
     req = json.loads(sys.argv[1])
+    wd = req["workdir"]
     try:
-        answer = release(req, sys.stdin.buffer)
+        os.makedirs(os.path.join(wd, "releases"), exist_ok=True)
+        with locked(os.path.join(wd, ".deploy.lock"), timeout=600.0, held_by="another deploy"):
+            answer = release(req, sys.stdin.buffer)
+            sys.stdout.write(json.dumps(answer))
+            sys.stdout.flush()
+            collect_after_answer(wd, req["version"])
+        return 0
     except (ReleaseError, OSError, tarfile.TarError, ValueError, EOFError) as e:
         if isinstance(e, OSError) and e.strerror:  # a full disk's ENOSPC may name no file: never ": None"
             detail = f"{e.strerror}: {e.filename}" if e.filename else e.strerror
@@ -304,8 +343,6 @@ def main() -> int:
             detail = str(e)
         sys.stdout.write(json.dumps({"ok": False, "error": f"{type(e).__name__}: {detail}"}))
         return 1
-    sys.stdout.write(json.dumps(answer))
-    return 0
 
 
 if __name__ == "__main__":

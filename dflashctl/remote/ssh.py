@@ -258,6 +258,7 @@ class SshRunner(Runner):
         self.accept_new_host_key = accept_new_host_key
         self._client: paramiko.SSHClient | None = None
         self._jump: SshRunner | None = None
+        self._spare: paramiko.Channel | None = None  # a session opened ahead by connect(), used by the next command
 
     def _connect(self) -> paramiko.SSHClient:
         if self._client is not None:
@@ -328,6 +329,15 @@ class SshRunner(Runner):
         self._client = client
         return client
 
+    def connect(self) -> None:
+        """The handshake, and one session channel opened ahead (a round trip) for the first command to use."""
+        transport = self._connect().get_transport()
+        if self._spare is None and transport is not None:
+            try:
+                self._spare = transport.open_session(timeout=self.host.connect_timeout)
+            except (paramiko.SSHException, OSError):
+                self._spare = None  # the command opens its own, and says what went wrong
+
     def check_connection(self) -> None:
         self._connect()
         super().check_connection()
@@ -338,7 +348,9 @@ class SshRunner(Runner):
         if transport is None or not transport.is_active():
             raise UnreachableError(f"{self.host.name}: connection lost")
         try:
-            chan = transport.open_session(timeout=self.host.connect_timeout)
+            chan, self._spare = self._spare, None
+            if chan is None or chan.closed:
+                chan = transport.open_session(timeout=self.host.connect_timeout)
             chan.settimeout(timeout)
             chan.exec_command(shlex.join(argv))
         except (paramiko.SSHException, OSError) as e:
@@ -373,6 +385,9 @@ class SshRunner(Runner):
         return Result(argv, code, bytes(out), bytes(err))
 
     def close(self) -> None:
+        if self._spare is not None:
+            self._spare.close()
+            self._spare = None
         if self._client is not None:
             self._client.close()
             self._client = None

@@ -29,6 +29,7 @@ import stat
 import subprocess
 import tarfile
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -99,11 +100,13 @@ class DeployReport:
         return asdict(self)
 
 
-def _is_junk(rel: PurePosixPath) -> bool:
+def _is_junk(rel: str) -> bool:
+    """A POSIX relative path (strings: this runs once per untracked file) under a junk folder, or a junk file."""
+    *dirs, name = rel.split("/")
     return (
-        any(part in JUNK_DIRS or part.endswith(".egg-info") for part in rel.parts[:-1])
-        or rel.name in JUNK_FILES
-        or rel.name.endswith(JUNK_SUFFIXES)
+        any(part in JUNK_DIRS or part.endswith(".egg-info") for part in dirs)
+        or name in JUNK_FILES
+        or name.endswith(JUNK_SUFFIXES)
     )
 
 
@@ -139,7 +142,7 @@ def list_files(root: Path) -> list[str]:
         tracked, untracked = [], _walk(root)
     files = set()
     made = outputs.listed(root)  # pulled runs and report files: dflashctl's own, never code
-    untracked = [u for u in untracked if not _is_junk(PurePosixPath(u)) and not outputs.is_output(u, made)]
+    untracked = [u for u in untracked if not _is_junk(u) and not outputs.is_output(u, made)]
     base = str(root)
     for rel in tracked + untracked:  # plain strings: thousands of Path objects cost a tenth of a second
         if rel.rsplit("/", 1)[-1] == MANIFEST_NAME:
@@ -290,10 +293,9 @@ def read_remote_state(runner: Runner, workdir: str) -> tuple[str, str | None, Ma
     return first.strip(), current, parse_remote_manifest(manifest) if current else {}
 
 
-def build_tar(root: Path, files: list[str], manifest: Manifest) -> tuple[tempfile.SpooledTemporaryFile, int]:
-    """A tar of the changed files (symlinks as symlinks) with the new manifest last; returns the stream and its size."""
-    buf = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY)
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+def write_tar(out, root: Path, files: list[str], manifest: Manifest) -> None:
+    """A tar stream of the changed files (symlinks as symlinks) with the new manifest last, written to `out`."""
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT, bufsize=1 << 16) as tar:
         for rel in files:
             path = root / rel
             if manifest[rel].mode & 0o170000 == S_IFLNK:
@@ -309,9 +311,61 @@ def build_tar(root: Path, files: list[str], manifest: Manifest) -> tuple[tempfil
         info = tarfile.TarInfo(MANIFEST_NAME)
         info.size, info.mode, info.mtime = len(body), 0o644, int(time.time())
         tar.addfile(info, io.BytesIO(body))
+
+
+def build_tar(root: Path, files: list[str], manifest: Manifest) -> tuple[tempfile.SpooledTemporaryFile, int]:
+    """The tar of `write_tar` whole, in memory (or a temporary file when large); returns the stream and its size."""
+    buf = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY)
+    write_tar(buf, root, files, manifest)
     size = buf.tell()
     buf.seek(0)
     return buf, size
+
+
+class TarPipe:
+    """The tar of `write_tar`, written by a thread into a pipe while the command reads the other end: the remote
+    unpacks while this side is still reading files. `sent` counts the bytes; `close()` ends the writer (a command
+    that stopped reading makes its writes fail) and raises what went wrong on this side (a file that vanished)."""
+
+    def __init__(self, root: Path, files: list[str], manifest: Manifest) -> None:
+        r, w = os.pipe()
+        self._reader = os.fdopen(r, "rb")
+        self._writer = os.fdopen(w, "wb")
+        self.sent = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._write, args=(root, files, manifest), daemon=True)
+        self._thread.start()
+
+    def _write(self, root: Path, files: list[str], manifest: Manifest) -> None:
+        try:
+            with self._writer:
+                write_tar(self, root, files, manifest)
+        except BrokenPipeError:
+            pass  # the command stopped reading: its own answer says why
+        except OSError as e:  # a file gone or unreadable since it was hashed
+            self.error = DflashError(f"{e.filename or root}: {e.strerror or e}: changed while deploying; nothing was "
+                                     "switched, deploy again")  # fmt: skip
+        except BaseException as e:  # noqa: BLE001 - raised by close(), in the caller's thread
+            self.error = e
+
+    def write(self, data: bytes) -> int:
+        self._writer.write(data)
+        self.sent += len(data)
+        return len(data)
+
+    def read(self, n: int = -1) -> bytes:
+        return self._reader.read(n)
+
+    def close(self) -> None:
+        self._reader.close()
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+    @staticmethod
+    def estimate(files: list[str], manifest: Manifest) -> int:
+        """About the stream's size, for a progress bar: the files' bytes and a header block each."""
+        return sum(manifest[rel].size + 1024 for rel in files) + 1024 * (len(manifest) // 8 + 2)
 
 
 ProgressFactory = Callable[[int], Callable[[int], None]]
@@ -328,19 +382,21 @@ class LastDeploy:
         key = hashlib.sha256(f"{host.model_dump_json()}\0{workdir}".encode("utf-8", "surrogateescape")).hexdigest()
         self.path = state_dir() / "last-deploy" / f"{key[:24]}.json"
 
-    def read(self) -> tuple[str, str, Manifest] | None:
-        """(absolute workdir, version, manifest), or None."""
+    def read(self) -> tuple[str, str, Manifest, str | None] | None:
+        """(absolute workdir, version, manifest, the interpreter the agent ran under), or None."""
         try:
             data = json.loads(self.path.read_text())
             files = {rel: Entry(str(e[0]), int(e[1]), int(e[2])) for rel, e in data["files"].items()}
+            python = data.get("python")
             if isinstance(data["workdir"], str) and isinstance(data["version"], str):
-                return data["workdir"], data["version"], files
+                return data["workdir"], data["version"], files, python if isinstance(python, str) else None
         except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
             pass
         return None
 
-    def write(self, abs_wd: str, version: str, manifest: Manifest) -> None:
-        body = {"workdir": abs_wd, "version": version, "files": {k: v.to_json() for k, v in manifest.items()}}
+    def write(self, abs_wd: str, version: str, manifest: Manifest, python: str | None = None) -> None:
+        body = {"workdir": abs_wd, "version": version, "python": python,
+                "files": {k: v.to_json() for k, v in manifest.items()}}  # fmt: skip
         _write_private_json(self.path, body)  # unwritten: the next deploy reads the remote state instead
 
 
@@ -355,20 +411,28 @@ def deploy(
     """Make the local tree at root the current release on the host (atomically, verified)."""
     start = time.monotonic()
     commands_before = runner.commands_run
-    local = build_manifest(root)
+    opening = _Opening(runner)  # the ssh handshake overlaps the hashing below; no command runs before it is done
+    try:
+        local = build_manifest(root)
+    except BaseException:
+        opening.join(quiet=True)  # a bad project is the first thing to fix: its error wins
+        raise
+    opening.join()  # its failure (unreachable, host key) is raised once the local side has proven sound
     if not local:
         raise DflashError(f"{root}: no files to deploy")
     version = manifest_version(local)
     last = LastDeploy(runner.host, workdir)
     known = None if dry_run else last.read()
     report, travelled = None, 0
+    agent = _AgentPython(runner.host.python, known[3] if known else None)
     if known is not None and known[1] != version:  # one remote command: the changes against what we last deployed
-        abs_wd, base, base_files = known
+        abs_wd, base, base_files, _ = known
         plan = plan_changes(local, base_files)
         report = DeployReport(host=runner.host.name, code_dir=f"{abs_wd}/code", version=version,
                               files_sent=len(plan.send), files_deleted=len(plan.delete), sent=plan.send,
                               deleted=plan.delete)  # fmt: skip
-        if not _send_release(runner, root, local, plan.send, abs_wd, version, base, report, progress, fallback=False):
+        if not _send_release(runner, root, local, plan.send, abs_wd, version, base, report, progress, agent,
+                             fallback=False):  # fmt: skip
             report, travelled = None, report.bytes_sent  # the base is gone from the remote: read its state, plan again
     if report is None:
         abs_wd, current, remote = read_remote_state(runner, workdir)
@@ -377,9 +441,10 @@ def deploy(
                               files_sent=len(plan.send), files_deleted=len(plan.delete), dry_run=dry_run,
                               sent=plan.send, deleted=plan.delete, bytes_sent=travelled)  # fmt: skip
         if not dry_run and current != version:
-            _send_release(runner, root, local, plan.send, abs_wd, version, current, report, progress, fallback=True)
+            _send_release(runner, root, local, plan.send, abs_wd, version, current, report, progress, agent,
+                          fallback=True)  # fmt: skip
     if not dry_run:
-        last.write(report.code_dir.removesuffix("/code"), version, local)
+        last.write(report.code_dir.removesuffix("/code"), version, local, agent.resolved)
     report.seconds = round(time.monotonic() - start, 3)
     report.remote_commands = runner.commands_run - commands_before
     return report
@@ -387,18 +452,24 @@ def deploy(
 
 def _send_release(
     runner: Runner, root: Path, local: Manifest, send: list[str], abs_wd: str, version: str, base: str | None,
-    report: DeployReport, progress: ProgressFactory | None, *, fallback: bool,
+    report: DeployReport, progress: ProgressFactory | None, agent: _AgentPython, *, fallback: bool,
 ) -> bool:  # fmt: skip
     """The agent's `release` with these files and `base` to link the rest from. When the base cannot serve (gone
     from the remote): with `fallback`, everything travels once more; without, False (the caller plans again)."""
     for _ in range(2):  # the second time, everything travels: the base release was not usable
-        stream, size = build_tar(root, send, local)
         req = json.dumps({"workdir": abs_wd, "version": version, "base": base}, separators=(",", ":"))
-        with stream:
-            tick = progress(size + len(AGENT)) if progress else None
-            argv = boot_argv(runner.host.python, "release", req)
-            res = runner.run(argv, stdin=_Concat(AGENT, stream), progress=tick, timeout=3600)
-        report.bytes_sent += size
+        tick = progress(TarPipe.estimate(send, local) + len(AGENT)) if progress else None
+        while True:
+            python = agent.python
+            stream = TarPipe(root, send, local)
+            try:
+                res = runner.run(boot_argv(python, "release", req), stdin=_Concat(AGENT, stream), progress=tick,
+                                 timeout=3600)  # fmt: skip
+            finally:
+                stream.close()
+            report.bytes_sent += stream.sent
+            if not agent.failed(python, res.returncode):
+                break
         try:
             ans = json.loads(res.out)
         except ValueError:
@@ -406,6 +477,7 @@ def _send_release(
             raise RemoteCommandError(f"deploy to {runner.host.name} failed: {detail}") from None
         if ans.get("ok"):
             report.files_sent, report.sent = len(send), send
+            agent.ran(ans.get("python"))
             return True
         if "need_full" not in str(ans.get("error")) or base is None:
             raise RemoteCommandError(f"deploy to {runner.host.name} failed, the previous release stays current: "
@@ -414,6 +486,48 @@ def _send_release(
             return False
         send, base = sorted(local), None
     return False
+
+
+class _AgentPython:
+    """The interpreter for the release agent: the one it reported last time when known, else the host's `python`.
+    A `python3` that is a version manager's shim (pyenv, asdf) costs a shell script and a lookup, a tenth of a
+    second, on every call; the agent needs only some Python 3.8+, so the real interpreter behind the shim serves it.
+    One that is gone (exit 126/127) is dropped and the host's `python` runs it again."""
+
+    def __init__(self, configured: str, remembered: str | None) -> None:
+        self.configured = configured
+        self.python = remembered if remembered and remembered.startswith("/") else configured
+        self.resolved: str | None = None
+
+    def failed(self, python: str, returncode: int) -> bool:
+        """True when `python` could not be started and the configured one is still to be tried."""
+        if returncode in (126, 127) and python != self.configured:
+            self.python = self.configured
+            return True
+        return False
+
+    def ran(self, reported: object) -> None:
+        self.resolved = reported if isinstance(reported, str) and reported.startswith("/") else None
+
+
+class _Opening:
+    """`runner.connect()` in a thread; `join` waits for it and raises its error (`quiet`: drops it)."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(runner,), daemon=True)
+        self.thread.start()
+
+    def _run(self, runner: Runner) -> None:
+        try:
+            runner.connect()
+        except BaseException as e:  # noqa: BLE001 - raised by join, in the caller's thread
+            self.error = e
+
+    def join(self, quiet: bool = False) -> None:
+        self.thread.join()
+        if self.error is not None and not quiet:
+            raise self.error
 
 
 class _Concat:

@@ -126,6 +126,10 @@ class Runner(ABC):
     @abstractmethod
     def _exec(self, argv: list[str], stdin, timeout: float | None, progress: Progress | None) -> Result: ...
 
+    def connect(self) -> None:  # noqa: B027 - optional hook
+        """Open the connection now, running nothing on the host (ssh: the handshake and authentication), so that a
+        caller with local work to do first can overlap the two. The first command opens it otherwise."""
+
     def check_connection(self) -> None:
         """Raise UnreachableError/HostKeyError if the host (and its container) cannot run a command."""
         self.run(["true"]).check("running `true` on the host")
