@@ -280,9 +280,11 @@ def test_deploy_selection_edges(cli, client, tmp_path):
     deploy()
     assert (code / "x" / "inner.py").is_file() and not (code / weird).exists()
     (root / "out.cfg").symlink_to(Path.home() / ".ssh" / "config")
-    res = cli("deploy", "testbox", "--workdir", str(wd))
+    before = (os.readlink(code), sorted(os.listdir(wd / "releases")))
+    res = cli("deploy", "testbox", "--workdir", str(wd))  # the ssh handshake runs meanwhile; no command does
     assert res.code == 2 and "out.cfg" in res.stderr and "outside the project" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+    assert (os.readlink(code), sorted(os.listdir(wd / "releases"))) == before
 
 
 def test_tar_member_paths_are_checked(tmp_path):

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflashctl.config import SAFE_NAME, SbatchOptions, SlurmTime, format_validation_error, load_yaml
@@ -100,7 +99,7 @@ class WatchConfig(BaseModel):
 class NodeSpec(BaseModel):
     """One node of a job over several hosts (`hosts:`): its host, and optionally its own GPUs and environment."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)  # built at its first job file: never by `ls`
 
     host: str = Field(..., description="a host name from dflashctl.yaml / hosts.yaml")
     gpus: list[int] | int | None = Field(None, description="this node's GPUs (default: the job's `gpus`)")
@@ -125,7 +124,7 @@ class NodeSpec(BaseModel):
 class SlurmJob(BaseModel):
     """What a job asks of a Slurm cluster beyond the host's defaults."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)  # built at its first job file: never by `ls`
 
     nodes: int = Field(1, ge=1, le=1024, description="sbatch --nodes: one torchrun per node (srun)")
     time: SlurmTime = Field(None, description="wall time per submission (sbatch --time), over the host's")
@@ -133,7 +132,7 @@ class SlurmJob(BaseModel):
 
 
 class JobConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, defer_build=True)  # see NodeSpec
 
     name: str = Field(..., description="job name, [A-Za-z0-9._-]; the job id is name + UTC timestamp")
     host: str | list[str] = Field("local", description="a host name from dflashctl.yaml / hosts.yaml, or `local`; a "
@@ -253,6 +252,8 @@ class JobConfig(BaseModel):
 def _check_trainer_config(data: dict, source: str, project_root: Path) -> None:
     """Validate the trainer config with the trainer's own rules, in a separate process (dflashctl never imports the
     trainer); a problem becomes a ConfigError naming the job file and `trainer.<key>`."""
+    import yaml
+
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(data, f)
     try:

@@ -15,8 +15,6 @@ import os
 import shlex
 from dataclasses import dataclass
 
-import yaml
-
 from dflashctl.agent import probe
 from dflashctl.config import SAFE_NAME, HostConfig, SlurmHost
 from dflashctl.errors import ConfigError, ProbeFailedError
@@ -239,6 +237,8 @@ def run_files(
         if node is not None:  # no shared file system assumed: every node keeps checkpoints to resume from
             ckpt = dict(trainer_cfg.get("checkpoint") or {})
             trainer_cfg = {**trainer_cfg, "checkpoint": {**ckpt, "per_node": True}}
+        import yaml  # only a trainer job writes YAML: the status and watch paths never import it
+
         files["trainer.yaml"] = yaml.safe_dump(trainer_cfg, sort_keys=False)
     return files
 

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -35,6 +34,8 @@ def byte_progress(label: str, enabled: bool = True) -> Iterator[Callable[[int], 
 
     The bar appears only on a terminal and only for transfers worth showing (over 1 MiB).
     """
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn  # only a transfer draws one
+
     show = enabled and err.is_terminal
     with Progress(
         "[progress.description]{task.description}",
