@@ -60,8 +60,8 @@ def main() -> None:
             rep = deploy(r, src, str(work / dst))
         return rep, SshRunner.connections_opened - before
 
-    def rsync(dst: str = "dst-rsync"):
-        subprocess.run(["rsync", "-a", "--delete", "-e", ssh_cmd, f"{src}/", f"root@127.0.0.1:{work}/{dst}/"],
+    def rsync(dst: str = "dst-rsync", *extra: str):
+        subprocess.run(["rsync", "-a", *extra, "--delete", "-e", ssh_cmd, f"{src}/", f"root@127.0.0.1:{work}/{dst}/"],
                        check=True)  # fmt: skip
 
     fresh = iter(range(10**6))
@@ -73,15 +73,18 @@ def main() -> None:
     def first_rsync():
         rsync(f"first-{next(fresh)}")
 
+    def first_rsync_fsync():  # the reference with a durability like ours: every file on disk before it returns
+        rsync(f"first-{next(fresh)}", "--fsync")
+
     try:
         from dflashctl.model.record import state_dir
 
         state = state_dir()
         first, conns = ours()
         rsync()
-        firsts = {"ours": [], "rsync": []}
+        firsts = {"ours": [], "rsync": [], "rsync_fsync": []}
         for _ in range(args.repeat_first):  # alternating, each after a sync: neither pays the other's dirty pages
-            for name, fn in (("ours", first_ours), ("rsync", first_rsync)):
+            for name, fn in (("ours", first_ours), ("rsync", first_rsync), ("rsync_fsync", first_rsync_fsync)):
                 os.sync()
                 t0 = time.perf_counter()
                 fn()
@@ -118,14 +121,17 @@ def main() -> None:
     print(f"| first deploy (everything) | {first_s:.3f} | {rsync_first_s:.3f} |")
     print(f"| no change | {nochange_ours:.3f} | {nochange_rsync:.3f} |")
     print(f"| one file changed | {one_change_ours:.3f} | {one_change_rsync:.3f} |")
+    print(f"| first deploy, rsync with --fsync (every file durable, as a release is) | | "
+          f"{statistics.median(firsts['rsync_fsync']):.3f} |")
     print(f"first deploy sent {first.files_sent} files, {first.bytes_sent / 1e6:.1f} MB; each first deploy (s): "
-          f"ours {[round(x, 2) for x in firsts['ours']]}, rsync {[round(x, 2) for x in firsts['rsync']]}")
+          + ", ".join(f"{k} {[round(x, 2) for x in v]}" for k, v in firsts.items()))
     out = {"machine": f"{platform.node()} {platform.machine()}", "cpu_count": os.cpu_count(), "python": py,
            "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "files": args.files, "mb": args.mb,
            "repeat": args.repeat, "repeat_first": args.repeat_first,
            "first_each_s": {k: [round(x, 3) for x in v] for k, v in firsts.items()},
            "ssh_connections_per_deploy": conns,
-           "median_s": {"first": {"dflashctl": round(first_s, 3), "rsync": round(rsync_first_s, 3)},
+           "median_s": {"first": {"dflashctl": round(first_s, 3), "rsync": round(rsync_first_s, 3),
+                                  "rsync_fsync": round(statistics.median(firsts["rsync_fsync"]), 3)},
                         "no_change": {"dflashctl": round(nochange_ours, 3), "rsync": round(nochange_rsync, 3)},
                         "one_file": {"dflashctl": round(one_change_ours, 3), "rsync": round(one_change_rsync, 3)}}}
     (Path(__file__).resolve().parent / "results" / "deploy.json").write_text(json.dumps(out, indent=1) + "\n")
