@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -104,8 +105,9 @@ def test_deploy_human_output(cli, client, tmp_path):
 
 def test_a_deploy_after_this_machines_last_one_is_one_remote_command_and_survives_a_lost_base(cli, client, tmp_path):
     """The second deploy sends the changes against the release this machine last deployed, in one command. If that
-    release is gone from the remote (collected, deleted by hand), the deploy reads the remote state and still lands
-    the exact tree; a garbled record of the last deploy is ignored, never trusted."""
+    release is gone from the remote (collected, deleted by hand), the deploy asks the agent for its current release
+    and still lands the exact tree; a garbled record of the last deploy is ignored, never trusted: one command, in
+    which the agent tells its current release and only what differs travels."""
     import os
     import shutil
 
@@ -126,12 +128,13 @@ def test_a_deploy_after_this_machines_last_one_is_one_remote_command_and_survive
     lost = deploy(cli, "local", str(wd))
     tree = remote_tree(wd / "code")
     assert tree["pkg/a.py"] == "A = 10\n" and tree["pkg/b.py"] == "B = 20\n" and "untracked.py" in tree
-    assert lost["remote_commands"] == 3  # the one that found no base, the state read, the full release
+    assert lost["remote_commands"] == 2  # the one that found no base; the plan step with the tar on one channel
 
     records[0].write_text('{"workdir": 1, "files": [')
     (root / "pkg" / "b.py").write_text("B = 30\n")
     garbled = deploy(cli, "local", str(wd))
-    assert garbled["remote_commands"] == 2 and remote_tree(wd / "code")["pkg/b.py"] == "B = 30\n"
+    assert garbled["remote_commands"] == 1 and remote_tree(wd / "code")["pkg/b.py"] == "B = 30\n"
+    assert garbled["sent"] == ["pkg/b.py"]  # the agent told its current release: only the change travelled
     assert os.readlink(wd / "code") == f"releases/{garbled['version']}"
 
 
@@ -169,3 +172,30 @@ def test_the_release_agent_runs_under_the_interpreter_behind_a_shim_and_falls_ba
     assert again["sent"] == ["pkg/a.py"] and remote_tree(wd / "code")["pkg/a.py"] == "A = 11\n"
     assert len(calls.read_text().split()) == 2  # the vanished one failed to start: the shim ran it
     assert json.loads(record.read_text())["python"] == remembered
+
+
+def test_a_deploy_with_no_record_is_one_command_even_when_nothing_changed_and_expands_the_home(cli, client, tmp_path):
+    """With no record of the host (a new machine, a cleared state dir), one command: the agent tells its current
+    release, then only what differs travels, or nothing when the tree is already current. A workdir under `~` is the
+    remote user's home, as a shell would read it."""
+    import shutil
+
+    from dflashctl.model.record import state_dir
+
+    root = client.project
+    make_project(root)
+    first = deploy(cli, "local", "~/wd-home")
+    code = client.home / "wd-home" / "code"
+    assert first["remote_commands"] == 1 and first["files_sent"] == 6 and first["code_dir"] == f"{code}"
+    assert remote_tree(code)["pkg/a.py"] == "A = 1\n" and not (root / "~").exists()
+
+    shutil.rmtree(state_dir())
+    same = deploy(cli, "local", "~/wd-home")
+    assert (same["remote_commands"], same["files_sent"], same["bytes_sent"]) == (1, 0, 0)
+    assert os.readlink(code) == f"releases/{first['version']}"
+
+    shutil.rmtree(state_dir())
+    (root / "pkg" / "b.py").write_text("B = 5\n")
+    changed = deploy(cli, "local", "~/wd-home")
+    assert changed["remote_commands"] == 1 and changed["sent"] == ["pkg/b.py"]
+    assert remote_tree(code)["pkg/b.py"] == "B = 5\n" and remote_tree(code)["pkg/a.py"] == "A = 1\n"

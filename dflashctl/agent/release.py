@@ -325,13 +325,49 @@ def collect_after_answer(wd: str, version: str) -> None:
         os._exit(0)
 
 
+def current_release(wd: str) -> str | None:
+    """The version `code` points to, or None (no release yet, or a tree from before releases)."""
+    try:
+        link = os.readlink(os.path.join(wd, "code"))
+    except OSError:
+        return None
+    version = link[len("releases/") :] if link.startswith("releases/") else ""
+    return version if version and _safe(version) and "/" not in version else None
+
+
+def tell_current(wd: str, out) -> str | None:
+    """The plan step, for a client with no record of this host: one header line (the absolute workdir, the current
+    release, the size of its manifest), then that manifest's bytes. The client answers with the tar of what differs,
+    or with nothing (an empty stdin) when the current release is already its tree. Returns the current version."""
+    current = current_release(wd)
+    manifest = b""
+    if current:
+        try:
+            with open(os.path.join(wd, "releases", current, MANIFEST_NAME), "rb") as f:
+                manifest = f.read()
+        except OSError:
+            manifest = b""
+    head = {"workdir": wd, "current": current, "manifest_bytes": len(manifest)}
+    out.write(json.dumps(head).encode() + b"\n" + manifest)
+    out.flush()
+    return current
+
+
 def main() -> int:
     req = json.loads(sys.argv[1])
     wd = req["workdir"]
+    if wd == "~" or wd.startswith("~/"):  # as the shell would: the workdir arrives as a value, never expanded
+        wd = req["workdir"] = os.path.expanduser(wd)
     try:
         os.makedirs(os.path.join(wd, "releases"), exist_ok=True)
         with locked(os.path.join(wd, ".deploy.lock"), timeout=600.0, held_by="another deploy"):
-            answer = release(req, sys.stdin.buffer)
+            stdin = sys.stdin.buffer
+            if req.get("plan"):
+                req["base"] = tell_current(wd, sys.stdout.buffer)
+                if not stdin.peek(1):  # the client's tree is the current release: nothing to do
+                    sys.stdout.write(json.dumps({"ok": True, "unchanged": True, "python": sys.executable}))
+                    return 0
+            answer = release(req, stdin)
             sys.stdout.write(json.dumps(answer))
             sys.stdout.flush()
             collect_after_answer(wd, req["version"])

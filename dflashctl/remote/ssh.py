@@ -342,7 +342,7 @@ class SshRunner(Runner):
         self._connect()
         super().check_connection()
 
-    def _exec(self, argv, stdin, timeout, progress) -> Result:
+    def _exec(self, argv, stdin, timeout, progress, heard=None) -> Result:
         client = self._connect()
         transport = client.get_transport()
         if transport is None or not transport.is_active():
@@ -357,20 +357,25 @@ class SshRunner(Runner):
             raise UnreachableError(f"{self.host.name}: connection lost: {e}") from None
         out, err = bytearray(), bytearray()
 
-        def drain(recv, sink: bytearray) -> None:
+        def drain(recv, sink: bytearray, hear) -> None:
             try:
                 while True:
                     data = recv(CHUNK)
                     if not data:
                         return
+                    if hear:
+                        hear(data)
                     if len(sink) < MAX_OUTPUT_CAPTURED:
                         sink.extend(data[: MAX_OUTPUT_CAPTURED - len(sink)])
             except TimeoutError:
                 return
+            finally:
+                if hear:
+                    hear(b"")
 
         readers = [
-            threading.Thread(target=drain, args=(chan.recv, out), daemon=True),
-            threading.Thread(target=drain, args=(chan.recv_stderr, err), daemon=True),
+            threading.Thread(target=drain, args=(chan.recv, out, heard), daemon=True),
+            threading.Thread(target=drain, args=(chan.recv_stderr, err, None), daemon=True),
         ]
         for t in readers:
             t.start()

@@ -434,6 +434,9 @@ def deploy(
         if not _send_release(runner, root, local, plan.send, abs_wd, version, base, report, progress, agent,
                              fallback=False):  # fmt: skip
             report, travelled = None, report.bytes_sent  # the base is gone from the remote: read its state, plan again
+    if report is None and not dry_run and (known is None or known[1] != version):  # no usable record: one command
+        report = _plan_and_send(runner, root, local, workdir, version, progress, agent)
+        report.bytes_sent += travelled
     if report is None:
         abs_wd, current, remote = read_remote_state(runner, workdir)
         plan = plan_changes(local, remote) if current != version else Plan([], [])
@@ -486,6 +489,114 @@ def _send_release(
             return False
         send, base = sorted(local), None
     return False
+
+
+def _plan_and_send(
+    runner: Runner, root: Path, local: Manifest, workdir: str, version: str, progress: ProgressFactory | None,
+    agent: _AgentPython,
+) -> DeployReport:  # fmt: skip
+    """One command for a host this machine has no record of: the agent tells its current release (the plan step),
+    this side answers on the same channel with the tar of what differs (or nothing: the tree is already current),
+    and the agent links the rest from that release, verifies and switches, all under one hold of the deploy lock."""
+    req = json.dumps({"workdir": workdir, "version": version, "plan": True}, separators=(",", ":"))
+    while True:
+        talk = _PlanTalk(root, local, version, progress)
+        python = agent.python
+        try:
+            res = runner.run(boot_argv(python, "release", req), stdin=talk, progress=talk.sent, heard=talk.hear,
+                             timeout=3600)  # fmt: skip
+        finally:
+            talk.close()
+        if not agent.failed(python, res.returncode):
+            break
+    head, plan = talk.head, talk.plan
+    try:
+        ans = json.loads(res.stdout[talk.header_size :]) if head is not None else None
+    except ValueError:
+        ans = None
+    if not isinstance(ans, dict) or head is None or plan is None:
+        detail = (res.err or res.out).strip()[-300:] or f"exit status {res.returncode}"
+        raise RemoteCommandError(f"deploy to {runner.host.name} failed: {detail}")
+    abs_wd = str(head["workdir"])
+    report = DeployReport(host=runner.host.name, code_dir=f"{abs_wd}/code", version=version,
+                          files_sent=len(plan.send), files_deleted=len(plan.delete), sent=plan.send,
+                          deleted=plan.delete, bytes_sent=talk.pipe.sent if talk.pipe else 0)  # fmt: skip
+    if ans.get("ok"):
+        agent.ran(ans.get("python"))
+        return report
+    if "need_full" not in str(ans.get("error")):
+        raise RemoteCommandError(f"deploy to {runner.host.name} failed, the previous release stays current: "
+                                 f"{ans.get('error')}")  # fmt: skip
+    _send_release(runner, root, local, plan.send, abs_wd, version, None, report, progress, agent, fallback=True)
+    return report
+
+
+class _PlanTalk:
+    """The stdin of the plan step: the agent's source; then, once the agent has told its current release (heard on
+    its stdout: a header line and that release's manifest), the tar of what differs, or nothing."""
+
+    def __init__(self, root: Path, local: Manifest, version: str, progress: ProgressFactory | None) -> None:
+        self.root, self.local, self.version, self.progress = root, local, version, progress
+        self.head_bytes = AGENT
+        self.heard = bytearray()
+        self.ready = threading.Event()
+        self.head: dict | None = None
+        self.header_size = 0
+        self.plan: Plan | None = None
+        self.pipe: TarPipe | None = None
+        self.tail = None
+        self.tick = None
+
+    def hear(self, data: bytes) -> None:
+        if self.ready.is_set():
+            return
+        if not data:  # the command ended before it told anything: the answer is its error
+            self.ready.set()
+            return
+        self.heard += data
+        line, sep, rest = bytes(self.heard).partition(b"\n")
+        if sep:
+            try:
+                size = int(json.loads(line)["manifest_bytes"])
+            except (ValueError, KeyError, TypeError):
+                size = 0
+            if len(rest) >= size:
+                self.ready.set()
+
+    def _answer(self) -> object:
+        line, _, rest = bytes(self.heard).partition(b"\n")
+        try:
+            head = json.loads(line)
+            size = int(head["manifest_bytes"])
+            current = head["current"]
+            remote = parse_remote_manifest(rest[:size].decode("utf-8", "replace")) if current else {}
+        except (ValueError, KeyError, TypeError):
+            return io.BytesIO(b"")  # not the agent talking: end its input; its exit says what went wrong
+        self.head, self.header_size = head, len(line) + 1 + size
+        self.plan = plan_changes(self.local, remote) if current != self.version else Plan([], [])
+        if current == self.version:
+            return io.BytesIO(b"")  # already the current release: an empty stdin says so
+        self.tick = self.progress(TarPipe.estimate(self.plan.send, self.local)) if self.progress else None
+        self.pipe = TarPipe(self.root, self.plan.send, self.local)
+        return self.pipe
+
+    def read(self, n: int = -1) -> bytes:
+        if self.head_bytes:
+            out = self.head_bytes[:n] if n >= 0 else self.head_bytes
+            self.head_bytes = self.head_bytes[len(out) :]
+            return out
+        if self.tail is None:
+            self.ready.wait()
+            self.tail = self._answer()
+        return self.tail.read(n)
+
+    def sent(self, n: int) -> None:
+        if self.tick:
+            self.tick(n)
+
+    def close(self) -> None:
+        if self.pipe is not None:
+            self.pipe.close()
 
 
 class _AgentPython:

@@ -20,6 +20,7 @@ from dflashctl.config import HostConfig
 from dflashctl.errors import RemoteCommandError
 
 Progress = Callable[[int], None]
+Heard = Callable[[bytes], None]  # each chunk of a command's stdout as it arrives, then b"" at its end
 CHUNK = 256 * 1024
 
 # ssh client settings, one reason each.
@@ -109,11 +110,13 @@ class Runner(ABC):
         on_host: bool = False,
         timeout: float | None = None,
         progress: Progress | None = None,
+        heard: Heard | None = None,
     ) -> Result:
-        """Run argv (inside the container unless on_host) and wait for it. Never raises on a non-zero exit."""
+        """Run argv (inside the container unless on_host) and wait for it. Never raises on a non-zero exit.
+        `heard` sees the stdout as it comes, so that a `stdin` stream can answer what the command said first."""
         full = self.command_for(argv, on_host)
         self.commands_run += 1
-        return self._exec(full, stdin, timeout, progress)
+        return self._exec(full, stdin, timeout, progress, heard)
 
     def run_script(self, script: str, *args: str, **kwargs) -> Result:
         """Run a bash script with args as $1..$N: the script is constant, the values never enter it as text."""
@@ -124,7 +127,9 @@ class Runner(ABC):
         return shlex.join(self.command_for(argv, on_host))
 
     @abstractmethod
-    def _exec(self, argv: list[str], stdin, timeout: float | None, progress: Progress | None) -> Result: ...
+    def _exec(
+        self, argv: list[str], stdin, timeout: float | None, progress: Progress | None, heard: Heard | None
+    ) -> Result: ...
 
     def connect(self) -> None:  # noqa: B027 - optional hook
         """Open the connection now, running nothing on the host (ssh: the handshake and authentication), so that a
@@ -147,7 +152,7 @@ class Runner(ABC):
 class LocalRunner(Runner):
     """This machine, through subprocess: no shell unless the command asks for one."""
 
-    def _exec(self, argv, stdin, timeout, progress) -> Result:
+    def _exec(self, argv, stdin, timeout, progress, heard=None) -> Result:
         try:
             proc = subprocess.Popen(
                 argv,
@@ -159,14 +164,20 @@ class LocalRunner(Runner):
             return Result(argv, 127, b"", f"{e.filename}: command not found\n".encode())
         out, err = bytearray(), bytearray()
 
-        def drain(stream, sink: bytearray) -> None:
-            for block in iter(lambda: stream.read(CHUNK), b""):
-                if len(sink) < MAX_OUTPUT_CAPTURED:
-                    sink.extend(block[: MAX_OUTPUT_CAPTURED - len(sink)])
+        def drain(stream, sink: bytearray, hear: Heard | None) -> None:
+            try:
+                for block in iter(lambda: stream.read1(CHUNK), b""):
+                    if hear:
+                        hear(block)
+                    if len(sink) < MAX_OUTPUT_CAPTURED:
+                        sink.extend(block[: MAX_OUTPUT_CAPTURED - len(sink)])
+            finally:
+                if hear:
+                    hear(b"")
 
         readers = [
-            threading.Thread(target=drain, args=(proc.stdout, out), daemon=True),
-            threading.Thread(target=drain, args=(proc.stderr, err), daemon=True),
+            threading.Thread(target=drain, args=(proc.stdout, out, heard), daemon=True),
+            threading.Thread(target=drain, args=(proc.stderr, err, None), daemon=True),
         ]
         for t in readers:
             t.start()
