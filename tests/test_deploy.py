@@ -199,3 +199,14 @@ def test_a_deploy_with_no_record_is_one_command_even_when_nothing_changed_and_ex
     changed = deploy(cli, "local", "~/wd-home")
     assert changed["remote_commands"] == 1 and changed["sent"] == ["pkg/b.py"]
     assert remote_tree(code)["pkg/b.py"] == "B = 5\n" and remote_tree(code)["pkg/a.py"] == "A = 1\n"
+
+
+def test_an_agent_that_never_starts_fails_the_deploy_at_once_and_changes_nothing(cli, client, tmp_path):
+    """The plan step's stdin waits for the agent to tell its current release: an interpreter that does not exist
+    ends the command, and the wait with it. One line, exit 1, nothing staged."""
+    wd = tmp_path / "wd"
+    client.write_hosts(f"hosts:\n  broken:\n    python: {tmp_path / 'no' / 'python3'}\n    workdir: {wd}\n")
+    make_project(client.project)
+    res = cli("deploy", "broken", "--workdir", str(wd))
+    assert res.code == 1 and "deploy to broken failed" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not (wd / "code").exists()
