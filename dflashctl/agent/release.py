@@ -38,6 +38,11 @@ def _safe(rel: str) -> bool:
     return bool(rel) and not rel.startswith("/") and ".." not in parts and "" not in parts and "\0" not in rel
 
 
+def _release_name(name: object) -> bool:
+    """A release's directory name under `releases/`: one safe path part."""
+    return isinstance(name, str) and _safe(name) and "/" not in name
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -262,11 +267,11 @@ def release(req: dict, stream) -> dict:
         if d.startswith(".staging-"):
             shutil.rmtree(os.path.join(releases, d), ignore_errors=True)
     version = req["version"]
-    if not _safe(version) or "/" in version:
+    if not _release_name(version):
         raise ReleaseError(f"bad version {version!r}")
     final = os.path.join(releases, version)
     base = req.get("base")
-    base_dir = os.path.join(releases, base) if isinstance(base, str) and _safe(base) and "/" not in base else None
+    base_dir = os.path.join(releases, base) if _release_name(base) else None
     staging = os.path.join(releases, f".staging-{version}-{os.getpid()}")
     os.mkdir(staging, 0o755)
     try:
@@ -332,7 +337,7 @@ def current_release(wd: str) -> str | None:
     except OSError:
         return None
     version = link[len("releases/") :] if link.startswith("releases/") else ""
-    return version if version and _safe(version) and "/" not in version else None
+    return version if _release_name(version) else None
 
 
 def tell_current(wd: str, out) -> str | None:
@@ -342,11 +347,9 @@ def tell_current(wd: str, out) -> str | None:
     current = current_release(wd)
     manifest = b""
     if current:
-        try:
-            with open(os.path.join(wd, "releases", current, MANIFEST_NAME), "rb") as f:
-                manifest = f.read()
-        except OSError:
-            manifest = b""
+        path = os.path.join(wd, "releases", current, MANIFEST_NAME)
+        with contextlib.suppress(OSError), open(path, "rb") as f:  # unreadable: empty, and everything travels
+            manifest = f.read()
     head = {"workdir": wd, "current": current, "manifest_bytes": len(manifest)}
     out.write(json.dumps(head).encode() + b"\n" + manifest)
     out.flush()

@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -411,13 +412,14 @@ def deploy(
     """Make the local tree at root the current release on the host (atomically, verified)."""
     start = time.monotonic()
     commands_before = runner.commands_run
-    opening = _Opening(runner)  # the ssh handshake overlaps the hashing below; no command runs before it is done
-    try:
-        local = build_manifest(root)
-    except BaseException:
-        opening.join(quiet=True)  # a bad project is the first thing to fix: its error wins
-        raise
-    opening.join()  # its failure (unreachable, host key) is raised once the local side has proven sound
+    with ThreadPoolExecutor(1) as pool:  # the ssh handshake overlaps the hashing; no command runs before both are done
+        opening = pool.submit(runner.connect)
+        try:
+            local = build_manifest(root)
+        except BaseException:
+            opening.exception()  # waited for, its own error dropped: a bad project is the first thing to fix
+            raise
+    opening.result()  # its failure (unreachable, host key) is raised once the local side has proven sound
     if not local:
         raise DflashError(f"{root}: no files to deploy")
     version = manifest_version(local)
@@ -503,8 +505,8 @@ def _plan_and_send(
         talk = _PlanTalk(root, local, version, progress)
         python = agent.python
         try:
-            res = runner.run(boot_argv(python, "release", req), stdin=talk, progress=talk.sent, heard=talk.hear,
-                             timeout=3600)  # fmt: skip
+            res = runner.run(boot_argv(python, "release", req), stdin=_Concat(AGENT, talk), progress=talk.sent,
+                             heard=talk.hear, timeout=3600)  # fmt: skip
         finally:
             talk.close()
         if not agent.failed(python, res.returncode):
@@ -532,16 +534,15 @@ def _plan_and_send(
 
 
 class _PlanTalk:
-    """The stdin of the plan step: the agent's source; then, once the agent has told its current release (heard on
-    its stdout: a header line and that release's manifest), the tar of what differs, or nothing."""
+    """The plan step's stdin after the agent's source: once the agent has told its current release (heard on its
+    stdout: a header line, then that release's manifest), the tar of what differs, or nothing."""
 
     def __init__(self, root: Path, local: Manifest, version: str, progress: ProgressFactory | None) -> None:
         self.root, self.local, self.version, self.progress = root, local, version, progress
-        self.head_bytes = AGENT
         self.heard = bytearray()
         self.ready = threading.Event()
-        self.head: dict | None = None
-        self.header_size = 0
+        self.head: dict | None = None  # the header line, once it parsed
+        self.header_size = 0  # the header line and the manifest after it: where the agent's answer starts
         self.plan: Plan | None = None
         self.pipe: TarPipe | None = None
         self.tail = None
@@ -554,25 +555,28 @@ class _PlanTalk:
             self.ready.set()
             return
         self.heard += data
-        line, sep, rest = bytes(self.heard).partition(b"\n")
-        if sep:
+        if self.head is None:
+            line, sep, _ = self.heard.partition(b"\n")
+            if not sep:
+                return
             try:
-                size = int(json.loads(line)["manifest_bytes"])
-            except (ValueError, KeyError, TypeError):
-                size = 0
-            if len(rest) >= size:
+                head = json.loads(line)
+                self.header_size = len(line) + 1 + int(head["manifest_bytes"])
+                self.head = head
+            except (ValueError, KeyError, TypeError):  # not the agent talking: end its input, its exit says why
                 self.ready.set()
+                return
+        if len(self.heard) >= self.header_size:
+            self.ready.set()
 
     def _answer(self) -> object:
-        line, _, rest = bytes(self.heard).partition(b"\n")
-        try:
-            head = json.loads(line)
-            size = int(head["manifest_bytes"])
-            current = head["current"]
-            remote = parse_remote_manifest(rest[:size].decode("utf-8", "replace")) if current else {}
-        except (ValueError, KeyError, TypeError):
-            return io.BytesIO(b"")  # not the agent talking: end its input; its exit says what went wrong
-        self.head, self.header_size = head, len(line) + 1 + size
+        if self.head is None or len(self.heard) < self.header_size:
+            self.head = None
+            return io.BytesIO(b"")  # the agent said nothing usable: end its input; its exit says what went wrong
+        current = self.head.get("current")
+        line_end = self.heard.index(b"\n") + 1
+        manifest = bytes(self.heard[line_end : self.header_size]).decode("utf-8", "replace")
+        remote = parse_remote_manifest(manifest) if current else {}
         self.plan = plan_changes(self.local, remote) if current != self.version else Plan([], [])
         if current == self.version:
             return io.BytesIO(b"")  # already the current release: an empty stdin says so
@@ -581,10 +585,6 @@ class _PlanTalk:
         return self.pipe
 
     def read(self, n: int = -1) -> bytes:
-        if self.head_bytes:
-            out = self.head_bytes[:n] if n >= 0 else self.head_bytes
-            self.head_bytes = self.head_bytes[len(out) :]
-            return out
         if self.tail is None:
             self.ready.wait()
             self.tail = self._answer()
@@ -619,26 +619,6 @@ class _AgentPython:
 
     def ran(self, reported: object) -> None:
         self.resolved = reported if isinstance(reported, str) and reported.startswith("/") else None
-
-
-class _Opening:
-    """`runner.connect()` in a thread; `join` waits for it and raises its error (`quiet`: drops it)."""
-
-    def __init__(self, runner: Runner) -> None:
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(runner,), daemon=True)
-        self.thread.start()
-
-    def _run(self, runner: Runner) -> None:
-        try:
-            runner.connect()
-        except BaseException as e:  # noqa: BLE001 - raised by join, in the caller's thread
-            self.error = e
-
-    def join(self, quiet: bool = False) -> None:
-        self.thread.join()
-        if self.error is not None and not quiet:
-            raise self.error
 
 
 class _Concat:
