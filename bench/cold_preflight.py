@@ -46,12 +46,14 @@ def run(work: Path, name: str, extra_env: dict[str, str]) -> dict:
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     pre = next((r for r in recs if r.get("event") == "preflight"), None)
     first_progress = next((r for r in recs if r.get("event") == "preflight_progress"), None)
-    first_step = next((r for r in recs if "event" not in r), None)
+    steps = [r for r in recs if "event" not in r]
+    first_step = steps[0] if steps else None
     seconds = {int(k): v for k, v in pre["seconds"].items()} if pre else {}
     return {"variant": ",".join(f"{k}={v}" for k, v in extra_env.items()) or "plain", "exit": proc.returncode,
             "preflight_s": [round(seconds.get(b, float("nan")), 2) for b in BUCKETS],
             "to_preflight_s": round(first_progress["time"] - t0, 1) if first_progress else None,
             "to_first_step_s": round(first_step["time"] - t0, 1) if first_step else None,
+            "last_step_tokens_per_s": steps[-1].get("tokens_per_s") if steps else None,
             "recompiles": sum(1 for r in recs if r.get("event") == "recompile"),
             "stderr_tail": proc.stderr.strip().splitlines()[-3:]}  # fmt: skip
 
@@ -60,15 +62,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE of the variant run beside the plain one")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="KEY=VALUE[,KEY=VALUE...]: one more variant, run in turn with the plain one (repeatable)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    variant = dict(e.split("=", 1) for e in args.env)
+    variants = [{}] + ([dict(e.split("=", 1) for e in args.env)] if args.env else [])
+    variants += [dict(e.split("=", 1) for e in v.split(",")) for v in args.variant]
     import torch
 
     runs = []
     with tempfile.TemporaryDirectory() as d:
         for i in range(args.repeat):
-            for j, extra in enumerate([{}, variant] if variant else [{}]):
+            for j, extra in enumerate(variants):
                 runs.append(run(Path(d), f"r{i}-{j}", extra))
                 print(json.dumps(runs[-1]), flush=True)
     print("| run | preflight s per bucket 1024 / 2048 / 3072 | start to preflight s | start to first step s |")

@@ -163,3 +163,21 @@ def test_compiled_drafter_layers_give_the_eager_gradients_and_compile_nothing_af
     (loss0, grad0), (loss1, grad1) = results
     assert loss0 == pytest.approx(loss1, rel=1e-6)
     assert torch.allclose(grad0, grad1, atol=1e-6)
+
+
+def test_the_targets_compiled_layers_serve_every_bucket_with_one_graph():
+    """The target's layers compile once for all shape buckets (the sequence length is symbolic), and give eager's
+    hidden states at each: a later bucket costs the preflight no compile of the target."""
+    from trainer.model.compile_policy import graphs_compiled
+
+    cfg = from_dict({**TINY, "target": {**TINY["target"], "dtype": "float32"}})
+    target = build(cfg, for_training=False).target
+    torch._dynamo.reset()  # graphs another test compiled for the same code would serve this one
+    target.compile_layers(backend="eager")  # Dynamo decides the graphs; which backend runs them does not matter
+    before = graphs_compiled()
+    for seq_len in (128, 256, 384):
+        ids = torch.randint(0, int(target.config.vocab_size), (1, seq_len))
+        compiled = target.hidden_states(ids, compiled=True)
+        assert compiled.shape[1] == seq_len
+        assert (compiled - target.hidden_states(ids)).abs().max().item() < 1e-5
+    assert graphs_compiled() - before == 1
