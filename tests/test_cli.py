@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -162,3 +163,23 @@ def test_help_starts_without_the_rich_parts_it_never_draws():
             "Traceback.from_exception.__qualname__)")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["rich.markdown", "Markdown", "True", "Traceback.from_exception"], proc.stderr
+
+
+def test_ls_starts_without_scanning_installed_distributions_for_pydantic_plugins(tmp_path):
+    """Pydantic's plugin loader imports importlib.metadata and scans every distribution's entry points; dflashctl's
+    models use no plugin, so `ls` loads neither, and validates its records all the same. Where the real loader was
+    imported first (a program using dflashctl as a library), it is kept, with its scan skipped."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DFLASHCTL_STATE_DIR": str(tmp_path / "state")}
+    code = ("import sys; from dflashctl.cli import main\n"
+            "try: main(['ls', '--json'])\nexcept SystemExit: pass\n"
+            "from dflashctl.config import HostConfig\n"
+            "print('importlib.metadata' in sys.modules, HostConfig(python='py3').python, file=sys.stderr)")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.stdout.strip() == '{"jobs":[]}' and proc.stderr.split() == ["False", "py3"], proc.stderr
+    code = ("import sys; from pydantic.plugin import _loader; import dflashctl.config as c\n"
+            "print(sys.modules['pydantic.plugin._loader'] is _loader, _loader._plugins, c.HostConfig().python)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.stdout.split() == ["True", "{}", "python3"], proc.stderr

@@ -100,7 +100,7 @@ class Target:
         """Regional compilation: each needed decoder layer's forward through torch.compile. The layers share one code
         object and their weights are graph inputs, so one graph serves all of them; with the sequence length symbolic
         (dynamic=True: the weights fix every other size) it serves every shape bucket too, so the preflight compiles
-        the target once, not once a bucket (on an H200 at the paper shape, 3-5 s of each later bucket, at the same
+        the target once, not once a bucket (on an H200 at the paper shape, about 3 s of each later bucket, at the same
         step time). Used by training only (`compiled=True`): decoding stays eager."""
         last = max(self.layer_ids)
         self._compiled = [
