@@ -181,3 +181,21 @@ def test_the_targets_compiled_layers_serve_every_bucket_with_one_graph():
         assert compiled.shape[1] == seq_len
         assert (compiled - target.hidden_states(ids)).abs().max().item() < 1e-5
     assert graphs_compiled() - before == 1
+
+
+def test_a_first_length_equal_to_the_hidden_size_costs_one_graph_more_and_no_later_compile():
+    """Dynamo gives equal input sizes one symbol: a first length equal to the hidden size is specialised, the next
+    length compiles the symbolic graph, and every later length (the hidden size again among them) reuses one of the
+    two, with eager's output."""
+    from trainer.model.compile_policy import graphs_compiled
+
+    cfg = from_dict({**TINY, "target": {**TINY["target"], "dtype": "float32"}})
+    target = build(cfg, for_training=False).target
+    torch._dynamo.reset()
+    target.compile_layers(backend="eager")
+    before, counts = graphs_compiled(), []
+    for seq_len in (target.hidden_size, 16, 128, target.hidden_size, 192, 16):
+        ids = torch.randint(0, int(target.config.vocab_size), (1, seq_len))
+        assert (target.hidden_states(ids, compiled=True) - target.hidden_states(ids)).abs().max().item() < 1e-5
+        counts.append(graphs_compiled() - before)
+    assert counts == [1, 2, 2, 2, 2, 2]
