@@ -11,6 +11,7 @@ Every error names the file and the key, and exits with status 2.
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import re
 import sys
@@ -34,6 +35,17 @@ def _no_pydantic_plugin_scan() -> None:
     none = types.ModuleType(name, "dflashctl: no pydantic plugins in this process")
     none.get_plugins = lambda: ()
     none._plugins = {}
+
+    def real(attr: str):  # any other name (a later pydantic's): the real loader, imported then, answers it
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        if sys.modules.get(name) is none:
+            del sys.modules[name]
+        loader = importlib.import_module(name)
+        loader._plugins = loader._plugins if loader._plugins is not None else {}
+        return getattr(loader, attr)
+
+    none.__getattr__ = real
     sys.modules[name] = none
 
 

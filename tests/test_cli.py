@@ -183,3 +183,7 @@ def test_ls_starts_without_scanning_installed_distributions_for_pydantic_plugins
             "print(sys.modules['pydantic.plugin._loader'] is _loader, _loader._plugins, c.HostConfig().python)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert proc.stdout.split() == ["True", "{}", "python3"], proc.stderr
+    code = ("import dflashctl.config\nfrom pydantic.plugin._loader import PYDANTIC_ENTRY_POINT_GROUP, get_plugins\n"
+            "print(PYDANTIC_ENTRY_POINT_GROUP, list(get_plugins()))")  # a name the stand-in lacks: the real loader
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.stdout.split() == ["pydantic", "[]"], proc.stderr
