@@ -226,3 +226,30 @@ def cli_json_in(cwd: Path, *args: str):
     res = run_cli(*args, "--json", cwd=cwd)
     assert res.code == 0, res.stderr
     return json.loads(res.stdout)
+
+
+def test_status_polls_skip_a_version_managers_shim_and_fall_back_when_its_target_is_gone(client, tmp_path):
+    """A host whose `python` is a shim (pyenv, asdf: a script, a tenth of a second a call): once a deploy has
+    recorded the interpreter the agent ran under, status asks it directly; when that one is gone, the shim answers
+    and status says the same."""
+    from dflashctl.model.record import state_dir
+
+    shim, calls = tmp_path / "shim" / "python3", tmp_path / "shim-calls"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\necho "$$" >> {calls}\nexec {sys.executable} "$@"\n')
+    shim.chmod(0o755)
+    p = client.project
+    (p / "dflashctl.yaml").write_text(f"hosts:\n  shimmed: {{ssh: testbox, python: {shim}, workdir: {tmp_path}/wd}}\n")
+    (p / "job.yaml").write_text("name: shimmed\nhost: shimmed\ncommand: sleep 300\nkill_grace_s: 2\n")
+    assert run_cli("deploy", "shimmed").code == 0
+    job_id = cli_json("launch", "job.yaml")["id"]
+    (record,) = (state_dir() / "last-deploy").iterdir()
+    assert json.loads(record.read_text())["python"] != str(shim)
+    wait_until(lambda: status_json(job_id)["state"] == "RUNNING")  # the pane's launcher, started by the shim, is up
+    before = len(calls.read_text().split())
+    assert status_json(job_id)["state"] == "RUNNING"
+    assert len(calls.read_text().split()) == before  # the recorded interpreter, not the shim
+    record.write_text(json.dumps({**json.loads(record.read_text()), "python": str(tmp_path / "gone" / "python3")}))
+    assert status_json(job_id)["state"] == "RUNNING"
+    assert len(calls.read_text().split()) == before + 1  # the vanished one could not start: the shim answered
+    assert cli_json("kill", job_id)["clean"]

@@ -20,6 +20,7 @@ from dflashctl.config import SAFE_NAME, HostConfig, SlurmHost
 from dflashctl.errors import ConfigError, ProbeFailedError
 from dflashctl.model.jobfile import JobConfig, node_tag, redact_env, redact_job_snapshot
 from dflashctl.remote.agent_bundle import AGENT, boot_argv
+from dflashctl.remote.deploy_record import remembered_python
 from dflashctl.remote.transport import Runner, container_prefix
 
 SOCKET_ENV = "DFLASHCTL_TMUX_SOCKET"
@@ -253,15 +254,23 @@ def call_agent(
     req = json.dumps(request, separators=(",", ":"))
     if len(req) > MAX_REQUEST_BYTES:
         raise ConfigError("request", None, f"too large for one remote command ({len(req)} bytes)")
-    inner = boot_argv("python3" if on_host else host.python, "probe", req)
     stdin = AGENT + payload
-    if on_host:
-        res = runner.run(inner, stdin=stdin, on_host=True, timeout=timeout)
-    elif host.container and host.gpu_query == "host" and request.get("gpus", True):
-        argv = ["bash", "--noprofile", "--norc", "-c", HOST_GPU_SCRIPT, "dflashctl", *container_prefix(host), *inner]
-        res = runner.run(argv, stdin=stdin, on_host=True, timeout=timeout)
-    else:
-        res = runner.run(inner, stdin=stdin, timeout=timeout)
+
+    def run(python: str):
+        inner = boot_argv(python, "probe", req)
+        if on_host:
+            return runner.run(inner, stdin=stdin, on_host=True, timeout=timeout)
+        if host.container and host.gpu_query == "host" and request.get("gpus", True):
+            script = ["bash", "--noprofile", "--norc", "-c", HOST_GPU_SCRIPT, "dflashctl"]
+            return runner.run([*script, *container_prefix(host), *inner], stdin=stdin, on_host=True, timeout=timeout)
+        return runner.run(inner, stdin=stdin, timeout=timeout)
+
+    # The interpreter the deploy's agent reported, as the deploy does: a version manager's shim costs a tenth of a
+    # second of every poll. One that is gone (exit 126/127) leaves the host's `python` to answer.
+    python = "python3" if on_host else (remembered_python(host) or host.python)
+    res = run(python)
+    if res.returncode in (126, 127) and not on_host and python != host.python:
+        res = run(host.python)
     try:
         answer = json.loads(res.out)
         if not isinstance(answer, dict):

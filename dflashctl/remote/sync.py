@@ -39,6 +39,7 @@ from pathlib import Path, PurePosixPath
 from dflashctl import outputs
 from dflashctl.errors import ConfigError, DflashError, RemoteCommandError
 from dflashctl.remote.agent_bundle import AGENT, boot_argv
+from dflashctl.remote.deploy_record import record_path
 from dflashctl.remote.transport import WORKDIR_PRELUDE, Runner
 
 S_IFLNK = 0o120000
@@ -378,10 +379,7 @@ class LastDeploy:
     that cannot be read is simply not used."""
 
     def __init__(self, host, workdir: str) -> None:
-        from dflashctl.model.record import state_dir
-
-        key = hashlib.sha256(f"{host.model_dump_json()}\0{workdir}".encode("utf-8", "surrogateescape")).hexdigest()
-        self.path = state_dir() / "last-deploy" / f"{key[:24]}.json"
+        self.path = record_path(host, workdir)
 
     def read(self) -> tuple[str, str, Manifest, str | None] | None:
         """(absolute workdir, version, manifest, the interpreter the agent ran under), or None."""
