@@ -20,7 +20,7 @@ from dflashctl.config import SAFE_NAME, HostConfig, SlurmHost
 from dflashctl.errors import ConfigError, ProbeFailedError
 from dflashctl.model.jobfile import JobConfig, node_tag, redact_env, redact_job_snapshot
 from dflashctl.remote.agent_bundle import AGENT, boot_argv
-from dflashctl.remote.deploy_record import remembered_python
+from dflashctl.remote.deploy_record import AgentPython, remembered_python
 from dflashctl.remote.transport import Runner, container_prefix
 
 SOCKET_ENV = "DFLASHCTL_TMUX_SOCKET"
@@ -265,12 +265,8 @@ def call_agent(
             return runner.run([*script, *container_prefix(host), *inner], stdin=stdin, on_host=True, timeout=timeout)
         return runner.run(inner, stdin=stdin, timeout=timeout)
 
-    # The interpreter the deploy's agent reported, as the deploy does: a version manager's shim costs a tenth of a
-    # second of every poll. One that is gone (exit 126/127) leaves the host's `python` to answer.
-    python = "python3" if on_host else (remembered_python(host) or host.python)
-    res = run(python)
-    if res.returncode in (126, 127) and not on_host and python != host.python:
-        res = run(host.python)
+    # inside the container, the interpreter the deploy's agent reported, as the deploy does: a shim costs every poll
+    res = run("python3") if on_host else AgentPython(host.python, remembered_python(host)).run(run)
     try:
         answer = json.loads(res.out)
         if not isinstance(answer, dict):

@@ -39,8 +39,8 @@ from pathlib import Path, PurePosixPath
 from dflashctl import outputs
 from dflashctl.errors import ConfigError, DflashError, RemoteCommandError
 from dflashctl.remote.agent_bundle import AGENT, boot_argv
-from dflashctl.remote.deploy_record import record_path
-from dflashctl.remote.transport import WORKDIR_PRELUDE, Runner
+from dflashctl.remote.deploy_record import AgentPython, record_path
+from dflashctl.remote.transport import WORKDIR_PRELUDE, Result, Runner
 
 S_IFLNK = 0o120000
 
@@ -424,7 +424,7 @@ def deploy(
     last = LastDeploy(runner.host, workdir)
     known = None if dry_run else last.read()
     report, travelled = None, 0
-    agent = _AgentPython(runner.host.python, known[3] if known else None)
+    agent = AgentPython(runner.host.python, known[3] if known else None)
     if known is not None and known[1] != version:  # one remote command: the changes against what we last deployed
         abs_wd, base, base_files, _ = known
         plan = plan_changes(local, base_files)
@@ -455,24 +455,24 @@ def deploy(
 
 def _send_release(
     runner: Runner, root: Path, local: Manifest, send: list[str], abs_wd: str, version: str, base: str | None,
-    report: DeployReport, progress: ProgressFactory | None, agent: _AgentPython, *, fallback: bool,
+    report: DeployReport, progress: ProgressFactory | None, agent: AgentPython, *, fallback: bool,
 ) -> bool:  # fmt: skip
     """The agent's `release` with these files and `base` to link the rest from. When the base cannot serve (gone
     from the remote): with `fallback`, everything travels once more; without, False (the caller plans again)."""
     for _ in range(2):  # the second time, everything travels: the base release was not usable
         req = json.dumps({"workdir": abs_wd, "version": version, "base": base}, separators=(",", ":"))
         tick = progress(TarPipe.estimate(send, local) + len(AGENT)) if progress else None
-        while True:
-            python = agent.python
+
+        def attempt(python: str, req=req, send=send, tick=tick) -> Result:
             stream = TarPipe(root, send, local)
             try:
-                res = runner.run(boot_argv(python, "release", req), stdin=_Concat(AGENT, stream), progress=tick,
-                                 timeout=3600)  # fmt: skip
+                return runner.run(boot_argv(python, "release", req), stdin=_Concat(AGENT, stream), progress=tick,
+                                  timeout=3600)  # fmt: skip
             finally:
                 stream.close()
-            report.bytes_sent += stream.sent
-            if not agent.failed(python, res.returncode):
-                break
+                report.bytes_sent += stream.sent
+
+        res = agent.run(attempt)
         try:
             ans = json.loads(res.out)
         except ValueError:
@@ -493,22 +493,25 @@ def _send_release(
 
 def _plan_and_send(
     runner: Runner, root: Path, local: Manifest, workdir: str, version: str, progress: ProgressFactory | None,
-    agent: _AgentPython,
+    agent: AgentPython,
 ) -> DeployReport:  # fmt: skip
     """One command for a host this machine has no record of: the agent tells its current release (the plan step),
     this side answers on the same channel with the tar of what differs (or nothing: the tree is already current),
     and the agent links the rest from that release, verifies and switches, all under one hold of the deploy lock."""
     req = json.dumps({"workdir": workdir, "version": version, "plan": True}, separators=(",", ":"))
-    while True:
+    talks: list[_PlanTalk] = []  # one an attempt: the last one's is what the agent told
+
+    def attempt(python: str) -> Result:
         talk = _PlanTalk(root, local, version, progress)
-        python = agent.python
+        talks.append(talk)
         try:
-            res = runner.run(boot_argv(python, "release", req), stdin=_Concat(AGENT, talk), progress=talk.sent,
-                             heard=talk.hear, timeout=3600)  # fmt: skip
+            return runner.run(boot_argv(python, "release", req), stdin=_Concat(AGENT, talk), progress=talk.sent,
+                              heard=talk.hear, timeout=3600)  # fmt: skip
         finally:
             talk.close()
-        if not agent.failed(python, res.returncode):
-            break
+
+    res = agent.run(attempt)
+    talk = talks[-1]
     head, plan = talk.head, talk.plan
     try:
         ans = json.loads(res.stdout[talk.header_size :]) if head is not None else None
@@ -595,28 +598,6 @@ class _PlanTalk:
     def close(self) -> None:
         if self.pipe is not None:
             self.pipe.close()
-
-
-class _AgentPython:
-    """The interpreter for the release agent: the one it reported last time when known, else the host's `python`.
-    A `python3` that is a version manager's shim (pyenv, asdf) costs a shell script and a lookup, a tenth of a
-    second, on every call; the agent needs only some Python 3.8+, so the real interpreter behind the shim serves it.
-    One that is gone (exit 126/127) is dropped and the host's `python` runs it again."""
-
-    def __init__(self, configured: str, remembered: str | None) -> None:
-        self.configured = configured
-        self.python = remembered if remembered and remembered.startswith("/") else configured
-        self.resolved: str | None = None
-
-    def failed(self, python: str, returncode: int) -> bool:
-        """True when `python` could not be started and the configured one is still to be tried."""
-        if returncode in (126, 127) and python != self.configured:
-            self.python = self.configured
-            return True
-        return False
-
-    def ran(self, reported: object) -> None:
-        self.resolved = reported if isinstance(reported, str) and reported.startswith("/") else None
 
 
 class _Concat:
