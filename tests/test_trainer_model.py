@@ -165,37 +165,37 @@ def test_compiled_drafter_layers_give_the_eager_gradients_and_compile_nothing_af
     assert torch.allclose(grad0, grad1, atol=1e-6)
 
 
-def test_the_targets_compiled_layers_serve_every_bucket_with_one_graph():
-    """The target's layers compile once for all shape buckets (the sequence length is symbolic), and give eager's
-    hidden states at each: a later bucket costs the preflight no compile of the target."""
+
+def _target_graphs_after_each(lengths) -> list[int]:
+    """The tiny target's layers compiled through Dynamo (its graphs are what is counted; which backend runs them does
+    not matter), run at each length against eager: the graphs compiled so far after each."""
     from trainer.model.compile_policy import graphs_compiled
 
     cfg = from_dict({**TINY, "target": {**TINY["target"], "dtype": "float32"}})
     target = build(cfg, for_training=False).target
     torch._dynamo.reset()  # graphs another test compiled for the same code would serve this one
-    target.compile_layers(backend="eager")  # Dynamo decides the graphs; which backend runs them does not matter
-    before = graphs_compiled()
-    for seq_len in (128, 256, 384):
+    target.compile_layers(backend="eager")
+    before, counts = graphs_compiled(), []
+    for seq_len in lengths:
         ids = torch.randint(0, int(target.config.vocab_size), (1, seq_len))
         compiled = target.hidden_states(ids, compiled=True)
         assert compiled.shape[1] == seq_len
         assert (compiled - target.hidden_states(ids)).abs().max().item() < 1e-5
-    assert graphs_compiled() - before == 1
+        counts.append(graphs_compiled() - before)
+    return counts
+
+
+def test_the_targets_compiled_layers_serve_every_bucket_with_one_graph():
+    """The target's layers compile once for all shape buckets (the sequence length is symbolic), and give eager's
+    hidden states at each: a later bucket costs the preflight no compile of the target."""
+    assert _target_graphs_after_each((128, 256, 384)) == [1, 1, 1]
 
 
 def test_a_first_length_equal_to_the_hidden_size_costs_one_graph_more_and_no_later_compile():
     """Dynamo gives equal input sizes one symbol: a first length equal to the hidden size is specialised, the next
     length compiles the symbolic graph, and every later length (the hidden size again among them) reuses one of the
     two, with eager's output."""
-    from trainer.model.compile_policy import graphs_compiled
+    from trainer.model.target import tiny_qwen3_config
 
-    cfg = from_dict({**TINY, "target": {**TINY["target"], "dtype": "float32"}})
-    target = build(cfg, for_training=False).target
-    torch._dynamo.reset()
-    target.compile_layers(backend="eager")
-    before, counts = graphs_compiled(), []
-    for seq_len in (target.hidden_size, 16, 128, target.hidden_size, 192, 16):
-        ids = torch.randint(0, int(target.config.vocab_size), (1, seq_len))
-        assert (target.hidden_states(ids, compiled=True) - target.hidden_states(ids)).abs().max().item() < 1e-5
-        counts.append(graphs_compiled() - before)
-    assert counts == [1, 2, 2, 2, 2, 2]
+    hidden = tiny_qwen3_config()["hidden_size"]
+    assert _target_graphs_after_each((hidden, 16, 128, hidden, 192, 16)) == [1, 2, 2, 2, 2, 2]
