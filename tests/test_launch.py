@@ -252,4 +252,7 @@ def test_status_polls_skip_a_version_managers_shim_and_fall_back_when_its_target
     record.write_text(json.dumps({**json.loads(record.read_text()), "python": str(tmp_path / "gone" / "python3")}))
     assert status_json(job_id)["state"] == "RUNNING"
     assert len(calls.read_text().split()) == before + 1  # the vanished one could not start: the shim answered
+    record.write_text('{"python": ["/usr/bin/python3"], "files"')  # garbled (a crash elsewhere): not used
+    assert status_json(job_id)["state"] == "RUNNING"
+    assert len(calls.read_text().split()) == before + 2
     assert cli_json("kill", job_id)["clean"]
