@@ -154,9 +154,10 @@ def test_probe_answers_for_a_job_whose_files_are_garbage(tmp_path):
 # --------------------------------------------------------------------------------------------- releases
 
 
-def run_agent(wd: Path, req: dict, stream: bytes) -> dict:
+def run_agent(wd: Path, req: dict, stream: bytes, umask: int | None = None) -> dict:
     argv = boot_argv(sys.executable, "release", json.dumps({"workdir": str(wd), **req}))
-    proc = subprocess.run(argv, input=AGENT + stream, capture_output=True)
+    preexec = None if umask is None else functools.partial(os.umask, umask)
+    proc = subprocess.run(argv, input=AGENT + stream, capture_output=True, preexec_fn=preexec)
     return json.loads(proc.stdout)
 
 
@@ -197,6 +198,63 @@ def test_a_corrupt_stream_fails_verification(tmp_path):
     stream, _ = sync.build_tar(src, ["a.py"], manifest)
     ans = run_agent(wd, {"version": sync.manifest_version(manifest), "base": None}, stream.read())
     assert not ans["ok"] and "verification failed" in ans["error"] and not (wd / "code").exists()
+
+
+def test_a_release_of_many_files_in_many_directories_is_exact_under_any_umask(tmp_path):
+    """The agent writes small files on several threads and large ones as they stream: every byte, every mode (the
+    bits a umask would take away included) and every symlink lands, and the release verifies."""
+    src, wd = tmp_path / "src", tmp_path / "wd"
+    files = []
+    for d in range(7):
+        for i in range(40):
+            rel = f"pkg{d}/sub{i % 3}/m{i}.py"
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            (src / rel).write_bytes(os.urandom(i * 97))  # empty files too
+            os.chmod(src / rel, [0o644, 0o755, 0o600, 0o666, 0o777][i % 5])
+            files.append(rel)
+    (src / "big.bin").write_bytes(os.urandom((4 << 20) + 12345))  # past what a writer is handed in memory
+    os.chmod(src / "big.bin", 0o664)
+    (src / "pkg0" / "link.py").symlink_to("sub0/m0.py")
+    files += ["big.bin", "pkg0/link.py"]
+    data, version = tar_of(src, files)
+    ans = run_agent(wd, {"version": version, "base": None}, data, umask=0o077)
+    assert ans["ok"], ans
+    code = wd / "code"
+    assert tree(code) == tree(src)
+    for rel in files[:-1]:
+        assert (code / rel).stat().st_mode & 0o777 == (src / rel).stat().st_mode & 0o777, rel
+    assert os.readlink(code / "pkg0" / "link.py") == "sub0/m0.py"
+
+
+def test_a_writer_that_fails_midway_fails_the_release_and_leaves_nothing(tmp_path):
+    """A file the stream names twice makes one writer's create fail while the others still have files queued: the
+    release fails with that error, the previous release stays current, and no staging dir is left behind (every
+    writer has stopped before it is removed)."""
+    src, wd = tmp_path / "src", tmp_path / "wd"
+    src.mkdir()
+    (src / "a.py").write_text("A = 1\n")
+    data, v1 = tar_of(src, ["a.py"])
+    assert run_agent(wd, {"version": v1, "base": None}, data)["ok"]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for i in range(300):
+            name = "dup.py" if i in (100, 101) else f"d{i % 9}/f{i}.py"
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = 4096, 0o644
+            tar.addfile(info, io.BytesIO(os.urandom(4096)))
+    ans = run_agent(wd, {"version": "v" * 64, "base": v1}, buf.getvalue())
+    assert not ans["ok"] and "File exists" in ans["error"] and "dup.py" in ans["error"], ans
+    assert os.readlink(wd / "code") == f"releases/{v1}" and tree(wd / "code") == {"a.py": b"A = 1\n"}
+    assert sorted(os.listdir(wd / "releases")) == [v1]
+
+
+def test_the_stream_interleaves_directories_and_keeps_every_file_once():
+    files = [f"a/{i}.py" for i in range(5)] + ["b/x.py", "b/y.py"] + ["top.py"] + [f"a/s/{i}" for i in range(3)]
+    order = sync.across_directories(files)
+    assert sorted(order) == sorted(files)
+    parents = [rel.rpartition("/")[0] for rel in order]
+    assert all(p != q for p, q in zip(parents[:4], parents[1:5], strict=True))  # four dirs: round one alternates
+    assert [rel for rel in order if rel.startswith("a/") and "/s/" not in rel] == files[:5]  # order kept per dir
 
 
 @pytest.fixture

@@ -13,13 +13,16 @@ detached child holding the lock.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
+import queue
 import shutil
 import stat
 import sys
 import tarfile
+import threading
 import time
 
 from .common import locked, write_all
@@ -59,40 +62,108 @@ def _makedirs(path: str, made: set[str]) -> None:
         made.add(parent)
 
 
+WRITERS = 4  # files created at once
+QUEUED = 16  # files read from the stream and not yet written, at most
+WRITTEN_BY_READER = 4 << 20  # a file larger than this is written by the reading thread as it streams, never held
+
+
+def _write_file(path: str, blocks, mode: int, umask: int) -> str:
+    """Create `path` (never through a symlink, never over a file) with `blocks`' bytes and `mode`; returns their
+    sha256. The mode is given at creation; a chmod follows only for the bits the umask took away."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode & 0o777)
+    h = hashlib.sha256()
+    try:
+        for block in blocks:
+            h.update(block)
+            write_all(fd, block)
+        if mode & 0o777 & umask:
+            os.fchmod(fd, mode & 0o777)
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+class _Writers:
+    """A few threads that create and write the stream's files while one thread reads the stream in order. Creating a
+    file is what a release of many small files waits on (a journal's inode, 0.1 to 1 ms on some disks; a round trip
+    on NFS or Lustre), and creates overlap: on a 2-core machine four writers stage 2,000 files in about half the time
+    of one. At most QUEUED files wait in memory, each at most WRITTEN_BY_READER bytes."""
+
+    def __init__(self, umask: int) -> None:
+        self.umask = umask
+        self.digests: dict[str, str] = {}
+        self.error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue(QUEUED)
+        self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(WRITERS)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if self.error is not None:
+                continue  # after a failure the rest is dropped: the release fails as a whole
+            name, path, data, mode = item
+            try:
+                self.digests[name] = _write_file(path, (data,), mode, self.umask)
+            except BaseException as e:  # noqa: BLE001 - raised in the reading thread by put() or close()
+                self.error = self.error or e
+
+    def put(self, name: str, path: str, data: bytes, mode: int) -> None:
+        if self.error is not None:
+            raise self.error
+        self._queue.put((name, path, data, mode))
+
+    def close(self) -> None:
+        """Every queued file written (or dropped after a failure) and every writer gone: nothing writes into the
+        staging dir after this returns, so the caller may remove it."""
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
 def extract(stream, staging: str, written: dict[str, str | None], made: set[str]) -> bytes:
     """Write the tar's regular files and symlinks into staging (symlinks last, so no file is written through one),
     recording each path in `written` with the sha256 of the bytes written (None for a symlink): verification then
     needs no second read. Returns the manifest's bytes."""
     manifest = None
     links = []
-    with tarfile.open(fileobj=stream, mode="r|", bufsize=1 << 16) as tar:
-        for m in tar:
-            if not _safe(m.name):
-                raise ReleaseError(f"unsafe path in the stream: {m.name!r}")
-            if m.name == MANIFEST_NAME:
-                manifest = tar.extractfile(m).read()
-                continue
-            if m.issym():
-                links.append((m.name, m.linkname))
-                continue
-            if not m.isreg():
-                raise ReleaseError(f"unexpected member type in the stream: {m.name!r}")
-            path = os.path.join(staging, m.name)
-            _makedirs(path, made)
-            src = tar.extractfile(m)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            h = hashlib.sha256()
-            try:
-                while True:
-                    block = src.read(1 << 20)
-                    if not block:
-                        break
-                    h.update(block)
-                    write_all(fd, block)
-                os.fchmod(fd, m.mode & 0o777)
-            finally:
-                os.close(fd)
-            written[m.name] = h.hexdigest()
+    umask = _current_umask()
+    writers = _Writers(umask)
+    try:
+        with tarfile.open(fileobj=stream, mode="r|", bufsize=1 << 16) as tar:
+            for m in tar:
+                if not _safe(m.name):
+                    raise ReleaseError(f"unsafe path in the stream: {m.name!r}")
+                if m.name == MANIFEST_NAME:
+                    manifest = tar.extractfile(m).read()
+                    continue
+                if m.issym():
+                    links.append((m.name, m.linkname))
+                    continue
+                if not m.isreg():
+                    raise ReleaseError(f"unexpected member type in the stream: {m.name!r}")
+                path = os.path.join(staging, m.name)
+                _makedirs(path, made)
+                src = tar.extractfile(m)
+                if m.size <= WRITTEN_BY_READER:
+                    writers.put(m.name, path, src.read(), m.mode)
+                else:
+                    written[m.name] = _write_file(path, iter(functools.partial(src.read, 1 << 20), b""), m.mode, umask)
+    finally:
+        writers.close()
+    if writers.error is not None:
+        raise writers.error
+    written.update(writers.digests)
     for name, target in links:
         written[name] = None
         path = os.path.join(staging, name)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import os
 import stat
@@ -295,10 +296,22 @@ def read_remote_state(runner: Runner, workdir: str) -> tuple[str, str | None, Ma
     return first.strip(), current, parse_remote_manifest(manifest) if current else {}
 
 
+def across_directories(files: list[str]) -> list[str]:
+    """`files` reordered so that neighbours lie in different directories: one from each directory in turn. The agent
+    creates files a few at a time, and creates in one directory wait for each other (the kernel locks the directory
+    for each), while creates in different directories overlap."""
+    by_dir: dict[str, list[str]] = {}
+    for rel in files:
+        by_dir.setdefault(rel.rpartition("/")[0], []).append(rel)
+    groups = list(by_dir.values())
+    return [rel for row in itertools.zip_longest(*groups) for rel in row if rel is not None]
+
+
 def write_tar(out, root: Path, files: list[str], manifest: Manifest) -> None:
-    """A tar stream of the changed files (symlinks as symlinks) with the new manifest last, written to `out`."""
+    """A tar stream of the changed files (symlinks as symlinks, neighbours in different directories) with the new
+    manifest last, written to `out`."""
     with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT, bufsize=1 << 16) as tar:
-        for rel in files:
+        for rel in across_directories(files):
             path = root / rel
             if manifest[rel].mode & 0o170000 == S_IFLNK:
                 info = tarfile.TarInfo(rel)
