@@ -164,6 +164,10 @@ def test_the_release_agent_runs_under_the_interpreter_behind_a_shim_and_falls_ba
     deploy(cli, "shimmed", str(wd))
     assert len(calls.read_text().split()) == 1  # the remembered interpreter, not the shim
     assert remote_tree(wd / "code")["pkg/a.py"] == "A = 10\n"
+    other = deploy(cli, "shimmed", str(tmp_path / "wd-other"))  # a workdir with no record, on a known host
+    assert other["files_sent"] == 6 and len(calls.read_text().split()) == 1
+    (host_record,) = (state_dir() / "agent-python").iterdir()
+    assert host_record.stat().st_mode & 0o777 == 0o600 and json.loads(host_record.read_text()) == {"python": remembered}
 
     body = json.loads(record.read_text())
     record.write_text(json.dumps({**body, "python": str(tmp_path / "gone" / "python3")}))
@@ -172,6 +176,10 @@ def test_the_release_agent_runs_under_the_interpreter_behind_a_shim_and_falls_ba
     assert again["sent"] == ["pkg/a.py"] and remote_tree(wd / "code")["pkg/a.py"] == "A = 11\n"
     assert len(calls.read_text().split()) == 2  # the vanished one failed to start: the shim ran it
     assert json.loads(record.read_text())["python"] == remembered
+    host_record.write_text(json.dumps({"python": str(tmp_path / "gone" / "python3")}))
+    third = deploy(cli, "shimmed", str(tmp_path / "wd-third"))
+    assert third["files_sent"] == 6 and len(calls.read_text().split()) == 3
+    assert json.loads(host_record.read_text()) == {"python": remembered}  # the host's interpreter, found again
 
 
 def test_a_deploy_with_no_record_is_one_command_even_when_nothing_changed_and_expands_the_home(cli, client, tmp_path):

@@ -230,8 +230,8 @@ def cli_json_in(cwd: Path, *args: str):
 
 def test_status_polls_skip_a_version_managers_shim_and_fall_back_when_its_target_is_gone(client, tmp_path):
     """A host whose `python` is a shim (pyenv, asdf: a script, a tenth of a second a call): once a deploy has
-    recorded the interpreter the agent ran under, status asks it directly; when that one is gone, the shim answers
-    and status says the same."""
+    recorded the interpreter the agent ran under, status asks it directly (the workdir's record, else the host's);
+    when that one is gone or neither record can be read, the shim answers and status says the same."""
     from dflashctl.model.record import state_dir
 
     shim, calls = tmp_path / "shim" / "python3", tmp_path / "shim-calls"
@@ -254,5 +254,9 @@ def test_status_polls_skip_a_version_managers_shim_and_fall_back_when_its_target
     assert len(calls.read_text().split()) == before + 1  # the vanished one could not start: the shim answered
     record.write_text('{"python": ["/usr/bin/python3"], "files"')  # garbled (a crash elsewhere): not used
     assert status_json(job_id)["state"] == "RUNNING"
-    assert len(calls.read_text().split()) == before + 2
+    assert len(calls.read_text().split()) == before + 1  # the host's interpreter, kept for all its workdirs
+    (host_record,) = (state_dir() / "agent-python").iterdir()
+    host_record.write_text('{"python": ')
+    assert status_json(job_id)["state"] == "RUNNING"
+    assert len(calls.read_text().split()) == before + 2  # neither record readable: the shim
     assert cli_json("kill", job_id)["clean"]

@@ -40,7 +40,13 @@ from pathlib import Path, PurePosixPath
 from dflashctl import outputs
 from dflashctl.errors import ConfigError, DflashError, RemoteCommandError
 from dflashctl.remote.agent_bundle import AGENT, boot_argv
-from dflashctl.remote.deploy_record import AgentPython, record_path
+from dflashctl.remote.deploy_record import (
+    AgentPython,
+    record_path,
+    remember_python,
+    remembered_python,
+    write_private_json,
+)
 from dflashctl.remote.transport import WORKDIR_PRELUDE, Result, Runner
 
 S_IFLNK = 0o120000
@@ -201,21 +207,7 @@ class HashCache:
         return digest
 
     def save(self) -> None:
-        _write_private_json(self.path, self.fresh)  # only a cache: a failed write is a slower next deploy
-
-
-def _write_private_json(path: Path, body) -> None:
-    """A state-dir file (0600 in a 0700 dir), replaced whole by a rename; a failure to write it is ignored (what
-    these files hold is a shortcut, rebuilt when missing)."""
-    try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(body, separators=(",", ":")))  # the C encoder: json.dump streams in Python
-        os.replace(tmp, path)
-    except OSError:
-        pass
+        write_private_json(self.path, self.fresh)  # only a cache: a failed write is a slower next deploy
 
 
 def build_manifest(root: Path, files: list[str] | None = None, cache: bool = True) -> Manifest:
@@ -409,7 +401,7 @@ class LastDeploy:
     def write(self, abs_wd: str, version: str, manifest: Manifest, python: str | None = None) -> None:
         body = {"workdir": abs_wd, "version": version, "python": python,
                 "files": {k: v.to_json() for k, v in manifest.items()}}  # fmt: skip
-        _write_private_json(self.path, body)  # unwritten: the next deploy reads the remote state instead
+        write_private_json(self.path, body)  # unwritten: the next deploy reads the remote state instead
 
 
 def deploy(
@@ -437,7 +429,7 @@ def deploy(
     last = LastDeploy(runner.host, workdir)
     known = None if dry_run else last.read()
     report, travelled = None, 0
-    agent = AgentPython(runner.host.python, known[3] if known else None)
+    agent = AgentPython(runner.host.python, (known[3] if known else None) or remembered_python(runner.host, workdir))
     if known is not None and known[1] != version:  # one remote command: the changes against what we last deployed
         abs_wd, base, base_files, _ = known
         plan = plan_changes(local, base_files)
@@ -461,6 +453,7 @@ def deploy(
                           fallback=True)  # fmt: skip
     if not dry_run:
         last.write(report.code_dir.removesuffix("/code"), version, local, agent.resolved)
+        remember_python(runner.host, agent.resolved)
     report.seconds = round(time.monotonic() - start, 3)
     report.remote_commands = runner.commands_run - commands_before
     return report
