@@ -1,6 +1,7 @@
 """Cold preflight per bucket: each run is `python -m trainer.train` at the paper shape with buckets 1024 / 2048 / 3072
 and empty Inductor and Triton caches of its own. With `--env KEY=VALUE` (repeatable), a variant (the same run with
-that environment) alternates with the plain run, so that the machine's drift falls on both.
+that environment) alternates with the plain run, so that the machine's drift falls on both; a `cfg.KEY=VALUE` sets
+a top-level key of the trainer's config instead (`--variant cfg.compile_helper=off`).
 
     python bench/cold_preflight.py [--repeat 2] [--env KEY=VALUE ...] [--out bench/results/h200-cold-preflight.json]
 
@@ -33,7 +34,9 @@ BUCKETS = [1024, 2048, 3072]
 def run(work: Path, name: str, extra_env: dict[str, str]) -> dict:
     data = {**QWEN3_8B_WORKLOAD["data"], "seq_buckets": BUCKETS, "synthetic_samples": 6}
     cfg = {**QWEN3_8B_WORKLOAD, "data": data, "device": "cuda", "steps": 3, "log_every": 1,
-           "checkpoint": {"every": 1000, "keep": 1}}  # fmt: skip
+           "checkpoint": {"every": 1000, "keep": 1},
+           **{k[4:]: yaml.safe_load(v) for k, v in extra_env.items() if k.startswith("cfg.")}}  # fmt: skip
+    extra_env = {k: v for k, v in extra_env.items() if not k.startswith("cfg.")}
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run_dir = work / name
@@ -49,7 +52,11 @@ def run(work: Path, name: str, extra_env: dict[str, str]) -> dict:
     steps = [r for r in recs if "event" not in r]
     first_step = steps[0] if steps else None
     seconds = {int(k): v for k, v in pre["seconds"].items()} if pre else {}
-    return {"variant": ",".join(f"{k}={v}" for k, v in extra_env.items()) or "plain", "exit": proc.returncode,
+    helper_logs = [p.read_text().strip().splitlines()[-3:] for p in run_dir.glob("compile-helper.log")]
+    return {"variant": name.split("-", 2)[-1], "exit": proc.returncode,
+            "compile_helper": pre.get("compile_helper") if pre else None,
+            "compile_cache": pre.get("compile_cache") if pre else None,
+            "helper_log_tail": helper_logs[0] if helper_logs else None,
             "preflight_s": [round(seconds.get(b, float("nan")), 2) for b in BUCKETS],
             "to_preflight_s": round(first_progress["time"] - t0, 1) if first_progress else None,
             "to_first_step_s": round(first_step["time"] - t0, 1) if first_step else None,
@@ -78,7 +85,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for i in range(args.repeat):
             for j, extra in enumerate(variants):
-                runs.append(run(Path(d), f"r{i}-{j}", extra))
+                label = ",".join(f"{k}={v}" for k, v in extra.items()) or "plain"
+                runs.append(run(Path(d), f"r{i}-{j}-{label}", extra))
                 print(json.dumps(runs[-1]), flush=True)
     print("| run | preflight s per bucket 1024 / 2048 / 3072 | start to preflight s | start to first step s |")
     print("| --- | --- | --- | --- |")

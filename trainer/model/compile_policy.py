@@ -66,6 +66,15 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def compile_cache_counts() -> dict[str, int]:
+    """Inductor's graph cache so far in this process: graphs found compiled on disk (hits) and compiled here (misses).
+    A first bucket the compile helper prepared shows its graphs as hits."""
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]
+    return {"hits": int(inductor["fxgraph_cache_hit"]), "misses": int(inductor["fxgraph_cache_miss"])}
+
+
 def freeze_compiles() -> bool:
     """After preflight: any further recompile raises instead of compiling (or running eagerly). True if supported."""
     if hasattr(torch.compiler, "set_stance"):

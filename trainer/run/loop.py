@@ -123,8 +123,10 @@ def plan_memory(cfg: TrainConfig, device: torch.device, layout, source: str) -> 
 
 def build(
     cfg: TrainConfig, source: str = "<config>", for_training: bool = True, device: torch.device | None = None,
-    layout=None,
+    layout=None, hollow: bool = False,
 ) -> Parts:  # fmt: skip
+    """The run's parts. `hollow`: the same structures, compiled the same way, with zeroed weights and one target
+    layer's memory (trainer/run/compile_helper.py compiles through them ahead of the trainer)."""
     from trainer.model.parallel import Layout
 
     device = device or resolve_device(cfg.device)
@@ -132,7 +134,7 @@ def build(
     if for_training:
         check_backend_supports_training(cfg, device, source)
     apply_compile_policy(cfg.attention.recompile_limit)
-    memory = plan_memory(cfg, device, layout, source) if for_training else None
+    memory = plan_memory(cfg, device, layout, source) if for_training and not hollow else None
     backend = make_backend(cfg.attention.backend, cfg.attention.dense_max_gib, source)
     if for_training and cfg.attention.backend == "dense":  # its cap, from the target's config alone
         from trainer.model.target import target_config
@@ -143,7 +145,7 @@ def build(
                            cfg.drafter.block_size)  # fmt: skip
     if for_training and device.type == "cuda":  # the preflight compiles (flex at least): workers start during the load
         start_compile_workers()  # after every refusal above: a config error starts nothing
-    target = load_target(cfg.target, cfg.drafter.num_layers, device, source, layout)
+    target = load_target(cfg.target, cfg.drafter.num_layers, device, source, layout, hollow=hollow)
     compile_target = cfg.target.compile == "on" or (cfg.target.compile == "auto" and device.type == "cuda")
     if compile_target and layout.mode == "replicate":  # sharded layers run eager (DTensor and FSDP hooks)
         target.compile_layers()
@@ -155,14 +157,22 @@ def build(
     overrides = d.shape_overrides()
     dims = drafter_dims(target.config, d.num_layers, len(target.layer_ids), overrides)
     torch.manual_seed(cfg.seed)
-    drafter = Drafter(dims, d.activation_checkpointing).to(device)
-    if d.init_std is not None and not d.init_from:
+    if hollow:
+        with torch.device("meta"):
+            drafter = Drafter(dims, d.activation_checkpointing)
+        drafter.to_empty(device=device)
+        with torch.no_grad():
+            for t in [*drafter.parameters(), *drafter.buffers()]:
+                t.zero_()
+    else:
+        drafter = Drafter(dims, d.activation_checkpointing).to(device)
+    if d.init_std is not None and not d.init_from and not hollow:
         drafter.init_linear_weights(d.init_std)
     flex_on_cuda = device.type == "cuda" and cfg.attention.backend == "flex"
     if for_training and (d.compile == "on" or (d.compile == "auto" and flex_on_cuda)):
         drafter.compile_layers()
     mask_id = resolve_mask_token(cfg, target.config, soft_tokenizer(cfg), source)
-    if d.init_from:  # fine-tune a drafter in the public DFlash format
+    if d.init_from and not hollow:  # fine-tune a drafter in the public DFlash format
         from trainer.model.dflash_format import check_matches, draft_config, read_export
 
         config, weights = read_export(Path(d.init_from), source)
@@ -261,10 +271,12 @@ def preflight(
     drafter: torch.nn.Module | None = None,
     eval_anchors: int | None = None,
     progress: Callable[[str, dict], None] | None = None,
+    before_bucket: Callable[[int, int], None] | None = None,
 ) -> PreflightReport:
     """Run every bucket once under the real conditions (grad on, backward, same autocast and checkpointing) so that
     every compiled variant exists before step 1; with `eval_anchors`, also the no-grad shapes evaluation uses. Then
-    make any further recompile an error."""
+    make any further recompile an error. `before_bucket(i, seq_len)` runs inside each bucket's timing (a wait for
+    the compile helper counts as the bucket's time)."""
     buckets = parts.cfg.data.seq_buckets
     module = drafter or parts.drafter
     seconds, peaks = {}, {}
@@ -287,6 +299,8 @@ def preflight(
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
+        if before_bucket is not None:
+            before_bucket(i, S)
         say(i, S, "forward")
         with torch.set_grad_enabled(backward):
             loss_sum, w_sum, _ = forward_loss(parts, dummy_batch(parts, S), module)
