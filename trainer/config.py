@@ -193,6 +193,8 @@ def _check_type(value: Any, tp: Any, source: str, key: str) -> Any:
                 pass
         raise ConfigError(source, key, f"expected {tp}, got {value!r}")
     if origin is Literal:
+        if isinstance(value, bool) and {"on", "off"} <= set(typing.get_args(tp)):  # YAML 1.1 reads on/off as bools
+            return "on" if value else "off"
         if value not in typing.get_args(tp):
             raise ConfigError(source, key, f"expected one of {', '.join(map(str, typing.get_args(tp)))}, got {value!r}")
         return value

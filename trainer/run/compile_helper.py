@@ -72,11 +72,13 @@ def _die_with_parent() -> None:
 
 def spawn(config_path: str, run_dir: Path | None, cfg) -> subprocess.Popen | None:
     """Start the helper for this node (local rank 0 only), or nothing when the run does not want one."""
-    if run_dir is None or os.environ.get("LOCAL_RANK", "0") != "0" or not wanted(cfg):
+    if run_dir is None or os.environ.get("LOCAL_RANK", "0") != "0":
         return None
     path = state_path(run_dir)
     with contextlib.suppress(FileNotFoundError):
-        path.unlink()  # an earlier run's: never read as this one's
+        path.unlink()  # an earlier run's (a restart under the same parent has the same token): never this one's
+    if not wanted(cfg):
+        return None
     log = open(Path(run_dir) / "compile-helper.log", "ab")  # noqa: SIM115 - the child holds it
     env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV and not k.startswith("TORCHELASTIC_")}
     try:
@@ -91,6 +93,11 @@ def spawn(config_path: str, run_dir: Path | None, cfg) -> subprocess.Popen | Non
         log.close()
     _spawned.append(proc)
     return proc
+
+
+def running() -> bool:
+    """Whether this process started a helper that is still at work."""
+    return bool(_spawned) and _spawned[-1].poll() is None
 
 
 def stop() -> None:
@@ -213,12 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         if full:
             _write_state(path, token, state="skipped", reason=full)
             return 0
-        _write_state(path, token, state="compiling", bucket=first)
+        phases = {"imported": round(time.monotonic() - start, 2)}
+        _write_state(path, token, state="compiling", bucket=first, phases=phases)
         parts = build(cfg, args.config, device=device, hollow=True)
+        phases["built"] = round(time.monotonic() - start, 2)
         do_eval = cfg.eval.every > 0 or cfg.eval.at_end
         preflight(parts, backward=True, freeze=False,
                   eval_anchors=eval_anchors(cfg.drafter.block_size) if do_eval else None)  # fmt: skip
-        _write_state(path, token, state="done", bucket=first, seconds=round(time.monotonic() - start, 2))
+        _write_state(path, token, state="done", bucket=first, seconds=round(time.monotonic() - start, 2),
+                     phases=phases)  # fmt: skip
         return 0
     except BaseException as e:  # noqa: BLE001 - told in the state file; the trainer compiles for itself
         first_line = (str(e).strip().splitlines() or [""])[0][:300]

@@ -22,6 +22,7 @@ from trainer.model.compile_policy import apply_compile_policy, freeze_compiles, 
 from trainer.model.drafter import Drafter, block_loss, drafter_dims
 from trainer.model.mask import BlockBatch, anchor_generator, build_blocks, sample_anchors
 from trainer.model.target import Target, load_target, resolve_device  # noqa: F401 - resolve_device: its callers
+from trainer.run import compile_helper
 
 
 def check_backend_supports_training(cfg: TrainConfig, device: torch.device, source: str) -> None:
@@ -143,8 +144,11 @@ def build(
                              cfg.drafter.shape_overrides()).num_heads  # fmt: skip
         backend.check_size(cfg.data.batch_size, heads, cfg.data.seq_buckets[-1], cfg.data.anchors_per_seq,
                            cfg.drafter.block_size)  # fmt: skip
-    if for_training and device.type == "cuda":  # the preflight compiles (flex at least): workers start during the load
-        start_compile_workers()  # after every refusal above: a config error starts nothing
+    # the preflight compiles (flex at least): workers start during the load, after every refusal above (a config
+    # error starts nothing). Not beside a compile helper this process started: its workers would compete with the
+    # helper's for the cores while it compiles the first bucket, which this process then only loads from the cache.
+    if for_training and device.type == "cuda" and not compile_helper.running():
+        start_compile_workers()
     target = load_target(cfg.target, cfg.drafter.num_layers, device, source, layout, hollow=hollow)
     compile_target = cfg.target.compile == "on" or (cfg.target.compile == "auto" and device.type == "cuda")
     if compile_target and layout.mode == "replicate":  # sharded layers run eager (DTensor and FSDP hooks)

@@ -21,7 +21,12 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.config import TrainConfig, parse_parallel, to_dict
 from trainer.data.dataset import Dataset, epoch_batches, load_tokenizer, make_dataset, shard
 from trainer.errors import ConfigError, DivergedError
-from trainer.model.compile_policy import compile_cache_counts, graphs_compiled, unfreeze_compiles
+from trainer.model.compile_policy import (
+    compile_cache_counts,
+    graphs_compiled,
+    start_compile_workers,
+    unfreeze_compiles,
+)
 from trainer.model.parallel import make_layout
 from trainer.run import checkpoint, compile_helper, faults
 from trainer.run.distributed import World, all_gather_objects, all_reduce_sum, barrier, init_world
@@ -311,6 +316,8 @@ class Run:
             detail = {"bucket": 1, "of": of, "seq_len": seq_len, "part": "waiting for the compile helper",
                       "elapsed_s": 0.0, "left_s": None}  # fmt: skip
             said = lambda text: progress(f"preflight bucket 1/{of} (seq {seq_len}): {text}", detail)  # noqa: E731
+            if self.world.device.type == "cuda":
+                start_compile_workers()  # held back while the helper started its own (see build); ready for bucket 2
             helper.update(compile_helper.wait_for(self.run_dir, said))
 
         report = preflight(self.parts, backward=True, drafter=self.model, progress=progress,
@@ -322,7 +329,7 @@ class Run:
         record = report.to_record()
         record["compile_cache"] = compile_cache_counts()
         if helper.get("state", "none") != "none":
-            keep = ("state", "waited_s", "seconds", "reason", "error")
+            keep = ("state", "waited_s", "seconds", "phases", "reason", "error")
             record["compile_helper"] = {k: helper[k] for k in keep if k in helper}
             why = helper.get("reason") or helper.get("error")
             self.say(f"compile helper: {helper['state']}, waited {helper['waited_s']} s" + (f" ({why})" if why else ""))
