@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.data.seq_buckets = [first]
         import torch
 
+        from trainer.model.compile_policy import start_compile_workers
         from trainer.model.target import resolve_device
         from trainer.run.eval import eval_anchors
         from trainer.run.loop import build, preflight
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         if resolve_device(cfg.device).type == "cuda":  # local rank 0's device, as the trainer picks it
             device = torch.device("cuda", int(cfg.device.split(":")[1]) if ":" in cfg.device else 0)
             torch.cuda.set_device(device)
+            start_compile_workers()  # now: they import torch while this process checks the room and builds
         if device.type == "cpu" and cfg.compile_helper != "on":
             _write_state(path, token, state="skipped", reason="no GPU")
             return 0
