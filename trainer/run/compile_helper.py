@@ -14,12 +14,12 @@ every local rank), so a file left by an earlier run in the same run dir is never
 dies, fails or is skipped only means the trainer compiles as it would have; its output goes to its own log in the
 run dir, never to the trainer's.
 
-This module's top level is stdlib only: `spawn` runs before the trainer imports torch.
+This module is the trainer's side, stdlib only (`spawn` runs before the trainer imports torch); the helper itself is
+trainer/run/compile_ahead.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -83,7 +83,7 @@ def spawn(config_path: str, run_dir: Path | None, cfg) -> subprocess.Popen | Non
     env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV and not k.startswith("TORCHELASTIC_")}
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.run.compile_helper", "--config", config_path, "--state", str(path),
+            [sys.executable, "-m", "trainer.run.compile_ahead", "--config", config_path, "--state", str(path),
              "--token", _token()],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent,
         )  # fmt: skip
@@ -124,7 +124,7 @@ def _alive(pid: object) -> bool:
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
-        return b"trainer.run.compile_helper" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"trainer.run.compile_ahead" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
@@ -151,92 +151,3 @@ def wait_for(run_dir: Path, progress: Callable[[str], None] | None = None, limit
             progress("waiting for the compile helper")
             said = True
         time.sleep(0.05)
-
-
-def _write_state(path: Path, token: str, **fields) -> None:
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "token": token, "time": time.time(), **fields}))
-    os.replace(tmp, path)
-
-
-def _room(cfg, device, source: str) -> str | None:
-    """Why local rank 0's GPU has no room for the helper beside the trainer, or None: the trainer's planned peak
-    (trainer/run/memory_plan.py) and the helper's own (one target layer, the drafter with its gradients, the first
-    bucket's activations) must fit in what is free now. A helper must never be why the trainer runs out."""
-    import dataclasses
-
-    import torch
-
-    from trainer.model.drafter import drafter_dims
-    from trainer.model.target import target_config
-    from trainer.run.memory_plan import GiB, per_rank_bytes, target_shapes
-
-    if device.type != "cuda":
-        return None
-    hf = target_config(cfg.target, source)
-    dims = drafter_dims(hf, cfg.drafter.num_layers, len(cfg.target.layer_ids or range(cfg.drafter.num_layers)),
-                        cfg.drafter.shape_overrides())  # fmt: skip
-    shapes = target_shapes(hf, dims, dims.num_target_layers, 4 if cfg.target.dtype == "float32" else 2)
-    queries = cfg.data.anchors_per_seq * cfg.drafter.block_size
-    trainer = per_rank_bytes(shapes, "replicate", 1, max(cfg.data.seq_buckets), queries, cfg.data.batch_size)["total"]
-    helper = per_rank_bytes(dataclasses.replace(shapes, layers=1), "replicate", 1, min(cfg.data.seq_buckets), queries,
-                            cfg.data.batch_size)["total"]  # fmt: skip
-    free, _ = torch.cuda.mem_get_info(device)
-    if trainer + helper > free:
-        return (f"the trainer's planned {trainer / GiB:.1f} GiB and the helper's {helper / GiB:.1f} GiB do not fit in "
-                f"the {free / GiB:.1f} GiB free")  # fmt: skip
-    return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer.run.compile_helper")
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--state", required=True)
-    ap.add_argument("--token", required=True)
-    args = ap.parse_args(argv)
-    path, token = Path(args.state), args.token
-    _write_state(path, token, state="starting")
-    start = time.monotonic()
-    try:
-        from trainer.config import load_config
-
-        cfg = load_config(args.config)
-        first = min(cfg.data.seq_buckets)
-        cfg.data.seq_buckets = [first]
-        import torch
-
-        from trainer.model.compile_policy import start_compile_workers
-        from trainer.model.target import resolve_device
-        from trainer.run.eval import eval_anchors
-        from trainer.run.loop import build, preflight
-
-        device = torch.device("cpu")
-        if resolve_device(cfg.device).type == "cuda":  # local rank 0's device, as the trainer picks it
-            device = torch.device("cuda", int(cfg.device.split(":")[1]) if ":" in cfg.device else 0)
-            torch.cuda.set_device(device)
-            start_compile_workers()  # now: they import torch while this process checks the room and builds
-        if device.type == "cpu" and cfg.compile_helper != "on":
-            _write_state(path, token, state="skipped", reason="no GPU")
-            return 0
-        full = _room(cfg, device, args.config)
-        if full:
-            _write_state(path, token, state="skipped", reason=full)
-            return 0
-        phases = {"imported": round(time.monotonic() - start, 2)}
-        _write_state(path, token, state="compiling", bucket=first, phases=phases)
-        parts = build(cfg, args.config, device=device, hollow=True)
-        phases["built"] = round(time.monotonic() - start, 2)
-        do_eval = cfg.eval.every > 0 or cfg.eval.at_end
-        preflight(parts, backward=True, freeze=False,
-                  eval_anchors=eval_anchors(cfg.drafter.block_size) if do_eval else None)  # fmt: skip
-        _write_state(path, token, state="done", bucket=first, seconds=round(time.monotonic() - start, 2),
-                     phases=phases)  # fmt: skip
-        return 0
-    except BaseException as e:  # noqa: BLE001 - told in the state file; the trainer compiles for itself
-        first_line = (str(e).strip().splitlines() or [""])[0][:300]
-        _write_state(path, token, state="failed", error=f"{type(e).__name__}: {first_line}")
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -127,7 +127,7 @@ def build(
     layout=None, hollow: bool = False,
 ) -> Parts:  # fmt: skip
     """The run's parts. `hollow`: the same structures, compiled the same way, with zeroed weights and one target
-    layer's memory (trainer/run/compile_helper.py compiles through them ahead of the trainer)."""
+    layer's memory (trainer/run/compile_ahead.py compiles through them ahead of the trainer)."""
     from trainer.model.parallel import Layout
 
     device = device or resolve_device(cfg.device)
