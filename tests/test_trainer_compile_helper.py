@@ -127,3 +127,16 @@ def test_the_helper_dies_with_a_killed_trainer(tmp_path):
         time.sleep(0.05)
     alive = Path(f"/proc/{helper_pid}").exists() and Path(f"/proc/{helper_pid}/stat").read_text().split()[2] != "Z"
     assert not alive
+
+
+def test_a_restart_in_the_same_run_dir_never_reads_the_last_runs_state(tmp_path, monkeypatch):
+    """A restart under the same parent (the launcher's wrapper) has the same token: rank 0 removes the old state at
+    its start, whether or not this run has a helper."""
+    from trainer.config import load_config
+
+    path = tmp_path / "t.yaml"
+    path.write_text(CONFIG.replace("HELPER", "off"))
+    write_state(tmp_path, state="done", pid=1)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert compile_helper.spawn(str(path), tmp_path, load_config(str(path))) is None
+    assert not compile_helper.state_path(tmp_path).exists() and compile_helper.wait_for(tmp_path)["state"] == "none"
