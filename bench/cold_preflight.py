@@ -1,7 +1,7 @@
 """Cold preflight per bucket: each run is `python -m trainer.train` at the paper shape with buckets 1024 / 2048 / 3072
 and empty Inductor and Triton caches of its own. With `--env KEY=VALUE` (repeatable), a variant (the same run with
 that environment) alternates with the plain run, so that the machine's drift falls on both; a `cfg.KEY=VALUE` sets
-a top-level key of the trainer's config instead (`--variant cfg.compile_helper=off`).
+a top-level key of the trainer's config instead (`--variant cfg.steps=5`).
 
     python bench/cold_preflight.py [--repeat 2] [--env KEY=VALUE ...] [--out bench/results/h200-cold-preflight.json]
 
@@ -52,11 +52,8 @@ def run(work: Path, name: str, extra_env: dict[str, str]) -> dict:
     steps = [r for r in recs if "event" not in r]
     first_step = steps[0] if steps else None
     seconds = {int(k): v for k, v in pre["seconds"].items()} if pre else {}
-    helper_logs = [p.read_text().strip().splitlines()[-3:] for p in run_dir.glob("compile-helper.log")]
     return {"variant": name.split("-", 2)[-1], "exit": proc.returncode,
-            "compile_helper": pre.get("compile_helper") if pre else None,
             "compile_cache": pre.get("compile_cache") if pre else None,
-            "helper_log_tail": helper_logs[0] if helper_logs else None,
             "preflight_s": [round(seconds.get(b, float("nan")), 2) for b in BUCKETS],
             "to_preflight_s": round(first_progress["time"] - t0, 1) if first_progress else None,
             "to_first_step_s": round(first_step["time"] - t0, 1) if first_step else None,

@@ -151,10 +151,6 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # "auto" = cuda if available else cpu
     log_every: int = 1  # steps between progress lines
-    # a second process compiles the first shape bucket while the trainer starts (trainer/run/compile_helper.py);
-    # auto = on a GPU machine when something is compiled and the target is replicated. Off by default: on one H200
-    # with a random target it has not yet started the trainer sooner (docs/benchmarks.md, round 10)
-    compile_helper: Literal["auto", "on", "off"] = "off"
 
 
 def parse_parallel(value: object, source: str = "<config>") -> tuple[str, int]:

@@ -50,9 +50,6 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config)  # before torch is imported: a bad config is refused in a fraction of a second
         if cfg.device == "cpu":  # so is what a CPU cannot train with, where the file says cpu (auto: known later)
             check_device_supports(cfg, "cpu", args.config)
-        from trainer.run import compile_helper
-
-        compile_helper.spawn(args.config, run_dir, cfg)  # before torch is imported here: its start overlaps ours
         from trainer.run.distributed import init_world
         from trainer.run.training import train
 
@@ -84,9 +81,6 @@ def main(argv: list[str] | None = None) -> int:
         fatal("crash", f"{type(e).__name__}: {e}")
         return EXIT_CRASH
     finally:
-        from trainer.run import compile_helper
-
-        compile_helper.stop()
         if world is not None:
             from trainer.run.distributed import shutdown
 

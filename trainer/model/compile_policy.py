@@ -68,7 +68,7 @@ def graphs_compiled() -> int:
 
 def compile_cache_counts() -> dict[str, int]:
     """Inductor's graph cache so far in this process: graphs found compiled on disk (hits) and compiled here (misses).
-    A first bucket the compile helper prepared shows its graphs as hits."""
+    A launch with a kept cache (`inductor_cache: keep`) shows its graphs as hits."""
     from torch._dynamo.utils import counters
 
     inductor = counters["inductor"]

@@ -210,36 +210,10 @@ def build_model(cfg: TargetConfig, device: torch.device, source: str = "<config>
     return model.to(device)
 
 
-@torch.no_grad()
-def hollow_model(cfg: TargetConfig, device: torch.device, source: str = "<config>") -> nn.Module:
-    """The target's structure with no weights to load: built on the meta device, then the embedding, final norm, LM
-    head and ONE decoder layer given zeroed storage on `device`, which every other layer shares. What its compiled
-    layers run through is what the real target's run through (the same code, the weights' shapes, dtypes and
-    devices as graph inputs), so the compile caches it fills serve the real target, at the memory of one layer."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(target_config(cfg, source), dtype=DTYPES[cfg.dtype])
-    layers = _decoder_layers(model)
-    others = list(layers[1:])
-    del layers[1:]  # materialised without them: one layer's memory
-    model.to_empty(device=device)
-    for t in [*model.parameters(), *model.buffers()]:
-        t.zero_()
-    for layer in others:
-        for (_, mine), (_, first) in zip(layer.named_modules(), layers[0].named_modules(), strict=True):
-            mine._parameters.update(first._parameters)
-            mine._buffers.update(first._buffers)
-        layers.append(layer)
-    return model
-
-
 def load_target(
-    cfg: TargetConfig, num_drafter_layers: int, device: torch.device, source: str = "<config>", layout=None,
-    hollow: bool = False,
-) -> Target:  # fmt: skip
-    """The frozen target; `hollow`: its shapes without its weights (hollow_model), for compiling ahead."""
-    model = hollow_model(cfg, device, source) if hollow else build_model(cfg, device, source, layout)
+    cfg: TargetConfig, num_drafter_layers: int, device: torch.device, source: str = "<config>", layout=None
+) -> Target:
+    model = build_model(cfg, device, source, layout)
     n_layers = int(model.config.num_hidden_layers)
     layer_ids = cfg.layer_ids or default_layer_ids(n_layers, num_drafter_layers)
     bad = [i for i in layer_ids if not 0 <= i < n_layers]

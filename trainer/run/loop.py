@@ -22,7 +22,6 @@ from trainer.model.compile_policy import apply_compile_policy, freeze_compiles, 
 from trainer.model.drafter import Drafter, block_loss, drafter_dims
 from trainer.model.mask import BlockBatch, anchor_generator, build_blocks, sample_anchors
 from trainer.model.target import Target, load_target, resolve_device  # noqa: F401 - resolve_device: its callers
-from trainer.run import compile_helper
 
 
 def check_backend_supports_training(cfg: TrainConfig, device: torch.device, source: str) -> None:
@@ -124,10 +123,8 @@ def plan_memory(cfg: TrainConfig, device: torch.device, layout, source: str) -> 
 
 def build(
     cfg: TrainConfig, source: str = "<config>", for_training: bool = True, device: torch.device | None = None,
-    layout=None, hollow: bool = False,
+    layout=None,
 ) -> Parts:  # fmt: skip
-    """The run's parts. `hollow`: the same structures, compiled the same way, with zeroed weights and one target
-    layer's memory (trainer/run/compile_ahead.py compiles through them ahead of the trainer)."""
     from trainer.model.parallel import Layout
 
     device = device or resolve_device(cfg.device)
@@ -135,7 +132,7 @@ def build(
     if for_training:
         check_backend_supports_training(cfg, device, source)
     apply_compile_policy(cfg.attention.recompile_limit)
-    memory = plan_memory(cfg, device, layout, source) if for_training and not hollow else None
+    memory = plan_memory(cfg, device, layout, source) if for_training else None
     backend = make_backend(cfg.attention.backend, cfg.attention.dense_max_gib, source)
     if for_training and cfg.attention.backend == "dense":  # its cap, from the target's config alone
         from trainer.model.target import target_config
@@ -144,12 +141,9 @@ def build(
                              cfg.drafter.shape_overrides()).num_heads  # fmt: skip
         backend.check_size(cfg.data.batch_size, heads, cfg.data.seq_buckets[-1], cfg.data.anchors_per_seq,
                            cfg.drafter.block_size)  # fmt: skip
-    # the preflight compiles (flex at least): workers start during the load, after every refusal above (a config
-    # error starts nothing). Not beside a compile helper this process started: its workers would compete with the
-    # helper's for the cores while it compiles the first bucket, which this process then only loads from the cache.
-    if for_training and device.type == "cuda" and not compile_helper.running():
-        start_compile_workers()
-    target = load_target(cfg.target, cfg.drafter.num_layers, device, source, layout, hollow=hollow)
+    if for_training and device.type == "cuda":  # the preflight compiles (flex at least): workers start during the load
+        start_compile_workers()  # after every refusal above: a config error starts nothing
+    target = load_target(cfg.target, cfg.drafter.num_layers, device, source, layout)
     compile_target = cfg.target.compile == "on" or (cfg.target.compile == "auto" and device.type == "cuda")
     if compile_target and layout.mode == "replicate":  # sharded layers run eager (DTensor and FSDP hooks)
         target.compile_layers()
@@ -161,22 +155,14 @@ def build(
     overrides = d.shape_overrides()
     dims = drafter_dims(target.config, d.num_layers, len(target.layer_ids), overrides)
     torch.manual_seed(cfg.seed)
-    if hollow:
-        with torch.device("meta"):
-            drafter = Drafter(dims, d.activation_checkpointing)
-        drafter.to_empty(device=device)
-        with torch.no_grad():
-            for t in [*drafter.parameters(), *drafter.buffers()]:
-                t.zero_()
-    else:
-        drafter = Drafter(dims, d.activation_checkpointing).to(device)
-    if d.init_std is not None and not d.init_from and not hollow:
+    drafter = Drafter(dims, d.activation_checkpointing).to(device)
+    if d.init_std is not None and not d.init_from:
         drafter.init_linear_weights(d.init_std)
     flex_on_cuda = device.type == "cuda" and cfg.attention.backend == "flex"
     if for_training and (d.compile == "on" or (d.compile == "auto" and flex_on_cuda)):
         drafter.compile_layers()
     mask_id = resolve_mask_token(cfg, target.config, soft_tokenizer(cfg), source)
-    if d.init_from and not hollow:  # fine-tune a drafter in the public DFlash format
+    if d.init_from:  # fine-tune a drafter in the public DFlash format
         from trainer.model.dflash_format import check_matches, draft_config, read_export
 
         config, weights = read_export(Path(d.init_from), source)
@@ -275,12 +261,10 @@ def preflight(
     drafter: torch.nn.Module | None = None,
     eval_anchors: int | None = None,
     progress: Callable[[str, dict], None] | None = None,
-    before_bucket: Callable[[int, int], None] | None = None,
 ) -> PreflightReport:
     """Run every bucket once under the real conditions (grad on, backward, same autocast and checkpointing) so that
     every compiled variant exists before step 1; with `eval_anchors`, also the no-grad shapes evaluation uses. Then
-    make any further recompile an error. `before_bucket(i, seq_len)` runs inside each bucket's timing (a wait for
-    the compile helper counts as the bucket's time)."""
+    make any further recompile an error."""
     buckets = parts.cfg.data.seq_buckets
     module = drafter or parts.drafter
     seconds, peaks = {}, {}
@@ -303,8 +287,6 @@ def preflight(
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        if before_bucket is not None:
-            before_bucket(i, S)
         say(i, S, "forward")
         with torch.set_grad_enabled(backward):
             loss_sum, w_sum, _ = forward_loss(parts, dummy_batch(parts, S), module)

@@ -21,14 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.config import TrainConfig, parse_parallel, to_dict
 from trainer.data.dataset import Dataset, epoch_batches, load_tokenizer, make_dataset, shard
 from trainer.errors import ConfigError, DivergedError
-from trainer.model.compile_policy import (
-    compile_cache_counts,
-    graphs_compiled,
-    start_compile_workers,
-    unfreeze_compiles,
-)
+from trainer.model.compile_policy import compile_cache_counts, graphs_compiled, unfreeze_compiles
 from trainer.model.parallel import make_layout
-from trainer.run import checkpoint, compile_helper, faults
+from trainer.run import checkpoint, faults
 from trainer.run.distributed import World, all_gather_objects, all_reduce_sum, barrier, init_world
 from trainer.run.eval import eval_anchors, measure_tau, prompt_of
 from trainer.run.gpu_history import GpuHistory
@@ -307,32 +302,12 @@ class Run:
             if metrics:
                 metrics.write({"event": "preflight_progress", "rank": world.rank, **detail}, always=True)
 
-        helper: dict = {}
-
-        def first_waits_for_helper(i: int, seq_len: int) -> None:  # the wait counts in the first bucket's time
-            if i != 0 or self.run_dir is None:
-                return
-            of = len(cfg.data.seq_buckets)
-            detail = {"bucket": 1, "of": of, "seq_len": seq_len, "part": "waiting for the compile helper",
-                      "elapsed_s": 0.0, "left_s": None}  # fmt: skip
-            said = lambda text: progress(f"preflight bucket 1/{of} (seq {seq_len}): {text}", detail)  # noqa: E731
-            if self.world.device.type == "cuda":
-                start_compile_workers()  # held back while the helper started its own (see build); ready for bucket 2
-            helper.update(compile_helper.wait_for(self.run_dir, said))
-
         report = preflight(self.parts, backward=True, drafter=self.model, progress=progress,
-                           eval_anchors=eval_anchors(cfg.drafter.block_size) if do_eval else None,
-                           before_bucket=first_waits_for_helper)  # fmt: skip
-        compile_helper.stop()
+                           eval_anchors=eval_anchors(cfg.drafter.block_size) if do_eval else None)  # fmt: skip
         if heartbeat:
             heartbeat.detail = None
         record = report.to_record()
-        record["compile_cache"] = compile_cache_counts()
-        if helper.get("state", "none") != "none":
-            keep = ("state", "waited_s", "seconds", "phases", "reason", "error")
-            record["compile_helper"] = {k: helper[k] for k in keep if k in helper}
-            why = helper.get("reason") or helper.get("error")
-            self.say(f"compile helper: {helper['state']}, waited {helper['waited_s']} s" + (f" ({why})" if why else ""))
+        record["compile_cache"] = compile_cache_counts()  # hits: graphs found compiled on disk (a kept cache)
         self.say(f"preflight: buckets {report.buckets}, seconds {record['seconds']}")
         if metrics:  # every rank: preflight time and buckets per rank
             metrics.write({**record, "rank": world.rank}, always=True)
