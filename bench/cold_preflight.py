@@ -32,6 +32,7 @@ BUCKETS = [1024, 2048, 3072]
 
 
 def run(work: Path, name: str, extra_env: dict[str, str]) -> dict:
+    variant = ",".join(f"{k}={v}" for k, v in extra_env.items()) or "plain"
     data = {**QWEN3_8B_WORKLOAD["data"], "seq_buckets": BUCKETS, "synthetic_samples": 6}
     cfg = {**QWEN3_8B_WORKLOAD, "data": data, "device": "cuda", "steps": 3, "log_every": 1,
            "checkpoint": {"every": 1000, "keep": 1},
@@ -52,7 +53,7 @@ def run(work: Path, name: str, extra_env: dict[str, str]) -> dict:
     steps = [r for r in recs if "event" not in r]
     first_step = steps[0] if steps else None
     seconds = {int(k): v for k, v in pre["seconds"].items()} if pre else {}
-    return {"variant": name.split("-", 2)[-1], "exit": proc.returncode,
+    return {"variant": variant, "exit": proc.returncode,
             "compile_cache": pre.get("compile_cache") if pre else None,
             "preflight_s": [round(seconds.get(b, float("nan")), 2) for b in BUCKETS],
             "to_preflight_s": round(first_progress["time"] - t0, 1) if first_progress else None,
@@ -82,8 +83,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for i in range(args.repeat):
             for j, extra in enumerate(variants):
-                label = ",".join(f"{k}={v}" for k, v in extra.items()) or "plain"
-                runs.append(run(Path(d), f"r{i}-{j}-{label}", extra))
+                runs.append(run(Path(d), f"r{i}-{j}", extra))
                 print(json.dumps(runs[-1]), flush=True)
     print("| run | preflight s per bucket 1024 / 2048 / 3072 | start to preflight s | start to first step s |")
     print("| --- | --- | --- | --- |")

@@ -59,11 +59,15 @@ def _python_in(path: Path) -> str | None:
     return python if isinstance(python, str) else None
 
 
-def remembered_python(host: HostConfig, workdir: str | None = None) -> str | None:
-    """The interpreter the release agent reported at this machine's last deploy to the host's workdir (`workdir`,
-    else the host's own), else at its last deploy to any workdir on the host; None when there is neither (no deploy
-    from here, unreadable records)."""
-    return _python_in(record_path(host, workdir or host.workdir)) or _python_in(host_python_path(host))
+def host_python(host: HostConfig) -> str | None:
+    """The interpreter the release agent reported at this machine's last deploy to any workdir on the host, or None."""
+    return _python_in(host_python_path(host))
+
+
+def remembered_python(host: HostConfig) -> str | None:
+    """The interpreter the release agent reported at this machine's last deploy to the host's workdir, else to any
+    workdir on the host; None when there is neither (no deploy from here, unreadable records)."""
+    return _python_in(record_path(host, host.workdir)) or host_python(host)
 
 
 def remember_python(host: HostConfig, python: str | None) -> None:

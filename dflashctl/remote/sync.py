@@ -42,9 +42,9 @@ from dflashctl.errors import ConfigError, DflashError, RemoteCommandError
 from dflashctl.remote.agent_bundle import AGENT, boot_argv
 from dflashctl.remote.deploy_record import (
     AgentPython,
+    host_python,
     record_path,
     remember_python,
-    remembered_python,
     write_private_json,
 )
 from dflashctl.remote.transport import WORKDIR_PRELUDE, Result, Runner
@@ -429,7 +429,7 @@ def deploy(
     last = LastDeploy(runner.host, workdir)
     known = None if dry_run else last.read()
     report, travelled = None, 0
-    agent = AgentPython(runner.host.python, (known[3] if known else None) or remembered_python(runner.host, workdir))
+    agent = AgentPython(runner.host.python, (known[3] if known else None) or host_python(runner.host))
     if known is not None and known[1] != version:  # one remote command: the changes against what we last deployed
         abs_wd, base, base_files, _ = known
         plan = plan_changes(local, base_files)
