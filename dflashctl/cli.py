@@ -466,7 +466,8 @@ def watch(
     Stops at FINISHED or at a failure it will not restart. Exit code by that state: 0 FINISHED (and RUNNING or
     STARTING with --once); 10 CRASHED; 11 OOM; 12 NCCL_TIMEOUT; 13 STALLED; 14 DENSE_FALLBACK; 15 RECOMPILE_LIMIT;
     16 LOST; 17 CONFIG_ERROR; 18 UNREACHABLE (after 10 minutes, unless --until-done); 19 PROBE_FAILED;
-    20 KILLED; 21 KILL_FAILED; 130 Ctrl-C.
+    20 KILLED; 21 KILL_FAILED; 22 DIVERGED; 23 GPU_FAULT; 24 HOST_OOM; 25 DISK_FULL; 26 TIMEOUT; 27 PREEMPTED;
+    28 NODE_FAIL; 29 CANCELLED; 130 Ctrl-C. docs/watch.md lists every state with an example line.
     """
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
@@ -538,24 +539,29 @@ def attach(
 @app.command()
 def diagnose(
     log_file: str = typer.Argument(..., help="A log file (train.log, a tmux capture, a SLURM output), or - for stdin."),
-    as_json: bool = Flag("--json", help="Print {state, reason, evidence} as JSON."),
+    as_json: bool = Flag("--json", help="Print {state, reason, evidence, advice, exit} as JSON."),
 ) -> None:
-    """Classify any training log with the same rules `watch` uses, and say what to do next."""
-    from dflashctl.judge.diagnosis import diagnose_text
+    """Classify any training log with the same rules `watch` uses, and say what to do next.
+
+    Reads through launcher prefixes (srun --label, torchrun's [rankN]:, timestamps) and judges the newest attempt.
+    A log with no failure and no normal end is INCOMPLETE (exit 30), never an all-clear. Big logs are read from
+    the tail, in bounded memory.
+    """
+    from dflashctl.judge.diagnosis import diagnose_lines
     from dflashctl.judge.states import EXIT_BY_STATE
     from dflashctl.show.render import out, print_json
 
-    text = sys.stdin.read() if log_file == "-" else _read_log(log_file)
-    v = diagnose_text(text)
+    v = diagnose_lines(_read_stdin() if log_file == "-" else _read_log(log_file))
+    code = EXIT_BY_STATE.get(v.state, 0)
     if as_json:
-        print_json({"state": v.state, "reason": v.reason, "evidence": v.evidence, "advice": v.advice})
+        print_json({"state": v.state, "reason": v.reason, "evidence": v.evidence, "advice": v.advice, "exit": code})
     else:
         out.print(f"[bold]{v.state}[/]: {v.reason}")
         for line in v.evidence:
             out.print(f"  {line}", markup=False)
         if v.advice:
             out.print(f"next: {v.advice}", markup=False)
-    raise typer.Exit(EXIT_BY_STATE.get(v.state, 0))
+    raise typer.Exit(code)
 
 
 def _ago(seconds: float) -> str:
@@ -563,13 +569,25 @@ def _ago(seconds: float) -> str:
     return f"{s}s ago" if s < 60 else (f"{s // 60}m ago" if s < 3600 else f"{s // 3600}h ago")
 
 
-def _read_log(path: str) -> str:
+def _read_log(path: str) -> list[str]:
     from dflashctl.errors import ConfigError
+    from dflashctl.logfile import LogFileError, read_log
 
     try:
-        return Path(path).read_text(errors="replace")
-    except OSError as e:
-        raise ConfigError(path, None, f"cannot read: {e.strerror}") from None
+        return read_log(path)
+    except LogFileError as e:
+        raise ConfigError(path, None, str(e)) from None
+
+
+def _read_stdin() -> list[str]:
+    from dflashctl.errors import ConfigError
+
+    data = sys.stdin.buffer.read()
+    if not data.strip():
+        raise ConfigError("-", None, "is empty: there is no log to read")
+    if b"\0" in data[:8192]:
+        raise ConfigError("-", None, "is not a text log (binary content)")
+    return data.decode("utf-8", errors="replace").splitlines()
 
 
 def main(argv: list[str] | None = None) -> int:

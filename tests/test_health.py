@@ -8,11 +8,11 @@ import pytest
 
 from dflashctl.judge.health import History, Thresholds, assess, classify_log
 
-LOGS = Path(__file__).resolve().parent / "fixtures" / "logs"
+LOGS = Path(__file__).resolve().parent / "logs"  # the corpus: one folder per state
 
 
 def log(name: str) -> str:
-    return (LOGS / name).read_text()
+    return next(LOGS.glob(f"*/{name}")).read_text()
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,20 @@ the snapshots' facts (pane, exit code, metrics records, heartbeat, throughput hi
 
 from __future__ import annotations
 
-import math
-import re
 import statistics
 from dataclasses import asdict, dataclass, field
+
+from dflashctl.judge.logs import (
+    ADVICE,
+    CONSEQUENCE,
+    SIG,
+    START_ERRORS,
+    Finding,
+    Log,
+    classify_log,
+    gpu_fault,
+    this_attempt,
+)
 
 SLURM_ENDS = ("TIMEOUT", "PREEMPTED", "NODE_FAIL", "CANCELLED")  # Slurm's own ends of a job, as states
 FAILURES = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "STALLED", "LOST",
@@ -18,341 +28,9 @@ TERMINAL = ("FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOU
             "PROBE_FAILED", "KILLED", "KILL_FAILED", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL",
             *SLURM_ENDS)  # fmt: skip
 STOP_RESULT_GRACE_S = 120.0  # after grace_s, how long a kill may take to record its result before it is presumed dead
-ADVICE = {
-    "DENSE_FALLBACK": "flex_attention ran, or was about to run, without compile: check TORCH_COMPILE_DISABLE, the "
-    "recompile limit and the preflight buckets. Not restarted: it would repeat.",
-    "RECOMPILE_LIMIT": "shapes vary more than the compiled buckets allow: fix the bucketing or raise "
-    "attention.recompile_limit. Not restarted: it would repeat.",
-    "OOM": "lower data.batch_size or anchors_per_seq, turn on drafter.activation_checkpointing, or drop the largest "
-    "bucket.",
-    "NCCL_TIMEOUT": "a rank hung or died inside a collective: read the other ranks' lines and check the GPUs; a "
-    "restart with --resume usually helps.",
-    "CRASHED": "fix the exception shown; where it was transient, a restart resumes from the newest checkpoint.",
-    "CONFIG_ERROR": "fix the config key, module or file named; the job did not start training. Not restarted: it "
-    "would repeat.",
-    "STALLED": "read `dflashctl logs` and dump the processes (py-spy); a restart resumes from the newest checkpoint.",
-    "LOST": "the tmux session or the run dir disappeared (reboot, or killed by someone): relaunch it.",
-    "UNREACHABLE": "the host does not answer; the job's last known state is kept until it does.",
-    "PROBE_FAILED": "the host answered but the probe failed there: check the host's `python:` setting and its "
-    "disk; the error is shown.",
-    "KILL_FAILED": "run `dflashctl kill` again on this job: it retries the same job and names what survived.",
-    "STOPPING": "a stop was requested (`dflashctl kill`); no watcher restarts this job.",
-    "DIVERGED": "the loss or the gradient norm is NaN/inf: lower optim.lr, check the data and the target's dtype; "
-    "resume from the checkpoint before the divergence (no non-finite one is kept). Not restarted by default: it "
-    "would diverge again.",
-    "GPU_FAULT": "a GPU failed in hardware (ECC, Xid, fallen off the bus): relaunch on other GPUs (`gpus:`) and have "
-    "the GPU checked (`nvidia-smi -q -d ECC,PAGE_RETIREMENT`). Never restarted onto that GPU.",
-    "HOST_OOM": "the host ran out of RAM and the kernel killed a rank: lower host RAM per rank (fewer dataloader "
-    "workers, smaller prefetch, no host copies of the target) or use fewer ranks per host.",
-    "DISK_FULL": "the run dir's file system is full: free space (old checkpoints, inductor caches) or lower "
-    "checkpoint.keep; not restarted while the disk is still full.",
-    "PENDING": "the job waits in Slurm's queue for the reason shown (Priority, Resources, ReqNodeNotAvail, ...); "
-    "`squeue --start -j ID` estimates when it starts.",
-    "TIMEOUT": "the job ran out of its wall time (sbatch --time): a restart resubmits it with --resume from the "
-    "newest checkpoint; ask for a longer `time:` to need fewer.",
-    "PREEMPTED": "the scheduler took the nodes for a job of higher priority: a restart resubmits with --resume.",
-    "NODE_FAIL": "a node of the allocation failed: a restart resubmits with --resume, excluding that node.",
-    "CANCELLED": "the Slurm job was cancelled outside dflashctl (scancel, an administrator): relaunch it if that was "
-    "not meant. Not restarted: someone stopped it on purpose.",
-}
-
-RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:\s?")
-TIMESTAMP_PREFIX = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ \S+\] ")
-OOM = re.compile(r"(CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out of memory|"
-                 r"HIP out of memory)")  # fmt: skip
-OOM_SIZES = re.compile(r"Tried to allocate ([\d.]+) (MiB|GiB|TiB).*?total capacity of ([\d.]+) (MiB|GiB|TiB)")
-NCCL = re.compile(
-    r"(Watchdog caught collective operation timeout|NCCL watchdog|ProcessGroupNCCL.*[Tt]imeout|"
-    r"NCCL communicator was aborted|Some NCCL operations have failed or timed out|DistBackendError.*[Tt]imeout)"
-)
-RECOMPILE = re.compile(r"torch\._dynamo hit config\.(recompile_limit|cache_size_limit)")
-EAGER_FLEX = re.compile(r"flex_attention called without torch\.compile")
-DENSE = re.compile(r"DenseFallbackError")
-CONFIG = re.compile(r"^config error: ")
-FLEX_FRAME = re.compile(r"flex_attention|_guarded_flex|sdpa_dense|math_attention")
-UNITS = {"MiB": 1 / 1024, "GiB": 1.0, "TiB": 1024.0}
-# Exceptions that, raised before the first step, come back identically on every restart (a missing module or file)
-# Exceptions that, raised before the first step, come back identically on every restart (a missing module or file)
-START_ERRORS = re.compile(r"^(ModuleNotFoundError|ImportError|FileNotFoundError|SyntaxError|IsADirectoryError|"
-                          r"PermissionError|NotADirectoryError|IndentationError|OSError)\b")  # fmt: skip
 EARLY_S = 300.0  # a command job (no step records) counts as "before its first step" for this long
-# A line that reports a training loss, and the value it reports ("loss nan", "loss: inf", "'loss': NaN", "loss=-inf")
-LOSS_VALUE = re.compile(r"(?<![A-Za-z])(?:loss|grad_?norm|grad norm)['\"]?\s*[:=]?\s*['\"]?"
-                        r"(nan|[-+]?inf(?:inity)?|[-+]?\d[\d.eE+-]*)\b", re.I)  # fmt: skip
-DIVERGED_LINES = 3  # non-finite loss lines in a row, the newest loss line among them, make a divergence
-# Hardware: ECC, a GPU gone from the bus or lost, uncorrectable NVLink errors, and the kernel driver's Xid reports
-GPU_HW = re.compile(r"(uncorrectable ECC error|ECC_UNCORRECTABLE|ECCUncorrectable|fallen off the bus|GPU is lost|"
-                    r"GPU_IS_LOST|uncorrectable NVLink error|row remapp\w* failure|double bit ECC|"
-                    r"Unable to determine the device handle for GPU)", re.I)  # fmt: skip
-# An error that says the loss or a gradient is NaN/inf (anomaly detection, a framework's own check)
-NAN_ERROR = re.compile(r"(returned nan values|Loss is (?:NaN|nan|inf)|loss is not finite|non-finite loss|"
-                       r"Detected (?:NaN|nan|inf) in|grad norm is (?:nan|inf))", re.I)  # fmt: skip
-# The same failure on every restart: the software or the machine does not fit the job (before any training step)
-SETUP_ERRORS = re.compile(r"(no kernel image is available for execution|No CUDA GPUs are available|"
-                          r"Found no NVIDIA driver|CUDA driver version is insufficient)")  # fmt: skip
-# A dataloader worker killed by the kernel: the classic host OOM, with a Python error of the main process around it
-DATALOADER_KILLED = re.compile(r"DataLoader worker \(pid\(?s?\)? ?[\d, ]+\)? is killed by signal: Killed")
-XID = re.compile(r"NVRM: Xid \((?:PCI:)?([0-9a-fA-F:.]+)\): (\d+)")
-HARDWARE_XIDS = {48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 121, 140}  # the rest are the application's own
-ENOSPC = re.compile(r"(No space left on device|\[Errno 28\]|ENOSPC|StorageFull|Disk quota exceeded|\[Errno 122\]|"
-                    r"EDQUOT)")  # fmt: skip
-WRITE_FAILED = re.compile(r"(PytorchStreamWriter failed writing file|file write failed|unexpected pos \d+ vs \d+|"
-                          r"Error while serializing)")  # fmt: skip
-# A process killed by SIGKILL: torchrun's summary, Python's subprocess, a shell's job report, the kernel's OOM killer
-SIGKILLED = re.compile(r"(exitcode\s*:\s*-9\b|\(exitcode: -9\)|Signal 9 \(SIGKILL\)|Signals\.SIGKILL|"
-                       r"^(?:.*:\s*)?(?:line \d+:\s*)?\d+\s+Killed\b|^Killed$|"
-                       r"exit(?:ed)? (?:with )?(?:code|status) 137\b)")  # fmt: skip
-KERNEL_OOM = re.compile(r"(Out of memory: Killed process \d+|oom-kill:|Memory cgroup out of memory|oom_reaper)")
 SIGKILL_CODES = (-9, 137)
-STEP_LINE = re.compile(r"^\s*(step|iter(ation)?)\s*[:=]?\s*\d+", re.I)
-# A rank that died because a peer did: gloo's and NCCL's words for a connection the other side dropped
-PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|remote process exited|Check the logs of the remote worker|"
-                       r"ncclRemoteError|Broken pipe|NCCL communicator was aborted", re.I)  # fmt: skip
-
-
-@dataclass
-class Finding:
-    state: str
-    reason: str
-    evidence: list[str] = field(default_factory=list)
-    rank: str | None = None  # the stream ("rank3") the failure came from, where the log says
-    early: bool = False  # a start error (missing module or file) with no training progress before it
-
-
-def _strip(line: str) -> str:
-    return TIMESTAMP_PREFIX.sub("", RANK_PREFIX.sub("", line))
-
-
-def split_ranks(lines: list[str]) -> dict[str, list[str]]:
-    """Lines per rank prefix ("[rank3]: ..."); unprefixed lines under ""; interleaved writes come apart again."""
-    streams: dict[str, list[str]] = {}
-    for line in lines:
-        m = RANK_PREFIX.match(line)
-        streams.setdefault(f"rank{m[1]}" if m else "", []).append(RANK_PREFIX.sub("", line) if m else line)
-    return streams
-
-
-@dataclass
-class Traceback:
-    stream: str
-    exception: str
-    frames: list[str]
-    flex: bool  # a frame passes through flex attention
-
-
-def last_traceback(lines: list[str], stream: str = "") -> Traceback | None:
-    start = max((i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")), default=None)
-    if start is None:
-        return None
-    frames, exception = [], None
-    for ln in lines[start + 1 :]:
-        if ln.startswith("  File "):
-            frames.append(ln.strip())
-        elif ln.startswith(" ") or not ln.strip():
-            continue
-        else:
-            exception = ln.strip()
-            break
-    if exception is None:
-        return None
-    return Traceback(stream, exception, frames, any(FLEX_FRAME.search(f) for f in frames))
-
-
-def root_cause(lines: list[str]) -> tuple[str | None, int | None]:
-    """torchrun's summary names the first failing rank and its exit code ("Root Cause ... rank : 3 (local_rank: 3)
-    ... exitcode : -9")."""
-    for i, ln in enumerate(lines):
-        if ln.startswith("Root Cause"):
-            rank = code = None
-            for nxt in lines[i : i + 10]:
-                if rank is None and (m := re.search(r"rank\s*:\s*(\d+)", nxt)):
-                    rank = f"rank{m[1]}"
-                if code is None and (m := re.search(r"exitcode\s*:\s*(-?\d+)", nxt)):
-                    code = int(m[1])
-            return rank, code
-    return None, None
-
-
-def root_cause_rank(lines: list[str]) -> str | None:
-    return root_cause(lines)[0]
-
-
-def tracebacks(lines: list[str]) -> list[Traceback]:
-    """The last traceback of every stream; launcher-side ones (ChildFailedError) after the ranks' own."""
-    found = [tb for name, ls in split_ranks(lines).items() if (tb := last_traceback(ls, name))]
-    if any(tb.stream for tb in found):  # per-rank tracebacks exist: the launcher's own is only a summary
-        found = [tb for tb in found if tb.stream or "ChildFailedError" not in tb.exception]
-    root = root_cause_rank(lines)
-    found.sort(key=lambda tb: (tb.stream != root, tb.stream == ""))
-    return found
-
-
-def _oom_size(line: str, gpu_total_gib: float | None) -> tuple[float, float] | None:
-    """(GiB asked for, GiB the GPU has) from a CUDA OOM message."""
-    m = OOM_SIZES.search(line)
-    if not m:
-        return None
-    total = float(m[3]) * UNITS[m[4]] if gpu_total_gib is None else gpu_total_gib
-    return float(m[1]) * UNITS[m[2]], total
-
-
-def _finite_text(value: str) -> bool:
-    try:
-        return math.isfinite(float(value))
-    except ValueError:
-        return True  # not a number we read (a version string): no evidence either way
-
-
-def _rank_of(lines: list[str], indices: list[int]) -> str | None:
-    for i in indices:
-        if m := RANK_PREFIX.match(lines[i]):
-            return f"rank{m[1]}"
-    return None
-
-
-def _gpu_fault(lines: list[str], plain: list[str], nccl: list[str]) -> Finding | None:
-    hw = [i for i, ln in enumerate(plain) if GPU_HW.search(ln)]
-    xids = [(i, m) for i, ln in enumerate(plain) if (m := XID.search(ln)) and int(m[2]) in HARDWARE_XIDS]
-    if not hw and not xids:
-        return None
-    rank = _rank_of(lines, hw)
-    what = GPU_HW.search(plain[hw[0]])[1] if hw else f"Xid {xids[0][1][2]} (PCI {xids[0][1][1]})"
-    where = f" on {rank}" if rank else ""
-    after = " (the other ranks' NCCL timeouts follow from it)" if nccl else ""
-    ev = [plain[i] for i in hw[:2]] + [plain[i] for i, _ in xids[:2]] + nccl[:1]
-    return Finding("GPU_FAULT", f"GPU hardware error{where}: {what}{after}", ev, rank)
-
-
-def _diverged(plain: list[str]) -> Finding | None:
-    """The newest `DIVERGED_LINES` or more loss lines all report a NaN or inf loss or grad norm (any script's log)."""
-    values = [(i, all(_finite_text(m[1]) for m in found)) for i, ln in enumerate(plain)
-              if (found := list(LOSS_VALUE.finditer(ln)))]  # fmt: skip
-    bad = 0
-    for _, finite in reversed(values):
-        if finite:
-            break
-        bad += 1
-    if bad < DIVERGED_LINES:
-        said = [ln for ln in plain if NAN_ERROR.search(ln)]
-        return Finding("DIVERGED", "the job stopped on a NaN/inf loss or gradient", said[-1:]) if said else None
-    first = values[len(values) - bad][0]
-    before = values[len(values) - bad - 1][0] if len(values) > bad else None
-    ev = [plain[first], plain[values[-1][0]]]
-    ev.append(f"last finite: {plain[before]}" if before is not None else "no finite loss in the log")
-    return Finding("DIVERGED", f"the loss is non-finite in the last {bad} loss lines", ev)
-
-
-def _disk_full(plain: list[str], disk_free_gib: float | None, checkpoint_gib: float | None) -> Finding | None:
-    free = f" ({disk_free_gib:g} GiB free at the run dir)" if disk_free_gib is not None else ""
-    full = [ln for ln in plain if ENOSPC.search(ln)]
-    if full:
-        if any("/dev/shm" in ln or "shared memory" in ln.lower() for ln in plain):
-            return Finding("DISK_FULL", "shared memory (/dev/shm) is full: a container needs a larger --shm-size "
-                           "(NCCL and dataloader workers use it)", full[-1:])  # fmt: skip
-        return Finding("DISK_FULL", f"no space left on device{free}", full[-1:])
-    failed = [ln for ln in plain if WRITE_FAILED.search(ln)]
-    if not failed:
-        return None
-    if disk_free_gib is not None and checkpoint_gib is not None:
-        if disk_free_gib >= checkpoint_gib:
-            return None  # room for a checkpoint: the write failed for another reason
-        why = (f"a checkpoint write failed with {disk_free_gib:g} GiB free, less than a checkpoint "
-               f"({checkpoint_gib:g} GiB)")
-        return Finding("DISK_FULL", why, failed[-1:])
-    return Finding("DISK_FULL", f"a checkpoint write failed (likely a full disk){free}", failed[-1:])
-
-
-def _host_oom(lines: list[str], plain: list[str], tbs: list[Traceback]) -> Finding | None:
-    """A rank killed by SIGKILL with no Python error of its own: the kernel's OOM killer, unless the kernel log or the
-    cgroup says otherwise (assess confirms with the cgroup's count)."""
-    loader = [ln for ln in plain if DATALOADER_KILLED.search(ln)]
-    if loader:
-        return Finding("HOST_OOM", "a dataloader worker was killed by SIGKILL: likely the kernel's OOM killer (host "
-                       "RAM; fewer or lighter workers)", loader[-1:])  # fmt: skip
-    killed = [i for i, ln in enumerate(plain) if SIGKILLED.search(ln)]
-    kernel = [ln for ln in plain if KERNEL_OOM.search(ln)]
-    root, code = root_cause(plain)
-    own = [tb for tb in tbs if "ChildFailedError" not in tb.exception and not PEER_LOST.search(tb.exception)]
-    if not (code == -9 or ((killed or kernel) and not own)):
-        return None
-    how = "confirmed by the kernel log" if kernel else "likely the kernel's OOM killer (host RAM)"
-    rank = root or _rank_of(lines, killed)
-    where = f" {rank}" if rank else " a process"
-    ev = kernel[-1:] + [plain[i] for i in killed[-2:]]
-    return Finding("HOST_OOM", f"{where.strip()} was killed by SIGKILL: {how}", ev, rank)
-
-
-def classify_log(text: str | list[str], gpu_total_gib: float | None = None, disk_free_gib: float | None = None,
-                 checkpoint_gib: float | None = None) -> Finding | None:  # fmt: skip
-    """The most specific failure the log shows, or None. A root cause outranks its consequences: a GPU's hardware
-    error, then the dense-fallback guard, a divergence, a full disk, out of memory (dense or not), the recompile
-    limit, a rank SIGKILLed (host RAM), NCCL timeouts, a config error, a crash (a traceback)."""
-    lines = text.splitlines() if isinstance(text, str) else list(text)
-    plain = [_strip(ln) for ln in lines]
-    tbs = tracebacks(lines)
-    nccl = [ln for ln in plain if NCCL.search(ln)]
-
-    hw = _gpu_fault(lines, plain, nccl)
-    if hw:
-        return hw
-    dense = [ln for ln in plain if DENSE.search(ln)]
-    if dense:
-        return Finding("DENSE_FALLBACK", "the trainer's guard refused a dense flex_attention fallback", dense[-1:])
-    for found in (_diverged(plain), _disk_full(plain, disk_free_gib, checkpoint_gib)):
-        if found:
-            return found
-    oom = [ln for ln in plain if OOM.search(ln)]
-    rec = [i for i, ln in enumerate(plain) if RECOMPILE.search(ln)]
-    if oom:
-        last_oom = max(i for i, ln in enumerate(plain) if OOM.search(ln))
-        flex_tb = next((tb for tb in tbs if tb.flex and OOM.search(tb.exception)), None)
-        # the chain: recompile limit -> flex runs eagerly (warned once per process) -> the dense scores do not fit
-        limit = [i for i in rec if i < last_oom]
-        eager = [i for i, ln in enumerate(plain[:last_oom]) if EAGER_FLEX.search(ln)]
-        sizes = [s for ln in oom if (s := _oom_size(ln, gpu_total_gib))]
-        huge = any(asked > 0.5 * total for asked, total in sizes)  # half the GPU at once: a score matrix
-        flex_seen = any(FLEX_FRAME.search(ln) for ln in plain)  # the traceback may be cut, the frame names remain
-        if flex_tb or limit or eager or (huge and flex_seen):
-            cause = "the recompile limit" if limit else ("flex_attention running uncompiled" if eager else None)
-            reason = "out of memory in a dense attention allocation (flex ran eagerly)"
-            ev = [plain[i[-1]] for i in (limit, eager) if i] + [oom[-1]]
-            ev += flex_tb.frames[-3:] if flex_tb else []
-            return Finding("DENSE_FALLBACK", f"{reason}, caused by {cause}" if cause else reason, ev)
-    if rec:
-        i = rec[-1]
-        ev = [plain[i]] + [ln.strip() for ln in plain[i + 1 : i + 4] if "function:" in ln or "last reason" in ln]
-        return Finding("RECOMPILE_LIMIT", "Dynamo hit its recompile limit", ev)
-    if oom:  # an OOM on one rank leaves the others waiting in a collective: the OOM is the cause, named first
-        tb = next((tb for tb in tbs if OOM.search(tb.exception)), None)
-        where = f" on {tb.stream}" if tb and tb.stream else ""
-        waiting = sorted({m[1] for ln in lines if NCCL.search(ln) and (m := RANK_PREFIX.match(ln))})
-        after = f" (then NCCL timeouts on rank{', rank'.join(waiting)})" if waiting else ""
-        size = _oom_size(oom[-1], gpu_total_gib)
-        asked = f": asked for {size[0]:.2f} GiB of a {size[1]:.2f} GiB GPU" if size else ""
-        ev = [oom[-1]] + (tb.frames[-2:] if tb else []) + nccl[:1]
-        return Finding("OOM", f"CUDA out of memory{where}{asked}{after}", ev, tb.stream if tb else None)
-    killed = _host_oom(lines, plain, tbs)
-    if killed:
-        return killed
-    if nccl:
-        return Finding("NCCL_TIMEOUT", "an NCCL collective timed out", nccl[:1] + nccl[-1:] if len(nccl) > 1 else nccl)
-    cfg = [ln for ln in plain if CONFIG.search(ln)]
-    if cfg:
-        return Finding("CONFIG_ERROR", "the trainer rejected its config", cfg[-1:])
-    setup = [ln for ln in plain if SETUP_ERRORS.search(ln)]
-    if setup and not any(LOSS_VALUE.search(ln) or STEP_LINE.match(ln) for ln in plain):
-        return Finding("CONFIG_ERROR", f"this machine cannot run the job: {SETUP_ERRORS.search(setup[-1])[1]}; a "
-                       "restart repeats it", setup[-1:], early=True)  # fmt: skip
-    if tbs:
-        tb = tbs[0]
-        where = f" on {tb.stream}" if tb.stream else ""
-        ev = [tb.exception, *tb.frames[-3:]]
-        if START_ERRORS.match(tb.exception) and not any(LOSS_VALUE.search(ln) or STEP_LINE.match(ln) for ln in plain):
-            name = tb.exception.split(":")[0]
-            reason = f"failed before its first step: {name}{where}; a restart repeats it"
-            return Finding("CONFIG_ERROR", reason, ev, tb.stream or None, early=True)
-        return Finding("CRASHED", f"{tb.exception.split(':')[0]}{where}", ev, tb.stream or None)
-    return None
+PEER_LOST = SIG["peer_lost"].pattern  # a rank that died because a peer did
 
 
 @dataclass
@@ -425,8 +103,8 @@ class Verdict:
         return asdict(self)
 
 
-def _verdict(state: str, reason: str, evidence: list[str], h: History) -> Verdict:
-    return Verdict(state, reason, [str(e) for e in evidence], ADVICE.get(state), h.last_step)
+def _verdict(state: str, reason: str, evidence: list[str], h: History, advice: str | None = None) -> Verdict:
+    return Verdict(state, reason, [str(e) for e in evidence], advice or ADVICE.get(state), h.last_step)
 
 
 FATAL_STATE = {"dense_fallback": "DENSE_FALLBACK", "config": "CONFIG_ERROR", "diverged": "DIVERGED"}
@@ -472,8 +150,21 @@ def _hardware_readings(h: History) -> Finding | None:
     named = _gpu_named(h, None)
     if named and "uncorrectable" in named:
         return Finding("GPU_FAULT", f"GPU hardware error: {named}", [named])
-    xid = _gpu_fault(h.kernel_xid, h.kernel_xid, [])  # the host's kernel log, where it was readable
+    xid = gpu_fault(Log.of(h.kernel_xid), None)  # the host's kernel log, where it was readable
     return Finding(xid.state, f"{xid.reason} (the host's kernel log)", xid.evidence) if xid else None
+
+
+def _crash_record(h: History, found: Finding | None) -> Finding | None:
+    """The trainer's own `fatal` crash record names a rank's exception where the log shows only a wrapper's summary
+    (torchrun's ChildFailedError) or nothing: the rank's error is the root cause."""
+    message = str((h.fatal or {}).get("message") or "")
+    if (h.fatal or {}).get("kind") != "crash" or not message:
+        return found
+    if found is None or (found.state == "CRASHED" and CONSEQUENCE.search(found.reason + " ".join(found.evidence[:1]))):
+        rank = (h.fatal or {}).get("rank")
+        where = f" on rank{rank}" if isinstance(rank, int) else ""
+        return Finding("CRASHED", f"{message.split(':')[0]}{where}", [message, *(found.evidence if found else [])])
+    return found
 
 
 def _ended(h: History, lines: list[str]) -> Verdict:
@@ -488,6 +179,7 @@ def _ended(h: History, lines: list[str]) -> Verdict:
     found = _find(h, lines)
     if found is None or found.state in ("NCCL_TIMEOUT", "CRASHED", "STALLED"):
         found = _hardware_readings(h) or found
+    found = _crash_record(h, found)
     if found and found.early and h.last_step is not None:  # it trained first: an ordinary crash
         found = Finding("CRASHED", found.reason.split(":")[1].split(";")[0].strip(), found.evidence, found.rank)
     early = h.last_step is None and (h.is_trainer or (h.now - h.started_at) < EARLY_S)
@@ -500,21 +192,12 @@ def _ended(h: History, lines: list[str]) -> Verdict:
         return _verdict(found.state, found.reason, found.evidence, h)
     if found:
         found = _refine(h, found)
-        return _verdict(found.state, f"{found.reason} (exit {code})", found.evidence, h)
+        return _verdict(found.state, f"{found.reason} (exit {code})", found.evidence, h, found.advice)
     if h.is_trainer and code in EXIT_STATE:
         state, why = EXIT_STATE[code]
         return _verdict(state, f"exit status {code} ({why})", [f"exit_code {code}"], h)
     tail = [ln for ln in lines if ln.strip()][-3:]
     return _verdict("CRASHED", f"exit status {code}", [f"exit_code {code}", *tail], h)
-
-
-ATTEMPT_START = re.compile(r"^\[dflashctl\] \S+ start\b")  # run.sh's line at the start of every attempt
-
-
-def this_attempt(lines: list[str]) -> list[str]:
-    """The lines of the newest attempt: an earlier attempt's failure was judged (and restarted) already."""
-    starts = [i for i, ln in enumerate(lines) if ATTEMPT_START.match(ln)]
-    return lines[starts[-1] :] if starts else lines
 
 
 def _slow(h: History, th: Thresholds) -> str | None:
@@ -559,7 +242,7 @@ def assess(h: History, th: Thresholds) -> Verdict:
     found = _find(h, lines)
     if found and found.state in ("DENSE_FALLBACK", "NCCL_TIMEOUT", "RECOMPILE_LIMIT", "GPU_FAULT", "DIVERGED"):
         found = _refine(h, found)
-        return _verdict(found.state, found.reason, found.evidence, h)
+        return _verdict(found.state, found.reason, found.evidence, h, found.advice)
     if h.heartbeat_age_s is not None and h.heartbeat_age_s > th.heartbeat_max_age_s:
         step = f"step {h.last_step}" if h.last_step is not None else "before the first step"
         ev = [f"heartbeat {h.heartbeat_age_s:.0f} s old (limit {th.heartbeat_max_age_s:.0f})", step]

@@ -1,0 +1,103 @@
+"""`diagnose` on a big log against a plain Python loop with one regex over the same file (issue 40's yardstick).
+
+Writes a log of --mb MB (step lines, an occasional warning, a recompile-limit warning in the middle and an OOM
+through flex at the end), then times, each in a fresh process so that peak RSS is its own:
+- the yardstick: `for line in open(f): rx.search(line)` with one literal regex;
+- dflashctl's reader and classifier (`read_log` + `diagnose_lines`), the code `dflashctl diagnose` runs.
+Prints a table and writes bench/results/diagnose.json.
+
+    .venv/bin/python bench/diagnose_bench.py --mb 200 --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BASELINE = """
+import re, resource, sys, time
+t = time.perf_counter(); rx = re.compile(r"Traceback \\(most recent call last\\)"); n = 0
+with open(sys.argv[1], errors="replace") as f:
+    for line in f:
+        if rx.search(line):
+            n += 1
+print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, n)
+"""
+OURS = """
+import resource, sys, time
+sys.path.insert(0, sys.argv[2])
+from dflashctl.judge.diagnosis import diagnose_lines
+from dflashctl.logfile import read_log
+t = time.perf_counter(); v = diagnose_lines(read_log(sys.argv[1]))
+print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, v.state)
+"""
+
+
+def write_log(path: Path, mb: int) -> None:
+    step = "step {}/2000000 epoch 0 loss {:.4f} acc 0.512 lr 5.97e-04 grad_norm 0.402 62,140 tok/s peak 58.1 GiB\n"
+    warn = "W1201 05:10:44.118000 77120 torch/_inductor/utils.py:1250] [0/0] Not enough SMs to use max_autotune\n"
+    with path.open("w") as f:
+        f.write("[dflashctl] 2026-12-01T00:00:00Z start \n")
+        i = 0
+        while f.tell() < mb << 20:
+            i += 1
+            f.write(warn if i % 5000 == 0 else step.format(i, 2.5 - (i % 1000) * 1e-4))
+            if i == 1_000_000:
+                f.write("W1130 18:02:10.258000 4976 torch/_dynamo/convert_frame.py:1358] [0/2] torch._dynamo hit "
+                        "config.recompile_limit (2)\n")  # fmt: skip
+        f.write("Traceback (most recent call last):\n  File \"/opt/venv/lib/torch/_tensor.py\", line 631, in backward\n"
+                "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 46.00 GiB. GPU 0 has a total capacity "
+                "of 139.80 GiB of which 1.05 GiB is free.\n")  # fmt: skip
+
+
+def run(code: str, path: Path) -> tuple[float, float, str]:
+    out = subprocess.run([sys.executable, "-c", code, str(path), str(ROOT)], capture_output=True, text=True, check=True)
+    secs, rss, what = out.stdout.split()
+    return float(secs), float(rss), what
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=200)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "train.log"
+        write_log(path, args.mb)
+        size = path.stat().st_size
+        base, ours = [], []
+        for _ in range(args.repeat):  # alternate, so that both see the same page cache and machine phase
+            base.append(run(BASELINE, path))
+            ours.append(run(OURS, path))
+    b_s, o_s = statistics.median(x[0] for x in base), statistics.median(x[0] for x in ours)
+    rows = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}",
+        "log_mb": round(size / 2**20, 1),
+        "baseline_s": round(b_s, 3),
+        "baseline_peak_rss_mb": round(max(x[1] for x in base), 1),
+        "diagnose_s": round(o_s, 3),
+        "diagnose_peak_rss_mb": round(max(x[1] for x in ours), 1),
+        "ratio": round(o_s / b_s, 2),
+        "state": ours[0][2],
+        "repeat": args.repeat,
+    }
+    print(f"{'':24}{'seconds':>10}{'peak RSS MB':>14}")
+    print(f"{'one-regex loop':24}{b_s:>10.2f}{rows['baseline_peak_rss_mb']:>14.0f}")
+    print(f"{'diagnose':24}{o_s:>10.2f}{rows['diagnose_peak_rss_mb']:>14.0f}   {rows['state']}, {rows['ratio']}x")
+    out = ROOT / "bench" / "results" / "diagnose.json"
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"wrote {out.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

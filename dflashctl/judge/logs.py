@@ -1,0 +1,658 @@
+"""Pure: read any training log through its launcher's prefixes and name the failure it shows.
+
+One table (`SIGNATURES`) says which lines mean what: the pattern, the state it points to, its root-cause rank (a cause
+outranks its consequences: a GPU's hardware error over the other ranks' NCCL timeouts, a rank's own exception over
+torchrun's ChildFailedError summary) and what to do. The prefix stripping is one step (`strip_prefix`): `srun
+--label`'s `5: `, torchrun's `[rank5]:` / `[default5]:`, glog and ISO timestamps, in any nesting. `classify_log` is
+the one classifier that `diagnose`, `watch`, `status` and the supervisor share. No I/O here: `logfile.py` reads.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+ADVICE = {
+    "DENSE_FALLBACK": "flex_attention ran, or was about to run, without compile: check TORCH_COMPILE_DISABLE, the "
+    "recompile limit and the preflight buckets. Not restarted: it would repeat.",
+    "RECOMPILE_LIMIT": "shapes vary more than the compiled buckets allow: fix the bucketing or raise "
+    "attention.recompile_limit. Not restarted: it would repeat.",
+    "OOM": "lower data.batch_size or anchors_per_seq, turn on drafter.activation_checkpointing, or drop the largest "
+    "bucket.",
+    "NCCL_TIMEOUT": "a rank hung or died inside a collective: read the other ranks' lines and check the GPUs; a "
+    "restart with --resume usually helps.",
+    "CRASHED": "fix the exception shown; where it was transient, a restart resumes from the newest checkpoint.",
+    "CONFIG_ERROR": "fix the config key, module or file named; the job did not start training. Not restarted: it "
+    "would repeat.",
+    "STALLED": "read `dflashctl logs` and dump the processes (py-spy); a restart resumes from the newest checkpoint.",
+    "LOST": "the tmux session or the run dir disappeared (reboot, or killed by someone): relaunch it.",
+    "UNREACHABLE": "the host does not answer; the job's last known state is kept until it does.",
+    "PROBE_FAILED": "the host answered but the probe failed there: check the host's `python:` setting and its "
+    "disk; the error is shown.",
+    "KILL_FAILED": "run `dflashctl kill` again on this job: it retries the same job and names what survived.",
+    "STOPPING": "a stop was requested (`dflashctl kill`); no watcher restarts this job.",
+    "DIVERGED": "the loss or the gradient norm is NaN/inf: lower optim.lr, check the data and the target's dtype; "
+    "resume from the checkpoint before the divergence (no non-finite one is kept). Not restarted by default: it "
+    "would diverge again.",
+    "GPU_FAULT": "a GPU failed in hardware (ECC, Xid, fallen off the bus): relaunch on other GPUs (`gpus:`) and have "
+    "the GPU checked (`nvidia-smi -q -d ECC,PAGE_RETIREMENT`). Never restarted onto that GPU.",
+    "HOST_OOM": "the host ran out of RAM and the kernel killed a rank: lower host RAM per rank (fewer dataloader "
+    "workers, smaller prefetch, no host copies of the target) or use fewer ranks per host.",
+    "DISK_FULL": "the run dir's file system is full: free space (old checkpoints, inductor caches) or lower "
+    "checkpoint.keep; not restarted while the disk is still full.",
+    "PENDING": "the job waits in Slurm's queue for the reason shown (Priority, Resources, ReqNodeNotAvail, ...); "
+    "`squeue --start -j ID` estimates when it starts.",
+    "TIMEOUT": "the job ran out of its wall time (sbatch --time): a restart resubmits it with --resume from the "
+    "newest checkpoint; ask for a longer `time:` to need fewer.",
+    "PREEMPTED": "the scheduler took the nodes for a job of higher priority: a restart resubmits with --resume.",
+    "NODE_FAIL": "a node of the allocation failed: a restart resubmits with --resume, excluding that node.",
+    "CANCELLED": "the Slurm job was cancelled outside dflashctl (scancel, an administrator): relaunch it if that was "
+    "not meant. Not restarted: someone stopped it on purpose.",
+    "INCOMPLETE": "the log shows no failure and no normal end: it was cut off, the job is still running, or it "
+    "ended in a way no signature knows. Read its last lines (`dflashctl logs`), or ask `dflashctl status`.",
+}
+DENSE_ATTENTION_ADVICE = ("attention materialised the full score matrix (eager attention or SDPA's math kernel): use "
+                          "a fused kernel (compiled flex_attention, SDPA flash/memory-efficient with bf16/fp16 inputs "
+                          "and a supported mask) or shorter sequences. Not restarted: it would repeat.")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A kind of line: what it points to, how near the root cause it is (lower outranks higher), what to do."""
+
+    name: str
+    state: str
+    pattern: re.Pattern[str]
+    rank: int
+    advice: str | None = None
+
+    @property
+    def what_to_do(self) -> str | None:
+        return self.advice or ADVICE.get(self.state)
+
+
+def _sig(name: str, state: str, rank: int, pattern: str, flags: int = 0, advice: str | None = None) -> Signature:
+    return Signature(name, state, re.compile(pattern, flags), rank, advice)
+
+
+# Ranks: hardware 10, the trainer's own stops 20-25, memory 30-40, the scheduler's ends 45, start errors 50,
+# a rank's own exception 60, consequences of another rank's failure 80 and over.
+SIGNATURES: tuple[Signature, ...] = (
+    _sig(
+        "gpu_hardware",
+        "GPU_FAULT",
+        10,
+        r"(uncorrectable ECC error|ECC_UNCORRECTABLE|ECCUncorrectable|fallen off "
+        r"the bus|GPU is lost|GPU_IS_LOST|uncorrectable NVLink error|row remapp\w* failure|double bit ECC|"
+        r"Unable to determine the device handle for GPU)",
+        re.I,
+    ),
+    _sig("xid", "GPU_FAULT", 10, r"NVRM: Xid \((?:PCI:)?([0-9a-fA-F:.]+)\): (\d+)"),
+    _sig("dense_guard", "DENSE_FALLBACK", 15, r"DenseFallbackError"),
+    _sig("diverged_stop", "DIVERGED", 20, r"^(?:\S+\.)?DivergedError\b|NonFiniteWeightsError"),
+    _sig(
+        "nan_error",
+        "DIVERGED",
+        21,
+        r"(returned nan values|Loss is (?:NaN|nan|inf)|loss is not finite|"
+        r"non-finite loss|Detected (?:NaN|nan|inf) in|grad norm is (?:nan|inf))",
+        re.I,
+    ),
+    _sig(
+        "enospc",
+        "DISK_FULL",
+        25,
+        r"(No space left on device|\[Errno 28\]|ENOSPC|StorageFull|Disk quota exceeded|"
+        r"\[Errno 122\]|EDQUOT)",
+    ),
+    _sig(
+        "write_failed",
+        "DISK_FULL",
+        26,
+        r"(PytorchStreamWriter failed writing file|file write failed|"
+        r"unexpected pos \d+ vs \d+|Error while serializing)",
+    ),
+    _sig(
+        "cuda_oom",
+        "OOM",
+        30,
+        r"(CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out "
+        r"of memory|HIP out of memory)",
+    ),
+    _sig("recompile_limit", "RECOMPILE_LIMIT", 35, r"torch\._dynamo hit config\.(recompile_limit|cache_size_limit)"),
+    _sig("eager_flex", "DENSE_FALLBACK", 36, r"flex_attention called without torch\.compile"),
+    _sig(
+        "sdpa_unfused",
+        "DENSE_FALLBACK",
+        37,
+        r"((?:Flash attention|Memory efficient|Flash Attention|cuDNN "
+        r"attention) kernel not used because|Both fused kernels require|No available kernel\. Aborting)",
+    ),
+    _sig(
+        "dataloader_killed",
+        "HOST_OOM",
+        40,
+        r"DataLoader worker \(pid\(?s?\)? ?[\d, ]+\)? is killed by signal: "
+        r"Killed",
+    ),
+    _sig(
+        "kernel_oom",
+        "HOST_OOM",
+        40,
+        r"(Out of memory: Killed process \d+|oom-kill:|Memory cgroup out of memory|"
+        r"oom_reaper|Detected \d+ oom[_-]kill events?|task \d+: Out Of Memory)",
+    ),
+    _sig(
+        "sigkill",
+        "HOST_OOM",
+        41,
+        r"(exitcode\s*:\s*-9\b|\(exitcode: -9\)|Signal 9 \(SIGKILL\)|Signals\.SIGKILL|"
+        r"^(?:.*:\s*)?(?:line \d+:\s*)?\d+\s+Killed\b|^Killed$|exit(?:ed)? (?:with )?(?:code|status) 137\b|"
+        r"task \d+: Killed$)",
+    ),
+    _sig("slurm_time_limit", "TIMEOUT", 45, r"CANCELLED AT \S+ DUE TO TIME LIMIT|DUE TO TIME LIMIT \*\*\*"),
+    _sig("slurm_preempted", "PREEMPTED", 45, r"CANCELLED AT \S+ DUE TO PREEMPTION|DUE TO PREEMPTION \*\*\*"),
+    _sig(
+        "slurm_node_fail",
+        "NODE_FAIL",
+        45,
+        r"DUE TO NODE FAILURE|srun: error: Node failure on|"
+        r"NODE_FAIL|slurmstepd: error: \*\*\* .*NODE FAILURE",
+    ),
+    _sig(
+        "slurm_cancelled",
+        "CANCELLED",
+        46,
+        r"\*\*\* (?:JOB|STEP) [\d.]+ (?:ON \S+ )?CANCELLED AT \S+ \*\*\*$|"
+        r"CANCELLED AT \S+ DUE TO JOB REQUEUE|CANCELLED AT \S+ DUE TO (?:DEPENDENCY|SIGNAL)",
+    ),
+    _sig("config_error", "CONFIG_ERROR", 50, r"^config error: "),
+    _sig(
+        "setup_error",
+        "CONFIG_ERROR",
+        51,
+        r"(no kernel image is available for execution|No CUDA GPUs are available|"
+        r"Found no NVIDIA driver|CUDA driver version is insufficient)",
+    ),
+    _sig("cuda_error", "CRASHED", 55, r"(CUDA error: (?!out of memory)[^.\n]+|CUDA_ERROR_\w+|cudaError\w+)"),
+    _sig(
+        "fatal_signal",
+        "CRASHED",
+        56,
+        r"(Segmentation fault|Fatal Python error: \w+|Signal 11 \(SIGSEGV\)|"
+        r"exitcode\s*:\s*-(?:6|11)\b|terminate called after throwing an instance of '[^']+'|Aborted \(core dumped\))",
+    ),
+    _sig("traceback", "CRASHED", 60, r"^Traceback \(most recent call last\)"),
+    _sig("srun_task_exit", "CRASHED", 70, r"srun: error: (\S+): tasks? ([\d,-]+): Exited with exit code (\d+)"),
+    _sig(
+        "nccl_timeout",
+        "NCCL_TIMEOUT",
+        80,
+        r"(Watchdog caught collective operation timeout|NCCL watchdog|"
+        r"ProcessGroupNCCL.*[Tt]imeout|Some NCCL operations have failed or timed out|DistBackendError.*[Tt]imeout)",
+    ),
+    _sig(
+        "peer_lost",
+        "NCCL_TIMEOUT",
+        85,
+        r"(Connection (?:reset|closed) by peer|remote process exited|Check the logs "
+        r"of the remote worker|ncclRemoteError|Broken pipe|NCCL communicator was aborted)",
+        re.I,
+    ),
+)
+SIG = {s.name: s for s in SIGNATURES}
+
+# Prefixes a launcher or a logger puts before a process's own line, stripped in one step (repeatedly: they nest)
+RANK_PREFIXES = (re.compile(r"^\[(?:rank|default)(\d+)\]:\s?"), re.compile(r"^ {0,3}(\d{1,5}): "))
+STAMP_PREFIXES = (
+    re.compile(r"^\[?[EWIFD]\d{4} [\d:.]+(?: +\d+)? \S+\]\s?"),  # glog (torch's C++ and Python logs)
+    re.compile(r"^\[?\d{4}-\d{2}-\d{2}[T _]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\]?(?: [|-])?\s+"),
+    re.compile(r"^\[?\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\]?\s+"),
+)
+FLEX_FRAME = re.compile(r"flex_attention|_guarded_flex|sdpa_dense|math_attention")
+DENSE_FRAME = re.compile(r"(eager_attention_forward|_scaled_dot_product_attention_math|_attn\(|"
+                         r"attn_weights = torch\.matmul|scores = torch\.matmul|torch\.matmul\(q(?:uery)?\w*, "
+                         r"k(?:ey)?\w*\.transpose)")  # fmt: skip
+SDPA_FRAME = re.compile(r"scaled_dot_product_attention")
+OOM_SIZES = re.compile(r"Tried to allocate ([\d.]+) (MiB|GiB|TiB).*?total capacity of ([\d.]+) (MiB|GiB|TiB)")
+UNITS = {"MiB": 1 / 1024, "GiB": 1.0, "TiB": 1024.0}
+# Exceptions that, raised before the first step, come back identically on every restart (a missing module or file)
+START_ERRORS = re.compile(r"^(ModuleNotFoundError|ImportError|FileNotFoundError|SyntaxError|IsADirectoryError|"
+                          r"PermissionError|NotADirectoryError|IndentationError|OSError)\b")  # fmt: skip
+# Exceptions that follow from another failure: a wrapper's summary, a signal sent to the survivors, a peer gone
+CONSEQUENCE = re.compile(r"(ChildFailedError|SignalException|got signal: \d+|KeyboardInterrupt|SystemExit|"
+                         r"ProcessExitedException|process \d+ terminated with signal SIGTERM)")  # fmt: skip
+HARDWARE_XIDS = {48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 121, 140}  # the rest are the application's own
+# A line that reports a training loss, and the value it reports ("loss nan", "loss: inf", "'loss': NaN", "loss=-inf")
+LOSS_VALUE = re.compile(r"(?<![A-Za-z])(?:loss|grad_?norm|grad norm)['\"]?\s*[:=]?\s*['\"]?"
+                        r"(nan|[-+]?inf(?:inity)?|[-+]?\d[\d.eE+-]*)\b", re.I)  # fmt: skip
+DIVERGED_LINES = 3  # non-finite loss lines in a row, the newest loss line among them, make a divergence
+STEP_LINE = re.compile(r"^\s*(step|iter(ation)?)\s*[:=]?\s*\d+", re.I)
+# The start of an attempt: run.sh's line, and torchrun restarting its worker group
+ATTEMPT_START = re.compile(r"^\[dflashctl\] \S+ start\b|will restart worker group")
+FINISHED_LINE = re.compile(r"^(finished: \d+ steps|\[dflashctl\] \S+ exit 0$|\{'train_runtime': )")
+EXIT_LINE = re.compile(r"^\[dflashctl\] \S+ exit (-?\d+)$")
+# One pattern that every line a signature or the classifier cares about matches: lets a reader skip the rest
+INTERESTING = re.compile(
+    "|".join(f"(?:{s.pattern.pattern.lstrip('^')})" for s in SIGNATURES)
+    + r"|Root Cause|exitcode|\[dflashctl\]|finished: |will restart worker group",
+    re.I,
+)
+
+
+@dataclass
+class Finding:
+    state: str
+    reason: str
+    evidence: list[str] = field(default_factory=list)
+    rank: str | None = None  # the stream ("rank3") the failure came from, where the log says
+    early: bool = False  # a start error (missing module or file) with no training progress before it
+    advice: str | None = None  # what to do, where the signature says more than its state's advice
+
+
+def strip_prefix(line: str) -> tuple[str | None, str]:
+    """(the stream a launcher named, the process's own text): every launcher and timestamp prefix removed."""
+    stream = None
+    for _ in range(6):
+        for p in RANK_PREFIXES:
+            if m := p.match(line):
+                stream = stream or f"rank{int(m[1])}"
+                line = line[m.end() :]
+                break
+        else:
+            for p in STAMP_PREFIXES:
+                if m := p.match(line):
+                    line = line[m.end() :]
+                    break
+            else:
+                return stream, line
+    return stream, line
+
+
+@dataclass
+class Log:
+    """A log read through its prefixes: the original lines, their text, and the stream of each."""
+
+    raw: list[str]
+    plain: list[str]
+    streams: list[str | None]
+    _hits: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    _tracebacks: list[Traceback] | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, text: str | list[str]) -> Log:
+        raw = text.splitlines() if isinstance(text, str) else list(text)
+        pairs = [strip_prefix(ln) for ln in raw]
+        return cls(raw, [p[1] for p in pairs], [p[0] for p in pairs])
+
+    def hits(self, name: str) -> list[int]:
+        """The lines a signature matches (computed once per log)."""
+        if name not in self._hits:
+            pattern = SIG[name].pattern
+            self._hits[name] = [i for i, ln in enumerate(self.plain) if pattern.search(ln)]
+        return self._hits[name]
+
+    def rank_of(self, indices: list[int]) -> str | None:
+        return next((self.streams[i] for i in indices if self.streams[i]), None)
+
+
+def this_attempt(lines: list[str]) -> list[str]:
+    """The lines of the newest attempt: an earlier attempt's failure was judged (and restarted) already."""
+    starts = [i for i, ln in enumerate(lines) if ATTEMPT_START.search(strip_prefix(ln)[1])]
+    return lines[starts[-1] :] if starts else lines
+
+
+@dataclass
+class Traceback:
+    stream: str
+    exception: str
+    frames: list[str]  # "File ..." lines, innermost last
+    code: list[str]  # the source lines shown under the frames
+    at: int  # index of the exception line
+    flex: bool = False  # a frame passes through flex attention
+
+    @property
+    def consequence(self) -> bool:
+        """Raised because something else failed: a wrapper's summary, a signal, a peer gone."""
+        return bool(CONSEQUENCE.search(self.exception) or SIG["peer_lost"].pattern.search(self.exception)
+                    or SIG["nccl_timeout"].pattern.search(self.exception))  # fmt: skip
+
+
+def _tracebacks_of(log: Log, stream: str | None) -> list[Traceback]:
+    idx = [i for i, s in enumerate(log.streams) if s == stream]
+    found, k = [], 0
+    while k < len(idx):
+        if not log.plain[idx[k]].startswith("Traceback (most recent call last)"):
+            k += 1
+            continue
+        frames, code, exc = [], [], None
+        k += 1
+        while k < len(idx):
+            ln = log.plain[idx[k]]
+            if ln.startswith("Traceback (most recent call last)"):
+                break
+            if ln.startswith("  File "):
+                frames.append(ln.strip())
+            elif ln.startswith(" ") or not ln.strip():
+                if ln.strip() and not set(ln.strip()) <= set("^~ "):
+                    code.append(ln.strip())
+            elif ln.startswith(("During handling of", "The above exception")):
+                pass
+            else:
+                exc = (ln.strip(), idx[k])
+                k += 1
+                break
+            k += 1
+        if exc:
+            tb = Traceback(stream or "", exc[0], frames, code, exc[1])
+            tb.flex = any(FLEX_FRAME.search(f) for f in frames + code)
+            found.append(tb)
+    return found
+
+
+def root_cause(log: Log) -> tuple[str | None, int | None]:
+    """torchrun's summary names the first failing rank and its exit code ("Root Cause ... rank : 3 (local_rank: 3)
+    ... exitcode : -9"); srun's `task N: Exited with exit code C` names the task."""
+    for i, ln in enumerate(log.plain):
+        if ln.startswith("Root Cause"):
+            rank = code = None
+            for nxt in log.plain[i : i + 10]:
+                if rank is None and (m := re.search(r"rank\s*:\s*(\d+)", nxt)):
+                    rank = f"rank{m[1]}"
+                if code is None and (m := re.search(r"exitcode\s*:\s*(-?\d+)", nxt)):
+                    code = int(m[1])
+            return rank, code
+    for i in log.hits("srun_task_exit"):
+        m = SIG["srun_task_exit"].pattern.search(log.plain[i])
+        return f"rank{re.split('[,-]', m[2])[0]}", int(m[3])
+    return None, None
+
+
+def tracebacks(log: Log) -> list[Traceback]:
+    """Every stream's tracebacks, root causes first: a rank's own exception before a consequence (torchrun's
+    ChildFailedError, a SIGTERM, a peer gone), the root-cause rank torchrun or srun names first, then the earliest."""
+    if log._tracebacks is None:
+        found = [tb for s in dict.fromkeys(log.streams) for tb in _tracebacks_of(log, s)]
+        root = root_cause(log)[0]
+        found.sort(key=lambda tb: (tb.consequence, tb.stream != root if root else False, tb.at))
+        log._tracebacks = found
+    return log._tracebacks
+
+
+def _oom_size(line: str, gpu_total_gib: float | None) -> tuple[float, float] | None:
+    """(GiB asked for, GiB the GPU has) from a CUDA OOM message."""
+    m = OOM_SIZES.search(line)
+    if not m:
+        return None
+    total = float(m[3]) * UNITS[m[4]] if gpu_total_gib is None else gpu_total_gib
+    return float(m[1]) * UNITS[m[2]], total
+
+
+def _finite_text(value: str) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except ValueError:
+        return True  # not a number we read (a version string): no evidence either way
+
+
+@dataclass
+class Context:
+    """What a reader knows besides the log (the watcher's snapshots); all optional."""
+
+    gpu_total_gib: float | None = None
+    disk_free_gib: float | None = None
+    checkpoint_gib: float | None = None
+
+
+def gpu_fault(log: Log, ctx: Context) -> Finding | None:
+    hw = log.hits("gpu_hardware")
+    xids = [(i, m) for i, ln in enumerate(log.plain)
+            if (m := SIG["xid"].pattern.search(ln)) and int(m[2]) in HARDWARE_XIDS]  # fmt: skip
+    if not hw and not xids:
+        return None
+    nccl = [log.plain[i] for i in log.hits("nccl_timeout")]
+    rank = log.rank_of(hw)
+    what = (
+        SIG["gpu_hardware"].pattern.search(log.plain[hw[0]])[1] if hw else f"Xid {xids[0][1][2]} (PCI {xids[0][1][1]})"
+    )
+    where = f" on {rank}" if rank else ""
+    after = " (the other ranks' NCCL timeouts follow from it)" if nccl else ""
+    ev = [log.plain[i] for i in hw[:2]] + [log.plain[i] for i, _ in xids[:2]] + nccl[:1]
+    return Finding("GPU_FAULT", f"GPU hardware error{where}: {what}{after}", ev, rank)
+
+
+def _dense_guard(log: Log, ctx: Context) -> Finding | None:
+    dense = log.hits("dense_guard")
+    if not dense:
+        return None
+    return Finding("DENSE_FALLBACK", "the trainer's guard refused a dense flex_attention fallback",
+                   [log.plain[dense[-1]]], log.rank_of(dense))  # fmt: skip
+
+
+def _diverged(log: Log, ctx: Context) -> Finding | None:
+    """The trainer's own stop, a framework's NaN error, or the newest `DIVERGED_LINES` or more loss lines all NaN/inf
+    (any script's log)."""
+    stop = log.hits("diverged_stop")
+    if stop:
+        losses = [ln for ln in log.plain if LOSS_VALUE.search(ln)]
+        bad = [ln for ln in losses if not all(_finite_text(m[1]) for m in LOSS_VALUE.finditer(ln))]
+        return Finding("DIVERGED", "the trainer stopped on a divergence (DivergedError)",
+                       [log.plain[stop[-1]], *bad[:1]], log.rank_of(stop))  # fmt: skip
+    values = []  # (line, finite) of the newest loss lines, newest first, through the newest finite one
+    for i in range(len(log.plain) - 1, -1, -1):
+        if found := list(LOSS_VALUE.finditer(log.plain[i])):
+            values.append((i, all(_finite_text(m[1]) for m in found)))
+            if values[-1][1]:
+                break
+    values.reverse()
+    bad = sum(1 for _, finite in values if not finite)
+    if bad < DIVERGED_LINES:
+        said = log.hits("nan_error")
+        if said:
+            return Finding("DIVERGED", "the job stopped on a NaN/inf loss or gradient", [log.plain[said[-1]]])
+        return None
+    first = values[len(values) - bad][0]
+    before = values[len(values) - bad - 1][0] if len(values) > bad else None
+    ev = [log.plain[first], log.plain[values[-1][0]]]
+    ev.append(f"last finite: {log.plain[before]}" if before is not None else "no finite loss in the log")
+    return Finding("DIVERGED", f"the loss is non-finite in the last {bad} loss lines", ev)
+
+
+def _disk_full(log: Log, ctx: Context) -> Finding | None:
+    free = f" ({ctx.disk_free_gib:g} GiB free at the run dir)" if ctx.disk_free_gib is not None else ""
+    full = log.hits("enospc")
+    if full:
+        if any("/dev/shm" in ln or "shared memory" in ln.lower() for ln in log.plain):
+            return Finding("DISK_FULL", "shared memory (/dev/shm) is full: a container needs a larger --shm-size "
+                           "(NCCL and dataloader workers use it)", [log.plain[full[-1]]])  # fmt: skip
+        return Finding("DISK_FULL", f"no space left on device{free}", [log.plain[full[-1]]])
+    failed = log.hits("write_failed")
+    if not failed:
+        return None
+    if ctx.disk_free_gib is not None and ctx.checkpoint_gib is not None:
+        if ctx.disk_free_gib >= ctx.checkpoint_gib:
+            return None  # room for a checkpoint: the write failed for another reason
+        why = (
+            f"a checkpoint write failed with {ctx.disk_free_gib:g} GiB free, less than a checkpoint "
+            f"({ctx.checkpoint_gib:g} GiB)"
+        )
+        return Finding("DISK_FULL", why, [log.plain[failed[-1]]])
+    return Finding("DISK_FULL", f"a checkpoint write failed (likely a full disk){free}", [log.plain[failed[-1]]])
+
+
+def _memory(log: Log, ctx: Context) -> Finding | None:
+    """Out of memory: in a dense attention allocation (flex run eagerly, SDPA's math kernel, eager attention's
+    score matrix) it is DENSE_FALLBACK, with its cause where the log shows one (the recompile limit, flex's eager
+    warning, SDPA's "kernel not used" warnings); otherwise OOM, on the rank that ran out, before the timeouts."""
+    oom = log.hits("cuda_oom")
+    if not oom:
+        return None
+    last = oom[-1]
+    tbs = tracebacks(log)
+    oom_tbs = [tb for tb in tbs if SIG["cuda_oom"].pattern.search(tb.exception)]
+    limit = [i for i in log.hits("recompile_limit") if i < last]
+    eager = [i for i in log.hits("eager_flex") if i < last]
+    unfused = [i for i in log.hits("sdpa_unfused") if i < last]
+    sizes = [s for i in oom if (s := _oom_size(log.plain[i], ctx.gpu_total_gib))]
+    huge = any(asked > 0.5 * total for asked, total in sizes)  # half the GPU at once: a score matrix
+    inner = [ln for tb in oom_tbs for ln in tb.frames[-4:] + tb.code[-4:]]
+    flex_tb = next((tb for tb in oom_tbs if tb.flex), None)
+    flex_seen = any(FLEX_FRAME.search(ln) for ln in log.plain)  # the traceback may be cut, the frame names remain
+    eager_attn = any(DENSE_FRAME.search(ln) for ln in inner)
+    sdpa = any(SDPA_FRAME.search(ln) for ln in inner) and (bool(unfused) or huge)
+    size = _oom_size(log.plain[last], ctx.gpu_total_gib)
+    asked = f": asked for {size[0]:.2f} GiB of a {size[1]:.2f} GiB GPU" if size else ""
+    if flex_tb or limit or eager or (huge and flex_seen):
+        cause = "the recompile limit" if limit else ("flex_attention running uncompiled" if eager else None)
+        reason = f"out of memory in a dense attention allocation (flex ran eagerly){asked}"
+        ev = [log.plain[i[-1]] for i in (limit, eager) if i] + [log.plain[last]]
+        ev += flex_tb.frames[-3:] if flex_tb else []
+        return Finding("DENSE_FALLBACK", f"{reason}, caused by {cause}" if cause else reason, ev)
+    if eager_attn or sdpa:
+        path = "SDPA's math kernel" if sdpa and not eager_attn else "eager attention's score matrix"
+        ev = [log.plain[i] for i in unfused[-1:]] + [log.plain[last]] + inner[-3:]
+        return Finding("DENSE_FALLBACK", f"out of memory in dense attention ({path}){asked}", ev,
+                       oom_tbs[0].stream or None, advice=DENSE_ATTENTION_ADVICE)  # fmt: skip
+    tb = oom_tbs[0] if oom_tbs else None
+    where = f" on {tb.stream}" if tb and tb.stream else ""
+    nccl = log.hits("nccl_timeout")
+    waiting = sorted({log.streams[i] for i in nccl if log.streams[i]}, key=lambda s: int(s[4:]))
+    after = f" (then NCCL timeouts on {', '.join(waiting)})" if waiting else ""
+    ev = [log.plain[last]] + (tb.frames[-2:] if tb else []) + [log.plain[i] for i in nccl[:1]]
+    return Finding("OOM", f"CUDA out of memory{where}{asked}{after}", ev, tb.stream if tb else None)
+
+
+def _recompile(log: Log, ctx: Context) -> Finding | None:
+    rec = log.hits("recompile_limit")
+    if not rec:
+        return None
+    i = rec[-1]
+    ev = [log.plain[i]] + [ln.strip() for ln in log.plain[i + 1 : i + 4] if "function:" in ln or "last reason" in ln]
+    return Finding("RECOMPILE_LIMIT", "Dynamo hit its recompile limit", ev)
+
+
+def _host_oom(log: Log, ctx: Context) -> Finding | None:
+    """A rank killed by SIGKILL with no Python error of its own: the kernel's OOM killer, unless the kernel log or the
+    cgroup says otherwise (assess confirms with the cgroup's count)."""
+    loader = log.hits("dataloader_killed")
+    if loader:
+        return Finding("HOST_OOM", "a dataloader worker was killed by SIGKILL: likely the kernel's OOM killer (host "
+                       "RAM; fewer or lighter workers)", [log.plain[loader[-1]]])  # fmt: skip
+    killed, kernel = log.hits("sigkill"), log.hits("kernel_oom")
+    root, code = root_cause(log)
+    own = [tb for tb in tracebacks(log) if not tb.consequence]
+    if not (code == -9 or ((killed or kernel) and not own)):
+        return None
+    how = "confirmed by the kernel log" if kernel else "likely the kernel's OOM killer (host RAM)"
+    rank = root or log.rank_of(killed)
+    where = f" {rank}" if rank else " a process"
+    ev = [log.plain[i] for i in kernel[-1:]] + [log.plain[i] for i in killed[-2:]]
+    return Finding("HOST_OOM", f"{where.strip()} was killed by SIGKILL: {how}", ev, rank)
+
+
+SLURM_SIGS = ("slurm_time_limit", "slurm_preempted", "slurm_node_fail", "slurm_cancelled")
+SLURM_REASON = {"TIMEOUT": "Slurm cancelled the job: out of wall time", "PREEMPTED": "Slurm preempted the job",
+                "NODE_FAIL": "Slurm ended the job: a node failed",
+                "CANCELLED": "the Slurm job was cancelled (scancel, or an administrator)"}  # fmt: skip
+
+
+def _slurm_end(log: Log, ctx: Context) -> Finding | None:
+    """Slurm's own end lines, unless a rank had already failed by itself before them (then that is the cause and
+    the job hung until Slurm ended it); the SIGTERM tracebacks after them are their consequence."""
+    ends = sorted((i, name) for name in SLURM_SIGS for i in log.hits(name))
+    if not ends:
+        return None
+    first, name = ends[0]
+    before = [i for n in ("sigkill", "kernel_oom", "cuda_error", "fatal_signal") for i in log.hits(n) if i < first]
+    if before or any(not tb.consequence and tb.at < first for tb in tracebacks(log)):
+        return None
+    state = SIG[name].state
+    return Finding(state, SLURM_REASON[state], [log.plain[first], *[log.plain[i] for i, _ in ends[1:2]]])
+
+
+def _config(log: Log, ctx: Context) -> Finding | None:
+    cfg = log.hits("config_error")
+    if cfg:
+        return Finding("CONFIG_ERROR", "the trainer rejected its config", [log.plain[cfg[-1]]])
+    setup = log.hits("setup_error")
+    if setup and not _trained(log):
+        what = SIG["setup_error"].pattern.search(log.plain[setup[-1]])[1]
+        return Finding("CONFIG_ERROR", f"this machine cannot run the job: {what}; a restart repeats it",
+                       [log.plain[setup[-1]]], early=True)  # fmt: skip
+    return None
+
+
+def _trained(log: Log) -> bool:
+    return any(LOSS_VALUE.search(ln) or STEP_LINE.match(ln) for ln in log.plain)
+
+
+def _crashed(log: Log, ctx: Context) -> Finding | None:
+    """A rank's own exception (the root-cause rank torchrun or srun names, else the earliest); then a CUDA error or a
+    fatal signal that left no Python traceback; a wrapper's summary or a peer's error only where nothing else is
+    (NCCL timeouts with no own error are NCCL_TIMEOUT)."""
+    tbs = tracebacks(log)
+    own = [tb for tb in tbs if not tb.consequence]
+    if not own:
+        native = sorted(log.hits("cuda_error") + log.hits("fatal_signal"))
+        if native:
+            i = native[0]
+            rank = log.streams[i]
+            what = SIG["cuda_error"].pattern.search(log.plain[i]) or SIG["fatal_signal"].pattern.search(log.plain[i])
+            what = what[1]
+            return Finding("CRASHED", f"{what}{f' on {rank}' if rank else ''}", [log.plain[j] for j in native[:2]],
+                           rank)  # fmt: skip
+        tasks = log.hits("srun_task_exit")
+        if tasks and not log.hits("nccl_timeout"):
+            m = SIG["srun_task_exit"].pattern.search(log.plain[tasks[0]])
+            return Finding("CRASHED", f"task {m[2]} on {m[1]} exited with exit code {m[3]}",
+                           [log.plain[i] for i in tasks[:2]], f"rank{re.split('[,-]', m[2])[0]}")  # fmt: skip
+        if log.hits("nccl_timeout") or not tbs:
+            return None
+    tb = (own or tbs)[0]
+    where = f" on {tb.stream}" if tb.stream else ""
+    ev = [tb.exception, *tb.frames[-3:]]
+    if START_ERRORS.match(tb.exception) and not _trained(log):
+        name = tb.exception.split(":")[0]
+        reason = f"failed before its first step: {name}{where}; a restart repeats it"
+        return Finding("CONFIG_ERROR", reason, ev, tb.stream or None, early=True)
+    return Finding("CRASHED", f"{tb.exception.split(':')[0]}{where}", ev, tb.stream or None)
+
+
+def _nccl(log: Log, ctx: Context) -> Finding | None:
+    nccl = log.hits("nccl_timeout")
+    if not nccl:
+        return None
+    ev = [log.plain[nccl[0]]] + ([log.plain[nccl[-1]]] if len(nccl) > 1 else [])
+    return Finding("NCCL_TIMEOUT", "an NCCL collective timed out", ev)
+
+
+# The rules in root-cause order: the first that finds something names the failure
+RULES = (gpu_fault, _dense_guard, _diverged, _disk_full, _memory, _recompile, _slurm_end, _host_oom, _config,
+         _crashed, _nccl)  # fmt: skip
+
+
+def classify_log(text: str | list[str], gpu_total_gib: float | None = None, disk_free_gib: float | None = None,
+                 checkpoint_gib: float | None = None) -> Finding | None:  # fmt: skip
+    """The most specific failure the log shows, or None. A root cause outranks its consequences (`RULES`' order
+    follows the signatures' ranks)."""
+    log = Log.of(text)
+    ctx = Context(gpu_total_gib, disk_free_gib, checkpoint_gib)
+    for rule in RULES:
+        found = rule(log, ctx)
+        if found:
+            return found
+    return None
+
+
+def normal_end(lines: list[str]) -> str | None:
+    """The line that says the log ended normally (the trainer's finish line, run.sh's `exit 0`), or None."""
+    return next((ln for ln in reversed(lines) if FINISHED_LINE.match(strip_prefix(ln)[1].strip())), None)
+
+
+def exit_line(lines: list[str]) -> int | None:
+    """The exit status run.sh wrote at the end of the attempt, if the log has it."""
+    for ln in reversed(lines):
+        if m := EXIT_LINE.match(strip_prefix(ln)[1].strip()):
+            return int(m[1])
+    return None

@@ -1,0 +1,264 @@
+"""The corpus of real-shaped logs (tests/logs/<STATE>/): every state has at least two, and each is judged as its folder
+says. A log alone goes through `diagnose` (the file reader, the prefixes, the newest attempt); a log with a `.json`
+beside it holds what a watcher would also know (pane, exit code, stop request, Slurm's word) and goes through
+`assess`. Then the behaviours of issue 40 one by one: prefixes, root causes, Slurm's ends, no false all-clear, big
+files read in bounded memory."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+from pathlib import Path
+
+import pytest
+
+from dflashctl.judge.diagnosis import diagnose_lines, diagnose_text
+from dflashctl.judge.health import History, Thresholds, assess
+from dflashctl.judge.logs import SIGNATURES, classify_log, strip_prefix
+from dflashctl.judge.states import EXIT_BY_STATE
+from dflashctl.logfile import LogFileError, read_log
+
+CORPUS = Path(__file__).resolve().parent / "logs"
+LOGS = sorted(CORPUS.glob("*/*.log"))
+
+
+def test_every_state_has_at_least_two_logs():
+    have = {state: len(list((CORPUS / state).glob("*.log"))) for state in EXIT_BY_STATE}
+    assert {s: n for s, n in have.items() if n < 2} == {}
+    assert {p.parent.name for p in LOGS} <= set(EXIT_BY_STATE), "a folder that names no state"
+
+
+@pytest.mark.parametrize("path", LOGS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_the_corpus_is_judged_as_its_folder_says(path):
+    facts = path.with_suffix(".json")
+    if facts.exists():
+        spec = json.loads(facts.read_text())
+        lines = path.read_text().splitlines()
+        v = assess(History(**spec["history"], log_tail=lines), Thresholds(**spec.get("thresholds", {})))
+    else:
+        v = diagnose_lines(read_log(path))
+    assert v.state == path.parent.name, (v.state, v.reason, v.evidence)
+    assert v.evidence, "a verdict always carries its evidence"
+    if v.state not in ("FINISHED", "RUNNING", "STARTING", "PENDING", "STOPPING", "KILLED"):
+        assert v.advice, "a failure says what to do next"
+
+
+def test_every_signature_is_seen_in_the_corpus():
+    """The table is data the corpus exercises: a signature no log shows is untested."""
+    text = [strip_prefix(ln)[1] for p in LOGS for ln in p.read_text().splitlines()]
+    unseen = [s.name for s in SIGNATURES if not any(s.pattern.search(ln) for ln in text)]
+    assert unseen == []
+
+
+@pytest.mark.parametrize(
+    "line, stream, text",
+    [
+        ("5: Traceback (most recent call last):", "rank5", "Traceback (most recent call last):"),
+        (" 12: RuntimeError: boom", "rank12", "RuntimeError: boom"),
+        ("[rank3]: KeyError: 'x'", "rank3", "KeyError: 'x'"),
+        ("[default1]:[rank1]: ValueError: bad", "rank1", "ValueError: bad"),
+        (
+            "[rank0]:[E1203 02:14:10.311872 51220 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog",
+            "rank0",
+            "[Rank 0] Watchdog",
+        ),
+        ("2026-12-03T04:00:12.123Z 0: step 3 loss 2.0", "rank0", "step 3 loss 2.0"),
+        ("[2026-12-03 04:00:12,123] torch.OutOfMemoryError: CUDA", None, "torch.OutOfMemoryError: CUDA"),
+        ("W1130 18:02:18.582000 5019 torch/x.py:1028] Sending process 5025", None, "Sending process 5025"),
+        ("step 3 loss 2.0", None, "step 3 loss 2.0"),
+        ('  File "x.py", line 1, in <module>', None, '  File "x.py", line 1, in <module>'),
+    ],
+)
+def test_prefixes_are_stripped_in_one_step(line, stream, text):
+    assert strip_prefix(line) == (stream, text)
+
+
+def test_a_cuda_error_on_one_rank_outranks_the_timeouts_it_caused():
+    v = diagnose_text((CORPUS / "CRASHED" / "srun-label-cuda-error-then-timeouts.log").read_text())
+    assert v.state == "CRASHED" and "rank3" in v.reason
+    assert "illegal memory access" in v.evidence[0]
+    assert not any("Watchdog" in e for e in v.evidence)
+
+
+def test_without_a_traceback_the_first_cuda_error_is_the_cause():
+    lines = [
+        "[rank2]:[E1203 02:14:09 51220 ProcessGroupNCCL.cpp:1595] [PG 0 Rank 2] Process group watchdog thread "
+        "terminated with exception: CUDA error: an illegal memory access was encountered",
+        "[rank0]:[E1203 02:24:10 51220 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught collective operation "
+        "timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE) ran for 600051 milliseconds before timing out.",
+    ]
+    v = diagnose_lines(lines)
+    assert v.state == "CRASHED" and "illegal memory access was encountered on rank2" in v.reason
+
+
+def test_under_torchrun_the_ranks_own_error_wins_over_childfailederror():
+    """A real recording: the bundled trainer under torchrun, 2 ranks, TRAINER_FAULT=crash@3 (unprefixed output)."""
+    v = diagnose_text((CORPUS / "CRASHED" / "torchrun-trainer-crash-unprefixed.log").read_text())
+    assert v.state == "CRASHED" and v.reason.startswith("RuntimeError")
+    assert v.evidence[0] == "RuntimeError: injected fault at step 3 (TRAINER_FAULT)"
+    assert not any("ChildFailedError" in e or "torch/distributed/run.py" in e for e in v.evidence)
+
+
+def test_the_watchers_verdict_on_a_torchrun_crash_names_the_ranks_error():
+    lines = (CORPUS / "CRASHED" / "torchrun-trainer-crash-unprefixed.log").read_text().splitlines()
+    fatal = {"event": "fatal", "kind": "crash", "message": "RuntimeError: injected fault at step 3 (TRAINER_FAULT)"}
+    for tail in (lines, lines[-25:]):  # the whole log, and a tail that only holds torchrun's summary
+        v = assess(History(started_at=0.0, now=60.0, exit_code=1, last_step=2, log_tail=tail, fatal=fatal),
+                   Thresholds())  # fmt: skip
+        assert v.state == "CRASHED" and "RuntimeError" in v.reason, v
+        assert any("injected fault at step 3" in e for e in v.evidence)
+
+
+@pytest.mark.parametrize(
+    "end, state",
+    [
+        ("slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT 2026-12-03T04:00:12 DUE TO TIME LIMIT ***", "TIMEOUT"),
+        ("slurmstepd: error: *** STEP 9.0 ON n1 CANCELLED AT 2026-12-03T04:00:12 DUE TO PREEMPTION ***", "PREEMPTED"),
+        ("slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT 2026-12-03T04:00:12 DUE TO NODE FAILURE, SEE SLURMCTLD LOG "
+         "FOR DETAILS ***", "NODE_FAIL"),
+        ("srun: error: Node failure on n2", "NODE_FAIL"),
+        ("slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT 2026-12-03T04:00:12 ***", "CANCELLED"),
+    ],
+)  # fmt: skip
+def test_slurms_own_ends_outrank_the_sigterm_tracebacks_after_them(end, state):
+    sigterm = ["0: Traceback (most recent call last):", "0:   File \"/opt/venv/bin/torchrun\", line 8, in <module>",
+               "0: torch.distributed.elastic.multiprocessing.api.SignalException: Process 9 got signal: 15",
+               "srun: error: n1: task 0: Exited with exit code 1"]  # fmt: skip
+    v = diagnose_lines(["0: step 1 loss 2.0", end, *sigterm])
+    assert v.state == state and end in v.evidence
+
+
+def test_a_rank_that_failed_before_the_time_limit_is_the_cause():
+    lines = ["1: Traceback (most recent call last):", "1:   File \"t.py\", line 3, in <module>",
+             "1: ValueError: bad shard", "slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT 2026-12-03T04:00:12 DUE TO "
+             "TIME LIMIT ***"]  # fmt: skip
+    v = diagnose_lines(lines)
+    assert v.state == "CRASHED" and v.reason == "ValueError on rank1"
+
+
+def test_srun_task_exit_alone_is_a_crash_of_that_task():
+    v = diagnose_lines(["0: step 1 loss 2.0", "srun: error: n1: task 3: Exited with exit code 2"])
+    assert v.state == "CRASHED" and "task 3" in v.reason
+
+
+def test_dense_attention_under_any_name_with_its_allocation():
+    v = diagnose_text((CORPUS / "DENSE_FALLBACK" / "sdpa-math-oom.log").read_text())
+    assert v.state == "DENSE_FALLBACK" and "SDPA's math kernel" in v.reason and "96.00 GiB" in v.reason
+    assert "fused kernel" in v.advice and "flex_attention ran" not in v.advice
+    v = diagnose_text((CORPUS / "DENSE_FALLBACK" / "eager-attention-oom.log").read_text())
+    assert v.state == "DENSE_FALLBACK" and "eager attention" in v.reason and "32.00 GiB" in v.reason
+    # SDPA's fused kernels running out of memory on a small allocation is an ordinary OOM
+    small = (CORPUS / "DENSE_FALLBACK" / "sdpa-math-oom.log").read_text().splitlines()
+    small = [ln.replace("96.00 GiB", "0.50 GiB") for ln in small if "kernel not used" not in ln]
+    assert diagnose_lines(small).state == "OOM"
+
+
+def test_the_newest_attempt_decides():
+    v = diagnose_text((CORPUS / "FINISHED" / "second-attempt-finishes.log").read_text())
+    assert v.state == "FINISHED"
+    flipped = [
+        "[dflashctl] 2026-12-03T10:00:00Z start ",
+        "finished: 3 steps from step 0",
+        "[dflashctl] 2026-12-03T10:01:00Z exit 0",
+        "[dflashctl] 2026-12-03T10:02:00Z start --resume",
+        "Traceback (most recent call last):",
+        '  File "t.py", line 1, in <module>',
+        "KeyError: 'x'",
+    ]
+    assert diagnose_lines(flipped).state == "CRASHED"
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        ["step 1 loss 3.0", "step 2 loss 2.9"],  # cut off
+        ["0: preflight: compiling bucket 1024"],  # prefixed, still starting
+        ["hello"],
+    ],
+)
+def test_no_failure_and_no_normal_end_is_not_a_success(lines):
+    v = diagnose_lines(lines)
+    assert v.state == "INCOMPLETE" and EXIT_BY_STATE[v.state] != 0
+    assert "last line" in v.evidence[-1]
+
+
+def test_an_exit_line_without_a_signature_still_decides():
+    assert diagnose_lines(["step 1 loss 2", "[dflashctl] 2026-12-03T10:01:00Z exit 7"]).state == "CRASHED"
+    assert diagnose_lines(["step 1 loss 2", "[dflashctl] 2026-12-03T10:01:00Z exit 137"]).state == "HOST_OOM"
+
+
+def test_empty_binary_and_missing_files_are_refused(tmp_path):
+    (tmp_path / "empty.log").write_bytes(b"")
+    (tmp_path / "ckpt.pt").write_bytes(b"PK\x03\x04" + bytes(range(256)) * 40)
+    for name, words in (("empty.log", "empty"), ("ckpt.pt", "binary"), ("absent.log", "cannot read")):
+        with pytest.raises(LogFileError, match=words):
+            read_log(tmp_path / name)
+
+
+def _big_log(path: Path, mb: int, tail: list[str], middle: list[str] = ()) -> None:
+    step = "step {}/2000000 epoch 0 loss 2.3011 acc 0.512 lr 5.97e-04 grad_norm 0.402 62,140 tok/s peak 58.1 GiB\n"
+    with path.open("w") as f:
+        f.write("[dflashctl] 2026-12-01T00:00:00Z start \n")
+        i = 0
+        while f.tell() < mb << 20:
+            i += 1
+            f.write(step.format(i))
+            if i == 100_000:
+                f.write("".join(ln + "\n" for ln in middle))
+        f.write("".join(ln + "\n" for ln in tail))
+
+
+def test_a_big_log_is_read_in_bounded_memory_and_judged_as_a_whole(tmp_path):
+    """60 MB: the middle's recompile-limit warning and the tail's OOM through flex make the chain (DENSE_FALLBACK),
+    and the reader keeps a bounded slice of the file in memory, whatever its size."""
+    middle = ["W1130 18:02:10.258000 4976 torch/_dynamo/convert_frame.py:1358] [0/2] torch._dynamo hit "
+              "config.recompile_limit (2)", "W1130 18:02:10.258000 4976 torch/_dynamo/convert_frame.py:1358] [0/2]"
+              "    function: 'flex' (/home/user/proj/trainer/model/attention.py:40)"]  # fmt: skip
+    tail = ["Traceback (most recent call last):", "  File \"/opt/venv/lib/torch/_tensor.py\", line 631, in backward",
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 46.00 GiB. GPU 0 has a total capacity of "
+            "139.80 GiB of which 1.05 GiB is free."]  # fmt: skip
+    path = tmp_path / "train.log"
+    _big_log(path, 60, tail, middle)
+    tracemalloc.start()
+    lines = read_log(path)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 64 << 20, f"peak {peak / 2**20:.0f} MiB"
+    assert len(lines) < 40_000
+    found = classify_log(lines)
+    assert found.state == "DENSE_FALLBACK" and "recompile limit" in found.reason
+
+
+def test_a_big_logs_newest_attempt_is_found_from_the_tail(tmp_path):
+    path = tmp_path / "train.log"
+    _big_log(
+        path,
+        20,
+        [
+            "[dflashctl] 2026-12-01T05:00:00Z start --resume",
+            "step 5 loss 2.0",
+            "finished: 5 steps from step 0",
+            "[dflashctl] 2026-12-01T05:01:00Z exit 0",
+        ],
+        ["Traceback (most recent call last):", '  File "t.py", line 1, in <module>', "KeyError: 'x'"],
+    )
+    lines = read_log(path)
+    assert lines[0].startswith("[dflashctl] 2026-12-01T05:00:00Z start") and len(lines) == 4
+    assert diagnose_lines(lines).state == "FINISHED"
+
+
+def test_the_cli_reads_files_and_stdin_and_refuses_what_is_not_a_log(tmp_path):
+    from conftest import run_cli
+
+    r = run_cli("diagnose", "--json", str(CORPUS / "TIMEOUT" / "slurm-time-limit-sigterm.log"))
+    out = json.loads(r.stdout)
+    assert r.code == EXIT_BY_STATE["TIMEOUT"] == out["exit"] and out["state"] == "TIMEOUT"
+    assert set(out) == {"state", "reason", "evidence", "advice", "exit"}
+    r = run_cli("diagnose", str(CORPUS / "INCOMPLETE" / "cut-off-mid-run.log"))
+    assert r.code == EXIT_BY_STATE["INCOMPLETE"] and "INCOMPLETE" in r.stdout
+    (tmp_path / "empty.log").write_text("")
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}\x00\x00" * 100)
+    for name, words in (("empty.log", "is empty"), ("model.safetensors", "binary"), ("nope.log", "cannot read")):
+        r = run_cli("diagnose", str(tmp_path / name))
+        assert r.code == 2 and words in r.stderr and name in r.stderr, r
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
