@@ -192,11 +192,16 @@ def kill(
     """Stop a job (default: one whose kill failed, else the newest alive one): SIGTERM, wait, SIGKILL, verify."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
+    from dflashctl.judge.states import EXIT_BY_STATE
     from dflashctl.show.render import err, out, print_json
 
     report = jobctl.kill(job, str(find_project_root()), grace, accept_new)
     if as_json:
         print_json(report.to_dict())
+    elif report.verdict:
+        v = report.verdict
+        out.print(f"{report.id} had already ended (exit {report.ended_before}): {v['state']}: {v['reason']}; its "
+                  "verdict is kept, and no watcher or supervisor will restart it", markup=False)  # fmt: skip
     elif report.clean:
         out.print(f"killed {report.id} on {report.host}: SIGTERM to {len(report.term)} processes {report.term}, "
                   f"SIGKILL to {len(report.kill)} {report.kill}")  # fmt: skip
@@ -207,6 +212,8 @@ def kill(
                   f"session closed {report.session_closed}; `dflashctl kill` again retries this job", markup=False)
     if not report.clean:
         raise typer.Exit(EXIT_FAILED)
+    if report.verdict:
+        raise typer.Exit(EXIT_BY_STATE.get(report.verdict["state"], EXIT_FAILED))
 
 
 @app.command()
@@ -229,6 +236,13 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
         how = {"kill_failed": "whose kill failed", "live": "the newest alive", "newest": "the newest"}[st["picked"]]
         err.print(f"(no job given: {st['id']}, {how})")
     out.print(f"[bold]{st['state']}[/]: {st['reason']}", markup=True)
+    if st["state"] == "UNREACHABLE":
+        for line in st["evidence"]:
+            out.print(f"  {line}", markup=False)
+        raise typer.Exit(code)
+    for line in st["evidence"]:
+        if line.startswith(("warning:", "the job's supervisor is gone", "judged by")):
+            out.print(f"  {line}", markup=False)
     if st["nodes"]:
         out.print("nodes: " + ", ".join(f"{n['host']} {n['state']}" for n in st["nodes"]), markup=False)
     up = f"up {st['uptime_s']:.0f} s" if st["uptime_s"] is not None else "ended"

@@ -34,15 +34,23 @@ def module_name(path: Path) -> str:
 
 
 def test_the_remote_agent_is_one_package_of_the_standard_library_and_itself():
-    """What runs on the remote's own Python: stdlib (pynvml optional, inside a try) and its own modules, imported
-    relatively so that the same files work as dflashctl.agent here and as the zipapp's package there."""
+    """What runs on the remote's own Python: stdlib (pynvml optional, inside a try), its own modules and the pure
+    judge, imported relatively so that the same files work as dflashctl.agent here and as the zipapp's package
+    there (which ships the judge inside it)."""
     files = sorted((ROOT / "dflashctl" / "agent").glob("*.py"))
     assert {p.stem for p in files} >= {"__init__", "__main__", "common", "pack", "probe", "release", "launcher"}
     for path in files:
         outside = {m.split(".")[0] for m in imports(path, relative=False)} - STDLIB - {"__future__", "pynvml"}
         assert outside == set(), (path.name, outside)
         assert not any(m.startswith("dflashctl") for m in imports(path, relative=False)), path.name
-    assert_no_cycle({m: d for m, d in import_graph("dflashctl").items() if m.startswith("dflashctl.agent")})
+    graph = import_graph("dflashctl")
+    agent = {m: {d for d in deps if d.startswith("dflashctl.agent")} for m, deps in graph.items()
+             if m.startswith("dflashctl.agent")}  # fmt: skip
+    assert_no_cycle(agent)
+    # beyond itself, the agent imports only the pure judge (shipped inside its zipapp for the supervisor)
+    assert {d for m in agent for d in graph[m] if not d.startswith("dflashctl.agent")} <= {
+        m for m in graph if m.startswith("dflashctl.judge")
+    }
     assert not (ROOT / "dflashctl" / "remote" / "probe.py").exists()  # one agent, not three shipped alone
 
 
@@ -114,7 +122,7 @@ def test_the_trainer_is_grouped_by_layer_with_no_arrow_up_and_no_circle():
     assert_no_cycle(graph)
 
 
-CLI_LAYERS = {"agent": -1, "errors": 0, "config": 0, "outputs": 0, "logfile": 0, "model": 0, "judge": 0, "remote": 1,
+CLI_LAYERS = {"agent": -1, "errors": 0, "config": 0, "outputs": 0, "logfile": 0, "model": 0, "judge": -2, "remote": 1,
               "jobs": 2, "show": 3}  # fmt: skip
 
 

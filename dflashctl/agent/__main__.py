@@ -14,8 +14,10 @@ def main(argv: list[str] | None = None) -> int:
         from . import release as agent
     elif action == "launch":
         from . import launcher as agent
+    elif action == "supervise":
+        from . import supervise as agent
     else:
-        sys.stderr.write(f"dflashctl agent: unknown action {action!r} (probe, release or launch)\n")
+        sys.stderr.write(f"dflashctl agent: unknown action {action!r} (probe, release, launch or supervise)\n")
         return 2
     sys.argv = [sys.argv[0], *argv[1:]]  # each action reads its arguments as it did when shipped alone
     return agent.main()

@@ -3,7 +3,8 @@
 It makes itself a child subreaper (PR_SET_CHILD_SUBREAPER), so every descendant of the job stays in its tree: torchrun
 workers in new sessions, `setsid` or double-forked children, children that scrub their environment. It records
 itself as (pid, start time) in `wrapper.pid`, runs `bash run.sh ARGS`, reaps whatever is reparented to it, and once
-run.sh has ended (it writes `exit_code`), stops what is left of the job: nothing of a job outlives it.
+run.sh has ended (it writes `exit_code`), stops what is left of the job: nothing of a job outlives it. First it
+starts the job's supervisor (agent/supervise.py) outside that tree, where the run dir asks for one.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def reap_all() -> None:
 
 def main() -> int:
     run_dir, args = sys.argv[1], sys.argv[2:]
+    from .supervise import spawn
+
+    spawn(run_dir)  # before this process is a subreaper: the supervisor must not be in the job's tree
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     me = os.getpid()

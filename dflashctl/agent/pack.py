@@ -12,13 +12,30 @@ ROOT_MAIN = f"import sys\nfrom {PACKAGE}.__main__ import main\nsys.exit(main())\
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+JUDGE = "judge"  # the pure judge (stdlib only, relative imports), shipped inside the package for the supervisor
+
+
+def _judge_dir(source_dir: str) -> str | None:
+    """Where the judge's modules are: beside the agent's package in the source tree, or inside it (unpacked)."""
+    for d in (os.path.join(source_dir, JUDGE), os.path.join(os.path.dirname(source_dir), JUDGE)):
+        if os.path.isfile(os.path.join(d, "health.py")):
+            return d
+    return None
+
+
 def build(source_dir: str = HERE) -> bytes:
-    """The package's modules under PACKAGE/ and a root __main__.py: fixed dates, sorted, deflated."""
+    """The package's modules under PACKAGE/, the judge's under PACKAGE/judge/, and a root __main__.py: fixed dates,
+    sorted, deflated."""
     entries = [("__main__.py", ROOT_MAIN.encode())]
     for name in sorted(os.listdir(source_dir)):
         if name.endswith(".py"):
             with open(os.path.join(source_dir, name), "rb") as f:
                 entries.append((f"{PACKAGE}/{name}", f.read()))
+    judge = _judge_dir(source_dir)
+    for name in sorted(os.listdir(judge)) if judge else []:
+        if name.endswith(".py"):
+            with open(os.path.join(judge, name), "rb") as f:
+                entries.append((f"{PACKAGE}/{JUDGE}/{name}", f.read()))
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
         for name, data in entries:

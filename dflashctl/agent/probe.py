@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 
+from . import supervision
 from .common import locked, read_int, read_json, start_time, write_atomic
 
 
@@ -553,6 +554,7 @@ def snapshot(req: dict) -> dict:
             with contextlib.suppress(OSError):  # a full disk loses a sample, never the snapshot
                 append_gpu_sample(run_dir, snap["gpu"], list(req.get("job_gpus") or []))
     if run_dir and snap["run_dir_exists"]:
+        snap["supervisor"] = supervision.state(run_dir)
         snap["progress"] = update_progress(run_dir, now, snap, list(req.get("job_gpus") or []),
                                            int(req.get("metrics_offset", 0)))  # fmt: skip
         snap["host_oom"] = host_oom(run_dir, snap)
@@ -578,6 +580,8 @@ def checkpoint_gib(run_dir: str) -> float | None:
 
 PROGRESS = "progress.json"
 CPU_MOVED_S = 0.2  # CPU seconds a poll must see the job use to count as progress
+CPU_SAMPLE_S = 0.3  # a first look's CPU sample
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _clamp(t, lo: float, hi: float) -> float:
@@ -585,12 +589,36 @@ def _clamp(t, lo: float, hi: float) -> float:
     return hi if not isinstance(t, (int, float)) or isinstance(t, bool) or t > hi else max(float(t), lo)
 
 
+def _cpu_moving(procs: list[dict], launcher, wait_s: float = CPU_SAMPLE_S) -> bool:
+    """Whether the job's processes use CPU right now: their CPU time read twice, `wait_s` apart. What one look can
+    measure where there is no history to compare with (a first look, a history that cannot be written)."""
+    pids = [p["pid"] for p in procs if p["pid"] != launcher]
+    if not pids:
+        return False
+
+    def total() -> float:
+        t = 0.0
+        for pid in pids:
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                t += (int(fields[11]) + int(fields[12])) / CLK_TCK
+        return t
+
+    before = total()
+    time.sleep(wait_s)
+    return total() > before + 0.02
+
+
 def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], metrics_from: int = -1) -> dict:
     """When each sign of progress last changed, on this clock, kept in RUN/progress.json and updated by every probe
-    (status, watch, a second watcher, a cron job): the heartbeat's content, the log's size, the job's CPU time, its
-    GPUs' activity and the newest step. A change first seen now happened after the previous look and no later than
-    now: a claimed time (mtime, a record's `time`) is believed only inside that window, so neither a future mtime nor
-    a first-time reader can make an old sign look fresh. One attempt (launcher pid and start) per history."""
+    (the supervisor, status, watch, a second watcher, a cron job): the heartbeat's content, the log's size, the job's
+    CPU time, its GPUs' activity and the newest step. A change first seen now happened after the previous look and
+    no later than now: a claimed time (mtime, a record's `time`, a stamp read back from the file) is believed only
+    inside that window, so neither a future stamp nor a first-time reader can make an old sign look fresh. A first
+    look measures what one look can (the CPU used over a short sample, mtimes up to now). A history that cannot be
+    written is said (`history_error`), and the one-look measures stand. One attempt (launcher pid and start) per
+    history."""
     path = os.path.join(run_dir, PROGRESS)
     wrapper = read_json(os.path.join(run_dir, WRAPPER_PID))
     attempt = [wrapper.get("pid"), wrapper.get("start")] if isinstance(wrapper, dict) else None
@@ -608,44 +636,55 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
         log_mtime = os.path.getmtime(os.path.join(run_dir, "train.log"))
     except OSError:
         log_mtime = None
+    error = None
+    lock = contextlib.nullcontext()
     try:
-        with locked(path + ".lock", timeout=5.0):
-            prev = read_json(path)
-            prev = prev if isinstance(prev, dict) and prev.get("attempt") == attempt else {}
-            seen = prev.get("seen_at")
-            lo = float(seen) if isinstance(seen, (int, float)) else attempt_start
-            cur = dict(prev, attempt=attempt, attempt_start=attempt_start, seen_at=now)
+        lock = locked(path + ".lock", timeout=5.0)
+        lock.__enter__()
+    except (OSError, TimeoutError) as e:
+        error, lock = f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}", contextlib.nullcontext()
+    try:
+        prev = read_json(path)
+        prev = _believable(prev, attempt, attempt_start, now) if isinstance(prev, dict) else {}
+        seen = prev.get("seen_at")
+        lo = float(seen) if isinstance(seen, (int, float)) else attempt_start
+        cur = dict(prev, attempt=attempt, attempt_start=attempt_start, seen_at=now)
 
-            def note(key: str, value, claimed, moved=None) -> None:
-                old = prev.get(key)
-                changed = moved(old["value"]) if moved and isinstance(old, dict) else (
-                    not isinstance(old, dict) or old.get("value") != value)
-                if changed:
-                    since = attempt_start if old is None else lo
-                    cur[key] = {"value": value, "changed_at": _clamp(claimed, since, now)}
+        def note(key: str, value, claimed, moved=None) -> None:
+            old = prev.get(key)
+            changed = moved(old["value"]) if moved and isinstance(old, dict) else (
+                not isinstance(old, dict) or old.get("value") != value)
+            if changed:
+                since = attempt_start if old is None else lo
+                cur[key] = {"value": value, "changed_at": _clamp(claimed, since, now)}
 
-            if isinstance(hb, dict):
-                claim = hb.get("mtime") if not hb.get("future") else hb.get("time")
-                note("heartbeat", [hb.get("mtime"), hb.get("time"), hb.get("step"), hb.get("phase")], claim)
-            size = int((snap.get("log") or {}).get("size") or 0)
-            if size or "log_size" in prev:
-                note("log_size", size, log_mtime)
-            cpu = round(sum(p.get("cpu_s") or 0 for p in snap.get("procs", []) if p["pid"] != launcher), 2)
-            note("cpu_s", cpu, now, moved=lambda old: cpu > old + CPU_MOVED_S or cpu < old)
-            if not isinstance(prev.get("cpu_s"), dict):  # the baseline: nothing used when the attempt started
-                cur["cpu_s"] = {"value": cpu, "changed_at": now if cpu > CPU_MOVED_S else attempt_start}
-            if snap.get("gpu") is not None:  # `status` reads no GPUs: the history keeps what others saw
-                old_mem = (prev.get("gpu") or {}).get("value")
-                busy = any(5 < u < 99 for u in utils) or bool(utils and max(utils) >= 99 and old_mem not in (None, mem))
-                cur["gpu"] = {"value": mem, "changed_at": now if busy else (prev.get("gpu") or {}).get("changed_at")}
-            step_of(run_dir, prev, cur, snap.get("metrics") if metrics_from == prev.get("metrics_offset", 0) else None)
-            if cur.get("step_value") != prev.get("step_value"):
-                cur["step"] = {"value": cur.get("step_value"), "changed_at": _clamp(cur.get("step_time"),
-                               attempt_start if "step" not in prev else lo, now)}  # fmt: skip
-            with contextlib.suppress(OSError):
+        if isinstance(hb, dict):
+            claim = hb.get("mtime") if not hb.get("future") else hb.get("time")
+            note("heartbeat", [hb.get("mtime"), hb.get("time"), hb.get("step"), hb.get("phase")], claim)
+        size = int((snap.get("log") or {}).get("size") or 0)
+        if size or "log_size" in prev:
+            note("log_size", size, log_mtime)
+        cpu = round(sum(p.get("cpu_s") or 0 for p in snap.get("procs", []) if p["pid"] != launcher), 2)
+        note("cpu_s", cpu, now, moved=lambda old: cpu > old + CPU_MOVED_S or cpu < old)
+        if not isinstance(prev.get("cpu_s"), dict):  # a first look: CPU used so far proves no time; a sample does
+            moving = _cpu_moving(snap.get("procs", []), launcher) if cpu > CPU_MOVED_S else False
+            cur["cpu_s"] = {"value": cpu, "changed_at": now if moving else attempt_start}
+        if snap.get("gpu") is not None:  # `status` reads no GPUs: the history keeps what others saw
+            old_mem = (prev.get("gpu") or {}).get("value")
+            busy = any(5 < u < 99 for u in utils) or bool(utils and max(utils) >= 99 and old_mem not in (None, mem))
+            cur["gpu"] = {"value": mem, "changed_at": now if busy else (prev.get("gpu") or {}).get("changed_at")}
+        step_of(run_dir, prev, cur, snap.get("metrics") if metrics_from == prev.get("metrics_offset", 0) else None,
+                attempt_start)  # fmt: skip
+        if cur.get("step_value") != prev.get("step_value"):
+            cur["step"] = {"value": cur.get("step_value"), "changed_at": _clamp(cur.get("step_time"),
+                           attempt_start if "step" not in prev else lo, now)}  # fmt: skip
+        if error is None:
+            try:
                 write_atomic(path, json.dumps(cur, separators=(",", ":")).encode())
-    except (OSError, TimeoutError):
-        cur = {"attempt_start": attempt_start}
+            except OSError as e:
+                error = f"{type(e).__name__}: {e.strerror or e}"
+    finally:
+        lock.__exit__(None, None, None)
     signs = {name: (cur.get(key) or {}).get("changed_at")
              for name, key in (("log grew", "log_size"), ("CPU time", "cpu_s"), ("GPU busy", "gpu"))}
     known = {k: v for k, v in signs.items() if isinstance(v, (int, float))}
@@ -658,16 +697,42 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
         "step": (cur.get("step") or {}).get("value"),
         "step_changed_at": (cur.get("step") or {}).get("changed_at"),
         "nonfinite_steps": cur.get("nonfinite_steps", 0),
+        **({"history_error": error} if error else {}),
     }
 
 
-def step_of(run_dir: str, prev: dict, cur: dict, read: dict | None = None) -> None:
+def _believable(prev: dict, attempt, attempt_start: float, now: float) -> dict:
+    """The stored history of this attempt, with every stamp it cannot prove taken back to the attempt's start: a
+    stamp after now (a skewed or forged file) or before the attempt proves nothing about when a sign moved."""
+    if prev.get("attempt") != attempt:
+        return {}
+    out = dict(prev)
+    seen = prev.get("seen_at")
+    if not isinstance(seen, (int, float)) or isinstance(seen, bool) or not attempt_start - 1 <= seen <= now + 1:
+        out.pop("seen_at", None)
+    for key in ("heartbeat", "log_size", "cpu_s", "gpu", "step"):
+        entry = prev.get(key)
+        if not isinstance(entry, dict):
+            out.pop(key, None)
+            continue
+        t = entry.get("changed_at")
+        number = isinstance(t, (int, float)) and not isinstance(t, bool)
+        if t is not None and not (number and attempt_start - 1 <= t <= now + 1):
+            out[key] = {**entry, "changed_at": attempt_start}
+    return out
+
+
+def step_of(run_dir: str, prev: dict, cur: dict, read: dict | None = None, attempt_start: float = 0.0) -> None:
     """The newest step record of metrics.jsonl, read on from where the history last stopped; `read` is this probe's
-    own read of the file when it started at that same offset (a long watch: the file is not read twice a poll)."""
+    own read of the file when it started at that same offset (a long watch: the file is not read twice a poll). A
+    record from before the attempt started is an earlier attempt's: a restarted job has not stepped until its own."""
     got = read or read_metrics(os.path.join(run_dir, "metrics.jsonl"), int(prev.get("metrics_offset") or 0), 1 << 20)
     cur["metrics_offset"] = got["offset"]
     for rec in got["records"]:
         step = rec.get("step")
+        t = rec.get("time")
+        if isinstance(t, (int, float)) and t < attempt_start - 1:
+            continue
         if "event" not in rec and type(step) is int:
             cur["step_value"], cur["step_time"] = step, rec.get("time")
             n = rec.get("nonfinite_steps")
@@ -840,11 +905,13 @@ def reap(req: dict) -> dict:
     then stop, verify, and record the result where every watcher sees it."""
     run_dir = req.get("run_dir")
     has_dir = bool(run_dir and os.path.isdir(run_dir))
+    ended_before = read_int(os.path.join(run_dir, "exit_code")) if has_dir else None
     if has_dir:
         with locked(os.path.join(run_dir, ".restart.lock")):
             if not os.path.exists(os.path.join(run_dir, STOP_REQUEST)):
                 body = {"time": time.time(), "by": req.get("by", "dflashctl kill")}
                 write_atomic(os.path.join(run_dir, STOP_REQUEST), json.dumps(body).encode())
+        end_supervisor(run_dir)
     grace = float(req.get("grace_s", 40))
     if req.get("scheduler") == "slurm" and has_dir:  # scancel, seen to end; then what is left on this machine
         slurm = _slurm()
@@ -864,9 +931,19 @@ def reap(req: dict) -> dict:
         report["gpu_check"], report["gpu_holders"] = "host: made by the caller", []
     clean = not report["remaining"] and not report["gpu_holders"] and report["session_closed"]
     report["result"] = "KILLED" if clean else "KILL_FAILED"
+    report["ended_before"] = ended_before  # the job had already ended: its own verdict stands
     if has_dir:
         record_stop_result(run_dir, report)
     return report
+
+
+def end_supervisor(run_dir: str) -> None:
+    """The job is being stopped: its supervisor (pid and start time as it recorded them) has nothing left to do."""
+    me = read_json(os.path.join(run_dir, supervision.STATE))
+    ours = isinstance(me, dict) and isinstance(me.get("pid"), int) and me.get("start") is not None
+    if ours and start_time(me["pid"]) == me["start"]:
+        with contextlib.suppress(OSError):
+            os.kill(me["pid"], signal.SIGTERM)
 
 
 def record_stop_result(run_dir: str, report: dict) -> None:

@@ -29,6 +29,8 @@ class KillReport:
     gpu_holders: list[dict]
     gpu_check: str  # which GPU check was made, and when
     session_closed: bool
+    ended_before: int | None = None  # the job's exit status, where it had ended before the kill
+    verdict: dict | None = None  # then its own verdict, kept: {state, reason, evidence}
 
     @property
     def clean(self) -> bool:
@@ -62,8 +64,9 @@ def stop(runner: Runner, job: JobRecord, grace_s: float | None = None) -> KillRe
             report = {**ans, "gpu_holders": holders, "gpu_check": check}
             session.call_agent(runner, {"action": "stop_result", "run_dir": job.run_dir, "report": report,
                                         "gpus": False})  # fmt: skip
+    ended = ans.get("ended_before")
     return KillReport(job.id, host.name, ans["result"], ans["found"], ans["term"], ans["kill"], ans["remaining"],
-                      holders, check, ans["session_closed"])  # fmt: skip
+                      holders, check, ans["session_closed"], ended if isinstance(ended, int) else None)  # fmt: skip
 
 
 @dataclass
@@ -116,6 +119,8 @@ def stop_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], grace_
         [p for r in reports for p in r.kill], [p for r in reports for p in r.remaining],
         [x for r in reports for x in tag(r, r.gpu_holders)], "; ".join(f"{r.host}: {r.gpu_check}" for r in reports),
         all(r.session_closed for r in reports),
+        next((r.ended_before for r in reports if r.ended_before is not None), None)
+        if all(r.ended_before is not None for r in reports) else None,
     )  # fmt: skip
 
 

@@ -17,11 +17,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dflashctl.config import HostConfig, resolve_host
-from dflashctl.errors import ConfigError, NoSuchJobError, NothingToDoError, RefusedError, RemoteCommandError
+from dflashctl.errors import (
+    ConfigError,
+    NoSuchJobError,
+    NothingToDoError,
+    RefusedError,
+    RemoteCommandError,
+    UnreachableError,
+)
 from dflashctl.jobs import control, registry
+from dflashctl.jobs import verdict as verdicts
 from dflashctl.jobs.control import KillReport
 from dflashctl.jobs.registry import JobRecord, Member
-from dflashctl.jobs.watch import judge, make_watcher
+from dflashctl.jobs.watch import make_watcher
 from dflashctl.model.jobfile import load_job
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner
@@ -312,6 +320,10 @@ def kill(spec: str | None, project: str, grace_s: float | None = None, accept_ne
         raise NothingToDoError(f"{job.id} is already {job.state}: nothing to kill")
     report = control.stop_all(job, lambda h: open_runner(h, accept_new), grace_s)
     ended = not job.live and job.state != "KILL_FAILED" and not report.found and report.clean
+    if report.ended_before is not None and report.clean:  # it had ended by itself: that verdict stands
+        st = status(job.id, project, accept_new)
+        report.verdict = {"state": st["state"], "reason": st["reason"], "evidence": st["evidence"]}
+        ended = True
     if not ended:
         registry.update(job.id, state=report.result, killed_at=time.time())
     registry.append_event(job.id, {"decision": "kill", "result": report.result, "signalled": report.term,
@@ -323,8 +335,11 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     """One probe and a verdict. Without a spec, the same job `kill` would pick (else the newest of the project)."""
     job = find_job(spec, project)
     picked = picked_how(job, spec)
-    with open_runner(job.host, accept_new) as runner:
-        snap = session.call_agent(runner, {**session.probe_request(job, capture_lines=5), "gpus": False})
+    try:
+        with open_runner(job.host, accept_new) as runner:
+            snap = session.call_agent(runner, {**session.probe_request(job, capture_lines=5), "gpus": False})
+    except UnreachableError as e:  # the same word `watch --once` says: UNREACHABLE, with the last state seen
+        return unreachable_status(job, picked, str(e))
     records = snap.get("metrics", {}).get("records", [])
     steps = [r for r in records if "event" not in r]
     events = [r for r in records if "event" in r]
@@ -341,7 +356,10 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
         registry.update(job.id, state=v.state, reason=v.reason)
         nodes = [{"host": n.job.host_name, "state": st} for n, st in zip(w.nodes, w.node_states, strict=True)]
     else:
-        v = judge(job, snap)
+        v, _ = verdicts.judge(job, snap)
+        if v.state != "UNREACHABLE":  # a silent scheduler concludes nothing: the record keeps its last state
+            registry.update(job.id, state=v.state, reason=v.reason)
+    sup = snap.get("supervisor") if isinstance(snap.get("supervisor"), dict) else None
     return {
         "nodes": nodes,
         "id": job.id, "host": job.host_name, "run_dir": job.run_dir, "picked": picked,
@@ -358,6 +376,24 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
         "mean_tokens_per_s": round(sum(tps) / len(tps), 1) if tps else None,
         "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
         "elapsed_s": round(times[-1] - times[0], 1) if len(times) > 1 else None,
+        "supervisor": {"alive": bool(sup.get("alive")), "ended": sup.get("ended")} if sup else None,
+        "last_state": None, "last_seen": None,
+    }  # fmt: skip
+
+
+def unreachable_status(job: JobRecord, picked: str, why: str) -> dict:
+    """`status` of a job whose host does not answer: UNREACHABLE, with the last state recorded and when."""
+    from dflashctl.judge.health import ADVICE
+
+    seen = job.since if isinstance(job.since, (int, float)) and job.since else None
+    when = f", recorded {time.time() - seen:.0f} s ago" if seen else ""
+    return {
+        "nodes": None, "id": job.id, "host": job.host_name, "run_dir": job.run_dir, "picked": picked,
+        "alive": None, "session": "unknown", "run_dir_exists": None, "exit_code": None, "last_step": None,
+        "last_event": None, "uptime_s": None, "processes": None, "state": "UNREACHABLE", "reason": why,
+        "evidence": [f"last state {job.state}{when}"], "advice": ADVICE["UNREACHABLE"], "restarts": job.restarts,
+        "heartbeat_age_s": None, "tau": None, "tau_set": None, "mean_tokens_per_s": None, "first_loss": None,
+        "last_loss": None, "elapsed_s": None, "supervisor": None, "last_state": job.state, "last_seen": seen,
     }  # fmt: skip
 
 

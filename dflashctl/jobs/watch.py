@@ -17,7 +17,9 @@ from pydantic import BaseModel
 from dflashctl.agent.probe import MIN_FREE_GIB  # a restart needs what a launch needs
 from dflashctl.errors import ProbeFailedError
 from dflashctl.jobs import control, registry
+from dflashctl.jobs import verdict as verdicts
 from dflashctl.jobs.notify import Message, post
+from dflashctl.judge import fold as folding
 from dflashctl.judge.health import ADVICE, FAILURES, PEER_LOST, TERMINAL, History, Thresholds, Verdict, assess
 from dflashctl.judge.states import EXIT_BY_STATE  # noqa: E402,F401 - re-exported for callers of watch
 from dflashctl.model.jobfile import WatchConfig
@@ -62,11 +64,6 @@ def sparkline(values: list[float], width: int = 30) -> str:
     return "".join(SPARK[min(7, int((v - lo) / span * 7.999))] for v in vals)
 
 
-def _number(value) -> float | None:
-    """A metrics value as a number, or None (a string `loss`, a bool, a list: the record is malformed)."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
 @dataclass
 class Watcher:
     job: JobRecord
@@ -91,6 +88,7 @@ class Watcher:
     unsaid: list[dict] = field(default_factory=list)  # decisions not yet carried by a poll record
     said: deque = field(default_factory=lambda: deque(maxlen=5))  # the newest decisions, for the live view
     notes: list[str] = field(default_factory=list)
+    supervisor: dict | None = None  # the supervisor's word on the job, from the newest snapshot
 
     def __post_init__(self) -> None:
         self.restarts = self.job.restarts
@@ -99,9 +97,7 @@ class Watcher:
 
     @property
     def thresholds(self) -> Thresholds:
-        c = self.cfg
-        return Thresholds(c.stall_after_s, c.startup_budget_s or 3600.0, c.heartbeat_max_age_s, c.throughput_floor,
-                          c.throughput_drop, c.slow_polls)  # fmt: skip
+        return verdicts.thresholds(self.cfg)
 
     def _connect(self) -> Runner:
         if self.runner is None:
@@ -143,7 +139,7 @@ class Watcher:
         self.history.reachable = True
         self.history.probe_error = None
         self.fold(snap)
-        return assess(self.history, self.thresholds)
+        return verdicts.supervised(assess(self.history, self.thresholds), self.history, self.supervisor)
 
     def min_free_gib(self, state: str) -> float | None:
         """A restart after DISK_FULL needs room for a checkpoint (at least MIN_FREE_GIB)."""
@@ -153,103 +149,22 @@ class Watcher:
         return control.restart(self._connect(), self.job, attempt, self.min_free_gib(state))
 
     def fold(self, snap: dict) -> None:
-        """Take one snapshot into the history (offsets, steps, fatal/finished records, heartbeat, GPUs). Every value
-        that comes from the job's files is checked for its type: a malformed one is skipped and counted."""
+        """Take one snapshot into the history (judge/fold.py, the same fold `status` and the supervisor use); keep
+        what the display needs (throughput, step times, tau, GPUs)."""
         remote_restarts = snap.get("restarts")
         if isinstance(remote_restarts, int) and remote_restarts > self.restarts:  # another watcher restarted it
             self.restarts = remote_restarts
             self.reset_after_restart()
-        h = self.history
-        h.now = snap["time"]
-        pane = snap["session"]
-        h.session_exists = bool(pane.get("exists"))
-        h.pane_dead = bool(pane.get("pane_dead"))
-        h.pane_status = pane.get("exit_status")
-        h.pane_lines = pane.get("lines", []) if h.session_exists else []
-        h.scheduler = None
-        if self.job.scheduler == "slurm":
-            h.scheduler = pane.get("slurm") or {"state": "UNKNOWN"}  # none: never submitted, nothing known of it
-            if h.scheduler.get("state") == "NO_ANSWER" and self.state != "UNREACHABLE":
-                h.last_state = self.state or self.job.state  # kept through the scheduler's silence, as the host's
-        if pane.get("created") and not h.started_at:
-            h.started_at = float(pane["created"])
-        h.run_dir_exists = snap["run_dir_exists"]
-        h.exit_code = snap.get("exit_code")
-        h.exit_time = snap.get("exit_time") if isinstance(snap.get("exit_time"), (int, float)) else None
-        h.stop_request, h.stop_result = snap.get("stop_request"), snap.get("stop_result")
-        log = snap.get("log") or {}
-        self.log_offset = log.get("offset", self.log_offset)
-        if log.get("text"):
-            self.tail.extend(log["text"].splitlines())
-            h.log_tail = list(self.tail)
-        metrics = snap.get("metrics") or {}
-        self.metrics_offset = metrics.get("offset", self.metrics_offset)
-        h.malformed += int(metrics.get("malformed") or 0)
-        new_tps = []
-        for rec in metrics.get("records", []):
-            ev = rec.get("event")
-            if ev is None:
-                step = rec.get("step")
-                if not isinstance(step, int) or isinstance(step, bool):
-                    h.malformed += 1
-                    continue
-                h.last_step, h.last_step_time = step, _number(rec.get("time"))
-                h.epoch = rec.get("epoch") if isinstance(rec.get("epoch"), int) else h.epoch
-                h.loss = _number(rec.get("loss"))
-                tps = _number(rec.get("tokens_per_s"))
-                if tps is not None:
-                    new_tps.append(tps)
-                self.step_times.append((h.last_step_time, step))
-            elif ev == "fatal":
-                h.fatal = rec
-            elif ev == "finished":
-                h.finished = True
-            elif ev == "eval":
-                self.tau = _number(rec.get("tau"))
-                self.tau_set = str(rec.get("prompt_set") or "holdout")[:64]
-        if new_tps:
-            h.tokens_per_s.append(sum(new_tps) / len(new_tps))
-            self.tps_all.extend(new_tps)
-        gpu = snap.get("gpu") or {}
-        wanted = set(self.job.gpus)
-        self.gpus = [g for g in gpu.get("gpus", []) if not wanted or g.get("index") in wanted or g.get("lost")]
-        h.gpus, h.job_gpus = self.gpus, list(self.job.gpus)
-        totals = [g["mem_total_mib"] / 1024 for g in self.gpus if isinstance(g.get("mem_total_mib"), (int, float))]
-        h.gpu_total_gib = max(totals) if totals else None
-        h.disk_free_gib = _number(snap.get("disk_free_gib"))
-        h.checkpoint_gib = _number(snap.get("checkpoint_gib"))
-        oom = snap.get("host_oom") or {}
-        h.oom_kills = oom.get("oom_kills") if isinstance(oom.get("oom_kills"), int) else None
-        h.kernel_oom = [str(x)[:300] for x in oom.get("kernel_oom") or []][-5:]
-        h.kernel_xid = [str(x)[:300] for x in oom.get("kernel_xid") or []][-5:]
-        self._fold_progress(snap, h)
-
-    def _fold_progress(self, snap: dict, h: History) -> None:
-        """Stall and staleness come from the run dir's progress history (agent/probe.update_progress): when the
-        heartbeat's content, the log, the CPU time, the GPUs and the newest step last changed, on the remote's
-        clock, as every probe of this job saw them. So `status`, `watch --once`, a second watcher and a cron job
-        judge from the same facts as a long-running watch: a future mtime cannot keep a frozen job RUNNING."""
-        prog = snap.get("progress") if isinstance(snap.get("progress"), dict) else {}
-        hb = snap.get("heartbeat")
-        h.heartbeat_age_s = None
-        if isinstance(hb, dict):
-            if hb.get("malformed"):
-                h.malformed += 1
-            h.phase = hb.get("phase") if isinstance(hb.get("phase"), str) else h.phase
-            changed = _number(prog.get("heartbeat_changed_at"))
-            stale = h.started_at and isinstance(hb.get("time"), (int, float)) and hb["time"] < h.started_at - 1
-            if changed is not None and not stale and not (h.pane_dead or h.exit_code is not None):
-                h.heartbeat_age_s = round(max(0.0, h.now - changed), 2)  # a finished job's heartbeat ages by design
-        at = _number(prog.get("activity_at"))
-        h.activity_at = at if at is not None else (h.activity_at or h.now)
-        h.activity = str(prog.get("activity") or "")
-        step = prog.get("step")
-        if isinstance(step, int) and not isinstance(step, bool) and (h.last_step is None or step >= h.last_step):
-            h.step_changed_at = _number(prog.get("step_changed_at"))
-            if h.last_step is None:  # a reader that started past the records (offsets): the history knows
-                h.last_step = step
-        n = prog.get("nonfinite_steps")
-        h.nonfinite_steps = n if isinstance(n, int) and not isinstance(n, bool) else 0
+        job = folding.Job(list(self.job.gpus), self.job.scheduler == "slurm")
+        out = folding.fold(self.history, snap, job, self.tail, self.log_offset, self.metrics_offset,
+                           self.state or self.job.state)  # fmt: skip
+        self.log_offset, self.metrics_offset = out.log_offset, out.metrics_offset
+        self.tps_all.extend(out.new_tps)
+        self.step_times.extend(out.step_times)
+        if out.tau is not None or out.tau_set is not None:
+            self.tau, self.tau_set = out.tau, out.tau_set
+        self.gpus = out.gpus
+        self.supervisor = snap.get("supervisor") if isinstance(snap.get("supervisor"), dict) else None
 
     def warnings(self) -> list[str]:
         """Trouble ahead, said before it is a failure: less free space at the run dir than two checkpoints."""
@@ -491,13 +406,3 @@ def make_watcher(job: JobRecord, accept_new: bool = False) -> Watcher:
     w = NodesWatcher(recs[0], job.watch, lambda: open_runner(recs[0].host, accept_new), others=others)
     w.job, w.accept_new = job, accept_new  # the record keeps its members (restarts reach every node)
     return w
-
-
-def judge(job: JobRecord, snap: dict) -> Verdict:
-    """The watch verdict for one snapshot (`status`), recorded in the registry."""
-    w = make_watcher(job)
-    w.fold(snap)
-    v = assess(w.history, w.thresholds)
-    if v.state != "UNREACHABLE":  # a silent scheduler concludes nothing: the record keeps its last state
-        registry.update(job.id, state=v.state, reason=v.reason)
-    return v

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
-from dflashctl.judge.logs import (
+from .logs import (
     ADVICE,
     CONSEQUENCE,
     SIG,
@@ -88,6 +88,7 @@ class History:
     nonfinite_steps: int = 0  # consecutive non-finite steps the trainer skipped
     scheduler: dict | None = None  # a Slurm job's state as the scheduler said it: id, state, reason, nodes, exit
     exit_time: float | None = None  # when exit_code was written, remote clock
+    history_error: str | None = None  # the run dir's progress history could not be written: one look judges
 
 
 @dataclass
@@ -104,7 +105,10 @@ class Verdict:
 
 
 def _verdict(state: str, reason: str, evidence: list[str], h: History, advice: str | None = None) -> Verdict:
-    return Verdict(state, reason, [str(e) for e in evidence], advice or ADVICE.get(state), h.last_step)
+    ev = [str(e) for e in evidence]
+    if h.history_error and state not in TERMINAL:
+        ev.append(f"warning: the progress history cannot be written ({h.history_error}): judged from one look")
+    return Verdict(state, reason, ev, advice or ADVICE.get(state), h.last_step)
 
 
 FATAL_STATE = {"dense_fallback": "DENSE_FALLBACK", "config": "CONFIG_ERROR", "diverged": "DIVERGED"}
@@ -222,9 +226,13 @@ def assess(h: History, th: Thresholds) -> Verdict:
         return v
     if h.probe_error is not None:
         return _verdict("PROBE_FAILED", "the host answered but the probe failed there", [h.probe_error], h)
-    if h.stop_request is not None:
-        return _stopped(h)
     lines = this_attempt(h.log_tail + [ln for ln in h.pane_lines if ln not in h.log_tail[-200:]])
+    if h.stop_request is not None:
+        if _ended_before_the_stop(h):  # a kill of a job that had already ended keeps the job's own verdict
+            v = _ended(h, lines)
+            v.evidence.append("`dflashctl kill` came after the job had ended: its verdict is kept")
+            return v
+        return _stopped(h)
     if h.scheduler is not None:
         scheduled = _scheduled(h) or _settling(h)
         if scheduled is not None:
@@ -242,7 +250,17 @@ def assess(h: History, th: Thresholds) -> Verdict:
     found = _find(h, lines)
     if found and found.state in ("DENSE_FALLBACK", "NCCL_TIMEOUT", "RECOMPILE_LIMIT", "GPU_FAULT", "DIVERGED"):
         found = _refine(h, found)
+        if found.state == "GPU_FAULT":  # a fault line that progress has outlived is a warning, until it stops
+            v = _alive(h, th)
+            if v.state in ("RUNNING", "STARTING"):
+                v.evidence.append(f"warning: {found.reason}; the job still makes progress")
+                return v
         return _verdict(found.state, found.reason, found.evidence, h, found.advice)
+    return _alive(h, th)
+
+
+def _alive(h: History, th: Thresholds) -> Verdict:
+    """A live job with no failure in sight: STARTING, RUNNING or STALLED, from its progress."""
     if h.heartbeat_age_s is not None and h.heartbeat_age_s > th.heartbeat_max_age_s:
         step = f"step {h.last_step}" if h.last_step is not None else "before the first step"
         ev = [f"heartbeat {h.heartbeat_age_s:.0f} s old (limit {th.heartbeat_max_age_s:.0f})", step]
@@ -262,7 +280,7 @@ def assess(h: History, th: Thresholds) -> Verdict:
             return _verdict("STALLED", "no first step within the startup budget", ev, h)
         phase = h.phase or "waiting for the first heartbeat"
         return _verdict("STARTING", f"{phase} ({waited:.0f} s since start)", [f"phase {phase}"], h)
-    seen = h.step_changed_at if h.step_changed_at is not None else (h.last_step_time or h.now)
+    seen = h.step_changed_at if h.step_changed_at is not None else (h.last_step_time or h.started_at or h.now)
     idle = max(0.0, h.now - seen)
     if idle > th.stall_after_s:
         ev = [f"no new step for {idle:.0f} s (limit {th.stall_after_s:.0f})", f"last step {h.last_step}"]
@@ -334,6 +352,14 @@ def _settling(h: History) -> Verdict | None:
     ev = [f"exit_code {h.exit_code} written {max(0.0, h.now - ended):.0f} s ago",
           f"slurm job {(h.scheduler or {}).get('id')} still {state}"]  # fmt: skip
     return _verdict("RUNNING", f"the command ended (exit {h.exit_code}); waiting for Slurm's word on the job", ev, h)
+
+
+def _ended_before_the_stop(h: History) -> bool:
+    """The job's exit status was written before the stop request (both on the remote's clock)."""
+    asked = (h.stop_request or {}).get("time")
+    if h.exit_code is None or h.exit_time is None or not isinstance(asked, (int, float)) or isinstance(asked, bool):
+        return False
+    return h.exit_time < asked
 
 
 def _stopped(h: History) -> Verdict:

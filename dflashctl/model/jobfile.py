@@ -85,6 +85,8 @@ class WatchConfig(BaseModel):
     restart_on: list[State] = Field(default_factory=lambda: list(DEFAULT_RESTART_ON))
     max_restarts: int = Field(3, ge=0, le=100)
     backoff_s: float = Field(30.0, ge=0, le=86400, description="wait before the first restart; doubles each time")
+    supervise: bool = Field(True, strict=True, description="a supervisor beside the job on the remote judges and "
+                            "restarts it with no laptop attached (single-host tmux jobs)")
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
 
     @field_validator("restart_on")

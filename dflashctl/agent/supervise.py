@@ -1,0 +1,228 @@
+"""Runs ON the remote beside a job: `python3 -S agent.pyz supervise RUN_DIR`. The job keeps its own watch.
+
+Started by the job's launcher (agent/launcher.py) in a session of its own, outside the job's process tree, so that
+a restart, which stops the old attempt's tree, does not stop it; one per run dir (an flock on `.supervisor.lock`:
+the launcher of every restarted attempt tries again, and the one already running keeps the watch). On its own clock
+it takes the same snapshot a poll takes (which keeps the run dir's progress history), folds and judges it with the
+same pure judge as `status` and `watch` (shipped inside the agent's zipapp), writes the verdict to `verdict.json`,
+and applies the job file's restart policy itself, through the same remote restart action under the run dir's lock:
+so it, any number of local watchers and a cron job restart a failed attempt once, never after a kill, never past
+`max_restarts`. Its decisions go to the run dir's `events.jsonl` with `"by": "supervisor"`. It ends when the job
+ends for good (a final state, the restart budget spent, a stop request), or when its run dir is gone.
+
+What it is given (`supervise.json`, written at launch): the job's session, tag, tmux socket, restart arguments and
+its watch policy. Stdlib only, like all of the agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import sys
+import time
+from collections import deque
+
+from . import probe
+from .common import read_int, read_json, start_time, write_atomic
+from .supervision import LOCK, SPEC, STATE, VERDICT
+
+MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 60.0
+
+
+def _judge():
+    """The pure judge: inside the zipapp it ships in the agent's package; from the source tree it is dflashctl's."""
+    try:
+        from .judge import fold, health
+    except ImportError:
+        from ..judge import fold, health
+    return fold, health
+
+
+def spawn(run_dir: str) -> None:
+    """Start the supervisor of `run_dir` in a new session, not a child of the caller (a child subreaper would keep it
+    in the job's tree): fork, setsid, fork again, exec. Returns at once; never raises."""
+    if not os.path.isfile(os.path.join(run_dir, SPEC)):
+        return
+    agent = os.path.join(run_dir, probe.AGENT_FILE)
+    if not os.path.isfile(agent):
+        return
+    try:
+        pid = os.fork()
+    except OSError:
+        return
+    if pid:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        return
+    try:  # the child: never returns into the caller's code
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        null = os.open(os.devnull, os.O_RDWR)
+        err = os.open(os.path.join(run_dir, "supervisor.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                      0o600)  # fmt: skip
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.dup2(err, 2)
+        env = {k: v for k, v in os.environ.items() if k not in ("DFLASHCTL_JOB_ID", "TMUX", "TMUX_PANE")}
+        os.execve(sys.executable, [sys.executable, "-S", agent, "supervise", run_dir], env)
+    finally:
+        os._exit(127)
+
+
+class Supervisor:
+    def __init__(self, run_dir: str, spec: dict) -> None:
+        fold, health = _judge()
+        self.fold, self.health = fold, health
+        self.run, self.spec = run_dir, spec
+        watch = spec.get("watch") if isinstance(spec.get("watch"), dict) else {}
+        self.interval = min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, float(watch.get("interval_s") or 60.0)))
+        self.restart_on = [s for s in watch.get("restart_on") or [] if isinstance(s, str)]
+        self.max_restarts = int(watch.get("max_restarts") or 0)
+        self.backoff_s = float(watch.get("backoff_s") or 0.0)
+        budget = watch.get("startup_budget_s") or 3600.0
+        self.th = health.Thresholds(
+            float(watch.get("stall_after_s") or 600.0), float(budget), float(watch.get("heartbeat_max_age_s") or 120.0),
+            watch.get("throughput_floor"), float(watch.get("throughput_drop") or 0.3), int(watch.get("slow_polls") or 3)
+        )
+        self.job = fold.Job([int(g) for g in spec.get("gpus") or [] if isinstance(g, int)], False)
+        self.restarts = read_int(os.path.join(run_dir, probe.RESTARTS)) or 0
+        self.state: str | None = None
+        self.failed_at: float | None = None
+        self.stopping = False
+        self.reset()
+
+    def reset(self) -> None:
+        self.h = self.health.History(started_at=0.0, is_trainer=bool(self.spec.get("is_trainer")),
+                                     kill_grace_s=float(self.spec.get("grace_s") or 40.0))  # fmt: skip
+        self.tail: deque = deque(maxlen=400)
+        self.log_offset = self.metrics_offset = 0
+        self.failed_at = None
+
+    def request(self) -> dict:
+        return {"run_dir": self.run, "session": self.spec.get("session"), "job_id": self.spec.get("job_id"),
+                "log_offset": self.log_offset, "metrics_offset": self.metrics_offset, "capture_lines": 40,
+                "job_gpus": self.job.gpus, "record_gpu": not self.spec.get("is_trainer")}  # fmt: skip
+
+    def event(self, event: dict) -> None:
+        body = {"time": round(time.time(), 3), "by": "supervisor", **event}
+        with contextlib.suppress(OSError):  # a full disk loses an event, never the watch
+            fd = os.open(os.path.join(self.run, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                         0o600)  # fmt: skip
+            with os.fdopen(fd, "a") as f:
+                f.write(json.dumps(body, separators=(",", ":")) + "\n")
+
+    def look(self):
+        """One snapshot, folded and judged; the verdict written for every asker."""
+        snap = probe.snapshot(self.request())
+        if not snap.get("run_dir_exists"):
+            return None
+        remote = snap.get("restarts")
+        if isinstance(remote, int) and remote > self.restarts:  # a local watcher restarted it
+            self.restarts = remote
+            self.reset()
+        out = self.fold.fold(self.h, snap, self.job, self.tail, self.log_offset, self.metrics_offset, self.state)
+        self.log_offset, self.metrics_offset = out.log_offset, out.metrics_offset
+        v = self.health.assess(self.h, self.th)
+        body = {"time": snap["time"], "state": v.state, "reason": v.reason, "evidence": v.evidence[:12],
+                "advice": v.advice, "step": v.step, "restarts": self.restarts, "by": "supervisor", "pid": os.getpid()}
+        with contextlib.suppress(OSError):
+            write_atomic(os.path.join(self.run, VERDICT), json.dumps(body, separators=(",", ":")).encode())
+        if v.state != self.state:
+            self.event({"decision": "state", "state": v.state, "previous": self.state, "reason": v.reason,
+                        "evidence": v.evidence[:5]})  # fmt: skip
+            self.state = v.state
+        return v
+
+    def restart(self, v) -> str | None:
+        """Apply the restart policy to a failed attempt. None: go on watching; else why the watch ends."""
+        if self.restarts >= self.max_restarts:
+            why = f"max_restarts ({self.max_restarts}) reached"
+            self.event({"decision": "no_restart", "after": v.state, "why": why})
+            return why
+        now = time.time()
+        if self.failed_at is None:
+            self.failed_at = now
+        if now - self.failed_at < self.backoff_s * (2**self.restarts):
+            return None
+        need = max(self.h.checkpoint_gib or 0.0, probe.MIN_FREE_GIB) if v.state == "DISK_FULL" else None
+        ans = probe.restart({"run_dir": self.run, "session": self.spec.get("session"),
+                             "job_id": self.spec.get("job_id"), "attempt": self.restarts,
+                             "max_restarts": self.max_restarts, "grace_s": float(self.spec.get("grace_s") or 40.0),
+                             "python": sys.executable, "args": list(self.spec.get("args") or []),
+                             "min_free_gib": need})  # fmt: skip
+        if ans.get("restarted"):
+            self.restarts = int(ans["restarts"])
+            self.event({"decision": "restart", "after": v.state, "attempt": self.restarts, "reason": v.reason})
+            self.reset()
+            self.state = "STARTING"
+            return None
+        if "another watcher" in str(ans.get("why")):
+            self.restarts = int(ans.get("restarts") or self.restarts)
+            self.reset()
+            return None
+        self.event({"decision": "no_restart", "after": v.state, "why": ans.get("why")})
+        return str(ans.get("why"))
+
+    def run_forever(self) -> str:
+        final = self.health.TERMINAL
+        while not self.stopping:
+            v = self.look()
+            if v is None:
+                return "the run dir is gone"
+            if self.h.stop_request is not None and v.state != "STOPPING":
+                return f"stopped: {v.state}"
+            if v.state in self.restart_on and self.h.stop_request is None:
+                why = self.restart(v)
+                if why:
+                    return f"{v.state}: {why}"
+            elif v.state in final:
+                return v.state
+            deadline = time.monotonic() + self.interval
+            while not self.stopping and time.monotonic() < deadline:
+                time.sleep(min(0.2, self.interval))
+        return "told to stop (SIGTERM)"
+
+
+def main() -> int:
+    run_dir = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else ""
+    spec = read_json(os.path.join(run_dir, SPEC))
+    if not isinstance(spec, dict):
+        sys.stderr.write(f"dflashctl supervise: no {SPEC} in {run_dir!r}\n")
+        return 2
+    if spec.get("tmux_socket"):
+        probe.TMUX[2] = str(spec["tmux_socket"])
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return 0  # one supervisor per run dir: the one already running keeps the watch
+    except OSError as e:
+        sys.stderr.write(f"dflashctl supervise: cannot lock {LOCK} in {run_dir}: {e.strerror}\n")
+        return 1
+    me = os.getpid()
+    record = {"pid": me, "start": start_time(me), "started_at": time.time()}
+    sup = Supervisor(run_dir, spec)
+    record["interval_s"] = sup.interval
+
+    def stop(_signum, _frame) -> None:
+        sup.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the launcher's session closing is no reason to stop watching
+    write_atomic(os.path.join(run_dir, STATE), json.dumps(record).encode())
+    ended = "crashed"
+    try:
+        ended = sup.run_forever()
+    except Exception as e:  # said where every asker sees it: the local side then judges by itself
+        ended = f"failed: {type(e).__name__}: {e}"[:300]
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            if os.path.isdir(run_dir):
+                write_atomic(os.path.join(run_dir, STATE), json.dumps({**record, "ended": ended,
+                                                                       "ended_at": time.time()}).encode())  # fmt: skip
+    return 0
