@@ -241,7 +241,7 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
             out.print(f"  {line}", markup=False)
         raise typer.Exit(code)
     for line in st["evidence"]:
-        if line.startswith(("warning:", "the job's supervisor is gone", "judged by")):
+        if line.startswith(("warning:", "the job's supervisor")):
             out.print(f"  {line}", markup=False)
     if st["nodes"]:
         out.print("nodes: " + ", ".join(f"{n['host']} {n['state']}" for n in st["nodes"]), markup=False)

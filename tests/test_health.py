@@ -128,3 +128,50 @@ def test_a_crash_before_the_first_step_that_would_repeat_is_not_restarted():
     assert "No module named 'torch'" in v.evidence[0]
     h = History(started_at=0.0, now=10.0, exit_code=1, log_tail=lines, last_step=50)
     assert assess(h, Thresholds()).state == "CRASHED"  # after steps it is an ordinary crash
+
+
+def test_a_gpu_fault_line_that_progress_outlived_is_a_warning_until_the_job_stops():
+    lines = ["[rank1]: torch.AcceleratorError: CUDA error: uncorrectable ECC error encountered (retried)",
+             "step 500 loss 2.1", "step 510 loss 2.0"]  # fmt: skip
+    h = History(started_at=0.0, now=1000.0, last_step=510, step_changed_at=995.0, heartbeat_age_s=2.0,
+                log_tail=lines, tokens_per_s=[1000.0])  # fmt: skip
+    v = assess(h, TH)
+    assert v.state == "RUNNING" and any("warning: GPU hardware error" in e for e in v.evidence)
+    h.step_changed_at = 100.0  # no step for 900 s: now the fault is the verdict
+    assert assess(h, TH).state == "GPU_FAULT"
+    h.exit_code, h.step_changed_at = 1, 995.0  # it ended: the fault is the root cause
+    assert assess(h, TH).state == "GPU_FAULT"
+
+
+def test_a_restarted_job_is_starting_until_it_passes_its_resumed_step():
+    from collections import deque
+
+    from dflashctl.judge.fold import Job, fold
+
+    old = [{"time": 100.0 + i, "step": i, "loss": 2.0, "tokens_per_s": 900.0} for i in range(1, 6)]
+    snap = {"time": 500.0, "run_dir_exists": True, "session": {"exists": True, "created": 400.0},
+            "metrics": {"offset": 10, "records": old}, "heartbeat": {"phase": "load", "time": 499.0},
+            "progress": {"attempt_start": 400.0, "heartbeat_changed_at": 499.0}}  # fmt: skip
+    h = History(started_at=0.0)
+    fold(h, snap, Job(), deque())
+    v = assess(h, TH)
+    assert v.state == "STARTING" and h.last_step is None, v
+    snap = {**snap, "time": 520.0, "metrics": {"offset": 20, "records": [{"time": 515.0, "step": 6, "loss": 1.9}]}}
+    fold(h, snap, Job(), deque())
+    assert assess(h, TH).state == "RUNNING" and h.last_step == 6
+
+
+def test_stamps_a_reader_cannot_prove_are_no_evidence():
+    from collections import deque
+
+    from dflashctl.judge.fold import Job, fold
+
+    far = 10**9
+    snap = {"time": 2000.0, "run_dir_exists": True, "session": {"exists": True, "created": 1000.0},
+            "metrics": {"offset": 0, "records": []}, "heartbeat": {"phase": "train", "time": 1999.0},
+            "progress": {"attempt_start": 1000.0, "heartbeat_changed_at": far, "step": 40, "step_changed_at": far,
+                         "activity_at": far}}  # fmt: skip
+    h = History(started_at=0.0)
+    fold(h, snap, Job(), deque())
+    assert h.heartbeat_age_s == 1000.0 and h.step_changed_at == 1000.0 and h.activity_at == 1000.0
+    assert assess(h, TH).state == "STALLED"

@@ -115,7 +115,9 @@ def test_a_dead_pane_contributes_no_process(proj):
     try:  # a process named by a pid but a different start time is not that process
         wrong = {"pid": decoy.pid, "start": probe.start_time(decoy.pid) - 1}
         assert probe.job_processes(probe.proc_table(), wrong, None) == []
-        killed = cli_json("kill", job_id)
+        res = run_cli("kill", job_id, "--json")  # it had ended by itself: its verdict and exit code stand
+        killed = json.loads(res.stdout)
+        assert res.code == 10 and killed["verdict"]["state"] == "CRASHED"
         assert killed["term"] == [] and killed["kill"] == [] and alive(decoy.pid)
     finally:
         decoy.kill()

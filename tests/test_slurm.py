@@ -241,6 +241,29 @@ def test_cancelled_by_someone_else_is_said_and_not_restarted(site, cluster):
     assert "outside dflashctl" in records[-1]["reason"]
 
 
+def test_a_reused_slurm_id_is_never_trusted_nor_cancelled(site, cluster, tmp_path):
+    """The controller lost its state and the run dir's id now names a stranger's job: LOST with the evidence, and a
+    kill cancels nothing of the stranger's."""
+    rep = launch(write_job(site, "reused", command="sleep 300"))
+    wait_for(lambda: status(rep["id"])["state"] == "RUNNING", 30, "RUNNING")
+    env = {**os.environ, **cluster.env}
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    sub = subprocess.run(["sbatch", "--parsable", "--job-name=stranger", "--wrap", "sleep 300"], cwd=other, env=env,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    stranger = sub.stdout.strip().split(";")[0]
+    run = Path(rep["run_dir"])
+    try:
+        (run / "slurm_job").write_text(f"{stranger}\n")
+        st = status(rep["id"])
+        assert st["state"] == "LOST" and "another job" in st["reason"], st
+        assert any("name 'stranger'" in e for e in st["evidence"]), st["evidence"]
+        run_cli("kill", rep["id"], "--json", cwd=ROOT)
+        assert slurm_state(cluster, stranger) in ("PENDING", "RUNNING"), "the stranger's job was cancelled"
+    finally:
+        subprocess.run(["scancel", stranger, rep["slurm_job"]], env=env, check=False)
+
+
 def test_dry_run_prints_the_batch_script_and_sbatch_judges_it(site, cluster):
     job = write_job(site, "dry", steps=5, extra="gpus: 0\nslurm: {nodes: 1, extra: ['--comment=drafter']}\n")
     res = run_cli("launch", str(job), "--dry-run", cwd=ROOT)

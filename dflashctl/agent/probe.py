@@ -905,7 +905,9 @@ def reap(req: dict) -> dict:
     then stop, verify, and record the result where every watcher sees it."""
     run_dir = req.get("run_dir")
     has_dir = bool(run_dir and os.path.isdir(run_dir))
-    ended_before = read_int(os.path.join(run_dir, "exit_code")) if has_dir else None
+    # the job had ended by itself (no earlier kill asked for it): its own verdict stands
+    asked = has_dir and os.path.exists(os.path.join(run_dir, STOP_REQUEST))
+    ended_before = read_int(os.path.join(run_dir, "exit_code")) if has_dir and not asked else None
     if has_dir:
         with locked(os.path.join(run_dir, ".restart.lock")):
             if not os.path.exists(os.path.join(run_dir, STOP_REQUEST)):
@@ -916,7 +918,7 @@ def reap(req: dict) -> dict:
     if req.get("scheduler") == "slurm" and has_dir:  # scancel, seen to end; then what is left on this machine
         slurm = _slurm()
         job = slurm.current_job(run_dir)
-        q = slurm.cancel(job, grace + 30) if job else {"known": False}
+        q = slurm.cancel(job, grace + 30, run_dir) if job else {"known": False}
         report = stop_processes(run_dir, None, req.get("job_id"), grace)
         report["slurm"] = {"id": job, "state": q.get("state") or ("gone" if q.get("known") is False else "no answer"),
                            "source": q.get("source") or q.get("cancel_error") or q.get("why")}  # fmt: skip
@@ -1242,7 +1244,7 @@ def restart(req: dict) -> dict:
             return refused
         if scheduled:
             old = slurm.current_job(run)
-            q = slurm.cancel(old, grace + 30) if old else {}
+            q = slurm.cancel(old, grace + 30, run) if old else {}
             if q.get("known") is not False and not q.get("final"):
                 state = q.get("state") or f"unknown ({q.get('why')})"
                 return {"restarted": False, "restarts": count,

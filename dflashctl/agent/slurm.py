@@ -67,18 +67,29 @@ def parse_scontrol(text: str) -> dict:
         "nodes": fields.get("NodeList"),
         "start": fields.get("StartTime"),
         "time_limit": fields.get("TimeLimit"),
+        "name": fields.get("JobName"),
+        "uid": _uid(fields.get("UserId")),
+        "workdir": fields.get("WorkDir"),
     }
 
 
+def _uid(user_id: str | None) -> int | None:
+    """`UserId=alice(1000)` -> 1000."""
+    m = re.search(r"\((\d+)\)", user_id or "")
+    return int(m[1]) if m else None
+
+
 def parse_sacct(text: str) -> dict | None:
-    """`sacct -n -P -X -o State,Reason,ExitCode,NodeList,Start,Timelimit`: the allocation's line; its state may read
+    """`sacct -n -P -X -o State,Reason,ExitCode,NodeList,Start,Timelimit,JobName,UID,WorkDir`: the allocation's line;
+    its state may read
     `CANCELLED by 1000`."""
     lines = [ln for ln in text.splitlines() if ln.strip()]
     if not lines:
         return None
-    parts = (lines[0].split("|") + [""] * 6)[:6]
+    parts = (lines[0].split("|") + [""] * 9)[:9]
     return {"state": parts[0].split()[0] if parts[0] else "", "reason": parts[1] or "None", "exit": parts[2],
-            "nodes": parts[3], "start": parts[4], "time_limit": parts[5]}  # fmt: skip
+            "nodes": parts[3], "start": parts[4], "time_limit": parts[5], "name": parts[6] or None,
+            "uid": int(parts[7]) if parts[7].isdigit() else None, "workdir": parts[8] or None}  # fmt: skip
 
 
 def _epoch(stamp: str | None) -> float | None:
@@ -98,7 +109,7 @@ def query(job_id: str) -> dict:
     source = "scontrol"
     if info is None or not info["state"]:
         rc2, out2, _ = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o",
-                             "State,Reason,ExitCode,NodeList,Start,Timelimit"])  # fmt: skip
+                             "State,Reason,ExitCode,NodeList,Start,Timelimit,JobName,UID,WorkDir"])  # fmt: skip
         info = parse_sacct(out2) if rc2 == 0 else None
         source = "sacct"
     if not info or not info["state"]:
@@ -114,6 +125,22 @@ def query(job_id: str) -> dict:
             "started": _epoch(info.get("start")) if state not in ("PENDING",) else None, "source": source}  # fmt: skip
 
 
+def stranger(run_dir: str, q: dict) -> str | None:
+    """Why the job Slurm knows under the run dir's id is not the one dflashctl submitted (an id reused after the
+    controller lost its state, or wrapped): its name, user or work dir differ. None: it is ours, or Slurm did not
+    say (an older Slurm, a field left out): only what Slurm says is compared."""
+    meta = read_json(os.path.join(run_dir, "job.json"))
+    name = meta.get("id") if isinstance(meta, dict) else None
+    found = []
+    if q.get("name") and name and q["name"] != name:
+        found.append(f"name {q['name']!r}, not {name!r}")
+    if q.get("uid") is not None and q["uid"] != os.getuid():
+        found.append(f"user {q['uid']}, not {os.getuid()}")
+    if q.get("workdir") and os.path.realpath(q["workdir"]) != os.path.realpath(run_dir):
+        found.append(f"work dir {q['workdir']}, not {run_dir}")
+    return f"slurm job {q.get('id')} is not the one submitted from this run dir: " + "; ".join(found) if found else None
+
+
 def session_info(run_dir: str, lines: int) -> dict:
     """The run's Slurm job in the shape of a tmux pane (exists, dead, exit status, created, last output lines), with
     the scheduler's own word under `slurm`: what the judge reads for PENDING and for Slurm's ends."""
@@ -125,6 +152,9 @@ def session_info(run_dir: str, lines: int) -> dict:
         return {"exists": True, "pane_dead": False, "slurm": {"id": job, "state": "NO_ANSWER", "reason": q["why"]}}
     if not q["known"]:
         return {"exists": False, "slurm": {"id": job, "state": "UNKNOWN", "reason": q["why"]}}
+    foreign = stranger(run_dir, q)
+    if foreign:  # never trusted: the job of ours under that id is gone
+        return {"exists": False, "slurm": {"id": job, "state": "FOREIGN", "reason": foreign}}
     info = {"exists": True, "pane_pid": None, "pane_dead": q["final"], "exit_status": q["exit_code"],
             "created": q["started"], "slurm": {k: q.get(k) for k in ("id", "state", "reason", "nodes", "exit",
                                                                     "time_limit", "source")}}  # fmt: skip
@@ -182,11 +212,15 @@ def listed(job_id: str) -> bool:
     return rc == 0 and bool(out.strip())
 
 
-def cancel(job_id: str, wait_s: float) -> dict:
+def cancel(job_id: str, wait_s: float, run_dir: str | None = None) -> dict:
     """scancel (Slurm signals every step, waits KillWait, then SIGKILLs), then wait for a final state and for squeue
     to stop listing the job (no process of it left on its nodes). Returns the last query; `final` False when the
-    job had not ended within `wait_s`."""
+    job had not ended within `wait_s`. A job under that id that is not the run dir's submission is never cancelled:
+    ours is gone (`known` False, `foreign` says why)."""
     q = query(job_id)
+    foreign = stranger(run_dir, q) if run_dir and q.get("known") else None
+    if foreign:
+        return {"id": job_id, "known": False, "why": foreign, "foreign": foreign}
     if q.get("known") is not False and not q.get("final"):
         rc, _, err = _run(["scancel", job_id])
         if rc != 0:  # the controller did not take it (down, or the job ended meanwhile): said, never waited on

@@ -128,7 +128,8 @@ class Supervisor:
         self.log_offset, self.metrics_offset = out.log_offset, out.metrics_offset
         v = self.health.assess(self.h, self.th)
         body = {"time": snap["time"], "state": v.state, "reason": v.reason, "evidence": v.evidence[:12],
-                "advice": v.advice, "step": v.step, "restarts": self.restarts, "by": "supervisor", "pid": os.getpid()}
+                "advice": v.advice, "step": v.step, "restarts": self.restarts, "attempt_start": self.h.started_at,
+                "by": "supervisor", "pid": os.getpid()}  # fmt: skip
         with contextlib.suppress(OSError):
             write_atomic(os.path.join(self.run, VERDICT), json.dumps(body, separators=(",", ":")).encode())
         if v.state != self.state:

@@ -1,9 +1,12 @@
-"""The one verdict on a job, whoever asks (`status`, `watch`, `ls`): the supervisor's word where it has the newest one,
-else the same pure judge (judge/fold.py, judge/health.py) run here, saying that it was.
+"""The one verdict on a job, whoever asks (`status`, `watch`, `ls`, the supervisor): the same pure judge (judge/fold.py,
+judge/health.py) on the same facts, the run dir's progress history, which the supervisor keeps current.
 
-The supervisor beside the job (agent/supervise.py) samples on its own clock and writes `verdict.json`. A reader takes
-it while the supervisor is alive and its verdict is at least as new as every fact the reader sees (an exit status,
-a stop request or its result written after the verdict are newer: then the reader judges, with the same code).
+The supervisor beside the job (agent/supervise.py) samples on its own clock, keeps that history and writes
+`verdict.json`. A reader's own look is newer than the supervisor's last sample and judges the same history with the
+same code, so it says what the supervisor would say now; taking the supervisor's older word instead would make a
+crash or a stall wait up to one of its intervals to be seen. So the reader judges, and says how the supervisor's
+word compares: it agrees, it said something else at its last sample (and when), or it is gone (and why: then
+nothing restarts the job without a `dflashctl watch`).
 """
 
 from __future__ import annotations
@@ -11,10 +14,10 @@ from __future__ import annotations
 from collections import deque
 
 from dflashctl.judge import fold as folding
-from dflashctl.judge.health import History, Thresholds, Verdict, assess
+from dflashctl.judge.health import TERMINAL, History, Thresholds, Verdict, assess
 from dflashctl.model.jobfile import WatchConfig
 
-FRESH_SLACK_S = 5.0  # a supervisor's verdict is current for two of its intervals and this much
+FRESH_SLACK_S = 5.0  # a supervisor's differing word is said for two of its intervals and this much
 
 
 def thresholds(cfg: WatchConfig) -> Thresholds:
@@ -22,27 +25,31 @@ def thresholds(cfg: WatchConfig) -> Thresholds:
                       cfg.throughput_drop, cfg.slow_polls)  # fmt: skip
 
 
-def _newest_fact(h: History) -> float:
-    """When the newest fact a reader sees that ends or stops an attempt was written (remote clock)."""
-    times = [h.exit_time, (h.stop_request or {}).get("time"), (h.stop_result or {}).get("time")]
-    return max((t for t in times if isinstance(t, (int, float)) and not isinstance(t, bool)), default=0.0)
+def _same_attempt(said: dict, h: History, restarts: int | None) -> bool:
+    """The verdict is of the attempt the reader sees: the same restart count, the same start."""
+    if restarts is not None and said.get("restarts") != restarts:
+        return False
+    start = folding.number(said.get("attempt_start"))
+    return start is None or not h.started_at or abs(start - h.started_at) < 2.0
 
 
-def supervised(here: Verdict, h: History, supervisor: dict | None) -> Verdict:
-    """The supervisor's verdict where it is current; else `here`, with why the supervisor's was not taken."""
+def supervised(here: Verdict, h: History, supervisor: dict | None, restarts: int | None = None) -> Verdict:
+    """`here`, with the supervisor's word beside it. `restarts`: the run dir's restart count in the reader's
+    snapshot (a verdict of an earlier attempt says nothing of this one)."""
     if supervisor is None:  # a job launched without one (multi-node, Slurm, `supervise: false`, older releases)
         return here
     said = supervisor.get("verdict") if isinstance(supervisor.get("verdict"), dict) else None
     interval = folding.number(supervisor.get("interval_s")) or 60.0
-    if supervisor.get("alive") and said and isinstance(said.get("state"), str):
-        at = folding.number(said.get("time")) or 0.0
-        current = h.now - at <= 2 * interval + FRESH_SLACK_S and at >= _newest_fact(h)
-        if current:
-            ev = [str(e) for e in said.get("evidence") or []][:12]
-            ev.append(f"judged by the job's supervisor {max(0.0, h.now - at):.0f} s ago")
-            step = said.get("step") if isinstance(said.get("step"), int) else here.step
-            return Verdict(said["state"], str(said.get("reason") or ""), ev, said.get("advice") or here.advice, step)
     if supervisor.get("alive"):
+        if said and isinstance(said.get("state"), str) and _same_attempt(said, h, restarts):
+            at = folding.number(said.get("time")) or 0.0
+            ago = max(0.0, h.now - at)
+            if said["state"] == here.state:
+                here.evidence.append(f"the job's supervisor agrees ({ago:.0f} s ago)")
+            elif ago <= 2 * interval + FRESH_SLACK_S:
+                here.evidence.append(f"the job's supervisor said {said['state']} at its last sample, {ago:.0f} s ago")
+        return here
+    if here.state in TERMINAL:  # a supervisor that ended with its job is no news
         return here
     ended = supervisor.get("ended")
     why = f"it ended ({ended})" if ended else "it is not running"
@@ -57,4 +64,5 @@ def judge(job, snap: dict, last_state: str | None = None) -> tuple[Verdict, Hist
     folding.fold(h, snap, folding.Job(list(job.gpus), job.scheduler == "slurm"), deque(maxlen=400),
                  last_state=last_state or job.state)  # fmt: skip
     sup = snap.get("supervisor") if isinstance(snap.get("supervisor"), dict) else None
-    return supervised(assess(h, thresholds(job.watch)), h, sup), h
+    restarts = snap.get("restarts") if isinstance(snap.get("restarts"), int) else None
+    return supervised(assess(h, thresholds(job.watch)), h, sup, restarts), h

@@ -89,6 +89,7 @@ class Watcher:
     said: deque = field(default_factory=lambda: deque(maxlen=5))  # the newest decisions, for the live view
     notes: list[str] = field(default_factory=list)
     supervisor: dict | None = None  # the supervisor's word on the job, from the newest snapshot
+    remote_restarts: int | None = None  # the run dir's restart count in the newest snapshot
 
     def __post_init__(self) -> None:
         self.restarts = self.job.restarts
@@ -139,7 +140,8 @@ class Watcher:
         self.history.reachable = True
         self.history.probe_error = None
         self.fold(snap)
-        return verdicts.supervised(assess(self.history, self.thresholds), self.history, self.supervisor)
+        return verdicts.supervised(assess(self.history, self.thresholds), self.history, self.supervisor,
+                                   self.remote_restarts)  # fmt: skip
 
     def min_free_gib(self, state: str) -> float | None:
         """A restart after DISK_FULL needs room for a checkpoint (at least MIN_FREE_GIB)."""
@@ -152,8 +154,10 @@ class Watcher:
         """Take one snapshot into the history (judge/fold.py, the same fold `status` and the supervisor use); keep
         what the display needs (throughput, step times, tau, GPUs)."""
         remote_restarts = snap.get("restarts")
-        if isinstance(remote_restarts, int) and remote_restarts > self.restarts:  # another watcher restarted it
+        if isinstance(remote_restarts, int) and remote_restarts > self.restarts:  # restarted elsewhere meanwhile
             self.restarts = remote_restarts
+            self.log_event({"decision": "restart", "attempt": remote_restarts, "after": self.state,
+                            "by": "elsewhere (the job's supervisor or another watcher)", "reason": "seen restarted"})
             self.reset_after_restart()
         job = folding.Job(list(self.job.gpus), self.job.scheduler == "slurm")
         out = folding.fold(self.history, snap, job, self.tail, self.log_offset, self.metrics_offset,
@@ -165,6 +169,7 @@ class Watcher:
             self.tau, self.tau_set = out.tau, out.tau_set
         self.gpus = out.gpus
         self.supervisor = snap.get("supervisor") if isinstance(snap.get("supervisor"), dict) else None
+        self.remote_restarts = out.restarts
 
     def warnings(self) -> list[str]:
         """Trouble ahead, said before it is a failure: less free space at the run dir than two checkpoints."""
@@ -288,9 +293,12 @@ def restart(w: Watcher, v: Verdict, say: Callable[[str], None], wait: Callable[[
     registry.update(w.job.id, pane_pid=w.job.pane_pid, restarts=w.restarts, state="STARTING",
                     **({"slurm_job": outcome.slurm_job} if outcome.slurm_job else {}))  # fmt: skip
     if outcome.restarted:
-        w.log_event({"decision": "restart", "after": v.state, "attempt": w.restarts, "reason": v.reason})
+        w.log_event({"decision": "restart", "after": v.state, "attempt": w.restarts, "reason": v.reason,
+                     "by": "watch"})  # fmt: skip
     else:
         say(outcome.why)
+        w.log_event({"decision": "restart", "after": v.state, "attempt": w.restarts, "reason": v.reason,
+                     "by": "elsewhere (the job's supervisor or another watcher)"})  # fmt: skip
     w.reset_after_restart()
     w.state = "STARTING"
     w.since = time.time()

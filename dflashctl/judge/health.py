@@ -313,6 +313,8 @@ def _scheduled(h: History) -> Verdict | None:
     nodes = f" on {s['nodes']}" if s.get("nodes") and s.get("nodes") != "(null)" else ""
     said = f"slurm job {job} {state}{nodes}" + (f" ({reason})" if reason != "None" else "")
     at = [f"last step {h.last_step}"] if h.last_step is not None else []
+    if state == "FOREIGN":  # the id now names someone else's job: ours is gone, and that one is never touched
+        return _verdict("LOST", "the Slurm id now names another job: this job's submission is gone", [reason], h)
     if state == "NO_ANSWER":  # like a host that does not answer: nothing is concluded, the last state is kept
         ev = [f"slurm job {job}: {reason}", f"last state {h.last_state or 'not seen yet'}"]
         return _verdict("UNREACHABLE", "Slurm's controller did not answer on the login node", ev, h)
