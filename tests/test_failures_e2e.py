@@ -44,7 +44,8 @@ def _command_job(p: Path, name: str, command: str, watch: str = "") -> Path:
 @pytest.mark.slow
 def test_a_hung_command_is_stalled_for_status_watch_once_and_watch_alike(client, tmp_path):
     p = write_project(client, tmp_path)
-    job = _command_job(p, "hung", "echo one line; sleep 600", "  stall_after_s: 6\n")
+    # restart_on: [] : its supervisor would otherwise restart the stalled job (the default policy) before it is read
+    job = _command_job(p, "hung", "echo one line; sleep 600", "  stall_after_s: 6\n  restart_on: []\n")
     assert run_cli("deploy", "box").code == 0
     job_id = cli_json("launch", str(job))["id"]
     try:

@@ -18,8 +18,9 @@ class LockTimeout(TimeoutError):
 
 @contextlib.contextmanager
 def locked(path: str, timeout: float = 120.0, held_by: str = "another dflashctl"):
-    """An exclusive lock on `path` (created 0600), held for the block; waits at most `timeout` seconds."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    """An exclusive lock on `path` (created 0600), held for the block; waits at most `timeout` seconds. A symlink in
+    its place is refused (ELOOP), never followed: a lock never creates a file outside its folder."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -43,9 +44,10 @@ def write_all(fd: int, data: bytes) -> None:
 
 
 def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
-    """`path` holds `data` whole (fsynced) or keeps what it held: a temp file beside it, then rename."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    """`path` holds `data` whole (fsynced) or keeps what it held: a new temp file beside it (never through a link
+    someone planted: created exclusively), then rename, which replaces a link at `path` rather than its target."""
+    tmp = f"{path}.tmp{os.getpid()}.{os.urandom(4).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
         try:
             write_all(fd, data)

@@ -81,7 +81,7 @@ def reap_all() -> None:
 
 def main() -> int:
     run_dir, args = sys.argv[1], sys.argv[2:]
-    from .supervise import spawn
+    from .supervision import spawn
 
     spawn(run_dir)  # before this process is a subreaper: the supervisor must not be in the job's tree
     with contextlib.suppress(Exception):
@@ -91,7 +91,7 @@ def main() -> int:
     record = {"pid": me, "start": start_time(me), "child": child.pid, "child_start": start_time(child.pid),
               **oom_baseline()}
     tmp = os.path.join(run_dir, f"wrapper.pid.tmp{me}")
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as f:
         json.dump(record, f)
     os.replace(tmp, os.path.join(run_dir, "wrapper.pid"))
 

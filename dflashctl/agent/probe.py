@@ -498,7 +498,7 @@ def append_gpu_sample(run_dir: str, gpu: dict, indices: list[int]) -> None:
     if not gpus:
         return
     line = {"time": round(time.time(), 3), "source": f"probe:{gpu.get('source')}", "gpus": gpus}
-    fd = os.open(os.path.join(run_dir, "gpu.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    fd = os.open(os.path.join(run_dir, "gpu.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "a") as f:
         f.write(json.dumps(line, separators=(",", ":")) + "\n")
 
@@ -516,7 +516,8 @@ def snapshot(req: dict) -> dict:
     snap["procs"] = job_processes(table, root, req.get("job_id"))
     if run_dir and req.get("append_events") and snap["run_dir_exists"]:
         try:  # a full disk loses the events, never the snapshot
-            fd = os.open(os.path.join(run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = os.open(os.path.join(run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                         0o600)  # fmt: skip
             with os.fdopen(fd, "a") as f:
                 f.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in req["append_events"]))
         except OSError as e:
@@ -1136,6 +1137,9 @@ def launch_slurm(req: dict, payload: bytes) -> dict:
     if job is None:
         shutil.rmtree(run, ignore_errors=True)  # made by this call a moment ago: nothing of the job ran
         return {"refused": [f"sbatch refused the job: {err}"], "key": "host.slurm", "config": True}
+    from .supervision import spawn
+
+    spawn(run)  # on the login node, where it can resubmit the job after Slurm ended it
     return {"run_dir": run, "pane_pid": None, "slurm_job": job, "overrides": []}
 
 
@@ -1262,6 +1266,9 @@ def restart(req: dict) -> dict:
             if job is None:
                 return {"restarted": False, "why": f"sbatch refused the resubmission: {err}", "restarts": count}
             write_atomic(os.path.join(run, RESTARTS), f"{count + 1}\n".encode())
+            from .supervision import spawn
+
+            spawn(run)  # a supervisor that died meanwhile comes back with the resubmission (one per run dir)
             return {"restarted": True, "restarts": count + 1, "pane_pid": None, "slurm_job": job, "stopped": stopped}
         write_atomic(os.path.join(run, RESTARTS), f"{count + 1}\n".encode())
         pane_pid = start_session(run, req["session"], req["python"], list(req.get("args", [])))

@@ -41,38 +41,6 @@ def _judge():
     return fold, health
 
 
-def spawn(run_dir: str) -> None:
-    """Start the supervisor of `run_dir` in a new session, not a child of the caller (a child subreaper would keep it
-    in the job's tree): fork, setsid, fork again, exec. Returns at once; never raises."""
-    if not os.path.isfile(os.path.join(run_dir, SPEC)):
-        return
-    agent = os.path.join(run_dir, probe.AGENT_FILE)
-    if not os.path.isfile(agent):
-        return
-    try:
-        pid = os.fork()
-    except OSError:
-        return
-    if pid:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)
-        return
-    try:  # the child: never returns into the caller's code
-        os.setsid()
-        if os.fork():
-            os._exit(0)
-        null = os.open(os.devnull, os.O_RDWR)
-        err = os.open(os.path.join(run_dir, "supervisor.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
-                      0o600)  # fmt: skip
-        os.dup2(null, 0)
-        os.dup2(null, 1)
-        os.dup2(err, 2)
-        env = {k: v for k, v in os.environ.items() if k not in ("DFLASHCTL_JOB_ID", "TMUX", "TMUX_PANE")}
-        os.execve(sys.executable, [sys.executable, "-S", agent, "supervise", run_dir], env)
-    finally:
-        os._exit(127)
-
-
 class Supervisor:
     def __init__(self, run_dir: str, spec: dict) -> None:
         fold, health = _judge()
@@ -88,7 +56,10 @@ class Supervisor:
             float(watch.get("stall_after_s") or 600.0), float(budget), float(watch.get("heartbeat_max_age_s") or 120.0),
             watch.get("throughput_floor"), float(watch.get("throughput_drop") or 0.3), int(watch.get("slow_polls") or 3)
         )
-        self.job = fold.Job([int(g) for g in spec.get("gpus") or [] if isinstance(g, int)], False)
+        self.scheduled = spec.get("scheduler") == "slurm"
+        # a Slurm job's supervisor runs on the login node: its GPUs are not the job's
+        self.where = {"scheduler": "slurm", "gpus": False} if self.scheduled else {}
+        self.job = fold.Job([int(g) for g in spec.get("gpus") or [] if isinstance(g, int)], self.scheduled)
         self.restarts = read_int(os.path.join(run_dir, probe.RESTARTS)) or 0
         self.state: str | None = None
         self.failed_at: float | None = None
@@ -105,7 +76,8 @@ class Supervisor:
     def request(self) -> dict:
         return {"run_dir": self.run, "session": self.spec.get("session"), "job_id": self.spec.get("job_id"),
                 "log_offset": self.log_offset, "metrics_offset": self.metrics_offset, "capture_lines": 40,
-                "job_gpus": self.job.gpus, "record_gpu": not self.spec.get("is_trainer")}  # fmt: skip
+                "job_gpus": self.job.gpus, "record_gpu": not self.spec.get("is_trainer") and not self.scheduled,
+                **self.where}  # fmt: skip
 
     def event(self, event: dict) -> None:
         body = {"time": round(time.time(), 3), "by": "supervisor", **event}
@@ -154,7 +126,7 @@ class Supervisor:
                              "job_id": self.spec.get("job_id"), "attempt": self.restarts,
                              "max_restarts": self.max_restarts, "grace_s": float(self.spec.get("grace_s") or 40.0),
                              "python": sys.executable, "args": list(self.spec.get("args") or []),
-                             "min_free_gib": need})  # fmt: skip
+                             "min_free_gib": need, **self.where})  # fmt: skip
         if ans.get("restarted"):
             self.restarts = int(ans["restarts"])
             self.event({"decision": "restart", "after": v.state, "attempt": self.restarts, "reason": v.reason})

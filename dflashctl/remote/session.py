@@ -234,8 +234,8 @@ def run_files(
     else:
         files["run.sh"] = render_wrapper(job, job_id, release, redact, node)
         files["tmux.conf"] = TMUX_CONF
-        if node is None and job.watch.supervise:
-            files["supervise.json"] = json.dumps(supervise_spec(job, job_id, gpus), indent=1)
+    if node is None and job.watch.supervise:
+        files["supervise.json"] = json.dumps(supervise_spec(job, job_id, gpus, scheduled), indent=1)
     if trainer_cfg is not None:
         if node is not None:  # no shared file system assumed: every node keeps checkpoints to resume from
             ckpt = dict(trainer_cfg.get("checkpoint") or {})
@@ -246,9 +246,12 @@ def run_files(
     return files
 
 
-def supervise_spec(job: JobConfig, job_id: str, gpus: list[int]) -> dict:
-    """What the job's supervisor (agent/supervise.py) needs: where the job runs, how to restart it, its policy."""
+def supervise_spec(job: JobConfig, job_id: str, gpus: list[int], scheduled: bool = False) -> dict:
+    """What the job's supervisor (agent/supervise.py) needs: where the job runs, how to restart it, its policy. A
+    Slurm job's supervisor runs on the login node (the batch script's processes end with the allocation: they could
+    not resubmit it)."""
     return {"session": node_session(job_id, None), "job_id": node_tag(job_id, 0), "tmux_socket": tmux_socket(),
+            **({"scheduler": "slurm"} if scheduled else {}),
             "grace_s": job.kill_grace_s, "args": ["--resume"] if job.trainer is not None else [],
             "is_trainer": job.trainer is not None, "gpus": gpus,
             "watch": job.watch.model_dump(mode="json", exclude={"notify"})}  # fmt: skip
