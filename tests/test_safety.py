@@ -214,7 +214,17 @@ def test_remote_files_are_private_and_secrets_never_shown(proj):
     for name in ("run.sh", "command.sh", "job.json", "agent.pyz"):
         assert (run / name).stat().st_mode & 0o777 == 0o600, name
     assert "hf_abc123" in (run / "run.sh").read_text()  # the job itself gets the value
+    time.sleep(1.5)  # its supervisor and a status write their files too
+
+    def holding(secret: str) -> list[str]:
+        return sorted(str(f.relative_to(run)) for f in run.rglob("*") if f.is_file() and secret.encode() in
+                      f.read_bytes())  # fmt: skip
+
+    status_json(job_id)
+    assert holding("hf_abc123") == ["run.sh"] and holding("s3cr3t") == ["run.sh"]  # one file at rest: 0600
     assert cli_json("kill", job_id)["result"] == "KILLED"
+    assert holding("hf_abc123") == [] and holding("s3cr3t") == []  # ended for good: removed
+    assert "HF_TOKEN='***'" in (run / "run.sh").read_text() and "PLAIN=ok" in (run / "run.sh").read_text()
 
 
 @pytest.mark.parametrize(

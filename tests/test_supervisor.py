@@ -43,7 +43,8 @@ def supervisor(run: Path) -> dict:
 def test_a_crash_is_restarted_by_the_supervisor_after_the_laptops_watch_died(proj):
     """A watch is started and SIGKILLed (the laptop slept); the job crashes; its supervisor restarts it once
     (max_restarts 1), then says CRASHED for good and ends. The run dir's events say who restarted it."""
-    job_id = cli_json("launch", job_file(proj, "crashy", "echo working; sleep 2; exit 3", FAST))["id"]
+    job_id = cli_json("launch", job_file(proj, "crashy", "echo working; sleep 2; exit 3",
+                                         FAST + "env: {HF_TOKEN: hf_sup3r}\n"))["id"]  # fmt: skip
     watch = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], stdout=subprocess.PIPE,
                              text=True)  # fmt: skip
     first = json.loads(watch.stdout.readline())
@@ -61,6 +62,8 @@ def test_a_crash_is_restarted_by_the_supervisor_after_the_laptops_watch_died(pro
     assert st["state"] == "CRASHED" and "exit status 3" in st["reason"]
     assert st["supervisor"] == {"alive": False, "ended": supervisor(run)["ended"]}
     assert "CRASHED" in supervisor(run)["ended"]
+    # it ended for good: its secret is no longer at rest in any file of the run dir
+    assert not [f for f in run.rglob("*") if f.is_file() and b"hf_sup3r" in f.read_bytes()]
 
 
 def test_the_supervisor_two_watchers_and_a_kill_agree(proj):

@@ -88,3 +88,33 @@ def read_int(path: str) -> int | None:
             return int(f.read(64).strip())
     except (OSError, ValueError):
         return None
+
+
+SECRET_FILES = ("run.sh", "env.sh")  # where a job's secrets are at rest on the remote: its environment's one file
+
+
+def scrub_secrets(run_dir: str) -> list[str]:
+    """The job ended for good: the values of its secrets (job.json's `secret_names`) are replaced by *** in the one
+    file that held them, written anew (temp file and rename). Returns the names scrubbed."""
+    meta = read_json(os.path.join(run_dir, "job.json"))
+    names = [n for n in (meta.get("secret_names") or []) if isinstance(n, str)] if isinstance(meta, dict) else []
+    if not names:
+        return []
+    done = []
+    for name in SECRET_FILES:
+        path = os.path.join(run_dir, name)
+        try:
+            with open(path, "rb") as f:
+                lines = f.read().decode("utf-8", "surrogateescape").split("\n")
+        except OSError:
+            continue
+        out = []
+        for line in lines:
+            key = line[len("export ") :].split("=", 1)[0] if line.startswith("export ") and "=" in line else None
+            if key in names:
+                line = f"export {key}='***'  # scrubbed: the job ended for good"
+                done.append(key)
+            out.append(line)
+        if done:
+            write_atomic(path, "\n".join(out).encode("utf-8", "surrogateescape"))
+    return done

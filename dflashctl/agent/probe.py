@@ -42,7 +42,7 @@ import sys
 import time
 
 from . import supervision
-from .common import locked, read_int, read_json, start_time, write_atomic
+from .common import locked, read_int, read_json, scrub_secrets, start_time, write_atomic
 
 
 def _slurm():
@@ -937,6 +937,9 @@ def reap(req: dict) -> dict:
     report["ended_before"] = ended_before  # the job had already ended: its own verdict stands
     if has_dir:
         record_stop_result(run_dir, report)
+        if clean:  # stopped for good: its secrets are not kept at rest
+            with contextlib.suppress(OSError):
+                report["scrubbed"] = scrub_secrets(run_dir)
     return report
 
 

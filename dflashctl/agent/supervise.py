@@ -26,7 +26,7 @@ import time
 from collections import deque
 
 from . import probe
-from .common import read_int, read_json, start_time, write_atomic
+from .common import read_int, read_json, scrub_secrets, start_time, write_atomic
 from .supervision import LOCK, SPEC, STATE, VERDICT
 
 MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 60.0
@@ -190,6 +190,9 @@ def main() -> int:
     ended = "crashed"
     try:
         ended = sup.run_forever()
+        if not sup.stopping and os.path.isdir(run_dir):  # the job ended for good: its secrets are not kept at rest
+            with contextlib.suppress(OSError):
+                scrub_secrets(run_dir)
     except Exception as e:  # said where every asker sees it: the local side then judges by itself
         ended = f"failed: {type(e).__name__}: {e}"[:300]
         raise

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from dflashctl.agent import probe
 from dflashctl.config import SAFE_NAME, HostConfig, SlurmHost
 from dflashctl.errors import ConfigError, ProbeFailedError
-from dflashctl.model.jobfile import JobConfig, node_tag, redact_env, redact_job_snapshot
+from dflashctl.model.jobfile import JobConfig, is_secret, node_tag, redact_env, redact_job_snapshot
 from dflashctl.remote.agent_bundle import AGENT, boot_argv
 from dflashctl.remote.deploy_record import AgentPython, remembered_python
 from dflashctl.remote.transport import Runner, container_prefix
@@ -215,9 +215,8 @@ def run_files(
     job has `sbatch.sh` where a tmux job has `run.sh` and `tmux.conf`."""
     scheduled = cluster is not None
     command = trainer_command(job, python, node, scheduled) if job.trainer is not None else job.command
-    snapshot = job.model_dump(mode="json")
-    if redact:
-        redact_job_snapshot(snapshot)
+    snapshot = redact_job_snapshot(job.model_dump(mode="json"))  # the secrets' values live in run.sh / env.sh alone
+    secrets = sorted(k for k in job_env(job, job_id, node, slurm=scheduled) if is_secret(k, job.secret_env))
     gpus = list(node.gpus) if node is not None else job.gpu_indices
     if scheduled:
         where = {"scheduler": "slurm"}
@@ -226,7 +225,8 @@ def run_files(
     files = {
         "command.sh": f"# the job's command ({job.name})\n{command}\n",
         "job.json": json.dumps({"id": job_id, "name": job.name, "session": node_session(job_id, node),
-                                "release": release, "gpus": gpus, **where, "job": snapshot}, indent=1),  # fmt: skip
+                                "release": release, "gpus": gpus, **where, "secret_names": secrets,
+                                "job": snapshot}, indent=1),  # fmt: skip
     }
     if scheduled:
         files["sbatch.sh"] = render_sbatch(job, job_id, release, cluster)
