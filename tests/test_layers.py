@@ -122,8 +122,8 @@ def test_the_trainer_is_grouped_by_layer_with_no_arrow_up_and_no_circle():
     assert_no_cycle(graph)
 
 
-CLI_LAYERS = {"agent": -1, "errors": 0, "config": 0, "outputs": 0, "logfile": 0, "model": 0, "judge": -2, "remote": 1,
-              "jobs": 2, "show": 3}  # fmt: skip
+CLI_LAYERS = {"agent": -1, "errors": 0, "config": 0, "outputs": 0, "logfile": 0, "safe_write": 0, "model": 0,
+              "judge": -2, "remote": 1, "jobs": 2, "show": 3}  # fmt: skip
 
 
 def test_dflashctl_has_no_arrow_up_between_its_layers():

@@ -157,7 +157,13 @@ def test_what_pull_and_report_write_is_never_deployed_or_stale(run, client):
 
     assert outputs.remember(client.project, client.project / "r.html")
     assert list_files(client.project) == before == ["train.py"]  # so `launch` finds no stale code either
-    assert "pulled" in (client.project / ".dflashctl-outputs").read_text()
+    assert f"pulled/{JOB}" in (client.project / ".dflashctl-outputs").read_text()
+    # `--to mylib`: only the job's own folder is dflashctl's; the user's new source in mylib is still code
+    (client.project / "mylib").mkdir()
+    (client.project / "mylib" / "util.py").write_text("x = 1\n")
+    assert pull("--to", "mylib").code == 0
+    assert list_files(client.project) == ["mylib/util.py", "train.py"]
+    assert "mylib\n" not in (client.project / ".dflashctl-outputs").read_text()
 
 
 def test_pull_to_a_file_and_into_a_full_disk_are_one_line_errors(run, client, tmp_path):

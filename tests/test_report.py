@@ -140,6 +140,17 @@ def test_report_through_the_cli_json_png_html(client, monkeypatch, tmp_path):
     assert res.code == 2 and len(res.stderr.strip().splitlines()) == 1
     assert "--out: must end in .png or .html" in res.stderr
     assert not (tmp_path / "r.txt").exists()
+    # a symlink at --out: the user's file it points to is never overwritten
+    mine = tmp_path / "thesis.png"
+    mine.write_bytes(b"my own work")
+    link = tmp_path / "latest.png"
+    link.symlink_to(mine)
+    res = run_cli("report", "one-2026", "--out", str(link))
+    assert res.code == 2 and "is a symlink" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert mine.read_bytes() == b"my own work" and link.is_symlink()
+    # written whole by rename: no temp file left beside it
+    assert run_cli("report", "one-2026", "--out", str(png)).code == 0
+    assert not [f for f in tmp_path.iterdir() if ".tmp" in f.name]
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")

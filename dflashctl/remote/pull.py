@@ -167,11 +167,15 @@ def pull(job: JobRecord, to: Path, select: dict, chunk: int, accept_new: bool, s
     root = to / job.id
     if to.exists() and not to.is_dir():
         raise RefusedError(f"--to {to}: exists and is not a folder")
+    for link in (to, root):
+        if link.is_symlink():
+            raise RefusedError(f"--to {to}: {link} is a symlink: refusing to write through it; give the real path")
     try:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as e:
         raise RefusedError(f"--to {to}: cannot make {root}: {e.strerror or e}") from None
-    outputs.remember(project, to)
+    # only the job's own folder is dflashctl's output: `--to mylib` leaves the user's other files in mylib theirs
+    outputs.remember(project, root)
     with one_pull_at_a_time(root), open_runner(job.host, accept_new) as runner:
         listing = session.call_agent(runner, {"action": "files", "run_dir": job.run_dir, "gpus": False, **select},
                                      timeout=600)  # fmt: skip

@@ -81,9 +81,13 @@ def figure(runs: list[RunSeries]):
 
 
 def write_png(runs: list[RunSeries], path: Path) -> None:
+    from dflashctl.safe_write import write_bytes
+
     fig = figure(runs)
-    fig.savefig(path, dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
     _close(fig)
+    write_bytes(path, buf.getvalue(), "--out")
 
 
 def write_html(runs: list[RunSeries], summaries: list[dict], path: Path) -> None:
@@ -101,7 +105,10 @@ def write_html(runs: list[RunSeries], summaries: list[dict], path: Path) -> None
     title = html.escape(" vs ".join(r.job for r in runs))
     style = "body{font-family:sans-serif}td,th{padding:2px 8px;border-bottom:1px solid #ddd}"
     page = f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style></head>"
-    path.write_text(page + f"<body><h1>{title}</h1><table><tr>{head}</tr>{rows}</table>{svg}</body></html>")
+    from dflashctl.safe_write import write_bytes
+
+    body = page + f"<body><h1>{title}</h1><table><tr>{head}</tr>{rows}</table>{svg}</body></html>"
+    write_bytes(path, body.encode("utf-8"), "--out")
 
 
 def _close(fig) -> None:

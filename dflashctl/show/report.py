@@ -20,6 +20,9 @@ def check_out_file(path) -> None:
     from dflashctl.errors import ConfigError
 
     path = Path(path)
+    if path.is_symlink():
+        raise ConfigError(str(path), "--out", "is a symlink: refusing to write through it (its target may be "
+                          "someone's file); give the real path")  # fmt: skip
     if path.is_dir():
         raise ConfigError(str(path), "--out", "is a folder: give FILE.png or FILE.html")
     parent = path.parent if str(path.parent) else Path(".")
