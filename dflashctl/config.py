@@ -51,7 +51,16 @@ def _no_pydantic_plugin_scan() -> None:
 
 _no_pydantic_plugin_scan()
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator  # noqa: E402
+from pydantic import (  # noqa: E402
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dflashctl.errors import ConfigError  # noqa: E402
 
@@ -63,15 +72,33 @@ CONTAINER_SPEC = re.compile(r"pct:[0-9]+|docker:[A-Za-z0-9][A-Za-z0-9_.-]*")
 PROJECT_KEYS = {"hosts"}
 HOSTNAME = re.compile(r"[A-Za-z0-9_.:-]+")  # names, IPv4 and bare IPv6 literals; nothing a shell would read
 SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+")  # sbatch --time: MM, MM:SS, H:MM:SS, D-H[:MM[:SS]]
-SBATCH_OPTION = re.compile(r"--[a-z][a-z-]*(=[^\x00-\x1f]*)?")  # one long option, never a newline
+SBATCH_OPTION = re.compile(r"--([a-z][a-z-]*)(=[^\s\x00-\x1f]*)?")  # one long option: no space, never a newline
+# what dflashctl sets itself, from the host's and the job's own keys: an extra option may not set it again
+MANAGED_SBATCH = {"partition": "the host's `slurm.partition`", "account": "the host's `slurm.account`",
+                  "time": "`slurm.time`", "nodes": "`slurm.nodes`", "job-name": "the job's name",
+                  "output": "the run dir's slurm-ID.out", "error": "the run dir's slurm-ID.out",
+                  "open-mode": "dflashctl (append)", "chdir": "the run dir",
+                  "ntasks-per-node": "dflashctl (one per node)", "gpus-per-node": "the job's `gpus`",
+                  "array": "dflashctl (one job per submission)"}  # fmt: skip
 
 
 def _sbatch_options(value: list[str]) -> list[str]:
-    """Extra sbatch options are `--name` or `--name=value`, one per item: each becomes one `#SBATCH` line."""
+    """Extra sbatch options are `--name` or `--name=value`, one per item: each becomes one `#SBATCH` line, which
+    sbatch splits on spaces (so a value with a space would smuggle in a second option), and none may set what
+    dflashctl sets from its own keys (a partition the host file does not allow, another output file)."""
     for opt in value:
-        if not SBATCH_OPTION.fullmatch(opt):
-            raise ValueError(f"{opt!r}: expected a long sbatch option `--name` or `--name=value` with no newline")
+        m = SBATCH_OPTION.fullmatch(opt)
+        if not m:
+            raise ValueError(f"{opt!r}: expected one long sbatch option `--name` or `--name=value`, with no space "
+                             "(one option per item)")  # fmt: skip
+        if m[1] in MANAGED_SBATCH:
+            raise ValueError(f"{opt!r}: --{m[1]} is set by {MANAGED_SBATCH[m[1]]}, not by an extra option")
     return value
+
+
+def _destination_ok(value: str) -> bool:
+    user, _, host = value.rpartition("@")
+    return not ((user and not SAFE_NAME.fullmatch(user)) or not HOSTNAME.fullmatch(host))
 
 
 def _slurm_time(value: str | None) -> str | None:
@@ -91,6 +118,13 @@ class SlurmHost(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     login: str | None = Field(None, description="the login node's ssh destination; none: this machine is one")
+
+    @field_validator("login")
+    @classmethod
+    def _login(cls, value: str | None) -> str | None:
+        if value is not None and not _destination_ok(value):
+            raise ValueError("expected an ssh destination `host` or `user@host` with no shell characters")
+        return value
     partition: str | None = Field(None, description="sbatch --partition; default: the cluster's default partition")
     account: str | None = Field(None, description="sbatch --account")
     time: SlurmTime = Field(None, description="wall time per submission (sbatch --time), e.g. 24:00:00")
@@ -112,7 +146,7 @@ class HostConfig(BaseModel):
 
     name: str = Field("", description="the host's name in the config, or the destination as given")
     ssh: str | None = Field(None, description="ssh destination: ~/.ssh/config alias, host or user@host; none = local")
-    port: int | None = Field(None, ge=1, le=65535, description="ssh port; default from ~/.ssh/config, else 22")
+    port: StrictInt | None = Field(None, ge=1, le=65535, description="ssh port; default from ~/.ssh/config, else 22")
     user: str | None = Field(None, description="ssh user; default from ~/.ssh/config or the destination")
     identity_file: str | None = Field(None, description="private key; default from ~/.ssh/config and the agent")
     container: str | None = Field(None, description="run commands inside `pct:<ctid>` or `docker:<name>`")
@@ -132,8 +166,9 @@ class HostConfig(BaseModel):
     @classmethod
     def _login_is_the_ssh_destination(cls, data: Any) -> Any:
         """A cluster's `slurm.login` is where dflashctl connects: it becomes `ssh` (given both, they must agree)."""
-        if isinstance(data, dict) and isinstance(data.get("slurm"), dict) and data["slurm"].get("login"):
-            login = data["slurm"]["login"]
+        slurm = data.get("slurm") if isinstance(data, dict) else None
+        if isinstance(slurm, dict) and isinstance(slurm.get("login"), str) and _destination_ok(slurm["login"]):
+            login = slurm["login"]  # a bad one is refused as `slurm.login`, where the file says it
             if data.get("ssh") not in (None, login):
                 raise ValueError("`ssh` and `slurm.login` name different login nodes: give one")
             data = {**data, "ssh": login}
@@ -157,8 +192,7 @@ class HostConfig(BaseModel):
     def _ssh(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        user, _, host = value.rpartition("@")
-        if (user and not SAFE_NAME.fullmatch(user)) or not HOSTNAME.fullmatch(host):
+        if not _destination_ok(value):
             raise ValueError("expected an ssh destination `host` or `user@host` with no shell characters")
         return value
 

@@ -121,9 +121,10 @@ def test_the_probe_asks_slurm_again_once_it_has_read_an_exit(tmp_path, monkeypat
     (run / "slurm_job").write_text("1\n")
     (run / "exit_code").write_text("143\n")
     answers = [FIXTURES / "scontrol-running.txt", FIXTURES / "scontrol-preempted.txt"]
+    here = f"sed 's#WorkDir=[^ ]*#WorkDir={run}#'"  # recorded elsewhere: the job's work dir is this run dir
     (bin_dir / "scontrol").write_text(  # the first call answers RUNNING, every later one PREEMPTED
-        f"#!/bin/sh\nif [ -e {tmp_path}/asked ]; then cat {answers[1]}\n"
-        f"else touch {tmp_path}/asked; cat {answers[0]}; fi\n"
+        f"#!/bin/sh\nif [ -e {tmp_path}/asked ]; then {here} {answers[1]}\n"
+        f"else touch {tmp_path}/asked; {here} {answers[0]}; fi\n"
     )
     (bin_dir / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
@@ -193,6 +194,15 @@ def test_the_batch_script_asks_for_nodes_gpus_and_the_hosts_options():
          "host: [cluster, box]\ncommand: 'true'\n", "hosts"),
         ("hosts:\n  cluster: {slurm: {login: testbox}}\n", "host: cluster\ncommand: 'true'\nslurm: {nodes: 0}\n",
          "slurm.nodes"),
+        ("hosts:\n  cluster: {slurm: {login: testbox}}\n", "host: cluster\ncommand: 'true'\nslurm: {nodes: true}\n",
+         "slurm.nodes"),  # a bool is not a count
+        ("hosts:\n  cluster: {slurm: {login: testbox, partition: low}}\n",
+         "host: cluster\ncommand: 'true'\nslurm: {extra: ['--comment=x --partition=high']}\n", "slurm.extra"),
+        ("hosts:\n  cluster: {slurm: {login: testbox, partition: low}}\n",
+         "host: cluster\ncommand: 'true'\nslurm: {extra: ['--partition=high']}\n", "--partition is set by the host"),
+        ("hosts:\n  cluster: {slurm: {login: 'bad host!'}}\n", "host: cluster\ncommand: 'true'\n",
+         "hosts.cluster.slurm.login"),  # the key the file has, not `ssh`
+        ("hosts:\n  cluster: {slurm: {login: testbox}}\n", "host: cluster\ncommand: 'true'\ngpus: true\n", "gpus"),
     ],
 )
 def test_bad_slurm_settings_are_one_line_errors_with_exit_2_before_any_remote_call(tmp_path, hosts, job, key):
@@ -232,3 +242,27 @@ def test_tunnel_to_a_slurm_job_is_refused_in_one_line(tmp_path, monkeypatch):
                               slurm_job="7"))  # fmt: skip
     res = run_cli("tunnel", "j-20261201T100000Z-aaaa", "6006", cwd=ROOT)
     assert res.code == 2 and "Slurm cluster" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_a_reused_id_is_foreign_and_never_cancelled(tmp_path, monkeypatch):
+    """Recorded `scontrol show job` of a job that is not the run dir's (another name, another work dir): the probe
+    reports it FOREIGN, the judge says LOST, and cancel never runs scancel on it."""
+    from dflashctl.agent import probe, slurm
+
+    bin_dir, run = tmp_path / "bin", tmp_path / "run"
+    bin_dir.mkdir(), run.mkdir()
+    (run / "slurm_job").write_text("3\n")
+    (run / "job.json").write_text(json.dumps({"id": "mine-20261204T000000Z-abcd"}))
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\ncat {FIXTURES / 'scontrol-running.txt'}\n")
+    (bin_dir / "scancel").write_text(f"#!/bin/sh\ntouch {tmp_path}/scancelled\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    snap = probe.snapshot({"run_dir": str(run), "scheduler": "slurm", "gpus": False, "capture_lines": 0})
+    said = snap["session"]["slurm"]
+    assert said["state"] == "FOREIGN" and "name 'j.sh'" in said["reason"] and "work dir /tmp/rec" in said["reason"]
+    h = History(started_at=0.0, now=10.0, session_exists=False, scheduler=said)
+    v = assess(h, TH)
+    assert v.state == "LOST" and "another job" in v.reason
+    q = slurm.cancel("3", 5, str(run))
+    assert q["known"] is False and "foreign" in q and not (tmp_path / "scancelled").exists()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from dflashctl.config import SAFE_NAME, SbatchOptions, SlurmTime, format_validation_error, load_yaml
 from dflashctl.errors import ConfigError
@@ -45,7 +45,7 @@ class NotifyConfig(BaseModel):
     format: Literal["json", "slack", "discord", "ntfy"] = Field("json", description="body shape for the webhook")
     bell: bool = Field(True, description="ring the terminal bell on failures")
     timeout_s: float = Field(10.0, gt=0, le=120)
-    retries: int = Field(3, ge=0, le=10)
+    retries: StrictInt = Field(3, ge=0, le=10)
 
     @field_validator("webhook")
     @classmethod
@@ -81,9 +81,9 @@ class WatchConfig(BaseModel):
     heartbeat_max_age_s: float = Field(120.0, gt=0, le=86400, description="an older heartbeat (frozen): STALLED")
     throughput_floor: float | None = Field(None, ge=0, description="tokens/s under this for `slow_polls`: STALLED")
     throughput_drop: float = Field(0.3, gt=0, lt=1, description="under this fraction of its rolling median: STALLED")
-    slow_polls: int = Field(3, ge=1, le=1000, description="consecutive slow polls before STALLED")
+    slow_polls: StrictInt = Field(3, ge=1, le=1000, description="consecutive slow polls before STALLED")
     restart_on: list[State] = Field(default_factory=lambda: list(DEFAULT_RESTART_ON))
-    max_restarts: int = Field(3, ge=0, le=100)
+    max_restarts: StrictInt = Field(3, ge=0, le=100)
     backoff_s: float = Field(30.0, ge=0, le=86400, description="wait before the first restart; doubles each time")
     supervise: bool = Field(True, strict=True, description="a supervisor beside the job on the remote judges and "
                             "restarts it with no laptop attached (single-host tmux jobs)")
@@ -104,7 +104,7 @@ class NodeSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", defer_build=True)  # built at its first job file: never by `ls`
 
     host: str = Field(..., description="a host name from dflashctl.yaml / hosts.yaml")
-    gpus: list[int] | int | None = Field(None, description="this node's GPUs (default: the job's `gpus`)")
+    gpus: list[StrictInt] | StrictInt | None = Field(None, description="this node's GPUs (default: the job's `gpus`)")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for this node only")
 
     @field_validator("host")
@@ -128,7 +128,7 @@ class SlurmJob(BaseModel):
 
     model_config = ConfigDict(extra="forbid", defer_build=True)  # built at its first job file: never by `ls`
 
-    nodes: int = Field(1, ge=1, le=1024, description="sbatch --nodes: one torchrun per node (srun)")
+    nodes: StrictInt = Field(1, ge=1, le=1024, description="sbatch --nodes: one torchrun per node (srun)")
     time: SlurmTime = Field(None, description="wall time per submission (sbatch --time), over the host's")
     extra: SbatchOptions = Field(default_factory=list, description="more sbatch options, after the host's")
 
@@ -140,12 +140,13 @@ class JobConfig(BaseModel):
     host: str | list[str] = Field("local", description="a host name from dflashctl.yaml / hosts.yaml, or `local`; a "
                                   "list runs one job over several hosts (the first is the rendezvous head)")
     hosts: list[NodeSpec] | None = Field(None, description="several hosts, each with its own gpus/env (not with host)")
-    rdzv_port: int | None = Field(None, ge=1024, le=65535, description="the head's rendezvous port (multi-node); "
+    rdzv_port: StrictInt | None = Field(None, ge=1024, le=65535, description="the head's rendezvous port (multi-node); "
                                   "default: one derived from the job name, 29500-29899")
-    gpus: list[int] | int | None = Field(None, description="GPU indices, or a count (0..N-1); none = CPU")
+    gpus: list[StrictInt] | StrictInt | None = Field(None, description="GPU indices, or a count (0..N-1); none = CPU")
     trainer: dict[str, Any] | str | None = Field(None, description="the bundled trainer's config, inline or a path")
     command: str | None = Field(None, description="any command line, run in the deployed code directory")
-    nproc_per_node: int | None = Field(None, ge=1, le=64, description="processes (torchrun); default: one per GPU")
+    nproc_per_node: StrictInt | None = Field(None, ge=1, le=64,
+                                             description="processes (torchrun); default: one per GPU")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables")
     secret_env: list[str] = Field(
         default_factory=list, description="env names shown as *** (besides names holding TOKEN, KEY, SECRET, PASSWORD)"
