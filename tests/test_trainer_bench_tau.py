@@ -128,8 +128,8 @@ def test_one_huge_prompt_is_skipped_and_does_not_set_the_length_limit(capsys, ti
     assert code == 0
     (s,) = json.loads(out)["sets"]
     assert s["prompts"] == 1 and s["skipped"] == 1  # the 30,000-token prompt was never decoded
-    code, out, _ = run(capsys, *args, "--max-prompt-tokens", "3")
-    assert code == 0 and json.loads(out)["sets"][0]["skipped"] == 2
+    code, out, err = run(capsys, *args, "--max-prompt-tokens", "3")  # every prompt skipped: nothing measured
+    assert code == 2 and out == "" and "huge: nothing to measure: 2 prompts, 2 skipped" in err
     code, _, err = run(capsys, *args, "--max-prompt-tokens", "0")
     assert code == 2 and "--max-prompt-tokens" in err
 
@@ -151,3 +151,11 @@ def test_the_reference_placement_of_block_size_is_read(capsys, tmp_path, tiny_di
     code, original, _ = run(capsys, *args, "--drafter", str(drafter_dir))
     assert json.loads(out)["sets"] == [{**s, "seconds": json.loads(out)["sets"][0]["seconds"]}
                                        for s in json.loads(original)["sets"]]  # fmt: skip
+
+
+def test_a_prompt_file_with_no_prompt_is_exit_2(capsys, tmp_path, tiny_dir, drafter_dir):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    code, out, err = run(capsys, "--target", str(tiny_dir / "target"), "--drafter", str(drafter_dir), "--prompts",
+                         str(empty), "--device", "cpu", "--quiet")  # fmt: skip
+    assert code == 2 and out == "" and "empty.jsonl: --prompts: no prompts in the file" in err

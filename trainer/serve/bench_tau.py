@@ -186,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if out_file:
             out_file.close()
+    empty = [r for r in results if r.draft_steps == 0]
+    if empty:  # a tau of nothing is no measurement: never printed as 0.000 with exit 0
+        for r in empty:
+            print(f"config error: {r.prompt_set}: nothing to measure: {r.prompts + r.skipped} prompts, {r.skipped} "
+                  "skipped as too long for --max-prompt-tokens or the target's context, none drafted",
+                  file=sys.stderr)  # fmt: skip
+        return EXIT_CONFIG
     summary = {"drafter": args.drafter, "target": args.target, "max_new_tokens": args.max_new_tokens,
                "thinking": args.thinking, "block_size": parts.cfg.drafter.block_size,
                "sets": [asdict(r) for r in results]}  # fmt: skip
