@@ -160,3 +160,33 @@ def test_ctrl_c_ends_even_an_ssh_that_ignores_sigterm(client, monkeypatch, tmp_p
     finally:
         tun.kill()
         server.kill()
+
+
+def test_the_forward_ends_with_its_job_and_says_so(client, tmp_path):
+    """A real job on the loopback host: killed while a tunnel to it is held, the tunnel closes (exit 0) and says why,
+    instead of forwarding to nothing."""
+    import json
+
+    from tests.test_launch import write_project
+
+    p = write_project(client, tmp_path)
+    assert run_cli("deploy", "box").code == 0
+    (p.parent / "jobfiles").mkdir(exist_ok=True)
+    job_file = p.parent / "jobfiles" / "served.yaml"
+    job_file.write_text("name: served\nhost: box\nkill_grace_s: 2\ncommand: sleep 300\n")
+    job_id = json.loads(run_cli("launch", str(job_file), "--json").stdout)["id"]
+    port, local = free_port(), free_port()
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    tun = subprocess.Popen([sys.executable, "-m", "dflashctl", "tunnel", job_id, str(port), "--local-port", str(local)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        fetch(f"http://127.0.0.1:{local}/")
+        assert run_cli("kill", job_id).code == 0
+        assert tun.wait(timeout=30) == 0
+        said = tun.stderr.read()
+        assert f"{job_id}: it was stopped (dflashctl kill): the forward is closed" in said, said
+        assert not _ssh_forwards(local)
+    finally:
+        tun.kill()
+        server.kill()

@@ -109,6 +109,47 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
+JOB_CHECK_S = 5.0  # how often a held forward asks whether its job has ended
+
+
+class JobEnd:
+    """Whether the job a forward serves has ended: its exit status or a stop request written, its run dir or its
+    tmux session gone (each only if it was there when the forward started). One small probe a check."""
+
+    def __init__(self, job: JobRecord, runner: Runner) -> None:
+        from dflashctl.remote import session
+
+        self.job, self.runner, self.session = job, runner, session
+        first = self._look()
+        self.had_dir = bool(first and first.get("run_dir_exists"))
+        self.had_session = bool(first and (first.get("session") or {}).get("exists"))
+
+    def _look(self) -> dict | None:
+        req = {**self.session.probe_request(self.job, capture_lines=0), "gpus": False, "max_log_bytes": 0,
+               "max_metrics_bytes": 0}  # fmt: skip
+        try:
+            return self.session.call_agent(self.runner, req, timeout=30)
+        except Exception:  # a check that cannot be made ends nothing: ssh's own end says if the host went
+            return None
+
+    def ended(self) -> str | None:
+        if not self.had_dir:
+            return None
+        snap = self._look()
+        if snap is None:
+            return None
+        pane = snap.get("session") or {}
+        if not snap.get("run_dir_exists"):
+            return "its run dir is gone"
+        if snap.get("stop_request") is not None:
+            return "it was stopped (dflashctl kill)"
+        if snap.get("exit_code") is not None:
+            return f"it ended (exit {snap['exit_code']})"
+        if self.had_session and (not pane.get("exists") or pane.get("pane_dead")):
+            return "its tmux session is gone"
+        return None
+
+
 def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_run: bool, accept_new: bool,
             say: Callable[[str], None], show: Callable[[str], None]) -> int:  # fmt: skip
     """Resolve where the port lives, optionally start TensorBoard there, then hold the forward until Ctrl-C (exit
@@ -158,9 +199,20 @@ def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_r
         signal.signal(sig, stop)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C ends the forward, even if started ignoring it
     say(f"http://127.0.0.1:{local_port}/ → {address}:{port} on {job.host_name} (Ctrl-C to stop)")
+    watcher = open_runner(job.host, accept_new)
     try:
+        end = JobEnd(job, watcher)
+        if not end.had_dir:
+            say(f"(the run dir of {job.id} is not there: the forward will not end with the job)")
+        next_check = time.monotonic() + JOB_CHECK_S
         while proc.poll() is None:  # a short sleep, not one blocking wait: Ctrl-C is seen even when the signal
             time.sleep(0.2)  # lands on another thread (paramiko's), which a blocked waitpid would never notice
+            if time.monotonic() >= next_check:
+                why = end.ended()
+                if why:  # a forward to nothing helps nobody: it ends with its job, and says so
+                    say(f"{job.id}: {why}: the forward is closed")
+                    return 0
+                next_check = time.monotonic() + JOB_CHECK_S
         code = proc.returncode
         if code != 0:  # the forward failed (ExitOnForwardFailure) or the connection ended: ssh's own last word
             errors.seek(0)
@@ -172,3 +224,5 @@ def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_r
     finally:  # Ctrl-C, an error or ssh's own end: the forward never outlives the command
         end_ssh()
         errors.close()
+        with contextlib.suppress(Exception):
+            watcher.close()
