@@ -422,7 +422,10 @@ def test_a_remote_sitecustomize_that_prints_cannot_corrupt_the_agents_answer(tmp
     assert res.returncode == 0 and json.loads(res.stdout)["exists"]
 
 
-def test_the_agent_runs_only_when_its_hash_matches_and_keeps_a_private_copy(tmp_path):
+def test_the_agent_runs_only_when_its_hash_matches_and_nothing_on_the_remotes_disk_is_run(tmp_path):
+    """The digest comes from this client's own package: a flipped bit runs nothing. Whatever sits in the remote's
+    cache (an edited copy of the archive, an unpacked tree with a rewritten digest, a planted `__pycache__/*.pyc`)
+    is never imported: the agent runs from the bytes that were checked, in memory."""
     home = tmp_path / "home"
     home.mkdir()
     mid = len(AGENT) // 2
@@ -431,12 +434,21 @@ def test_the_agent_runs_only_when_its_hash_matches_and_keeps_a_private_copy(tmp_
     assert not (home / ".cache" / "dflashctl").exists()  # nothing kept, nothing run
     ok = boot(home, AGENT)
     assert ok.returncode == 0 and json.loads(ok.stdout)["exists"]
-    (cached,) = (home / ".cache" / "dflashctl").glob("agent-*.pyz")
-    assert cached.read_bytes() == AGENT and cached.stat().st_mode & 0o777 == 0o600
-    assert (home / ".cache" / "dflashctl").stat().st_mode & 0o777 == 0o700
-    cached.write_bytes(b"import os; os.system('touch pwned')")  # tampered with in place: replaced before use
+    cache = home / ".cache" / "dflashctl"
+    assert cache.stat().st_mode & 0o777 == 0o700 and not list(cache.glob("agent-*"))
+    pwned = tmp_path / "pwned"
+    evil = f"import pathlib; pathlib.Path({str(pwned)!r}).touch()\n"
+    (cache / f"agent-{AGENT_SHA}.pyz").write_text(evil)
+    tree = cache / f"agent-{AGENT_SHA}" / "dflashctl_agent"
+    (tree / "__pycache__").mkdir(parents=True)
+    for name in ("__init__", "__main__", "probe", "common"):
+        (tree / f"{name}.py").write_text(evil)
+        import py_compile
+
+        py_compile.compile(str(tree / f"{name}.py"), cfile=str(tree / "__pycache__" / f"{name}.cpython-311.pyc"))
+    (tree.parent / ".digest").write_text("forged")
     again = boot(home, AGENT)
-    assert again.returncode == 0 and cached.read_bytes() == AGENT and not (tmp_path / "pwned").exists()
+    assert again.returncode == 0 and json.loads(again.stdout)["exists"] and not pwned.exists()
 
 
 def test_first_boots_at_once_all_run_and_an_unwritable_home_falls_back(tmp_path):
@@ -448,7 +460,7 @@ def test_first_boots_at_once_all_run_and_an_unwritable_home_falls_back(tmp_path)
     outs = [p.communicate(AGENT) for p in procs]
     assert all(p.returncode == 0 and json.loads(o)["exists"] for p, (o, _) in zip(procs, outs, strict=True))
     kept = sorted(p.name for p in (home / ".cache" / "dflashctl").iterdir())
-    assert kept == [f"agent-{AGENT_SHA}", f"agent-{AGENT_SHA}.pyz"]  # the archive and its unpacked tree, no temp left
+    assert kept == []  # the agent runs from the bytes it was sent: no copy, no tree, no temp file left
     ro = tmp_path / "ro-home"
     ro.mkdir(mode=0o500)
     tmp = tmp_path / "tmp"
@@ -458,7 +470,7 @@ def test_first_boots_at_once_all_run_and_an_unwritable_home_falls_back(tmp_path)
     if os.geteuid() == 0:  # root writes anywhere: the fallback is then not reached
         assert res.returncode == 0
     else:
-        assert res.returncode == 0 and list(tmp.glob("dflashctl-agent-*/agent-*.pyz"))
+        assert res.returncode == 0 and list(tmp.glob("dflashctl-agent-*"))
 
 
 @functools.cache

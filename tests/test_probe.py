@@ -98,33 +98,20 @@ def test_a_launchs_torch_check_is_kept_until_the_interpreter_or_torch_changes(tm
     assert probe.torch_check(str(py))[0] != 0 and probe.torch_check(str(py))[0] != 0 and imports() == 6  # never kept
 
 
-def test_the_agent_runs_from_its_byte_compiled_files_and_never_from_damaged_ones(tmp_path):
-    """BOOT unpacks the checked archive beside its cached copy once (`agent-SHA/`, byte-compiled, with the digest of
-    its sources) and runs from there: no module compiled again at each call. A tree whose sources no longer match
-    their digest is never run (the archive is); a copy made from the tree for a run dir is the archive, byte for
-    byte."""
+def test_the_agent_copies_itself_byte_for_byte_from_the_bytes_it_was_sent(tmp_path):
+    """Run by BOOT from memory, the agent's own archive (what a launch writes as RUN/agent.pyz) is the very bytes
+    that were checked."""
     import json
     import os
 
-    from dflashctl.remote.agent_bundle import AGENT, AGENT_SHA, boot_argv
+    from dflashctl.remote.agent_bundle import AGENT, boot_argv
 
     env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"]}
-    req = json.dumps({"run_dir": str(tmp_path), "gpus": False})
+    code = "from dflashctl_agent.pack import own_archive; import sys; sys.stdout.buffer.write(own_archive())"
+    argv = boot_argv(sys.executable, "probe", json.dumps({"run_dir": str(tmp_path), "gpus": False}))
+    got = subprocess.run([*argv[:3], argv[3].replace("from dflashctl_agent.__main__ import main\nsys.exit(main())",
+                                                       code), *argv[4:]],  # fmt: skip
+                         input=AGENT, capture_output=True, env=env, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout == AGENT
 
-    def call() -> dict:
-        proc = subprocess.run(boot_argv(sys.executable, "probe", req), input=AGENT, capture_output=True, env=env,
-                              timeout=60)  # fmt: skip
-        assert proc.returncode == 0, proc.stderr
-        return json.loads(proc.stdout)
-
-    assert call()["run_dir_exists"]  # several first calls at once: test_hardening's first boots
-    tree = tmp_path / ".cache" / "dflashctl" / f"agent-{AGENT_SHA}"
-    assert (tree / ".digest").is_file() and list((tree / "dflashctl_agent" / "__pycache__").glob("probe.*.pyc"))
-    assert call()["run_dir_exists"]  # from the tree now
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from dflashctl_agent.pack import own_archive; "
-            "sys.stdout.buffer.write(own_archive())")  # fmt: skip
-    copy = subprocess.run([sys.executable, "-S", "-c", code, str(tree)], capture_output=True, env=env, timeout=60)
-    assert copy.stdout == AGENT
-    probe_py = tree / "dflashctl_agent" / "probe.py"
-    probe_py.write_text("raise SystemExit('damaged')\n" + probe_py.read_text())
-    assert call()["run_dir_exists"]  # the damaged tree is not run: the archive answers

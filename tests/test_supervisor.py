@@ -176,3 +176,25 @@ def test_status_and_watch_once_agree_when_the_host_is_down(proj, client):
     finally:
         config.write_text(good)
     assert run_cli("kill", job_id).code == 0
+
+
+def test_a_run_dirs_agent_replaced_after_launch_is_checked_before_the_restart_runs_it(proj, tmp_path):
+    """RUN/agent.pyz is what the restarted pane runs as the launcher: edited after launch, it is replaced with the
+    checked bytes before the restart, by the supervisor as by any watcher; the planted code never runs."""
+    import io
+    import zipfile
+
+    from dflashctl.remote.agent_bundle import AGENT
+
+    job_id = cli_json("launch", job_file(proj, "tampered", "sleep 2; exit 1", FAST))["id"]
+    run = run_dir_of(job_id)
+    pwned = tmp_path / "pwned"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("__main__.py", f"import pathlib; pathlib.Path({str(pwned)!r}).touch()\n")
+    (run / "agent.pyz").write_bytes(buf.getvalue())
+    wait_until(lambda: supervisor(run).get("ended"), 90)
+    assert starts(run) == 2 and not pwned.exists()
+    assert (run / "agent.pyz").read_bytes() == AGENT
+    (restart,) = [e for e in events(run) if e.get("decision") == "restart"]
+    assert restart["by"] == "supervisor" and restart.get("agent_replaced") is True

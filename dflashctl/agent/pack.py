@@ -47,8 +47,13 @@ def build(source_dir: str = HERE) -> bytes:
 
 
 def own_archive() -> bytes:
-    """The zipapp this agent runs from, or (run from plain files) the same zipapp built from them."""
-    archive = getattr(globals().get("__loader__"), "archive", None)  # a zipimporter knows its file
+    """The zipapp this agent runs from: the bytes BOOT checked and runs in memory, the file a zipimporter reads, or
+    (run from plain files) the same zipapp built from them."""
+    loader = globals().get("__loader__")
+    data = getattr(loader, "agent_bytes", None)  # BOOT's in-memory importer: the very bytes it verified
+    if data:
+        return data
+    archive = getattr(loader, "archive", None)  # a zipimporter knows its file
     if archive:
         with open(archive, "rb") as f:
             return f.read()

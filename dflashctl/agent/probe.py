@@ -1232,7 +1232,25 @@ def _restart_refused(req: dict, run: str, count: int) -> dict | None:
     return None
 
 
-def restart(req: dict) -> dict:
+def verify_agent_copy(run: str, agent: bytes | None = None) -> bool:
+    """The run dir's `agent.pyz` (which the tmux pane runs as the job's launcher) is the agent doing this restart,
+    byte for byte; a copy that differs (edited after launch, or from another dflashctl) is replaced first. True when
+    it was replaced."""
+    from .pack import own_archive
+
+    want = agent if agent is not None else own_archive()
+    path = os.path.join(run, AGENT_FILE)
+    try:
+        with open(path, "rb") as f:
+            if f.read(len(want) + 1) == want:
+                return False
+    except OSError:
+        pass
+    write_atomic(path, want)
+    return True
+
+
+def restart(req: dict, agent: bytes | None = None) -> dict:
     """One restart of a job, decided and done under the run dir's lock (which `reap` also takes): never after a stop
     request, at most once per failed attempt however many watchers saw it, never beyond `max_restarts`. A Slurm
     job is resubmitted: the old submission cancelled and seen to end first, a failed node excluded from then on."""
@@ -1274,8 +1292,10 @@ def restart(req: dict) -> dict:
             spawn(run)  # a supervisor that died meanwhile comes back with the resubmission (one per run dir)
             return {"restarted": True, "restarts": count + 1, "pane_pid": None, "slurm_job": job, "stopped": stopped}
         write_atomic(os.path.join(run, RESTARTS), f"{count + 1}\n".encode())
+        replaced = verify_agent_copy(run, agent)  # the pane runs it next: never a copy this agent did not check
         pane_pid = start_session(run, req["session"], req["python"], list(req.get("args", [])))
-    return {"restarted": True, "restarts": count + 1, "pane_pid": pane_pid, "stopped": stopped}
+    return {"restarted": True, "restarts": count + 1, "pane_pid": pane_pid, "stopped": stopped,
+            "agent_replaced": replaced}  # fmt: skip
 
 
 def main() -> int:

@@ -46,6 +46,9 @@ class Supervisor:
         fold, health = _judge()
         self.fold, self.health = fold, health
         self.run, self.spec = run_dir, spec
+        from .pack import own_archive
+
+        self.agent = own_archive()  # what it was started from: the copy its restarts run is checked against it
         watch = spec.get("watch") if isinstance(spec.get("watch"), dict) else {}
         self.interval = min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, float(watch.get("interval_s") or 60.0)))
         self.restart_on = [s for s in watch.get("restart_on") or [] if isinstance(s, str)]
@@ -126,10 +129,11 @@ class Supervisor:
                              "job_id": self.spec.get("job_id"), "attempt": self.restarts,
                              "max_restarts": self.max_restarts, "grace_s": float(self.spec.get("grace_s") or 40.0),
                              "python": sys.executable, "args": list(self.spec.get("args") or []),
-                             "min_free_gib": need, **self.where})  # fmt: skip
+                             "min_free_gib": need, **self.where}, self.agent)  # fmt: skip
         if ans.get("restarted"):
             self.restarts = int(ans["restarts"])
-            self.event({"decision": "restart", "after": v.state, "attempt": self.restarts, "reason": v.reason})
+            self.event({"decision": "restart", "after": v.state, "attempt": self.restarts, "reason": v.reason,
+                        **({"agent_replaced": True} if ans.get("agent_replaced") else {})})  # fmt: skip
             self.reset()
             self.state = "STARTING"
             return None
