@@ -626,7 +626,11 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
     try:
         attempt_start = os.path.getmtime(os.path.join(run_dir, WRAPPER_PID))
     except OSError:
-        attempt_start = snap["session"].get("created") or now
+        attempt_start = snap["session"].get("created")
+    if not isinstance(attempt_start, (int, float)):  # no launcher record, no session: the history's own, else now
+        stored = read_json(path)
+        stored = stored.get("attempt_start") if isinstance(stored, dict) and stored.get("attempt") == attempt else None
+        attempt_start = stored if isinstance(stored, (int, float)) and not isinstance(stored, bool) else now
     attempt_start = min(float(attempt_start), now)
     launcher = wrapper.get("pid") if isinstance(wrapper, dict) else None
     hb = snap.get("heartbeat")
