@@ -11,6 +11,9 @@ import json
 import os
 import time
 
+AGENT_FILE = "agent.pyz"  # the agent's copy in a run dir: the tmux pane runs it as the job's launcher
+STOP_REQUEST, STOP_RESULT, RESTARTS, WRAPPER_PID = "stop_request", "stop_result", "restarts", "wrapper.pid"
+
 
 class LockTimeout(TimeoutError):
     """Another dflashctl holds the lock for longer than the caller will wait."""
