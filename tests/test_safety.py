@@ -180,9 +180,20 @@ def test_same_name_alive_is_refused_unless_forced(proj):
     first = cli_json("launch", f)["id"]
     res = run_cli("launch", f)
     assert res.code == 2 and f"job {first} of the same name is alive" in res.stderr
+    assert f"`dflashctl watch {first}` follows it, `dflashctl kill {first}` stops it" in res.stderr  # what to do
+    assert len(res.stderr.strip().splitlines()) == 1
     second = cli_json("launch", f, "--force")["id"]
     assert second != first
-    for j in (first, second):
+    # another clone of the project on the same host: its job of the same name is another job, not refused
+    import shutil
+
+    clone = proj.parent / "clone"
+    shutil.copytree(proj, clone)
+    assert run_cli("deploy", "box", cwd=clone).code == 0
+    res = run_cli("launch", f, "--json", cwd=clone)
+    assert res.code == 0, res.stderr
+    third = json.loads(res.stdout)["id"]
+    for j in (first, second, third):
         assert cli_json("kill", j)["result"] == "KILLED"
 
 

@@ -220,8 +220,12 @@ def launch(req: dict, payload: bytes) -> dict:
         live = our_live_jobs(wd)
         wanted = set(req.get("gpus") or [])
         for other in live:
-            if other.get("name") == req["name"]:
-                (overrides if req.get("force") else refused).append(f"job {other.get('id')} of the same name is alive")
+            same_clone = other.get("project") in (None, req.get("project"))  # another clone's job is another job
+            if other.get("name") == req["name"] and same_clone:
+                oid = other.get("id")
+                (overrides if req.get("force") else refused).append(
+                    f"job {oid} of the same name is alive: `dflashctl watch {oid}` follows it, `dflashctl kill {oid}` "
+                    "stops it, --force launches another beside it")  # fmt: skip
             shared = wanted & set(other.get("gpus") or [])
             if shared:
                 what = f"GPU {','.join(map(str, sorted(shared)))} held by job {other.get('id')}"

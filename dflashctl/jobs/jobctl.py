@@ -95,10 +95,12 @@ def launch(
             dry_run=dry_run,
         )  # fmt: skip
         req = {"action": "launch", "workdir": abs_wd, "job_id": job_id, "name": job.name, "session": report.session,
+               "project": session.project_key(root),
                "gpus": job.gpu_indices, "force": force, "release": local_version, "python": host.python,
                "tmux_socket": socket, "needs": {"torch": job.trainer is not None, "cuda": bool(job.gpu_indices)},
                **({"scheduler": "slurm"} if cluster else {})}  # fmt: skip
-        files = session.run_files(job, job_id, host.python, trainer_cfg, local_version, cluster=cluster)
+        files = session.run_files(job, job_id, host.python, trainer_cfg, local_version, cluster=cluster,
+                                  project=session.project_key(root))  # fmt: skip
         if dry_run or deploy_first:  # every launch check before a dry-run's "would launch" or a --deploy's upload
             # a Slurm dry run sends the batch script along: `sbatch --test-only` judges it, submitting nothing
             check = json.dumps({k: v for k, v in files.items() if k == "sbatch.sh"}).encode() if dry_run else b""
@@ -118,7 +120,8 @@ def launch(
     if ans.get("refused"):
         if ans.get("config"):
             raise ConfigError(str(job_path), ans.get("key"), f"{'; '.join(ans['refused'])} (host {host.name})")
-        raise RefusedError(f"{host.name}: {'; '.join(ans['refused'])} (use --force to launch anyway)")
+        raise RefusedError(f"{host.name}: {'; '.join(ans['refused'])}" + ("" if "--force" in ans["refused"][-1] else
+                                                                          " (use --force to launch anyway)"))
     report.run_dir, report.pane_pid, report.overrides = ans["run_dir"], ans["pane_pid"], ans.get("overrides", [])
     report.slurm_job = ans.get("slurm_job")
     registry.record(JobRecord(

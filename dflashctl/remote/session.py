@@ -209,7 +209,7 @@ exit "$rc"
 
 def run_files(
     job: JobConfig, job_id: str, python: str, trainer_cfg: dict | None, release: str, redact: bool = False,
-    node: NodePlace | None = None, cluster: SlurmHost | None = None,
+    node: NodePlace | None = None, cluster: SlurmHost | None = None, project: str | None = None,
 ) -> dict[str, str]:  # fmt: skip
     """The files of a run dir, as written at launch; restarts reuse them (the job file is snapshotted here). A Slurm
     job has `sbatch.sh` where a tmux job has `run.sh` and `tmux.conf`."""
@@ -226,6 +226,7 @@ def run_files(
         "command.sh": f"# the job's command ({job.name})\n{command}\n",
         "job.json": json.dumps({"id": job_id, "name": job.name, "session": node_session(job_id, node),
                                 "release": release, "gpus": gpus, **where, "secret_names": secrets,
+                                **({"project": project} if project else {}),
                                 "job": snapshot}, indent=1),  # fmt: skip
     }
     if scheduled:
@@ -244,6 +245,15 @@ def run_files(
 
         files["trainer.yaml"] = yaml.safe_dump(trainer_cfg, sort_keys=False)
     return files
+
+
+def project_key(root) -> str:
+    """Which clone a job was launched from (this machine and the project's path): the same job name launched from
+    another clone on the same host is another job, not a second copy of this one."""
+    import hashlib
+    import socket
+
+    return hashlib.sha256(f"{socket.gethostname()}\0{os.path.abspath(root)}".encode()).hexdigest()[:16]
 
 
 def supervise_spec(job: JobConfig, job_id: str, gpus: list[int], scheduled: bool = False) -> dict:
