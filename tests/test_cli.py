@@ -51,6 +51,8 @@ def test_ls_json_is_an_object_and_prefixes_must_be_unique(client, monkeypatch):
     assert res.code == 2 and "prefix of 2 jobs" in res.stderr and "exp-20261130T100000Z-aaaa" in res.stderr
     res = run_cli("attach", "exp-20261130T100000", "--dry-run")
     assert res.code == 0 and res.stdout.split()[:2] == ["ssh", "-t"]
+    # the ssh config every other command reads (here $HOME's, which differs from the passwd home): an alias works
+    assert f"-F {client.home / '.ssh' / 'config'}" in res.stdout, res.stdout
     assert "attach -t =exp-20261130T100000Z-aaaa -r" in res.stdout
 
 

@@ -466,6 +466,9 @@ def attach_argv(job: JobRecord, write: bool = False) -> list[str]:
         prefix = ["docker", "exec", "-it", *prefix[3:]]
     if host.is_local:
         return [*prefix, *tmux]
-    ssh = ["ssh", "-t", *(["-p", str(host.port)] if host.port else []), *(["-l", host.user] if host.user else []),
+    from dflashctl.remote.ssh import client_options  # the config and known_hosts every other command reads
+
+    ssh = ["ssh", "-t", *client_options(host), *(["-p", str(host.port)] if host.port else []),
+           *(["-l", host.user] if host.user else []),
            *(["-i", host.identity_file] if host.identity_file else [])]  # fmt: skip
     return [*ssh, host.ssh or "", shlex.join([*prefix, *tmux])]
