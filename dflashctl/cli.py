@@ -186,16 +186,27 @@ def launch(
 def kill(
     job: str | None = JobArg,
     grace: float | None = typer.Option(None, "--grace", help="Seconds between SIGTERM and SIGKILL (job's default 40)."),
+    yes: bool = Flag("--yes", "-y", help="With no JOB: stop the newest alive job without asking."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Stop a job (default: one whose kill failed, else the newest alive one): SIGTERM, wait, SIGKILL, verify."""
+    """Stop a job: SIGTERM, wait, SIGKILL, verify that nothing of it is left.
+
+    With no JOB: a job whose kill failed is retried at once; the newest alive job is stopped only after you confirm
+    (or with --yes). A job that had already ended keeps its verdict, and the exit code is that state's."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
     from dflashctl.judge.states import EXIT_BY_STATE
     from dflashctl.show.render import err, out, print_json
 
-    report = jobctl.kill(job, str(find_project_root()), grace, accept_new)
+    def confirm(record) -> bool:
+        if yes:
+            return True
+        if not sys.stdin.isatty() or as_json:
+            return False
+        return typer.confirm(f"stop {record.id} on {record.host_name} (the newest alive job)?", default=False)
+
+    report = jobctl.kill(job, str(find_project_root()), grace, accept_new, confirm)
     if as_json:
         print_json(report.to_dict())
     elif report.verdict:

@@ -189,3 +189,13 @@ def test_ls_starts_without_scanning_installed_distributions_for_pydantic_plugins
             "print(PYDANTIC_ENTRY_POINT_GROUP, list(get_plugins()))")  # a name the stand-in lacks: the real loader
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert proc.stdout.split() == ["pydantic", "[]"], proc.stderr
+
+
+def test_a_prefix_means_this_projects_jobs_first(client, monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    record(client, "exp-20261130T100000Z-aaaa", project=str(tmp_path / "other-project"))
+    record(client, "exp-20261130T100001Z-bbbb")
+    res = run_cli("attach", "exp-2026", "--dry-run")  # one match here: the other project's is not offered
+    assert res.code == 0 and "=exp-20261130T100001Z-bbbb" in res.stdout, res
+    res = run_cli("attach", "exp-20261130T100000", "--dry-run")  # only elsewhere: found there
+    assert res.code == 0 and "=exp-20261130T100000Z-aaaa" in res.stdout

@@ -393,3 +393,11 @@ def test_watch_into_a_pipe_prints_a_line_per_poll(proj):
         assert res.code == 0 and len(lines) == 1 and f"{job_id} RUNNING: alive" in lines[0], res.stdout
     finally:
         run_cli("kill", job_id)
+
+
+def test_a_bare_kill_asks_before_stopping_the_newest_live_job(proj):
+    job_id = cli_json("launch", job_file(proj, "asked", "sleep 300"))["id"]
+    res = run_cli("kill")  # no terminal to ask on, no --yes: nothing is stopped
+    assert res.code == 2 and f"dflashctl kill {job_id}" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert status_json(job_id)["state"] == "RUNNING"
+    assert cli_json("kill", "--yes")["id"] == job_id

@@ -285,7 +285,8 @@ def find_job(spec: str | None, project: str | None, live_only: bool = False) -> 
     if spec:
         exact = [j for j in everywhere if j.id == spec]
         named = [j for j in jobs if j.name == spec]
-        prefixed = [j for j in everywhere if j.id.startswith(spec)]
+        # a prefix looks in this project first: another project's jobs are offered only when none here matches
+        prefixed = [j for j in jobs if j.id.startswith(spec)] or [j for j in everywhere if j.id.startswith(spec)]
         if not exact and not named and len(prefixed) > 1:  # a prefix must name one job, never guess among several
             ids = ", ".join(j.id for j in prefixed[:8])
             raise NoSuchJobError(f"{spec!r} is a prefix of {len(prefixed)} jobs: {ids}; give more of the id")
@@ -308,15 +309,20 @@ def picked_how(job: JobRecord, spec: str | None) -> str:
     return "kill_failed" if job.state == "KILL_FAILED" else ("live" if job.live else "newest")
 
 
-def kill(spec: str | None, project: str, grace_s: float | None = None, accept_new: bool = False) -> KillReport:
+def kill(spec: str | None, project: str, grace_s: float | None = None, accept_new: bool = False,
+         confirm: Callable[[JobRecord], bool] | None = None) -> KillReport:  # fmt: skip
     """Stop a job and record what was verified: KILLED only when nothing of it is left, else KILL_FAILED. A bare
     `kill` with nothing alive kills nothing and says so; an ended job (CRASHED, ...) keeps its state when the kill
-    found nothing of it."""
+    found nothing of it. A bare `kill` retries a failed kill at once, but stops the newest live job only when
+    `confirm` says yes (the user was asked, or passed --yes)."""
     if spec is None:
         try:
             job = find_job(None, project, live_only=True)
         except NoSuchJobError:
             raise NothingToDoError("no job of this project is alive: nothing to kill (see `dflashctl ls`)") from None
+        if job.state != "KILL_FAILED" and not (confirm and confirm(job)):
+            raise ConfigError("kill", None, f"no job named: `dflashctl kill {job.id}` stops the newest alive job "
+                              "(or `dflashctl kill --yes`)")  # fmt: skip
     else:
         job = find_job(spec, project)
     if job.state in ("FINISHED", "KILLED"):  # nothing to stop: say so, rewrite nothing
