@@ -127,8 +127,10 @@ def doctor(host: str = HostArg, as_json: bool = JsonOpt, accept_new: bool = Acce
 
     reports = doctor_reports(host, find_project_root(), accept_new)
     if as_json:
-        print_json(reports[0].to_dict() if len(reports) == 1 else {"ok": all(r.ok for r in reports),
-                                                                     "reports": [r.to_dict() for r in reports]})
+        # one schema: every report under `reports`, the first one's `host` and `checks` also at the top
+        first = reports[0].to_dict()
+        print_json({"ok": all(r.ok for r in reports), "host": first["host"], "checks": first["checks"],
+                    "reports": [r.to_dict() for r in reports]})  # fmt: skip
     else:
         style = {"ok": "green", "warn": "yellow", "fail": "red"}
         for report in reports:

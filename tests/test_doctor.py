@@ -69,3 +69,22 @@ def test_one_interpreter_says_python_torch_and_nccl_and_a_missing_torch_leaves_i
     assert seen[sys.executable][0] == version and seen[sys.executable][1].startswith(torch.__version__)
     assert seen[str(bare)] == (version, "", "", True)
     assert seen[str(tmp_path / "no-such-python")] == ("", "", "", True)
+
+
+def test_an_unreachable_host_gets_its_table_and_the_one_json_schema(cli, client):
+    from tests.conftest import free_port
+
+    client.write_hosts(f"hosts:\n  gone:\n    ssh: root@127.0.0.1\n    port: {free_port()}\n    connect_timeout: 2\n")
+    res = cli("doctor", "gone")
+    assert res.code == 1 and "reachable" in res.stdout and "cannot connect" in res.stdout
+    res = cli("doctor", "gone", "--json")
+    got = json.loads(res.stdout)
+    assert res.code == 1 and set(got) == {"ok", "host", "checks", "reports"} and got["ok"] is False
+    assert got["checks"][0]["name"] == "reachable" and got["checks"][0]["status"] == "fail"
+    ok = json.loads(cli("doctor", "testbox", "--json").stdout)
+    assert set(ok) == set(got) and ok["reports"][0]["checks"] == ok["checks"]  # the same schema either way
+
+
+def test_the_local_host_has_no_clock_offset_to_itself(cli, client):
+    checks = checks_of(cli("doctor", "local", "--json").stdout)
+    assert checks["clock"]["status"] == "ok" and "offset" not in checks["clock"]["detail"]

@@ -371,6 +371,9 @@ def test_a_silent_controller_keeps_the_state_and_a_kill_meanwhile_fails_honestly
         assert [j["state"] for j in ls if j["id"] == rep["id"]] == ["RUNNING"]
         res = run_cli("kill", rep["id"], "--grace", "1", "--json", cwd=ROOT)
         assert res.code == 1 and json.loads(res.stdout)["result"] == "KILL_FAILED", res.stdout
+        doc = json.loads(run_cli("doctor", "cluster", "--json", cwd=ROOT, timeout=200).stdout)
+        checks = {c["name"]: c for c in doc["checks"]}  # the controller is named, not an "unknown partition"
+        assert checks["controller"]["status"] == "fail" and "partition" not in checks, checks
     finally:
         cluster.start_controller()
     res = run_cli("kill", "--json", cwd=ROOT)  # no id: the job whose kill failed

@@ -160,12 +160,17 @@ def doctor_reports(spec: str, root: Path, accept_new: bool = False) -> list:
         target = hosts[0]
     else:
         target = resolve_host(spec, root)
-    with open_runner(target, accept_new) as runner:
-        if target.slurm is not None:
-            from dflashctl.remote.doctor_slurm import run_slurm_doctor
+    try:
+        with open_runner(target, accept_new) as runner:  # connecting is lazy: the first command may not reach it
+            if target.slurm is not None:
+                from dflashctl.remote.doctor_slurm import run_slurm_doctor
 
-            return [run_slurm_doctor(runner)]
-        return [run_doctor(runner)]
+                return [run_slurm_doctor(runner)]
+            return [run_doctor(runner)]
+    except UnreachableError as e:  # said in the table (and the JSON) like every other check
+        from dflashctl.remote.doctor import Check, DoctorReport
+
+        return [DoctorReport(target.name, [Check("reachable", "fail", str(e), required=True)])]
 
 
 def rdzv_port_for(name: str) -> int:

@@ -145,6 +145,9 @@ def run_doctor(runner: Runner) -> DoctorReport:
     else:
         checks.append(Check("disk", "warn", "df gave no reading"))
 
+    if host.is_local:
+        checks.append(Check("clock", "ok", "this machine: the clock every other host is compared with"))
+        return DoctorReport(host.name, checks, facts)
     try:
         offset = float(facts.get("time", "")) - (t0 + t1) / 2
         status = "ok" if abs(offset) <= MAX_CLOCK_OFFSET_S + (t1 - t0) / 2 else "warn"

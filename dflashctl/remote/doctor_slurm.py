@@ -25,6 +25,7 @@ echo "python=$("$py" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null)
 for t in """
     + " ".join(REQUIRED_TOOLS + OPTIONAL_TOOLS)
     + r"""; do command -v "$t" >/dev/null 2>&1 && echo "tool_$t=1" || echo "tool_$t=0"; done
+ping=$(scontrol ping 2>&1 | head -n 1); echo "controller_rc=$?"; echo "controller=$ping"
 if [ -n "$part" ]; then
   echo "partition=$(sinfo -h -p "$part" -o '%P|%a|%D' 2>/dev/null | head -n 1)"
 else
@@ -80,6 +81,12 @@ def run_slurm_doctor(runner: Runner) -> DoctorReport:
     if missing:
         return DoctorReport(host.name, checks, facts)
 
+    said = facts.get("controller", "")
+    if "UP" not in said and "is up" not in said.lower():  # `Slurmctld(primary) at host is UP`, else DOWN or an error
+        checks.append(Check("controller", "fail", f"slurmctld does not answer the login node: {said[:160] or 'no word'}"
+                            " (the partition and account cannot be checked)", required=True))  # fmt: skip
+        return DoctorReport(host.name, checks, facts)
+    checks.append(Check("controller", "ok", said[:160]))
     part = facts.get("partition", "").split("|")
     name = cluster.partition or "the default partition"
     if len(part) < 2 or not part[0]:
