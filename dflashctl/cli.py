@@ -36,6 +36,14 @@ def Flag(*names: str, help: str, **kwargs) -> bool:  # noqa: N802 - reads like t
     """A boolean switch whose --help line shows no `<bool>` placeholder."""
     return typer.Option(False, *names, help=help, metavar=" ", show_default=False, **kwargs)
 
+def _between(option: str, value: int | None, lo: int, hi: int) -> None:
+    """A number option's bounds, checked here (typer would print them as `[1<=x<=1024]` in --help): one line, exit 2."""
+    from dflashctl.errors import ConfigError
+
+    if value is not None and not lo <= value <= hi:
+        raise ConfigError(option, None, f"{value} is not between {lo} and {hi}")
+
+
 def _complete_jobs(incomplete: str) -> list[str]:
     """Shell completion of job ids (from the local registry; nothing remote)."""
     try:
@@ -55,7 +63,8 @@ def _complete_hosts(incomplete: str) -> list[str]:
         return []
 
 
-HostArg = typer.Argument(..., help="A host from dflashctl.yaml or hosts.yaml, `local`, user@host or ssh://host:port.",
+HostArg = typer.Argument(..., metavar="HOST", show_default=False,
+                         help="A host from dflashctl.yaml or hosts.yaml, `local`, user@host or ssh://host:port.",
                          autocompletion=_complete_hosts)  # fmt: skip
 JsonOpt = Flag("--json", help="Print one compact JSON object on stdout and nothing else.")
 AcceptNewOpt = Flag("--accept-new-host-key", help="Record an unknown host key in known_hosts (like ssh's accept-new)."
@@ -80,7 +89,8 @@ def root(
 @app.command()
 def deploy(
     host: str = HostArg,
-    workdir: str | None = typer.Option(None, "--workdir", help="Remote root; the code goes to WORKDIR/code."),
+    workdir: str | None = typer.Option(None, "--workdir", metavar="DIR",
+                                       help="Remote root; the code goes to DIR/code."),
     dry_run: bool = Flag("--dry-run", help="List what would change; send nothing."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
@@ -144,14 +154,16 @@ def doctor(host: str = HostArg, as_json: bool = JsonOpt, accept_new: bool = Acce
         raise typer.Exit(EXIT_FAILED)
 
 
-JobArg = typer.Argument(None, help="Job id, a prefix of it, or a job name; default: the newest job of this project.",
+JobArg = typer.Argument(None, metavar="[JOB]", show_default=False,
+                        help="Job id, a prefix of it, or a job name; default: a job whose kill failed, else the newest "
+                        "alive, else the newest of this project.",
                         autocompletion=_complete_jobs)  # fmt: skip
 ProjectOpt = Flag("--all-projects", help="List jobs launched from any project.")
 
 
 @app.command()
 def launch(
-    job_file: Path = typer.Argument(..., help="A job file (jobs/*.yaml).", exists=False),
+    job_file: Path = typer.Argument(..., metavar="JOB.yaml", help="A job file (jobs/*.yaml)."),
     deploy_first: bool = Flag("--deploy", help="Deploy the local tree to the job's host first."),
     force: bool = Flag("--force", help="Launch even on GPUs held by another job or process."),
     dry_run: bool = Flag("--dry-run", help="Print the remote commands and files; change nothing."),
@@ -187,7 +199,8 @@ def launch(
 @app.command()
 def kill(
     job: str | None = JobArg,
-    grace: float | None = typer.Option(None, "--grace", help="Seconds between SIGTERM and SIGKILL (job's default 40)."),
+    grace: float | None = typer.Option(None, "--grace", metavar="S",
+                                       help="Seconds between SIGTERM and SIGKILL (job's default 40)."),
     yes: bool = Flag("--yes", "-y", help="With no JOB: stop the newest alive job without asking."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
@@ -280,9 +293,11 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
 
 @app.command()
 def report(
-    jobs: list[str] | None = typer.Argument(None, help="job ids or names (default: the newest job); several overlay",
+    jobs: list[str] | None = typer.Argument(None, metavar="[JOB]...", show_default=False,
+                                        help="Job ids or names (default: as for any command); several overlay",
                                             autocompletion=_complete_jobs),
-    out_file: Path | None = typer.Option(None, "--out", "-o", help="write FILE.png or FILE.html (needs matplotlib)"),
+    out_file: Path | None = typer.Option(None, "--out", "-o", metavar="FILE",
+                                         help="Write FILE.png or FILE.html (needs matplotlib)."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
@@ -347,10 +362,12 @@ def report(
 def pull(
     job: str | None = JobArg,
     export: bool = Flag("--export", help="The drafter in the public DFlash format (RUN/export)."),
-    checkpoint: str | None = typer.Option(None, "--checkpoint", help="'latest' or a step number."),
+    checkpoint: str | None = typer.Option(None, "--checkpoint", metavar="latest|STEP",
+                                          help="'latest' or a step number."),
     metrics: bool = Flag("--metrics", help="metrics.jsonl, gpu.jsonl, events.jsonl, train.log, job.json."),
-    to: Path = typer.Option(Path("pulled"), "--to", help="Directory to pull into (as TO/<job id>/...)."),
-    chunk_mib: int = typer.Option(16, "--chunk-mib", min=1, max=1024, help="Transfer size of one remote read."),
+    to: Path = typer.Option(Path("pulled"), "--to", metavar="DIR", help="Directory to pull into (as DIR/JOB-ID/...)."),
+    chunk_mib: int = typer.Option(16, "--chunk-mib", metavar="MIB",
+                                   help="Transfer size of one remote read, 1 to 1024."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
@@ -364,6 +381,7 @@ def pull(
     from dflashctl.remote.pull import pull as pull_files
     from dflashctl.show.render import byte_progress, err, out, print_json
 
+    _between("--chunk-mib", chunk_mib, 1, 1024)
     if checkpoint is not None and checkpoint != "latest" and not checkpoint.isdigit():
         raise ConfigError("--checkpoint", None, f"{checkpoint!r} is neither 'latest' nor a step number")
     select = {k: v for k, v in (("export", export), ("checkpoint", checkpoint), ("metrics", metrics)) if v}
@@ -385,14 +403,18 @@ def pull(
 
 @app.command()
 def tunnel(
-    job: str = typer.Argument(..., help="Job id, a prefix of it, or a job name.", autocompletion=_complete_jobs),
-    port: int = typer.Argument(..., min=1, max=65535, help="The port on the job's machine (or container)."),
-    local_port: int | None = typer.Option(None, "--local-port", min=1, max=65535, help="Default: the same port."),
+    job: str = typer.Argument(..., metavar="JOB", help="Job id, a prefix of it, or a job name.",
+                         autocompletion=_complete_jobs),
+    port: int = typer.Argument(..., metavar="PORT", help="The port on the job's machine (or container)."),
+    local_port: int | None = typer.Option(None, "--local-port", metavar="PORT", help="Default: the same port."),
     tensorboard: bool = Flag("--tensorboard", help="Start TensorBoard on the run dir there first (needs it there)."),
     dry_run: bool = Flag("--dry-run", help="Print the ssh command and start nothing."),
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Forward a port of the job's machine to localhost (through pct/docker containers too), until Ctrl-C."""
+    """Forward a port of the job's machine to localhost (through pct/docker containers too), until Ctrl-C or the
+    job's end."""
+    _between("PORT", port, 1, 65535)
+    _between("--local-port", local_port, 1, 65535)
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
     from dflashctl.remote.tunnel import forward
@@ -453,15 +475,17 @@ def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt,
 @app.command()
 def logs(
     job: str | None = JobArg,
-    lines: int = typer.Option(50, "-n", "--lines", min=1, max=1_000_000, help="How many of the last lines to print."),
+    lines: int = typer.Option(50, "-n", "--lines", metavar="N", help="How many of the last lines to print."),
     follow: bool = Flag("-f", "--follow", help="Keep printing new lines until the job ends."),
     as_json: bool = Flag("--json", help='One {"id", "text"} object per chunk of the log.'),
     raw: bool = Flag("--raw", help="Pass terminal escape sequences through (default: shown, inert)."),
-    node: str | None = typer.Option(None, "--node", help="A multi-node job's node (host name or number; default "
+    node: str | None = typer.Option(None, "--node", metavar="NODE",
+                                    help="A multi-node job's node (host name or number; default "
                                     "the head)."),
     accept_new: bool = AcceptNewOpt,
 ) -> None:
     """Print the end of a job's train.log (everything the job printed)."""
+    _between("--lines", lines, 1, 1_000_000)
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
     from dflashctl.show.render import neutralise, out, print_json
@@ -482,7 +506,8 @@ def logs(
 @app.command()
 def watch(
     job: str | None = JobArg,
-    interval: float | None = typer.Option(None, "--interval", help="Seconds between polls (default: the job's, 60)."),
+    interval: float | None = typer.Option(None, "--interval", metavar="S",
+                                          help="Seconds between polls (default: the job's, 60)."),
     once: bool = Flag("--once", help="Poll once, print the verdict, exit with its code."),
     until_done: bool = Flag("--until-done", help="Never give up while the host is unreachable."),
     as_json: bool = Flag("--json", help="One verdict object per poll on stdout, nothing else."),
@@ -565,12 +590,13 @@ def attach(
 
 @app.command()
 def diagnose(
-    log_file: str = typer.Argument(..., help="A log file (train.log, a tmux capture, a SLURM output), or - for stdin."),
+    log_file: str = typer.Argument(..., metavar="LOG",
+                                   help="A log file (train.log, a tmux capture, a SLURM output), or - for stdin."),
     as_json: bool = Flag("--json", help="Print {state, reason, evidence, advice, exit} as JSON."),
 ) -> None:
     """Classify any training log with the same rules `watch` uses, and say what to do next.
 
-    Reads through launcher prefixes (srun --label, torchrun's [rankN]:, timestamps) and judges the newest attempt.
+    Reads through launcher prefixes (srun --label, torchrun's \\[rankN]:, timestamps) and judges the newest attempt.
     A log with no failure and no normal end is INCOMPLETE (exit 30), never an all-clear. Big logs are read from
     the tail, in bounded memory.
     """
@@ -615,6 +641,20 @@ def _read_stdin() -> list[str]:
     if b"\0" in data[:8192]:
         raise ConfigError("-", None, "is not a text log (binary content)")
     return data.decode("utf-8", errors="replace").splitlines()
+
+
+def _reflow_help() -> None:
+    """Docstrings are wrapped at 120 columns in the source; --help wraps them to the terminal. Each paragraph's
+    lines are joined first, so no hard break leaves a ragged line (markdown mode would too, at the cost of
+    importing a Markdown parser at every start)."""
+    for info in app.registered_commands:
+        doc = info.callback.__doc__ if info.callback else None
+        if doc:
+            paragraphs = [" ".join(ln.strip() for ln in p.strip().splitlines()) for p in doc.strip().split("\n\n")]
+            info.callback.__doc__ = "\n\n".join(paragraphs)
+
+
+_reflow_help()
 
 
 def main(argv: list[str] | None = None) -> int:
