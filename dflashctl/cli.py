@@ -401,6 +401,21 @@ def pull(
               f"{report.to} ({report.bytes_fetched:,} bytes fetched, every file sha256-verified)")
 
 
+@app.command("export")
+def export_drafter(
+    job: str | None = JobArg,
+    to: Path = typer.Option(Path("pulled"), "--to", metavar="DIR", help="Directory to pull into (as DIR/JOB-ID/...)."),
+    as_json: bool = JsonOpt,
+    accept_new: bool = AcceptNewOpt,
+) -> None:
+    """Bring the trained drafter home in the public DFlash format (what vLLM, SGLang and llama.cpp load).
+
+    The same as `pull --export`: RUN/export, written at the end of training (or by `python -m trainer.export` on the
+    host); resumable and sha256-verified."""
+    pull(job=job, export=True, checkpoint=None, metrics=False, to=to, chunk_mib=16, as_json=as_json,
+         accept_new=accept_new)  # fmt: skip
+
+
 @app.command()
 def tunnel(
     job: str = typer.Argument(..., metavar="JOB", help="Job id, a prefix of it, or a job name.",
@@ -428,14 +443,22 @@ def tunnel(
 
 
 @app.command("ls")
-def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt,
-              wide: bool = Flag("--wide", help="Every column, however wide the terminal.")) -> None:  # fmt: skip
-    """Jobs launched from this project, newest first (from the local registry)."""
+def list_jobs(
+    all_projects: bool = ProjectOpt,
+    state: list[str] | None = typer.Option(None, "--state", "-s", metavar="STATE",
+                                          help="Only jobs in this state (repeat for several; `failed`: any failure)."),
+    host: str | None = typer.Option(None, "--host", metavar="HOST", help="Only jobs on this host."),
+    name: str | None = typer.Option(None, "--name", metavar="GLOB", help="Only jobs whose name matches (fnmatch)."),
+    as_json: bool = JsonOpt,
+    wide: bool = Flag("--wide", help="Every column, however wide the terminal."),
+) -> None:
+    """Jobs launched from this project, newest first (from the local registry: states as last seen)."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import registry
     from dflashctl.show.render import err, out, print_json
 
     jobs = registry.all_jobs(None if all_projects else str(find_project_root()))
+    jobs = _filtered(jobs, state, host, name)
     if as_json:
         print_json({"jobs": [{"id": j.id, "host": j.host_name, "state": j.state, "reason": j.reason,
                               "checked_at": j.checked_at, "launched_at": j.launched_at, "run_dir": j.run_dir,
@@ -476,7 +499,9 @@ def list_jobs(all_projects: bool = ProjectOpt, as_json: bool = JsonOpt,
 def logs(
     job: str | None = JobArg,
     lines: int = typer.Option(50, "-n", "--lines", metavar="N", help="How many of the last lines to print."),
-    follow: bool = Flag("-f", "--follow", help="Keep printing new lines until the job ends."),
+    follow: bool | None = typer.Option(None, "--follow/--no-follow", "-f", show_default=False,
+                                       help="Keep printing new lines until the job ends (the default in a terminal, "
+                                       "as `sky logs` does; piped or with --json: the last lines only)."),
     as_json: bool = Flag("--json", help='One {"id", "text"} object per chunk of the log.'),
     raw: bool = Flag("--raw", help="Pass terminal escape sequences through (default: shown, inert)."),
     node: str | None = typer.Option(None, "--node", metavar="NODE",
@@ -486,6 +511,8 @@ def logs(
 ) -> None:
     """Print the end of a job's train.log (everything the job printed)."""
     _between("--lines", lines, 1, 1_000_000)
+    if follow is None:
+        follow = sys.stdout.isatty() and not as_json
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
     from dflashctl.show.render import neutralise, out, print_json
@@ -615,6 +642,27 @@ def diagnose(
         if v.advice:
             out.print(f"next: {v.advice}", markup=False)
     raise typer.Exit(code)
+
+
+def _filtered(jobs: list, states: list[str] | None, host: str | None, name: str | None) -> list:
+    """`ls` filters: states (case-insensitive; `failed` is every failure state), a host, a name glob."""
+    import fnmatch
+
+    from dflashctl.errors import ConfigError
+    from dflashctl.judge.health import FAILURES
+    from dflashctl.judge.states import EXIT_BY_STATE
+
+    wanted: set[str] = set()
+    for st in states or []:
+        st = st.upper()
+        if st == "FAILED":
+            wanted |= set(FAILURES)
+        elif st in EXIT_BY_STATE:
+            wanted.add(st)
+        else:
+            raise ConfigError("--state", None, f"{st!r} is not a state (see docs/watch.md; `failed` means any failure)")
+    return [j for j in jobs if (not wanted or j.state in wanted) and (host is None or j.host_name == host)
+            and (name is None or fnmatch.fnmatchcase(j.name, name))]  # fmt: skip
 
 
 def _ago(seconds: float) -> str:

@@ -199,3 +199,23 @@ def test_a_prefix_means_this_projects_jobs_first(client, monkeypatch, tmp_path):
     assert res.code == 0 and "=exp-20261130T100001Z-bbbb" in res.stdout, res
     res = run_cli("attach", "exp-20261130T100000", "--dry-run")  # only elsewhere: found there
     assert res.code == 0 and "=exp-20261130T100000Z-aaaa" in res.stdout
+
+
+def test_ls_filters_by_state_host_and_name(client, monkeypatch):
+    monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
+    record(client, "alpha-20261130T100000Z-aaaa", state="CRASHED")
+    record(client, "beta-20261130T100001Z-bbbb", state="RUNNING")
+    record(client, "alpine-20261130T100002Z-cccc", state="DIVERGED")
+
+    def ids(*args: str) -> list[str]:
+        res = run_cli("ls", "--json", *args)
+        assert res.code == 0, res.stderr
+        return [j["id"].split("-")[0] for j in json.loads(res.stdout)["jobs"]]
+
+    assert ids("--state", "running") == ["beta"]
+    assert ids("--state", "failed") == ["alpine", "alpha"]  # every failure state
+    assert ids("--state", "crashed", "--state", "diverged") == ["alpine", "alpha"]
+    assert ids("--name", "al*") == ["alpine", "alpha"] and ids("--host", "testbox", "--name", "b*") == ["beta"]
+    assert ids("--host", "elsewhere") == []
+    res = run_cli("ls", "--state", "sleepy")
+    assert res.code == 2 and "--state" in res.stderr and len(res.stderr.strip().splitlines()) == 1

@@ -175,3 +175,10 @@ def test_pull_to_a_file_and_into_a_full_disk_are_one_line_errors(run, client, tm
         res = run_cli("pull", JOB, "--to", str(mnt))  # a 3 MiB export into 1 MiB
         assert res.code == 1 and "the disk is full at" in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1 and "sha256" not in res.stderr
+
+
+def test_export_is_pull_export(run, client):
+    res = run_cli("export", JOB, "--json", timeout=300)
+    assert res.code == 0, res.stderr
+    got = json.loads(res.stdout)
+    assert got["chose"] == ["export"] and all(f["path"].startswith("export/") for f in got["files"])
