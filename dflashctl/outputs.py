@@ -36,11 +36,36 @@ def remember(root: Path, path: Path) -> bool:
         return False
     have = listed(root)
     if rel not in have:
-        with open(root / LIST_NAME, "a", encoding="utf-8") as f:
+        with _append(root / LIST_NAME) as f:
             if not have:
                 f.write("# written by dflashctl (pull, report): never deployed\n")
             f.write(rel + "\n")
+    _git_exclude(root, [LIST_NAME, rel])
     return True
+
+
+def _append(path: Path):
+    """Append to `path`, never through a symlink planted in its place."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def _git_exclude(root: Path, rels: list[str]) -> None:
+    """In a git checkout, what dflashctl wrote is also listed in `.git/info/exclude` (the checkout's own, never
+    committed): `git status` stays clean after a pull or a report, and the user's .gitignore is left alone."""
+    info = root / ".git" / "info"
+    if not (root / ".git").is_dir():
+        return
+    try:
+        info.mkdir(exist_ok=True)
+        path = info / "exclude"
+        have = set(path.read_text(encoding="utf-8", errors="replace").splitlines()) if path.is_file() else set()
+        new = [f"/{r}" for r in rels if f"/{r}" not in have]
+        if new:
+            with _append(path) as f:
+                f.write("".join(f"{line}\n" for line in new))
+    except OSError:
+        pass  # a read-only checkout: the list above still keeps deploy from shipping these
 
 
 def is_output(rel: str, outputs: set[str]) -> bool:

@@ -158,6 +158,8 @@ def test_what_pull_and_report_write_is_never_deployed_or_stale(run, client):
     assert outputs.remember(client.project, client.project / "r.html")
     assert list_files(client.project) == before == ["train.py"]  # so `launch` finds no stale code either
     assert f"pulled/{JOB}" in (client.project / ".dflashctl-outputs").read_text()
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=client.project, capture_output=True, text=True)
+    assert status.stdout.split() == ["??", "train.py"], status.stdout  # what dflashctl wrote leaves git status clean
     # `--to mylib`: only the job's own folder is dflashctl's; the user's new source in mylib is still code
     (client.project / "mylib").mkdir()
     (client.project / "mylib" / "util.py").write_text("x = 1\n")
