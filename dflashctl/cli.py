@@ -417,6 +417,49 @@ def export_drafter(
 
 
 @app.command()
+def gc(
+    host: str = HostArg,
+    older_than: float = typer.Option(7.0, "--older-than", metavar="DAYS", help="Only jobs that ended this long ago."),
+    dry_run: bool = Flag("--dry-run", help="List what would be removed; remove nothing."),
+    yes: bool = Flag("--yes", "-y", help="Remove without asking."),
+    as_json: bool = JsonOpt,
+    accept_new: bool = AcceptNewOpt,
+) -> None:
+    """Remove the run dirs of jobs that ended on HOST (checkpoints, logs, exports), never a live job's.
+
+    A run dir goes only when its job ended (an exit status or a kill's result), no session or supervisor of it runs,
+    and nothing in it changed for --older-than days; `pull` first what you want to keep. Asks before removing
+    (--yes skips; --dry-run lists)."""
+    from dflashctl.config import find_project_root
+    from dflashctl.errors import ConfigError
+    from dflashctl.jobs import jobctl
+    from dflashctl.show.render import err, out, print_json
+
+    if older_than < 0:
+        raise ConfigError("--older-than", None, f"{older_than:g} days: expected 0 or more")
+    root = find_project_root()
+    if not dry_run and not yes:
+        plan = jobctl.gc(host, root, older_than, True, accept_new)
+        if not plan["removed"]:
+            dry_run = True  # nothing to remove: said below, nothing asked
+        elif as_json or not sys.stdin.isatty():
+            raise ConfigError("gc", None, f"{len(plan['removed'])} run dirs would be removed: pass --yes (or "
+                              "--dry-run to list them)")  # fmt: skip
+        elif not typer.confirm(f"remove {len(plan['removed'])} run dirs on {host} ("
+                               f"{sum(r['bytes'] for r in plan['removed']) / 2**30:.2f} GiB)?", default=False):
+            raise typer.Exit(1)
+    res = jobctl.gc(host, root, older_than, dry_run, accept_new)
+    if as_json:
+        print_json(res)
+        return
+    verb = "would remove" if dry_run else "removed"
+    for r in res["removed"]:
+        out.print(f"{verb} {res['workdir']}/runs/{r['id']}  {r['bytes'] / 2**20:,.1f} MiB", markup=False)
+    total = sum(r["bytes"] for r in res["removed"]) / 2**30
+    err.print(f"{verb} {len(res['removed'])} run dirs ({total:.2f} GiB); kept {len(res['kept'])}")
+
+
+@app.command()
 def tunnel(
     job: str = typer.Argument(..., metavar="JOB", help="Job id, a prefix of it, or a job name.",
                          autocompletion=_complete_jobs),

@@ -401,3 +401,27 @@ def test_a_bare_kill_asks_before_stopping_the_newest_live_job(proj):
     assert res.code == 2 and f"dflashctl kill {job_id}" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert status_json(job_id)["state"] == "RUNNING"
     assert cli_json("kill", "--yes")["id"] == job_id
+
+
+def test_gc_removes_only_ended_old_run_dirs_and_asks_first(proj):
+    """Three jobs: one alive, one ended long ago, one ended just now. gc with --older-than 1 removes only the old
+    one, after --dry-run listed it and a run without --yes (no terminal) refused; the live job runs on."""
+    live = cli_json("launch", job_file(proj, "keepme", "sleep 300"))["id"]
+    old = cli_json("launch", job_file(proj, "oldone", "exit 0", "watch: {restart_on: []}\n"))["id"]
+    new = cli_json("launch", job_file(proj, "newone", "exit 0", "watch: {restart_on: []}\n"))["id"]
+    old_run, new_run = run_dir_of(old), run_dir_of(new)
+    wait_until(lambda: (old_run / "exit_code").exists() and (new_run / "exit_code").exists())
+    time.sleep(1.0)  # their supervisors see the end and stop
+    day_ago = time.time() - 2 * 86400
+    for f in [old_run, *old_run.iterdir()]:
+        os.utime(f, (day_ago, day_ago), follow_symlinks=False)
+    dry = cli_json("gc", "box", "--older-than", "1", "--dry-run")
+    assert [r["id"] for r in dry["removed"]] == [old] and old_run.exists()
+    why = {k["id"]: k["why"] for k in dry["kept"]}
+    assert why[live] == "alive" and why[new].startswith("ended 0.0 days ago")
+    res = run_cli("gc", "box", "--older-than", "1")
+    assert res.code == 2 and "--yes" in res.stderr and old_run.exists()
+    done = cli_json("gc", "box", "--older-than", "1", "--yes")
+    assert [r["id"] for r in done["removed"]] == [old] and not old_run.exists() and new_run.exists()
+    assert status_json(live)["state"] == "RUNNING"
+    assert cli_json("kill", live)["result"] == "KILLED"

@@ -22,6 +22,7 @@ container's host by the same command. Actions:
 - `history`: what `report` draws: metrics, GPU history and watch decisions of a run, thinned, in one answer.
 - `files`, `chunk` (pull): files to bring back with their sha256; then raw bytes of one of them, a chunk at a time.
 - `tail`: the last lines of a file, read from its end (bounded however long its lines are).
+- `gc`: remove the run dirs of jobs that ended long enough ago, never a live one's (`collect.py`).
 
 On a Slurm host (`"scheduler": "slurm"` in the request) the job's "pane" is its newest submission (agent/slurm.py):
 `launch` writes the same run dir and runs `sbatch` instead of tmux, `restart` cancels the old submission, sees it end
@@ -81,6 +82,10 @@ def main() -> int:
     elif action == "chunk":  # raw bytes, not JSON: the only action that answers so
         sys.stdout.buffer.write(read_chunk(req))
         return 0
+    elif action == "gc":
+        from .collect import collect
+
+        answer = collect(req)
     elif action == "history":
         answer = history(req)
     elif action == "tail":

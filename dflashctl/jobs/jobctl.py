@@ -173,6 +173,18 @@ def doctor_reports(spec: str, root: Path, accept_new: bool = False) -> list:
         return [DoctorReport(target.name, [Check("reachable", "fail", str(e), required=True)])]
 
 
+def gc(spec: str, root: Path, older_than_days: float, dry_run: bool, accept_new: bool = False) -> dict:
+    """Remove HOST's run dirs of jobs that ended over `older_than_days` ago (never a live job's, never one whose
+    supervisor runs): one remote action under the workdir's launch lock. `dry_run` lists them, removes nothing."""
+    host = resolve_host(spec, root)
+    with open_runner(host, accept_new) as runner:
+        abs_wd, _, _ = read_remote_state(runner, host.workdir)
+        ans = session.call_agent(runner, {"action": "gc", "workdir": abs_wd, "older_than_s": older_than_days * 86400,
+                                          "dry_run": dry_run, "gpus": False,
+                                          "tmux_socket": session.tmux_socket()}, timeout=600)  # fmt: skip
+    return {"host": host.name, "workdir": abs_wd, **ans}
+
+
 def rdzv_port_for(name: str) -> int:
     """A port of the job name's own (two live jobs of one name on one head are refused), known before the launch so
     that `doctor JOB.yaml` checks the port the job will use."""
