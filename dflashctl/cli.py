@@ -459,6 +459,54 @@ def gc(
     err.print(f"{verb} {len(res['removed'])} run dirs ({total:.2f} GiB); kept {len(res['kept'])}")
 
 
+@app.command("exec")
+def exec_(
+    target: str = typer.Argument(..., metavar="JOB", help="A job (its host, release and environment), or with --host "
+                                 "a host.", autocompletion=_complete_jobs),
+    command: list[str] | None = typer.Argument(None, metavar="-- COMMAND...", show_default=False,
+                                               help="What to run, after `--`."),
+    on_host: bool = Flag("--host", help="JOB names a host: run in its deployed code."),
+    timeout: float | None = typer.Option(None, "--timeout", metavar="S", help="Give up after S seconds."),
+    as_json: bool = JsonOpt,
+    accept_new: bool = AcceptNewOpt,
+) -> None:
+    """Run one command where a job runs (inside its container), in its release with its environment.
+
+    `dflashctl exec JOB -- nvidia-smi`, `dflashctl exec --host box -- df -h`. Exits with the command's status."""
+    from dflashctl.config import find_project_root
+    from dflashctl.jobs import jobctl
+    from dflashctl.show.render import print_json
+
+    res = jobctl.exec_command(target, list(command or []), find_project_root(), on_host, accept_new, timeout)
+    if as_json:
+        print_json(res)
+    else:
+        sys.stdout.write(res["stdout"])
+        sys.stderr.write(res["stderr"])
+    raise typer.Exit(res["exit"])
+
+
+@app.command()
+def shell(
+    target: str = typer.Argument(..., metavar="JOB", help="A job, or with --host a host.",
+                                 autocompletion=_complete_jobs),
+    on_host: bool = Flag("--host", help="JOB names a host: a shell in its deployed code."),
+    dry_run: bool = Flag("--dry-run", help="Print the command instead of running it."),
+) -> None:
+    """Open a login shell where a job runs (inside its container), in its release with its environment."""
+    import os
+    import shlex
+
+    from dflashctl.config import find_project_root
+    from dflashctl.jobs import jobctl
+
+    argv = jobctl.shell_argv(target, find_project_root(), on_host)
+    if dry_run:
+        print(shlex.join(argv))
+        return
+    os.execvp(argv[0], argv)
+
+
 @app.command()
 def tunnel(
     job: str = typer.Argument(..., metavar="JOB", help="Job id, a prefix of it, or a job name.",

@@ -425,3 +425,17 @@ def test_gc_removes_only_ended_old_run_dirs_and_asks_first(proj):
     assert [r["id"] for r in done["removed"]] == [old] and not old_run.exists() and new_run.exists()
     assert status_json(live)["state"] == "RUNNING"
     assert cli_json("kill", live)["result"] == "KILLED"
+
+
+def test_exec_runs_with_the_jobs_environment_in_its_release_and_shell_opens_there(proj):
+    job_id = cli_json("launch", job_file(proj, "envy", "sleep 300", "env: {DRAFT_NOTE: from-the-job}\n"))["id"]
+    res = run_cli("exec", job_id, "--", "sh", "-c", 'echo "$DRAFT_NOTE"; pwd; ls marker.txt 2>/dev/null; exit 4')
+    lines = res.stdout.splitlines()
+    assert res.code == 4 and lines[0] == "from-the-job" and "/releases/" in lines[1], res
+    got = json.loads(run_cli("exec", "--host", "box", "--json", "--", "pwd").stdout)
+    assert got["exit"] == 0 and got["cwd"].endswith("/code") and "/releases/" in got["stdout"]  # code: the current
+    argv = run_cli("shell", job_id, "--dry-run").stdout
+    assert argv.startswith("ssh -t") and "/releases/" in argv and "run.sh" in argv and "bash -l" in argv
+    res = run_cli("exec", job_id)
+    assert res.code == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert cli_json("kill", job_id)["result"] == "KILLED"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
 import shlex
 import time
@@ -470,6 +471,60 @@ def logs(
                 break
             time.sleep(poll_s)
     return {"id": job.id, "exit_code": snap.get("exit_code") if follow else None}
+
+
+def _where(spec: str, root: Path, is_host: bool) -> tuple[HostConfig, str | None, str | None]:
+    """(host, remote working dir, env file) for `exec`/`shell`: a job's release and its environment's file (run.sh,
+    env.sh on Slurm), or a host's deployed code."""
+    if is_host:
+        host = resolve_host(spec, root)
+        return host, None, None
+    job = find_job(spec, str(root))
+    workdir = os.path.dirname(os.path.dirname(job.run_dir))
+    env = f"{job.run_dir}/{'env.sh' if job.scheduler == 'slurm' else 'run.sh'}"
+    return job.host, f"{workdir}/releases/{job.release}", env
+
+
+def exec_command(spec: str, command: list[str], root: Path, is_host: bool = False, accept_new: bool = False,
+                 timeout: float | None = None) -> dict:  # fmt: skip
+    """Run one command on a job's host (in its container) in the job's release with the job's environment, or on a
+    host in its deployed code: {exit, stdout, stderr}."""
+    if not command:
+        raise ConfigError("exec", "COMMAND", "nothing to run: give a command after --")
+    host, cwd, env = _where(spec, root, is_host)
+    script = ('cd "${1:-$HOME}" 2>/dev/null || cd "$HOME"; [ -n "$2" ] && [ -f "$2" ] && '
+              'eval "$(grep "^export " "$2")"; shift 2; exec "$@"')  # fmt: skip
+    with open_runner(host, accept_new) as runner:
+        if is_host:
+            abs_wd, _, _ = read_remote_state(runner, host.workdir)
+            cwd = f"{abs_wd}/code"
+        res = runner.run(["bash", "--noprofile", "--norc", "-c", script, "dflashctl-exec", cwd or "", env or "",
+                          *command], timeout=timeout)  # fmt: skip
+    return {"host": host.name, "cwd": cwd, "exit": res.returncode,
+            "stdout": res.stdout.decode(errors="replace"), "stderr": res.stderr.decode(errors="replace")}
+
+
+def shell_argv(spec: str, root: Path, is_host: bool = False) -> list[str]:
+    """An interactive login shell on the job's host (inside its container), in the job's release with its
+    environment, or on a host in its deployed code: the system's ssh, as `attach` uses."""
+    from dflashctl.remote.transport import container_prefix
+
+    host, cwd, env = _where(spec, root, is_host)
+    cwd = cwd or f"{host.workdir.rstrip('/')}/code".replace("~/", "$HOME/", 1)
+    inner = f'cd {shlex.quote(cwd) if "$HOME" not in cwd else cwd} 2>/dev/null; '
+    if env:
+        inner += f'[ -f {shlex.quote(env)} ] && eval "$(grep "^export " {shlex.quote(env)})"; '
+    inner += "exec bash -l"
+    prefix = container_prefix(host)
+    if prefix[:2] == ["docker", "exec"]:
+        prefix = ["docker", "exec", "-it", *prefix[3:]]
+    if host.is_local:
+        return [*prefix, "bash", "-c", inner]
+    from dflashctl.remote.ssh import client_options
+
+    ssh = ["ssh", "-t", *client_options(host), *(["-p", str(host.port)] if host.port else []),
+           *(["-l", host.user] if host.user else []), *(["-i", host.identity_file] if host.identity_file else [])]
+    return [*ssh, host.ssh or "", shlex.join([*prefix, "bash", "-c", inner])]
 
 
 def attach_argv(job: JobRecord, write: bool = False) -> list[str]:
