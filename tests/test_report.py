@@ -126,6 +126,11 @@ def test_report_through_the_cli_json_png_html(client, monkeypatch, tmp_path):
     assert [j["job"] for j in got["jobs"]] == ["one-20261201T100000Z-aaaa", "two-20261201T100000Z-aaaa"]
     assert set(got["jobs"][0]) >= {"steps", "elapsed_s", "first_loss", "last_loss", "min_loss", "mean_tokens_per_s",
                                    "best_tau", "restarts", "gpu_hours"}  # fmt: skip
+    # `status` says the same numbers of the same run (one definition, over the whole metrics.jsonl)
+    st = json.loads(run_cli("status", "one-20261201T100000Z-aaaa", "--json").stdout)
+    one = got["jobs"][0]
+    for key in ("mean_tokens_per_s", "elapsed_s", "first_loss", "last_loss"):
+        assert st[key] == one[key] and st[key] is not None, (key, st[key], one[key])
     png = tmp_path / "r.png"
     res = run_cli("report", "one-2026", "--out", str(png))
     assert res.code == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

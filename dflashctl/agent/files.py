@@ -93,6 +93,35 @@ def thin(items: list, max_points: int) -> list:
     return items[::k] + ([items[-1]] if (len(items) - 1) % k else [])
 
 
+def _number(v) -> float | None:
+    """A finite number, or None (a string, a bool, NaN, inf, an int too large for a float)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if f == f and abs(f) != float("inf") else None
+
+
+def figures(records: list[dict]) -> dict:
+    """A run's numbers, one definition for `status`, `report` and `watch`'s last line: the step records' mean
+    tokens/s, the first and last loss, the newest step, and the time from the first record to the last."""
+    steps = [r for r in records if "event" not in r and type(r.get("step")) is int and _number(r.get("time"))]
+    tps = [t for r in steps if (t := _number(r.get("tokens_per_s"))) is not None]
+    losses = [x for r in steps if (x := _number(r.get("loss"))) is not None]
+    valid = steps + [r for r in records if isinstance(r.get("event"), str)]  # a malformed record's time says nothing
+    times = [t for r in valid if (t := _number(r.get("time"))) is not None]
+    return {"step": steps[-1]["step"] if steps else None,
+            "mean_tokens_per_s": round(sum(tps) / len(tps), 1) if tps else None,
+            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+            "elapsed_s": round(max(times) - min(times), 1) if len(times) > 1 else None}  # fmt: skip
+
+
+def run_figures(run_dir: str, limit: int = 64 << 20) -> dict:
+    return figures(read_metrics(os.path.join(run_dir, "metrics.jsonl"), 0, limit)["records"])
+
+
 def history(req: dict) -> dict:
     """Everything `report` draws, in one call: the run's metrics, GPU history and watch decisions (each file read up
     to `max_bytes` from its end), step records and GPU samples thinned to `max_points`; events all kept."""
@@ -103,6 +132,7 @@ def history(req: dict) -> dict:
         got = read_metrics(os.path.join(run, name), 0, limit)
         key = name.split(".")[0]
         if key == "metrics":
+            out["figures"] = figures(got["records"])
             steps = [r for r in got["records"] if "event" not in r and type(r.get("step")) is int]
             rest = [r for r in got["records"] if "event" in r or type(r.get("step")) is not int]
             out[key] = thin(steps, points) + rest

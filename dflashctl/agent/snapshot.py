@@ -20,7 +20,7 @@ from .common import (
     read_json,
     write_atomic,
 )
-from .files import checkpoint_dirs, read_heartbeat, read_metrics, read_new
+from .files import checkpoint_dirs, read_heartbeat, read_metrics, read_new, run_figures
 from .gpus import read_gpus
 from .procs import _run, job_processes, launcher_of, list_sessions, proc_table, slurm_agent, tmux_session
 
@@ -97,6 +97,8 @@ def snapshot(req: dict) -> dict:
         snap["progress"] = update_progress(run_dir, now, snap, list(req.get("job_gpus") or []),
                                            int(req.get("metrics_offset", 0)))  # fmt: skip
         snap["host_oom"] = host_oom(run_dir, snap)
+    if req.get("figures") and run_dir and snap["run_dir_exists"]:  # `status`: the run's numbers, as `report` has them
+        snap["figures"] = run_figures(run_dir)
     if req.get("sessions"):
         snap["sessions"] = list_sessions()
     return snap

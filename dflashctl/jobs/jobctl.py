@@ -364,16 +364,14 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     picked = picked_how(job, spec)
     try:
         with open_runner(job.host, accept_new) as runner:
-            snap = session.call_agent(runner, {**session.probe_request(job, capture_lines=5), "gpus": False})
+            snap = session.call_agent(runner, {**session.probe_request(job, capture_lines=5), "gpus": False,
+                                               "figures": True})  # fmt: skip
     except UnreachableError as e:  # the same word `watch --once` says: UNREACHABLE, with the last state seen
         return unreachable_status(job, picked, str(e))
     records = snap.get("metrics", {}).get("records", [])
     steps = [r for r in records if "event" not in r]
     events = [r for r in records if "event" in r]
     evals = [r for r in events if r.get("event") == "eval" and isinstance(r.get("tau"), (int, float))]
-    tps = [r["tokens_per_s"] for r in steps if isinstance(r.get("tokens_per_s"), (int, float))]
-    losses = [r["loss"] for r in steps if isinstance(r.get("loss"), (int, float))]
-    times = [r["time"] for r in records if isinstance(r.get("time"), (int, float))]
     pane = snap["session"]
     alive = pane.get("exists") and not pane.get("pane_dead")
     nodes = None
@@ -387,6 +385,7 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
         if v.state != "UNREACHABLE":  # a silent scheduler concludes nothing: the record keeps its last state
             registry.update(job.id, state=v.state, reason=v.reason)
     sup = snap.get("supervisor") if isinstance(snap.get("supervisor"), dict) else None
+    fig = snap.get("figures") if isinstance(snap.get("figures"), dict) else {}
     return {
         "nodes": nodes,
         "id": job.id, "host": job.host_name, "run_dir": job.run_dir, "picked": picked,
@@ -400,9 +399,9 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
         "heartbeat_age_s": (snap.get("heartbeat") or {}).get("age_s"),
         "tau": evals[-1]["tau"] if evals else None,
         "tau_set": str(evals[-1].get("prompt_set") or "holdout")[:64] if evals else None,
-        "mean_tokens_per_s": round(sum(tps) / len(tps), 1) if tps else None,
-        "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-        "elapsed_s": round(times[-1] - times[0], 1) if len(times) > 1 else None,
+        # the run's numbers over its whole metrics.jsonl, defined once (agent/files.figures) for status and report
+        "mean_tokens_per_s": fig.get("mean_tokens_per_s"), "first_loss": fig.get("first_loss"),
+        "last_loss": fig.get("last_loss"), "elapsed_s": fig.get("elapsed_s"),
         "supervisor": {"alive": bool(sup.get("alive")), "ended": sup.get("ended")} if sup else None,
         "last_state": None, "last_seen": None,
     }  # fmt: skip

@@ -170,15 +170,17 @@ def summary(s: RunSeries, hist: dict, gpus_asked: int) -> dict:
     times = [t for t in s.step_time] + [m.time for m in s.markers] + [p[1] for p in s.preflight]
     elapsed = max(times) if times else None
     gpus = len(s.gpu) or gpus_asked
+    fig = hist.get("figures") if isinstance(hist.get("figures"), dict) else {}
     return {
         "job": s.job,
         "steps": s.steps[-1] if s.steps else None,
         "step_records": hist.get("step_records", len(s.steps)),
-        "elapsed_s": round(elapsed, 1) if elapsed is not None else None,
-        "first_loss": losses[0] if losses else None,
-        "last_loss": losses[-1] if losses else None,
+        # the run's own numbers where the agent gave them (the same definition `status` shows), else from the series
+        "elapsed_s": fig.get("elapsed_s", round(elapsed, 1) if elapsed is not None else None),
+        "first_loss": fig.get("first_loss", losses[0] if losses else None),
+        "last_loss": fig.get("last_loss", losses[-1] if losses else None),
         "min_loss": min(losses) if losses else None,
-        "mean_tokens_per_s": round(sum(tps) / len(tps), 1) if tps else None,
+        "mean_tokens_per_s": fig.get("mean_tokens_per_s", round(sum(tps) / len(tps), 1) if tps else None),
         "best_tau": best[1] if best else None,
         "best_tau_step": best[0] if best else None,
         "best_tau_set": best[2] if best else None,

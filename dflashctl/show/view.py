@@ -28,11 +28,12 @@ def line(rec) -> str:
     """One poll as one line, for a watch whose output is not a terminal (a log file, a pipe)."""
     when = time.strftime("%H:%M:%S", time.localtime(rec.time))
     parts = [f"{when} {rec.job} {rec.state}: {rec.reason}"]
-    if rec.step is not None:
+    if rec.step is not None and f"step {rec.step}" not in rec.reason:  # said once, not three times
         parts.append(f"step {rec.step}")
-    if rec.tokens_per_s is not None:
-        parts.append(f"{rec.tokens_per_s:,.0f} tok/s")
-    if rec.state not in ("RUNNING", "STARTING") and rec.evidence:
+    if rec.tokens_per_s is not None and rec.state in ("RUNNING", "STARTING", "STALLED"):
+        parts.append(f"{rec.tokens_per_s:,.0f} tok/s now")  # the newest poll's; the run's mean is `status`'s
+    said_already = rec.reason + " ".join(parts)
+    if rec.state not in ("RUNNING", "STARTING", "FINISHED") and rec.evidence and rec.evidence[0] not in said_already:
         parts.append(f"evidence: {rec.evidence[0]}")
     said = [describe(e) for e in rec.events if e.get("decision") != "notify"]
     return neutralise(" | ".join(parts + said))
