@@ -9,7 +9,7 @@ TORCH_CPU ?= torch==2.13.0
 REQUIRED_DEPS := sshd:openssh-server ssh:openssh-client tmux:tmux rsync:rsync git:git
 SLURM_DEPS := slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge
 
-.PHONY: test test-fast lint bytecode system-deps venv demo clean
+.PHONY: test test-fast lint bytecode system-deps venv demo docs clean
 
 define missing_of
 missing=""; for p in $(1); do cmd=$${p%%:*}; pkg=$${p##*:}; \
@@ -80,6 +80,10 @@ demo: system-deps venv bytecode
 	$(VENV)/bin/dflashctl watch --until-done
 	$(VENV)/bin/dflashctl status
 	$(VENV)/bin/dflashctl report
+
+# The one-page command reference, generated from the CLI itself (a test checks that it is current).
+docs: venv
+	$(PY) -m dflashctl.show.reference > docs/commands.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -170,7 +170,7 @@ def launch(
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Start JOB_FILE's job in its own tmux session on its host (on a Slurm host: submit it with sbatch) and record
+    """Start the job file's job in its own tmux session on its host (on a Slurm host: submit it with sbatch) and record
     it locally."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl

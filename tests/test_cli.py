@@ -219,3 +219,14 @@ def test_ls_filters_by_state_host_and_name(client, monkeypatch):
     assert ids("--host", "elsewhere") == []
     res = run_cli("ls", "--state", "sleepy")
     assert res.code == 2 and "--state" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_the_command_reference_is_generated_from_the_cli_and_current():
+    from pathlib import Path
+
+    from dflashctl.show.reference import render
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "commands.md"
+    assert page.read_text() == render(), "docs/commands.md is stale: run `make docs`"
+    for command in ("deploy", "launch", "watch", "status", "kill", "export", "exec", "shell", "gc", "diagnose"):
+        assert f"## `dflashctl {command} " in page.read_text(), command

@@ -62,8 +62,13 @@ def test_a_crash_is_restarted_by_the_supervisor_after_the_laptops_watch_died(pro
     assert st["state"] == "CRASHED" and "exit status 3" in st["reason"]
     assert st["supervisor"] == {"alive": False, "ended": supervisor(run)["ended"]}
     assert "CRASHED" in supervisor(run)["ended"]
-    # it ended for good: its secret is no longer at rest in any file of the run dir
+    # it ended for good: its secret is no longer at rest in any file of the run dir, and no dead pane is left
     assert not [f for f in run.rglob("*") if f.is_file() and b"hf_sup3r" in f.read_bytes()]
+    from tests.conftest import TEST_TMUX_SOCKET
+
+    has = subprocess.run(["tmux", "-L", TEST_TMUX_SOCKET, "has-session", "-t", f"={st['run_dir'].split('/')[-1]}"],
+                         capture_output=True)  # fmt: skip
+    assert has.returncode != 0, "the ended job's tmux session was left behind"
 
 
 def test_the_supervisor_two_watchers_and_a_kill_agree(proj):

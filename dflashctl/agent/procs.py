@@ -133,3 +133,8 @@ def list_sessions() -> list[dict]:
     if rc != 0:
         return []
     return [{"name": ln.split()[0], "dead": ln.split()[-1] == "1"} for ln in out.splitlines() if ln.strip()]
+
+
+def close_session(session: str) -> None:
+    """Close a job's tmux session (its pane is dead: the job ended); the server exits with its last session."""
+    _run([*TMUX, "kill-session", "-t", f"={session}"])

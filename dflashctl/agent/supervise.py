@@ -27,6 +27,7 @@ from collections import deque
 
 from . import probe
 from .common import read_int, read_json, scrub_secrets, start_time, write_atomic
+from .procs import close_session
 from .supervision import LOCK, SPEC, STATE, VERDICT
 
 MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 60.0
@@ -197,6 +198,8 @@ def main() -> int:
         if not sup.stopping and os.path.isdir(run_dir):  # the job ended for good: its secrets are not kept at rest
             with contextlib.suppress(OSError):
                 scrub_secrets(run_dir)
+            if not sup.scheduled and sup.h.pane_dead and spec.get("session"):  # nor its dead pane (train.log has
+                close_session(str(spec["session"]))  # all it showed): no tmux server is left behind
     except Exception as e:  # said where every asker sees it: the local side then judges by itself
         ended = f"failed: {type(e).__name__}: {e}"[:300]
         raise
