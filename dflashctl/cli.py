@@ -1,6 +1,11 @@
 """The `dflashctl` command line: thin commands that parse, call one library function and render the result.
 
 Exit codes: 0 success; 1 a remote command or check failed; 2 bad input (config, host, host key, unreachable host).
+`watch`, `status`, `diagnose` and a `kill` of an ended job exit with the state's code (judge/states.py): 0 FINISHED,
+RUNNING, STARTING, STOPPING, PENDING; 10 CRASHED; 11 OOM; 12 NCCL_TIMEOUT; 13 STALLED; 14 DENSE_FALLBACK;
+15 RECOMPILE_LIMIT; 16 LOST; 17 CONFIG_ERROR; 18 UNREACHABLE; 19 PROBE_FAILED; 20 KILLED; 21 KILL_FAILED;
+22 DIVERGED; 23 GPU_FAULT; 24 HOST_OOM; 25 DISK_FULL; 26 TIMEOUT; 27 PREEMPTED; 28 NODE_FAIL; 29 CANCELLED;
+30 INCOMPLETE (`diagnose`: no failure and no normal end); 130 Ctrl-C.
 """
 
 from __future__ import annotations

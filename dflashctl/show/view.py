@@ -30,7 +30,7 @@ def line(rec) -> str:
     parts = [f"{when} {rec.job} {rec.state}: {rec.reason}"]
     if rec.step is not None and f"step {rec.step}" not in rec.reason:  # said once, not three times
         parts.append(f"step {rec.step}")
-    if rec.tokens_per_s is not None and rec.state in ("RUNNING", "STARTING", "STALLED"):
+    if rec.tokens_per_s is not None and rec.state in ("RUNNING", "STARTING", "STALLED") and "tok/s" not in rec.reason:
         parts.append(f"{rec.tokens_per_s:,.0f} tok/s now")  # the newest poll's; the run's mean is `status`'s
     said_already = rec.reason + " ".join(parts)
     if rec.state not in ("RUNNING", "STARTING", "FINISHED") and rec.evidence and rec.evidence[0] not in said_already:
