@@ -20,6 +20,7 @@ from dflashctl.show.fast_start import defer_unused_rich
 defer_unused_rich()  # before typer: its help module imports rich's Markdown and tracebacks, which this app never draws
 
 import typer  # noqa: E402
+from typer._click.types import IntParamType, StringParamType  # noqa: E402 - typer <0.29 vendors click
 
 from dflashctl import __version__  # noqa: E402
 from dflashctl.errors import EXIT_FAILED, EXIT_USAGE, DflashError  # noqa: E402
@@ -40,6 +41,18 @@ _state = {"debug": False}
 def Flag(*names: str, help: str, **kwargs) -> bool:  # noqa: N802 - reads like typer.Option at the call site
     """A boolean switch whose --help line shows no `<bool>` placeholder."""
     return typer.Option(False, *names, help=help, metavar=" ", show_default=False, **kwargs)
+
+class _Named(StringParamType):
+    """An argument shown in --help by its name alone (HOST, JOB), not with `<str>` beside it."""
+
+    def get_metavar(self, param, ctx=None) -> str:
+        return ""
+
+
+class _NamedInt(IntParamType):
+    def get_metavar(self, param, ctx=None) -> str:
+        return ""
+
 
 def _between(option: str, value: int | None, lo: int, hi: int) -> None:
     """A number option's bounds, checked here (typer would print them as `[1<=x<=1024]` in --help): one line, exit 2."""
@@ -68,7 +81,7 @@ def _complete_hosts(incomplete: str) -> list[str]:
         return []
 
 
-HostArg = typer.Argument(..., metavar="HOST", show_default=False,
+HostArg = typer.Argument(..., metavar="HOST", show_default=False, click_type=_Named(),
                          help="A host from dflashctl.yaml or hosts.yaml, `local`, user@host or ssh://host:port.",
                          autocompletion=_complete_hosts)  # fmt: skip
 JsonOpt = Flag("--json", help="Print one compact JSON object on stdout and nothing else.")
@@ -159,7 +172,7 @@ def doctor(host: str = HostArg, as_json: bool = JsonOpt, accept_new: bool = Acce
         raise typer.Exit(EXIT_FAILED)
 
 
-JobArg = typer.Argument(None, metavar="[JOB]", show_default=False,
+JobArg = typer.Argument(None, metavar="[JOB]", show_default=False, click_type=_Named(),
                         help="Job id, a prefix of it, or a job name; default: a job whose kill failed, else the newest "
                         "alive, else the newest of this project.",
                         autocompletion=_complete_jobs)  # fmt: skip
@@ -168,7 +181,7 @@ ProjectOpt = Flag("--all-projects", help="List jobs launched from any project.")
 
 @app.command()
 def launch(
-    job_file: Path = typer.Argument(..., metavar="JOB.yaml", help="A job file (jobs/*.yaml)."),
+    job_file: Path = typer.Argument(..., metavar="JOB.yaml", help="A job file (jobs/*.yaml).", click_type=_Named()),
     deploy_first: bool = Flag("--deploy", help="Deploy the local tree to the job's host first."),
     force: bool = Flag("--force", help="Launch even on GPUs held by another job or process."),
     dry_run: bool = Flag("--dry-run", help="Print the remote commands and files; change nothing."),
@@ -183,7 +196,7 @@ def launch(
 
     root_dir = find_project_root()
     with byte_progress("deploy", not as_json) as progress:
-        report = jobctl.launch(job_file, root_dir, deploy_first=deploy_first, force=force, dry_run=dry_run,
+        report = jobctl.launch(Path(job_file), root_dir, deploy_first=deploy_first, force=force, dry_run=dry_run,
                                accept_new=accept_new, progress=progress)  # fmt: skip
     if as_json:
         print_json(report.to_dict())
@@ -298,7 +311,7 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
 
 @app.command()
 def report(
-    jobs: list[str] | None = typer.Argument(None, metavar="[JOB]...", show_default=False,
+    jobs: list[str] | None = typer.Argument(None, metavar="[JOB]...", show_default=False, click_type=_Named(),
                                         help="Job ids or names (default: as for any command); several overlay",
                                             autocompletion=_complete_jobs),
     out_file: Path | None = typer.Option(None, "--out", "-o", metavar="FILE",
@@ -466,9 +479,10 @@ def gc(
 
 @app.command("exec")
 def exec_(
-    target: str = typer.Argument(..., metavar="JOB", help="A job (its host, release and environment), or with --host "
+    target: str = typer.Argument(..., metavar="JOB", click_type=_Named(),
+                                 help="A job (its host, release and environment), or with --host "
                                  "a host.", autocompletion=_complete_jobs),
-    command: list[str] | None = typer.Argument(None, metavar="-- COMMAND...", show_default=False,
+    command: list[str] | None = typer.Argument(None, metavar="-- COMMAND...", show_default=False, click_type=_Named(),
                                                help="What to run, after `--`."),
     on_host: bool = Flag("--host", help="JOB names a host: run in its deployed code."),
     timeout: float | None = typer.Option(None, "--timeout", metavar="S", help="Give up after S seconds."),
@@ -493,7 +507,7 @@ def exec_(
 
 @app.command()
 def shell(
-    target: str = typer.Argument(..., metavar="JOB", help="A job, or with --host a host.",
+    target: str = typer.Argument(..., metavar="JOB", click_type=_Named(), help="A job, or with --host a host.",
                                  autocompletion=_complete_jobs),
     on_host: bool = Flag("--host", help="JOB names a host: a shell in its deployed code."),
     dry_run: bool = Flag("--dry-run", help="Print the command instead of running it."),
@@ -514,9 +528,11 @@ def shell(
 
 @app.command()
 def tunnel(
-    job: str = typer.Argument(..., metavar="JOB", help="Job id, a prefix of it, or a job name.",
+    job: str = typer.Argument(..., metavar="JOB", click_type=_Named(),
+                              help="Job id, a prefix of it, or a job name.",
                          autocompletion=_complete_jobs),
-    port: int = typer.Argument(..., metavar="PORT", help="The port on the job's machine (or container)."),
+    port: int = typer.Argument(..., metavar="PORT", click_type=_NamedInt(),
+                               help="The port on the job's machine (or container)."),
     local_port: int | None = typer.Option(None, "--local-port", metavar="PORT", help="Default: the same port."),
     tensorboard: bool = Flag("--tensorboard", help="Start TensorBoard on the run dir there first (needs it there)."),
     dry_run: bool = Flag("--dry-run", help="Print the ssh command and start nothing."),
@@ -713,7 +729,7 @@ def attach(
 
 @app.command()
 def diagnose(
-    log_file: str = typer.Argument(..., metavar="LOG",
+    log_file: str = typer.Argument(..., metavar="LOG", click_type=_Named(),
                                    help="A log file (train.log, a tmux capture, a SLURM output), or - for stdin."),
     as_json: bool = Flag("--json", help="Print {state, reason, evidence, advice, exit} as JSON."),
 ) -> None:
