@@ -230,3 +230,42 @@ def test_the_command_reference_is_generated_from_the_cli_and_current():
     assert page.read_text() == render(), "docs/commands.md is stale: run `make docs`"
     for command in ("deploy", "launch", "watch", "status", "kill", "export", "exec", "shell", "gc", "diagnose"):
         assert f"## `dflashctl {command} " in page.read_text(), command
+
+
+def test_every_commands_help_reads_well_at_80_columns():
+    """No type placeholders (`<str>`, `<int range>`, `[1<=x<=1024]`, `<bool>`), no lower-case `{host}`, and every
+    exit code in watch's help."""
+    import os
+    import subprocess
+    import sys
+
+    from dflashctl.show.reference import render
+
+    commands = [ln.split()[2].strip("`") for ln in render().splitlines() if ln.startswith("## `dflashctl ")]
+    assert len(commands) >= 17 and "exec" in commands
+    env = {**os.environ, "COLUMNS": "80"}
+    for command in commands:
+        out = subprocess.run([sys.executable, "-m", "dflashctl", command, "--help"], capture_output=True, text=True,
+                             env=env, timeout=60).stdout  # fmt: skip
+        for bad in ("<str>", "<int", "<path>", "<bool>", "<float", "<=x<=", "{host}", "{job"):
+            assert bad not in out, (command, bad)
+    watch = subprocess.run([sys.executable, "-m", "dflashctl", "watch", "--help"], capture_output=True, text=True,
+                           env=env, timeout=60).stdout  # fmt: skip
+    for code in ("22 DIVERGED", "25 DISK_FULL", "29 CANCELLED"):
+        assert code in " ".join(watch.split()), code
+
+
+def test_the_plain_watch_line_says_each_thing_once():
+    from dflashctl.jobs.watch import PollRecord
+    from dflashctl.show.view import line
+
+    base = dict(time=0.0, id="j", job="j", host="h", advice=None, since=0.0, epoch=0, loss=2.0, eta_s=None,
+                restarts=0, gpus=[], remote_commands=1)  # fmt: skip
+    running = PollRecord(**base, state="RUNNING", reason="step 391, 19,147 tok/s, loss 4.6456", evidence=["x"],
+                         step=391, tokens_per_s=19147.0)  # fmt: skip
+    text = line(running)
+    assert text.count("391") == 1 and text.count("tok/s") == 1, text
+    done = PollRecord(**base, state="FINISHED", reason="exit 0 at step 1000", evidence=["exit_code 0, step 1000"],
+                      step=1000, tokens_per_s=6717.0)  # fmt: skip
+    text = line(done)
+    assert text.count("1000") == 1 and "tok/s" not in text, text
