@@ -83,7 +83,7 @@ demo: system-deps venv bytecode
 
 # The one-page command reference, generated from the CLI itself (a test checks that it is current).
 docs: venv
-	$(PY) -m dflashctl.show.reference > docs/commands.md
+	$(PY) -m dflashctl.reference > docs/commands.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

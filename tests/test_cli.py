@@ -224,7 +224,7 @@ def test_ls_filters_by_state_host_and_name(client, monkeypatch):
 def test_the_command_reference_is_generated_from_the_cli_and_current():
     from pathlib import Path
 
-    from dflashctl.show.reference import render
+    from dflashctl.reference import render
 
     page = Path(__file__).resolve().parents[1] / "docs" / "commands.md"
     assert page.read_text() == render(), "docs/commands.md is stale: run `make docs`"
@@ -239,7 +239,7 @@ def test_every_commands_help_reads_well_at_80_columns():
     import subprocess
     import sys
 
-    from dflashctl.show.reference import render
+    from dflashctl.reference import render
 
     commands = [ln.split()[2].strip("`") for ln in render().splitlines() if ln.startswith("## `dflashctl ")]
     assert len(commands) >= 17 and "exec" in commands

@@ -198,8 +198,10 @@ def main() -> int:
         if not sup.stopping and os.path.isdir(run_dir):  # the job ended for good: its secrets are not kept at rest
             with contextlib.suppress(OSError):
                 scrub_secrets(run_dir)
-            if not sup.scheduled and sup.h.pane_dead and spec.get("session"):  # nor its dead pane (train.log has
-                close_session(str(spec["session"]))  # all it showed): no tmux server is left behind
+            # nor its dead pane (train.log has all it showed): no tmux server is left behind; but only once the
+            # exit status is in the run dir (on a full disk it is not: then the pane's is the only record of it)
+            if not sup.scheduled and sup.h.pane_dead and sup.h.exit_code is not None and spec.get("session"):
+                close_session(str(spec["session"]))
     except Exception as e:  # said where every asker sees it: the local side then judges by itself
         ended = f"failed: {type(e).__name__}: {e}"[:300]
         raise

@@ -1,4 +1,4 @@
-"""`python -m dflashctl.show.reference > docs/commands.md`: the one-page command reference, generated from the CLI
+"""`python -m dflashctl.reference > docs/commands.md`: the one-page command reference, generated from the CLI
 itself (every command's help, arguments and options as `--help` has them), so it never drifts from the code
 (`tests/test_cli.py` checks that the page is current)."""
 
@@ -32,7 +32,7 @@ def render() -> str:
 
     root = typer.main.get_command(app)
     ctx = root.make_context("dflashctl", [], resilient_parsing=True)
-    out = ["# Command reference", "", "Generated from the CLI itself by `python -m dflashctl.show.reference`; "
+    out = ["# Command reference", "", "Generated from the CLI itself by `python -m dflashctl.reference`; "
            "`dflashctl COMMAND --help` says the same.", ""]  # fmt: skip
     out += [f"`dflashctl` — {' '.join((root.help or '').split())}", ""]
     for name in root.list_commands(ctx):
