@@ -29,8 +29,8 @@ from dflashctl.errors import (
 from dflashctl.jobs import control, registry
 from dflashctl.jobs import verdict as verdicts
 from dflashctl.jobs.control import KillReport
+from dflashctl.jobs.poller import make_watcher
 from dflashctl.jobs.registry import JobRecord, Member
-from dflashctl.jobs.watch import make_watcher
 from dflashctl.model.jobfile import load_job
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner

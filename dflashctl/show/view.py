@@ -9,7 +9,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from dflashctl.jobs.watch import Watcher, sparkline
+from dflashctl.jobs.poller import Watcher, sparkline
 from dflashctl.judge.health import Verdict
 from dflashctl.show.render import neutralise
 
