@@ -203,3 +203,18 @@ def test_a_run_dirs_agent_replaced_after_launch_is_checked_before_the_restart_ru
     assert (run / "agent.pyz").read_bytes() == AGENT
     (restart,) = [e for e in events(run) if e.get("decision") == "restart"]
     assert restart["by"] == "supervisor" and restart.get("agent_replaced") is True
+
+
+def test_the_supervisor_sees_an_end_at_once_not_at_its_next_interval(proj):
+    """A 60 s interval: the tmux server killed under the job is judged (LOST) within seconds, and the supervisor
+    ends, leaving nothing behind."""
+    from tests.conftest import TEST_TMUX_SOCKET
+
+    job_id = cli_json("launch", job_file(proj, "slowwatch", "sleep 300", "watch: {interval_s: 60}\n"))["id"]
+    run = run_dir_of(job_id)
+    me = wait_until(lambda: (run / "verdict.json").exists() and supervisor(run), 30)
+    subprocess.run(["tmux", "-L", TEST_TMUX_SOCKET, "kill-server"], check=False)
+    t0 = time.monotonic()
+    ended = wait_until(lambda: supervisor(run).get("ended"), 20)
+    assert time.monotonic() - t0 < 10 and "LOST" in ended, ended
+    wait_until(lambda: not alive(me["pid"]), 10)

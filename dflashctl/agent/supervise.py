@@ -93,6 +93,7 @@ class Supervisor:
 
     def look(self):
         """One snapshot, folded and judged; the verdict written for every asker."""
+        self.seen = self.facts()
         snap = probe.snapshot(self.request())
         if not snap.get("run_dir_exists"):
             return None
@@ -160,10 +161,28 @@ class Supervisor:
             elif v.state in final:
                 return v.state
             deadline = time.monotonic() + self.interval
-            while not self.stopping and time.monotonic() < deadline:
+            while not self.stopping and time.monotonic() < deadline and not self.news():
                 time.sleep(min(0.2, self.interval))
         return "told to stop (SIGTERM)"
 
+    def facts(self) -> tuple:
+        """What ends or stops an attempt, read cheaply (a few stats): the run dir, a stop request, an exit status,
+        the launcher alive."""
+        run = self.run
+        me = read_json(os.path.join(run, probe.WRAPPER_PID)) if not self.scheduled else None
+        launcher = (start_time(me["pid"]) == me.get("start")) if isinstance(me, dict) and isinstance(me.get("pid"),
+                                                                                                 int) else None
+        return (os.path.isdir(run), os.path.exists(os.path.join(run, probe.STOP_REQUEST)),
+                os.path.exists(os.path.join(run, "exit_code")), launcher)  # fmt: skip
+
+    def news(self) -> bool:
+        """One of `facts` changed since the last look: the next look is taken now, not at the end of the interval
+        (a kill, an exit, a tmux server gone are judged within a fraction of a second)."""
+        now = self.facts()
+        if now != self.seen:
+            self.seen = now
+            return True
+        return False
 
 def main() -> int:
     run_dir = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else ""
