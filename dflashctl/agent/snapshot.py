@@ -42,6 +42,10 @@ def snapshot(req: dict) -> dict:
     now = time.time()
     run_dir = req.get("run_dir")
     snap: dict = {"time": now, "run_dir": run_dir, "run_dir_exists": bool(run_dir and os.path.isdir(run_dir))}
+    # the restart count first: a restart between this read and the reads below leaves an older count beside the new
+    # attempt's files (harmless: a restart for an attempt already restarted is refused), never the new count beside
+    # the old attempt's dead pane or exit status (which a watcher took for the new attempt's failure)
+    snap["restarts"] = (read_int(os.path.join(run_dir, RESTARTS)) or 0) if run_dir else 0
     lines = int(req.get("capture_lines", 40))
     scheduled = req.get("scheduler") == "slurm" and bool(run_dir)
     # a Slurm job's "pane" is its submission: alive, ended (with its exit status) or unknown to the scheduler
@@ -75,7 +79,6 @@ def snapshot(req: dict) -> dict:
             snap["exit_time"] = os.path.getmtime(os.path.join(run_dir, "exit_code"))
         except OSError:
             snap["exit_time"] = None
-        snap["restarts"] = read_int(os.path.join(run_dir, RESTARTS)) or 0
         stop = read_json(os.path.join(run_dir, STOP_REQUEST))
         present = os.path.exists(os.path.join(run_dir, STOP_REQUEST))
         snap["stop_request"] = (stop if isinstance(stop, dict) else {"time": None}) if present else None
