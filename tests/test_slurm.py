@@ -400,3 +400,24 @@ def test_a_kill_while_queued_cancels_the_submission(site, cluster):
     log = Path(rep["run_dir"]) / "train.log"
     assert not log.exists() or "should never run" not in log.read_text()
     assert status(rep["id"])["state"] == "KILLED"
+
+
+def test_with_no_watch_the_login_nodes_supervisor_resubmits_a_crash(site, cluster):
+    """No laptop: the job's supervisor on the login node sees the crash through Slurm and resubmits it (once, by
+    max_restarts), then ends; the run dir's events say who did it."""
+    rep = launch(write_job(site, "alone", command='echo "attempt"; sleep 1; exit 3',
+                           watch="  restart_on: [CRASHED]\n  max_restarts: 1\n"))  # fmt: skip
+    run = Path(rep["run_dir"])
+
+    def ended():
+        me = run / "supervisor.json"
+        return me.exists() and json.loads(me.read_text()).get("ended")
+
+    why = wait_for(ended, 120, "the supervisor's end")
+    assert "CRASHED" in why and "max_restarts" in why, why
+    assert (run / "restarts").read_text().strip() == "1"
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    (restart,) = [e for e in events if e.get("decision") == "restart"]
+    assert restart["by"] == "supervisor" and restart["after"] == "CRASHED"
+    assert (run / "slurm_job").read_text().strip() != rep["slurm_job"]  # a second submission
+    assert status(rep["id"])["state"] == "CRASHED"
