@@ -243,16 +243,34 @@ class HostsFile(BaseModel):
 
 def format_validation_error(source: str, err: ValidationError, prefix: str = "") -> ConfigError:
     """One line naming the file and the dotted key of every problem pydantic found."""
-    parts = []
+    said: dict[str, list[str]] = {}
     for e in err.errors():
-        key = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
+        # a union's members appear in the location as type tags (`gpus.list[int]`, `gpus.int`): the key as the
+        # file has it is what remains
+        loc = [p for p in (prefix, *e["loc"]) if p != "" and not _type_tag(p)]
+        key = ".".join(str(p) for p in loc)
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         elif e["type"] == "missing":
             msg = "required key is missing"
+        said.setdefault(key, [])
+        if msg not in said[key]:
+            said[key].append(msg)
+    parts = []
+    for key, msgs in said.items():
+        options = [m.removeprefix("Input should be ") for m in msgs]
+        msg = msgs[0] if len(msgs) == 1 else "expected " + " or ".join(options)
         parts.append(f"{key}: {msg}" if key else msg)
     return ConfigError(source, None, "; ".join(parts))
+
+
+TYPE_TAGS = {"int", "str", "float", "bool", "list", "dict", "none", "constrained-int", "constrained-float"}
+
+
+def _type_tag(part) -> bool:
+    """A pydantic union member's tag in an error's location, not a key of the file."""
+    return isinstance(part, str) and (part in TYPE_TAGS or "[" in part or part.startswith("function-"))
 
 
 MAX_CONFIG_BYTES = 1 << 20  # job and host files are a few KiB; anything this large is not one

@@ -90,3 +90,14 @@ def test_unknown_host_key_cli_says_how(cli, client):
     assert res.code == 2 and "--accept-new-host-key" in res.stderr
     res = cli("doctor", "testbox", "--accept-new-host-key", "--json")
     assert res.code in (0, 1) and '"reachable"' in res.stdout
+
+
+def test_a_union_key_is_named_as_the_file_has_it(tmp_path):
+    """`gpus: true` fails both of gpus' forms (a list, a count): one message for the key, no `list[int]` tags."""
+    from dflashctl.model.jobfile import load_job
+
+    job = tmp_path / "j.yaml"
+    job.write_text("name: j\ncommand: 'true'\ngpus: true\n")
+    with pytest.raises(ConfigError) as got:
+        load_job(job, tmp_path)
+    assert str(got.value) == f"{job}: gpus: expected a valid list or a valid integer"
