@@ -115,3 +115,22 @@ def test_the_agent_copies_itself_byte_for_byte_from_the_bytes_it_was_sent(tmp_pa
     assert got.returncode == 0, got.stderr
     assert got.stdout == AGENT
 
+
+
+def test_the_fake_nvidia_smi_never_reports_a_recorded_pid_that_is_now_another_program(tmp_path):
+    """Pids wrap over a long suite: a job's `sleep` may get the recorded GPU process's pid. The real nvidia-smi lists
+    only processes that hold a GPU, so the fake leaves out a recorded pid that is now another program."""
+    import os
+
+    fake = Path(__file__).resolve().parent / "fakes" / "nvidia-smi"
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        rows = tmp_path / "apps.csv"
+        rows.write_text(f"{sleeper.pid}, python3, 100, GPU-x\n{sleeper.pid}, sleep, 100, GPU-x\n"
+                        "999999, python3, 5, GPU-y\n")
+        out = subprocess.run([str(fake), "--query-compute-apps=pid,process_name,used_memory,gpu_uuid",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True,
+                             env={**os.environ, "FAKE_NVIDIA_SMI_APPS": str(rows)}).stdout  # fmt: skip
+        assert out.splitlines() == [f"{sleeper.pid}, sleep, 100, GPU-x", "999999, python3, 5, GPU-y"]
+    finally:
+        sleeper.kill()
