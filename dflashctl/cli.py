@@ -794,13 +794,12 @@ def _read_log(path: str) -> list[str]:
 
 def _read_stdin() -> list[str]:
     from dflashctl.errors import ConfigError
+    from dflashctl.logfile import LogFileError, lines_of
 
-    data = sys.stdin.buffer.read()
-    if not data.strip():
-        raise ConfigError("-", None, "is empty: there is no log to read")
-    if b"\0" in data[:8192]:
-        raise ConfigError("-", None, "is not a text log (binary content)")
-    return data.decode("utf-8", errors="replace").splitlines()
+    try:
+        return lines_of(sys.stdin.buffer.read())
+    except LogFileError as e:
+        raise ConfigError("-", None, str(e)) from None
 
 
 def _reflow_help() -> None:

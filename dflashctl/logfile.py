@@ -2,8 +2,8 @@
 
 A training log can be hundreds of MB. The classifier needs little of it: the newest attempt (found by scanning back
 from the end), its first lines, its last lines (the end, the loss tail), and every line some signature could match,
-with the traceback that follows it. Those are found a block at a time by one keyword pattern run over the block,
-so memory stays bounded whatever the file's size.
+with the traceback that follows it. Those are found a block at a time by a few plain byte searches, so memory
+stays bounded whatever the file's size. A log on stdin is read whole (`lines_of`), with the same checks.
 """
 
 from __future__ import annotations
@@ -49,6 +49,15 @@ def _binary(chunk: bytes) -> bool:
     text = chunk.decode("utf-8", errors="replace")
     bad = text.count("\ufffd") + sum(1 for c in text if ord(c) < 32 and c not in "\n\r\t\f\b\x1b")
     return bad > 0.1 * max(1, len(text))
+
+
+def lines_of(data: bytes) -> list[str]:
+    """A whole log's lines (stdin), refused as a file would be: empty, or binary at its start or its end."""
+    if not data.strip():
+        raise LogFileError("is empty: there is no log to read")
+    if _binary(data[:SNIFF]) or _binary(data[-SNIFF:]):
+        raise LogFileError("is not a text log (binary content)")
+    return data.decode("utf-8", errors="replace").splitlines()
 
 
 def newest_attempt_offset(f, size: int) -> int:

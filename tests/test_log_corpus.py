@@ -187,6 +187,16 @@ def test_an_exit_line_without_a_signature_still_decides():
     assert diagnose_lines(["step 1 loss 2", "[dflashctl] 2026-12-03T10:01:00Z exit 137"]).state == "HOST_OOM"
 
 
+def test_a_log_on_stdin_is_refused_as_a_file_would_be():
+    from dflashctl.logfile import lines_of
+
+    assert lines_of(b"step 1 loss 2\r\nstep 2 loss 1.9\n") == ["step 1 loss 2", "step 2 loss 1.9"]
+    for data, words in ((b"", "empty"), (b" \n\n", "empty"), (b"PK\x03\x04" + bytes(range(256)) * 40, "binary"),
+                        (b"step 1 loss 2\n" * 1000 + bytes(range(1, 256)) * 40, "binary")):  # fmt: skip
+        with pytest.raises(LogFileError, match=words):
+            lines_of(data)
+
+
 def test_empty_binary_and_missing_files_are_refused(tmp_path):
     (tmp_path / "empty.log").write_bytes(b"")
     (tmp_path / "ckpt.pt").write_bytes(b"PK\x03\x04" + bytes(range(256)) * 40)
