@@ -64,6 +64,13 @@ def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
         raise
 
 
+def append_jsonl(path: str, records: list[dict]) -> None:
+    """One JSON object a line, appended in one write (0600 on creation; never through a symlink in its place)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+
+
 def start_time(pid: int) -> int | None:
     """The process's start time (clock ticks since boot), or None when it is gone or a zombie (which holds no
     memory and no GPU). With the pid it names one process for good: a later process reusing the pid differs."""

@@ -49,6 +49,7 @@ from .starting import (  # noqa: F401
     TORCH_CACHE,
     launch,
     restart,
+    restart_room_gib,
     start_session,
     torch_check,
     verify_agent_copy,

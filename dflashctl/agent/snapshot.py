@@ -15,6 +15,7 @@ from .common import (
     STOP_REQUEST,
     STOP_RESULT,
     WRAPPER_PID,
+    append_jsonl,
     locked,
     read_int,
     read_json,
@@ -33,9 +34,7 @@ def append_gpu_sample(run_dir: str, gpu: dict, indices: list[int]) -> None:
     if not gpus:
         return
     line = {"time": round(time.time(), 3), "source": f"probe:{gpu.get('source')}", "gpus": gpus}
-    fd = os.open(os.path.join(run_dir, "gpu.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "a") as f:
-        f.write(json.dumps(line, separators=(",", ":")) + "\n")
+    append_jsonl(os.path.join(run_dir, "gpu.jsonl"), [line])
 
 
 def snapshot(req: dict) -> dict:
@@ -58,10 +57,7 @@ def snapshot(req: dict) -> dict:
     snap["procs"] = job_processes(table, root, req.get("job_id"))
     if run_dir and req.get("append_events") and snap["run_dir_exists"]:
         try:  # a full disk loses the events, never the snapshot
-            fd = os.open(os.path.join(run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
-                         0o600)  # fmt: skip
-            with os.fdopen(fd, "a") as f:
-                f.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in req["append_events"]))
+            append_jsonl(os.path.join(run_dir, "events.jsonl"), req["append_events"])
         except OSError as e:
             snap["events_error"] = e.strerror or str(e)
     if run_dir:
@@ -186,13 +182,11 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
     except OSError:
         log_mtime = None
     error = None
-    lock = contextlib.nullcontext()
-    try:
-        lock = locked(path + ".lock", timeout=5.0)
-        lock.__enter__()
-    except (OSError, TimeoutError) as e:
-        error, lock = f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}", contextlib.nullcontext()
-    try:
+    with contextlib.ExitStack() as held:
+        try:  # a lock that cannot be taken (a symlink, a read-only dir) leaves one look, said as `history_error`
+            held.enter_context(locked(path + ".lock", timeout=5.0))
+        except (OSError, TimeoutError) as e:
+            error = f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"
         prev = read_json(path)
         prev = _believable(prev, attempt, attempt_start, now) if isinstance(prev, dict) else {}
         seen = prev.get("seen_at")
@@ -232,8 +226,6 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
                 write_atomic(path, json.dumps(cur, separators=(",", ":")).encode())
             except OSError as e:
                 error = f"{type(e).__name__}: {e.strerror or e}"
-    finally:
-        lock.__exit__(None, None, None)
     signs = {name: (cur.get(key) or {}).get("changed_at")
              for name, key in (("log grew", "log_size"), ("CPU time", "cpu_s"), ("GPU busy", "gpu"))}
     known = {k: v for k, v in signs.items() if isinstance(v, (int, float))}

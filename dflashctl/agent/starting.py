@@ -67,6 +67,12 @@ def our_live_jobs(workdir: str) -> list[dict]:
 MIN_FREE_GIB = 1.0  # a launch needs room for logs and a first checkpoint; doctor warns well before this
 
 
+def restart_room_gib(state: str, checkpoint_gib: float | None) -> float | None:
+    """The free space a restart after `state` needs at the run dir: after DISK_FULL, a checkpoint's (at least what
+    a launch needs), so a job that filled its disk is not restarted into it; after anything else, none asked."""
+    return max(checkpoint_gib or 0.0, MIN_FREE_GIB) if state == "DISK_FULL" else None
+
+
 TORCH_CHECK = "import torch; print(torch.__version__, int(torch.cuda.is_available()), torch.cuda.device_count())"
 # where torch would come from, without importing it (50 ms against seconds): the key of a cached TORCH_CHECK
 TORCH_WHERE = ("import importlib.util as u, os, sys; s = u.find_spec('torch'); "

@@ -10,7 +10,7 @@ import signal
 import time
 
 from . import supervision
-from .common import STOP_REQUEST, STOP_RESULT, locked, read_int, read_json, scrub_secrets, start_time, write_atomic
+from .common import STOP_REQUEST, STOP_RESULT, locked, read_int, scrub_secrets, start_time, write_atomic
 from .gpus import read_gpus
 from .procs import TMUX, _run, job_processes, launcher_of, proc_table, same_process, slurm_agent, tmux_session
 
@@ -163,10 +163,10 @@ def reap(req: dict) -> dict:
 
 
 def end_supervisor(run_dir: str) -> None:
-    """The job is being stopped: its supervisor (pid and start time as it recorded them) has nothing left to do."""
-    me = read_json(os.path.join(run_dir, supervision.STATE))
-    ours = isinstance(me, dict) and isinstance(me.get("pid"), int) and me.get("start") is not None
-    if ours and start_time(me["pid"]) == me["start"]:
+    """The job is being stopped: its supervisor (alive by the pid and start time it recorded) has nothing left to
+    do."""
+    me = supervision.state(run_dir)
+    if me and me["alive"]:
         with contextlib.suppress(OSError):
             os.kill(me["pid"], signal.SIGTERM)
 

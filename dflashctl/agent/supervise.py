@@ -26,7 +26,7 @@ import time
 from collections import deque
 
 from . import probe
-from .common import read_int, read_json, scrub_secrets, start_time, write_atomic
+from .common import append_jsonl, read_int, read_json, scrub_secrets, start_time, write_atomic
 from .procs import close_session
 from .supervision import LOCK, SPEC, STATE, VERDICT
 
@@ -55,11 +55,7 @@ class Supervisor:
         self.restart_on = [s for s in watch.get("restart_on") or [] if isinstance(s, str)]
         self.max_restarts = int(watch.get("max_restarts") or 0)
         self.backoff_s = float(watch.get("backoff_s") or 0.0)
-        budget = watch.get("startup_budget_s") or 3600.0
-        self.th = health.Thresholds(
-            float(watch.get("stall_after_s") or 600.0), float(budget), float(watch.get("heartbeat_max_age_s") or 120.0),
-            watch.get("throughput_floor"), float(watch.get("throughput_drop") or 0.3), int(watch.get("slow_polls") or 3)
-        )
+        self.th = health.Thresholds.of(watch)  # the same thresholds `status` and `watch` judge with
         self.scheduled = spec.get("scheduler") == "slurm"
         # a Slurm job's supervisor runs on the login node: its GPUs are not the job's
         self.where = {"scheduler": "slurm", "gpus": False} if self.scheduled else {}
@@ -86,10 +82,7 @@ class Supervisor:
     def event(self, event: dict) -> None:
         body = {"time": round(time.time(), 3), "by": "supervisor", **event}
         with contextlib.suppress(OSError):  # a full disk loses an event, never the watch
-            fd = os.open(os.path.join(self.run, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
-                         0o600)  # fmt: skip
-            with os.fdopen(fd, "a") as f:
-                f.write(json.dumps(body, separators=(",", ":")) + "\n")
+            append_jsonl(os.path.join(self.run, "events.jsonl"), [body])
 
     def look(self):
         """One snapshot, folded and judged; the verdict written for every asker."""
@@ -126,7 +119,7 @@ class Supervisor:
             self.failed_at = now
         if now - self.failed_at < self.backoff_s * (2**self.restarts):
             return None
-        need = max(self.h.checkpoint_gib or 0.0, probe.MIN_FREE_GIB) if v.state == "DISK_FULL" else None
+        need = probe.restart_room_gib(v.state, self.h.checkpoint_gib)
         ans = probe.restart({"run_dir": self.run, "session": self.spec.get("session"),
                              "job_id": self.spec.get("job_id"), "attempt": self.restarts,
                              "max_restarts": self.max_restarts, "grace_s": float(self.spec.get("grace_s") or 40.0),

@@ -386,41 +386,45 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
             registry.update(job.id, state=v.state, reason=v.reason)
     sup = snap.get("supervisor") if isinstance(snap.get("supervisor"), dict) else None
     fig = snap.get("figures") if isinstance(snap.get("figures"), dict) else {}
-    return {
-        "nodes": nodes,
-        "id": job.id, "host": job.host_name, "run_dir": job.run_dir, "picked": picked,
-        "alive": bool(alive), "session": "alive" if alive else ("dead" if pane.get("exists") else "gone"),
-        "run_dir_exists": snap["run_dir_exists"], "exit_code": snap.get("exit_code"),
-        "last_step": steps[-1] if steps else None, "last_event": events[-1] if events else None,
-        "uptime_s": round(time.time() - job.launched_at, 1) if alive else None,
-        "processes": len(snap.get("procs", [])),
-        "state": v.state, "reason": v.reason, "evidence": v.evidence, "advice": v.advice,
-        "restarts": snap.get("restarts", job.restarts),
-        "heartbeat_age_s": (snap.get("heartbeat") or {}).get("age_s"),
-        "tau": evals[-1]["tau"] if evals else None,
-        "tau_set": str(evals[-1].get("prompt_set") or "holdout")[:64] if evals else None,
+    return _status_record(
+        job, picked, v, nodes=nodes,
+        alive=bool(alive), session="alive" if alive else ("dead" if pane.get("exists") else "gone"),
+        run_dir_exists=snap["run_dir_exists"], exit_code=snap.get("exit_code"),
+        last_step=steps[-1] if steps else None, last_event=events[-1] if events else None,
+        uptime_s=round(time.time() - job.launched_at, 1) if alive else None,
+        processes=len(snap.get("procs", [])), restarts=snap.get("restarts", job.restarts),
+        heartbeat_age_s=(snap.get("heartbeat") or {}).get("age_s"),
+        tau=evals[-1]["tau"] if evals else None,
+        tau_set=str(evals[-1].get("prompt_set") or "holdout")[:64] if evals else None,
         # the run's numbers over its whole metrics.jsonl, defined once (agent/files.figures) for status and report
-        "mean_tokens_per_s": fig.get("mean_tokens_per_s"), "first_loss": fig.get("first_loss"),
-        "last_loss": fig.get("last_loss"), "elapsed_s": fig.get("elapsed_s"),
-        "supervisor": {"alive": bool(sup.get("alive")), "ended": sup.get("ended")} if sup else None,
-        "last_state": None, "last_seen": None,
-    }  # fmt: skip
+        **{k: fig.get(k) for k in ("mean_tokens_per_s", "first_loss", "last_loss", "elapsed_s")},
+        supervisor={"alive": bool(sup.get("alive")), "ended": sup.get("ended")} if sup else None,
+    )  # fmt: skip
+
+
+STATUS_KEYS = ("nodes", "id", "host", "run_dir", "picked", "alive", "session", "run_dir_exists", "exit_code",
+               "last_step", "last_event", "uptime_s", "processes", "state", "reason", "evidence", "advice",
+               "restarts", "heartbeat_age_s", "tau", "tau_set", "mean_tokens_per_s", "first_loss", "last_loss",
+               "elapsed_s", "supervisor", "last_state", "last_seen")  # fmt: skip
+
+
+def _status_record(job: JobRecord, picked: str, v, **known) -> dict:
+    """`status --json`: one schema whatever the look could say (every key there, null where it could not)."""
+    record = dict.fromkeys(STATUS_KEYS)
+    record.update(id=job.id, host=job.host_name, run_dir=job.run_dir, picked=picked, restarts=job.restarts,
+                  state=v.state, reason=v.reason, evidence=v.evidence, advice=v.advice)  # fmt: skip
+    record.update(known)
+    return record
 
 
 def unreachable_status(job: JobRecord, picked: str, why: str) -> dict:
     """`status` of a job whose host does not answer: UNREACHABLE, with the last state recorded and when."""
-    from dflashctl.judge.health import ADVICE
+    from dflashctl.judge.health import ADVICE, Verdict
 
     seen = job.since if isinstance(job.since, (int, float)) and job.since else None
     when = f", recorded {time.time() - seen:.0f} s ago" if seen else ""
-    return {
-        "nodes": None, "id": job.id, "host": job.host_name, "run_dir": job.run_dir, "picked": picked,
-        "alive": None, "session": "unknown", "run_dir_exists": None, "exit_code": None, "last_step": None,
-        "last_event": None, "uptime_s": None, "processes": None, "state": "UNREACHABLE", "reason": why,
-        "evidence": [f"last state {job.state}{when}"], "advice": ADVICE["UNREACHABLE"], "restarts": job.restarts,
-        "heartbeat_age_s": None, "tau": None, "tau_set": None, "mean_tokens_per_s": None, "first_loss": None,
-        "last_loss": None, "elapsed_s": None, "supervisor": None, "last_state": job.state, "last_seen": seen,
-    }  # fmt: skip
+    v = Verdict("UNREACHABLE", why, [f"last state {job.state}{when}"], ADVICE["UNREACHABLE"])
+    return _status_record(job, picked, v, session="unknown", last_state=job.state, last_seen=seen)
 
 
 def histories(specs: list[str], project: str, accept_new: bool = False) -> list[tuple[JobRecord, dict]]:

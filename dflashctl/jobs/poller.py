@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from dflashctl.agent.probe import MIN_FREE_GIB  # a restart needs what a launch needs
+from dflashctl.agent.probe import restart_room_gib  # a restart needs what a launch needs
 from dflashctl.errors import ProbeFailedError
 from dflashctl.jobs import control, registry
 from dflashctl.jobs import verdict as verdicts
@@ -142,7 +142,7 @@ class Watcher:
 
     def min_free_gib(self, state: str) -> float | None:
         """A restart after DISK_FULL needs room for a checkpoint (at least MIN_FREE_GIB)."""
-        return max(self.history.checkpoint_gib or 0.0, MIN_FREE_GIB) if state == "DISK_FULL" else None
+        return restart_room_gib(state, self.history.checkpoint_gib)
 
     def restart_remote(self, attempt: int, state: str = "") -> control.RestartOutcome:
         return control.restart(self._connect(), self.job, attempt, self.min_free_gib(state))

@@ -21,8 +21,7 @@ FRESH_SLACK_S = 5.0  # a supervisor's differing word is said for two of its inte
 
 
 def thresholds(cfg: WatchConfig) -> Thresholds:
-    return Thresholds(cfg.stall_after_s, cfg.startup_budget_s or 3600.0, cfg.heartbeat_max_age_s, cfg.throughput_floor,
-                      cfg.throughput_drop, cfg.slow_polls)  # fmt: skip
+    return Thresholds.of(cfg.model_dump())
 
 
 def _same_attempt(said: dict, h: History, restarts: int | None) -> bool:

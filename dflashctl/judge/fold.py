@@ -48,7 +48,6 @@ class Folded:
     tau_set: str | None = None
     gpus: list[dict] = field(default_factory=list)
     restarts: int | None = None  # the run dir's restart count
-    warnings: list[str] = field(default_factory=list)
 
 
 def fold(h: History, snap: dict, job: Job, tail: deque, log_offset: int = 0, metrics_offset: int = 0,
@@ -104,7 +103,7 @@ def fold(h: History, snap: dict, job: Job, tail: deque, log_offset: int = 0, met
     h.oom_kills = oom.get("oom_kills") if isinstance(oom.get("oom_kills"), int) else None
     h.kernel_oom = [str(x)[:300] for x in oom.get("kernel_oom") or []][-5:]
     h.kernel_xid = [str(x)[:300] for x in oom.get("kernel_xid") or []][-5:]
-    _fold_progress(h, snap, prog, out)
+    _fold_progress(h, snap, prog)
     return out
 
 
@@ -142,7 +141,7 @@ def _fold_records(h: History, records: list, out: Folded) -> None:
             out.tau_set = str(rec.get("prompt_set") or "holdout")[:64]
 
 
-def _fold_progress(h: History, snap: dict, prog: dict, out: Folded) -> None:
+def _fold_progress(h: History, snap: dict, prog: dict) -> None:
     """Stall and staleness come from the run dir's progress history (kept by the supervisor and every probe): when
     the heartbeat's content, the log, the CPU time, the GPUs and the newest step last changed, on the remote's clock.
     A stamp the reader cannot prove is no evidence; a history that could not be written is said, and the probe's
@@ -172,6 +171,4 @@ def _fold_progress(h: History, snap: dict, prog: dict, out: Folded) -> None:
     n = prog.get("nonfinite_steps")
     h.nonfinite_steps = n if isinstance(n, int) and not isinstance(n, bool) else 0
     err = prog.get("history_error")
-    h.history_error = str(err)[:200] if err else None
-    if h.history_error:
-        out.warnings.append(f"the progress history cannot be written ({h.history_error}): judged from one look")
+    h.history_error = str(err)[:200] if err else None  # assess says it in the verdict's evidence

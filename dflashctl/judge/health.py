@@ -42,6 +42,19 @@ class Thresholds:
     throughput_drop: float = 0.3
     slow_polls: int = 3
 
+    @classmethod
+    def of(cls, watch: dict) -> Thresholds:
+        """From a job file's `watch` as a mapping (what the CLI validated, what the supervisor reads from the run
+        dir); a key left out or null keeps its default."""
+        d = cls()
+        floor = watch.get("throughput_floor")
+        return cls(float(watch.get("stall_after_s") or d.stall_after_s),
+                   float(watch.get("startup_budget_s") or d.startup_budget_s),
+                   float(watch.get("heartbeat_max_age_s") or d.heartbeat_max_age_s),
+                   float(floor) if isinstance(floor, (int, float)) else None,
+                   float(watch.get("throughput_drop") or d.throughput_drop),
+                   int(watch.get("slow_polls") or d.slow_polls))  # fmt: skip
+
 
 @dataclass
 class History:

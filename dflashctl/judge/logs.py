@@ -128,6 +128,7 @@ SIGNATURES: tuple[Signature, ...] = (
         37,
         r"((?:Flash attention|Memory efficient|Flash Attention|cuDNN "
         r"attention) kernel not used because|Both fused kernels require|No available kernel\. Aborting)",
+        advice=DENSE_ATTENTION_ADVICE,
     ),
     _sig(
         "dataloader_killed",
@@ -233,13 +234,6 @@ STEP_LINE = re.compile(r"^\s*(step|iter(ation)?)\s*[:=]?\s*\d+", re.I)
 ATTEMPT_START = re.compile(r"^\[dflashctl\] \S+ start\b|will restart worker group")
 FINISHED_LINE = re.compile(r"^(finished: \d+ steps|\[dflashctl\] \S+ exit 0$|\{'train_runtime': )")
 EXIT_LINE = re.compile(r"^\[dflashctl\] \S+ exit (-?\d+)$")
-# One pattern that every line a signature or the classifier cares about matches: lets a reader skip the rest
-INTERESTING = re.compile(
-    "|".join(f"(?:{s.pattern.pattern.lstrip('^')})" for s in SIGNATURES)
-    + r"|Root Cause|exitcode|\[dflashctl\]|finished: |will restart worker group",
-    re.I,
-)
-
 
 @dataclass
 class Finding:
@@ -513,7 +507,7 @@ def _memory(log: Log, ctx: Context) -> Finding | None:
         path = "SDPA's math kernel" if sdpa and not eager_attn else "eager attention's score matrix"
         ev = [log.plain[i] for i in unfused[-1:]] + [log.plain[last]] + inner[-3:]
         return Finding("DENSE_FALLBACK", f"out of memory in dense attention ({path}){asked}", ev,
-                       oom_tbs[0].stream or None, advice=DENSE_ATTENTION_ADVICE)  # fmt: skip
+                       oom_tbs[0].stream or None, advice=SIG["sdpa_unfused"].what_to_do)  # fmt: skip
     tb = oom_tbs[0] if oom_tbs else None
     where = f" on {tb.stream}" if tb and tb.stream else ""
     nccl = log.hits("nccl_timeout")
