@@ -41,6 +41,12 @@ SCALES = {
             "layers": 3, "block": 16, "anchors": 64, "buckets": [512, 1024], "batch": 8, "steps": 1200,
             "lr": 6e-4, "betas": [0.9, 0.999], "eval_every": 300, "eval_prompts": 16, "eval_tokens": 128,
             "tau_prompts": 40, "tau_tokens": 128, "attention": "flex", "device": "cuda", "dtype": "bfloat16"},
+    # a real pretrained target (real_target.py: a GGUF converted, ShareGPT prompts, HumanEval + MT-bench held out);
+    # `--set gguf=FILE --set prompts=DIR` name the files `real_target.py gather` wrote
+    "real": {"target": None, "prompts_train": 4000, "regen_tokens": 256, "regen_batch": 500,
+             "layers": 3, "block": 16, "anchors": 64, "buckets": [512, 1024], "batch": 8, "steps": 1200,
+             "lr": 6e-4, "betas": [0.9, 0.999], "eval_every": 300, "eval_prompts": 16, "eval_tokens": 128,
+             "tau_prompts": 80, "tau_tokens": 128, "attention": "flex", "device": "cuda", "dtype": "bfloat16"},
     "tiny": {"target": ["--size", "tiny", "--steps", "3", "--batch", "4", "--seq", "64", "--max-mb", "3",
                         "--heldout-percent", "5", "--eval-tokens", "2000", "--train-prompts", "40",
                         "--heldout-prompts", "6"],
@@ -107,7 +113,17 @@ def bench_tau(work: Path, drafter: Path, s: dict, tag: str = "") -> dict:
 
 
 def phase_target(work: Path, s: dict, log: Path) -> dict:
-    secs = sh([sys.executable, str(HERE / "make_target.py"), "--out", str(work), *s["target"]], log)
+    """The target: made here (make_target.py), or a real one converted from its GGUF (`gguf` and `prompts` set)."""
+    if s.get("gguf"):
+        (work / "prompts").mkdir(parents=True, exist_ok=True)
+        for name in ("train.jsonl", "heldout.jsonl", "sources.json"):
+            shutil.copyfile(Path(s["prompts"]) / name, work / "prompts" / name)
+        sources = json.loads((work / "prompts" / "sources.json").read_text())
+        secs = sh([sys.executable, str(HERE / "real_target.py"), "convert", "--gguf", s["gguf"], "--sha256",
+                   sources["sha256"], "--target", sources["target"], "--source", sources["source"], "--heldout",
+                   str(work / "prompts" / "heldout.jsonl"), "--out", str(work)], log)  # fmt: skip
+    else:
+        secs = sh([sys.executable, str(HERE / "make_target.py"), "--out", str(work), *s["target"]], log)
     return {**json.loads((work / "target.json").read_text()), "wall_s": secs}
 
 
@@ -119,7 +135,7 @@ def our_config(work: Path, s: dict) -> dict:
         "data": {"path": str(work / "regen.jsonl"), "anchors_per_seq": s["anchors"], "seq_buckets": s["buckets"],
                  "batch_size": s["batch"], "holdout": 0},
         "optim": {"lr": s["lr"], "betas": s["betas"], "warmup_ratio": 0.04, "grad_clip": 1.0, "gamma": 7.0},
-        "steps": s["steps"], "log_every": 10, "seed": 0, "device": s["device"],
+        "steps": s["steps"], "log_every": 10, "seed": s.get("seed", 0), "device": s["device"],
         "checkpoint": {"every": s["eval_every"], "keep": max(1, s["steps"] // s["eval_every"])},
         "eval": {"every": 0, "at_end": True, "prompts": s["eval_prompts"],
                  "max_new_tokens": s["eval_tokens"], "prompt_file": str(work / "prompts" / "heldout.jsonl")},
@@ -166,7 +182,17 @@ def phase_data(work: Path, s: dict, log: Path) -> dict:
     answers = [json.loads(x)["response"] for x in (work / "regen.jsonl").read_text().splitlines() if x.strip()]
     chars = sorted(len(a) for a in answers)
     return {"times": times, "records": len(prompts), "empty_answers": sum(not a.strip() for a in answers),
-            "answer_chars_median": chars[len(chars) // 2] if chars else 0, "sample_answers": answers[:3]}  # fmt: skip
+            "answer_chars_median": chars[len(chars) // 2] if chars else 0, "sample_answers": answers[:3],
+            "answer_check": answer_check(work, answers)}  # fmt: skip
+
+
+def answer_check(work: Path, answers: list[str]) -> dict:
+    """Whether the target's answers are worth drafting for: distinct 4-gram ratio and answers ending in a loop."""
+    from real_target import answer_stats
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(work / "target")
+    return answer_stats([tok(a, add_special_tokens=False).input_ids for a in answers])
 
 
 def phase_features(work: Path, s: dict, log: Path) -> dict:
@@ -215,7 +241,7 @@ def phase_ours(work: Path, s: dict, log: Path) -> dict:
     gaps = sorted(b["time"] - a["time"] for a, b in zip(steps, steps[1:], strict=False) if b["step"] == a["step"] + 1)
     tail = steps[len(steps) // 2 :] or steps
     result = {
-        "config": cfg, "times": times,
+        "config": cfg, "times": times, "seed": cfg["seed"],
         "step_time_ms_median": round(1000 * gaps[len(gaps) // 2], 2) if gaps else None,  # eval steps excluded
         "tokens_per_s_median": sorted(r["tokens_per_s"] for r in tail)[len(tail) // 2] if tail else None,
         "peak_mem_gib_torch": max((r.get("peak_mem_gib") or 0 for r in steps), default=None),
@@ -246,12 +272,18 @@ def phase_lookup(work: Path, s: dict, log: Path) -> dict:
     return {**lookup, "wall_s": secs}
 
 
-def specforge_drafter(work: Path, ckpt: Path, run: Path) -> Path:
+def specforge_name(s: dict) -> str:
+    """`specforge`, or `specforge<tag>` for another seed (`--set tag=-s1 --set seed=1`): its run, drafters, logs."""
+    return f"specforge{s.get('tag', '')}"
+
+
+def specforge_drafter(work: Path, ckpt: Path, run: Path, name: str) -> Path:
     """One of its checkpoints, through its own exporter, then into the public format."""
-    hf, out = work / f"specforge-hf-{ckpt.name}", work / f"drafter-specforge-{ckpt.name.rsplit('-', 1)[1]}"
+    step = ckpt.name.rsplit("-", 1)[1]
+    hf, out = work / f"{name}-hf-{step}", work / f"drafter-{name}-{step}"
     if (out / "config.json").exists():  # exported already in this phase (stale ones are removed at its start)
         return out
-    log = work / f"export-{ckpt.name}.log"
+    log = work / f"export-{name}-{step}.log"
     sh([sys.executable, "-m", "specforge.export.to_hf", "--checkpoint", str(ckpt), "--draft-config",
         str(run / "draft_config.json"), "--output-dir", str(hf)], log)  # fmt: skip
     sh([sys.executable, str(HERE / "specforge_side.py"), "convert", "--checkpoint", str(hf), "--out", str(out)], log)
@@ -259,25 +291,28 @@ def specforge_drafter(work: Path, ckpt: Path, run: Path) -> Path:
 
 
 def specforge_curve_point(work: Path, ckpt: Path, run: Path, s: dict) -> dict:
-    return curve_point(work, specforge_drafter(work, ckpt, run), int(ckpt.name.rsplit("step", 1)[1]), s)
+    drafter = specforge_drafter(work, ckpt, run, specforge_name(s))
+    return curve_point(work, drafter, int(ckpt.name.rsplit("step", 1)[1]), s)
 
 
 def phase_specforge(work: Path, s: dict, log: Path) -> dict:
     """SpecForge on the hidden states `features` dumped: the same steps, batch, anchors and drafter; tau at 4
     checkpoints, measured side by side (each is a small model; the GPU has room for all)."""
-    run = work / "run-specforge"
-    for stale in [run, *work.glob("specforge-hf-*"), *work.glob("drafter-specforge-*")]:
+    name = specforge_name(s)
+    run = work / f"run-{name}"
+    for stale in [run, *work.glob(f"{name}-hf-*"), *work.glob(f"drafter-{name}-*")]:
         shutil.rmtree(stale, ignore_errors=True)
     sh([sys.executable, str(HERE / "specforge_side.py"), "config", "--target", str(work / "target"), "--features",
         str(work / "features"), "--layers", str(s["layers"]), "--block", str(s["block"]), "--steps", str(s["steps"]),
         "--batch", str(s["batch"]), "--lr", str(s["lr"]), "--anchors", str(s["anchors"]),
         "--max-len", str(max(s["buckets"])), "--log-interval", "10", "--save-interval", str(s["steps"] // 4),
-        "--out", str(run)], log)  # fmt: skip
-    sf_log = work / "specforge-train.log"
+        "--seed", str(s.get("seed", 0)), "--out", str(run)], log)  # fmt: skip
+    sf_log = work / f"{name}-train.log"
     with PeakGpuMemory() as mem:
         train_s = sh([sys.executable, "-m", "specforge.cli", "train", "-c", str(run / "run.yaml")], sf_log)
-    result = {"train_s": train_s, "peak_mem_mib_nvidia_smi": mem.peak_mib, **specforge_log_stats(sf_log)}
-    save_partial(work, "specforge", result)
+    result = {"train_s": train_s, "seed": s.get("seed", 0), "peak_mem_mib_nvidia_smi": mem.peak_mib,
+              **specforge_log_stats(sf_log)}  # fmt: skip
+    save_partial(work, name, result)
     ckpts = sorted((run / "output").glob("*-step*"), key=lambda p: int(p.name.rsplit("step", 1)[1]))
     with ThreadPoolExecutor() as pool:
         result["tau_vs_step"] = list(pool.map(lambda c: specforge_curve_point(work, c, run, s), ckpts))
@@ -323,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
     s = {**SCALES[args.scale], **parse_sets(args.set)}
-    phase = ours_name(s) if args.phase == "ours" else args.phase
+    phase = {"ours": ours_name(s), "specforge": specforge_name(s)}.get(args.phase, args.phase)
     log = args.work / f"{phase}.log"
     t0 = time.time()
     fn = {

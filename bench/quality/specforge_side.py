@@ -58,9 +58,13 @@ def config(args) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from trainer.model.target import default_layer_ids
+    from trainer.run.loop import PUBLISHED_MASK_IDS
 
     tcfg = AutoConfig.from_pretrained(args.target)
     tok = AutoTokenizer.from_pretrained(args.target)
+    # the token our trainer fills blocks with: the tokenizer's mask token, else the family's published DFlash id
+    mask_id = tok.mask_token_id if tok.mask_token_id is not None else PUBLISHED_MASK_IDS.get(tcfg.model_type)
+    head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
     run = Path(args.out)
     run.mkdir(parents=True, exist_ok=True)
     draft = {
@@ -68,20 +72,20 @@ def config(args) -> int:
         "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
         "hidden_size": tcfg.hidden_size, "intermediate_size": tcfg.intermediate_size,
         "num_attention_heads": tcfg.num_attention_heads, "num_key_value_heads": tcfg.num_key_value_heads,
-        "head_dim": tcfg.head_dim, "num_hidden_layers": args.layers, "num_target_layers": tcfg.num_hidden_layers,
+        "head_dim": head_dim, "num_hidden_layers": args.layers, "num_target_layers": tcfg.num_hidden_layers,
         "layer_types": ["full_attention"] * args.layers, "max_window_layers": args.layers,
         "max_position_embeddings": tcfg.max_position_embeddings, "rms_norm_eps": tcfg.rms_norm_eps,
         "rope_theta": getattr(tcfg, "rope_theta", None) or tcfg.rope_parameters["rope_theta"],
         "rope_scaling": None, "sliding_window": None, "use_sliding_window": False, "tie_word_embeddings": False,
         "vocab_size": tcfg.vocab_size, "block_size": args.block, "initializer_range": 0.02, "dtype": "bfloat16",
         "eos_token_id": tok.eos_token_id, "use_cache": True,
-        "dflash_config": {"mask_token_id": tok.mask_token_id,
+        "dflash_config": {"mask_token_id": mask_id,
                           "target_layer_ids": default_layer_ids(tcfg.num_hidden_layers, args.layers)},
     }  # fmt: skip
     (run / "draft_config.json").write_text(json.dumps(draft, indent=1) + "\n")
     cfg = {
         "model": {"target_model_path": str(args.target), "draft_model_config": str(run / "draft_config.json"),
-                  "torch_dtype": "bfloat16", "mask_token_id": tok.mask_token_id, "trust_remote_code": False},
+                  "torch_dtype": "bfloat16", "mask_token_id": mask_id, "trust_remote_code": False},
         "data": {"hidden_states_path": str(args.features), "max_length": args.max_len, "chat_template": "qwen",
                  "cache_dir": str(run / "cache"), "dataloader_num_workers": args.workers},
         "training": {"strategy": "dflash", "num_epochs": 1000, "max_steps": args.steps, "batch_size": args.batch,

@@ -51,7 +51,9 @@ class Parts:
 
 
 # Mask ids of the published DFlash drafters, by target family: a row the family's vocabulary reserves and never emits.
-PUBLISHED_MASK_IDS = {"qwen3": 151669, "qwen3_moe": 151669}
+# z-lab's DFlash drafters for Qwen3 fill blocks with row 151669, past every token the tokenizer defines; Qwen2 and
+# Qwen2.5 share that vocabulary (151643 tokens and 22 specials, 151936 rows), so the same row is unused there too
+PUBLISHED_MASK_IDS = {"qwen3": 151669, "qwen3_moe": 151669, "qwen2": 151669}
 
 
 def resolve_mask_token(cfg: TrainConfig, target_config, tokenizer=None, source: str = "<config>") -> int:

@@ -1,0 +1,174 @@
+"""The real-target pass in one record: the target, every run's tau per checkpoint with its GPU seconds, the paired
+comparison at the final step, the comparison at equal GPU seconds, and the plot.
+
+    python bench/quality/collect_real.py WORK --out bench/results/quality-real.json --plot docs/quality-real.png
+
+Reads what `run_quality.py --scale real` left in WORK: target.json, data.json, ours*.json, specforge*.json,
+lookup.json and the per-prompt `tau-drafter-NAME-stepK.jsonl` files. GPU seconds of a run at step k are k times its
+median step time, measured while the runs shared one GPU (the same load for both trainers, not each one alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+from pair_taus import paired, per_prompt
+
+
+def runs_of(work: Path) -> list[dict]:
+    """One row per trainer, seed and checkpoint: {trainer, seed, name, step, gpu_s, tau, tau_pooled}. A run's file is
+    `NAME-sK.json`: NAME is `ours`, `specforge` or a "why" variant of ours (`ours-i2`), K its seed."""
+    rows = []
+    for f in sorted(work.glob("*-s*.json")):
+        m = re.fullmatch(r"((?:ours|specforge)(?:-[a-z0-9]+)*?)-s(\d+)", f.stem)
+        if not m:
+            continue
+        r = json.loads(f.read_text())
+        ms = r.get("step_time_ms_median")
+        for p in r.get("tau_vs_step", []):
+            rows.append({"trainer": m.group(1), "seed": int(m.group(2)), "name": f.stem, "step": p["step"],
+                         "gpu_s": round(p["step"] * ms / 1000, 1) if ms else None, "tau": p["tau"],
+                         "tau_pooled": p["tau_pooled"], "step_ms": ms})  # fmt: skip
+    return rows
+
+
+def mean_over_seeds(rows: list[dict], trainer: str, step: int, key: str) -> tuple[float, float, int]:
+    vals = [r[key] for r in rows if r["trainer"] == trainer and r["step"] == step]
+    if not vals:
+        return float("nan"), float("nan"), 0
+    return statistics.fmean(vals), statistics.pstdev(vals) if len(vals) > 1 else 0.0, len(vals)
+
+
+def seed_mean_per_prompt(work: Path, names: list[str], step: int) -> dict[int, float]:
+    """Each prompt's tau averaged over the seeds' drafters (prompts every seed measured)."""
+    tables = [per_prompt(work / f"tau-drafter-{n}-step{step}.jsonl") for n in names]
+    keys = set.intersection(*(set(t) for t in tables)) if tables else set()
+    return {k: statistics.fmean(t[k] for t in tables) for k in keys}
+
+
+def interpolate(curve: list[tuple[float, float]], x: float) -> float | None:
+    """tau at GPU seconds x on a (gpu_s, tau) curve, linear between checkpoints; None outside it."""
+    curve = sorted(curve)
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:], strict=False):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1
+    return curve[-1][1] if curve and x == curve[-1][0] else None
+
+
+def summarise(work: Path, rows: list[dict]) -> dict:
+    final = max(r["step"] for r in rows)
+    trainers = sorted({r["trainer"] for r in rows})
+    out: dict = {"final_step": final}
+    for trainer in trainers:
+        tau, sd, n = mean_over_seeds(rows, trainer, final, "tau")
+        pooled, _, _ = mean_over_seeds(rows, trainer, final, "tau_pooled")
+        ms = [r["step_ms"] for r in rows if r["trainer"] == trainer and r["step"] == final and r["step_ms"]]
+        out[trainer] = {"seeds": n, "tau_mean": round(tau, 4), "tau_sd": round(sd, 4),
+                        "tau_pooled_mean": round(pooled, 4),
+                        "step_ms_median": round(statistics.median(ms), 2) if ms else None}  # fmt: skip
+    lookup = json.loads((work / "lookup.json").read_text()) if (work / "lookup.json").exists() else {}
+    out["lookup"] = {"tau_mean": lookup.get("tau_prompt_mean"), "tau_pooled": lookup.get("tau_pooled")}
+    per = {t: seed_mean_per_prompt(work, sorted({r["name"] for r in rows if r["trainer"] == t}), final)
+           for t in trainers}  # fmt: skip
+    curves = {t: [(statistics.fmean(r["gpu_s"] for r in rows if r["trainer"] == t and r["step"] == s),
+                   mean_over_seeds(rows, t, s, "tau")[0])
+                  for s in sorted({r["step"] for r in rows if r["trainer"] == t})] for t in trainers}  # fmt: skip
+    for t in trainers:
+        if t == "specforge" or "specforge" not in trainers:
+            continue
+        if per[t] and per["specforge"]:  # paired by prompt at the final step, each prompt's tau a mean over seeds
+            out[f"paired_final_{t}_minus_specforge"] = flip(paired(per["specforge"], per[t]))
+        if all(x is not None for c in (curves[t], curves["specforge"]) for x, _ in c):
+            # equal GPU seconds: where SpecForge's mean curve stands at the seconds this trainer's final step took
+            t_s = curves[t][-1][0]
+            out[f"equal_gpu_s_{t}"] = {"gpu_s": round(t_s, 1), "tau": round(curves[t][-1][1], 4),
+                                       "specforge_tau": _round(interpolate([(0.0, 1.0), *curves["specforge"]], t_s))}
+    return out
+
+
+def flip(p: dict) -> dict:
+    """`paired(b, a)` reports a - b under names of its own: say which is which."""
+    return {"prompts": p["prompts"], "mean": p["b_minus_a"], "bootstrap_95": p["bootstrap_95"],
+            "prompts_ours_higher": p["prompts_b_higher"],
+            "prompts_specforge_higher": p["prompts_a_higher"]}  # fmt: skip
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def plot(record: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120, sharey=True)
+    rows = record["runs"]
+    labels = {"ours": "dflashctl trainer", "specforge": "SpecForge 0.2.0"}
+    for k, trainer in enumerate(sorted({r["trainer"] for r in rows})):
+        label, color = labels.get(trainer, trainer), f"C{k}"
+        steps = sorted({r["step"] for r in rows if r["trainer"] == trainer})
+        for ax, key in zip(axes, ("step", "gpu_s"), strict=True):
+            xs, ys, lo, hi = [], [], [], []
+            for s in steps:
+                pts = [r for r in rows if r["trainer"] == trainer and r["step"] == s]
+                xs.append(statistics.fmean(p[key] for p in pts))
+                taus = [p["tau"] for p in pts]
+                ys.append(statistics.fmean(taus))
+                lo.append(min(taus))
+                hi.append(max(taus))
+            ax.plot(xs, ys, marker="o", color=color, label=f"{label} (mean of {len(pts)} seeds)")
+            ax.fill_between(xs, lo, hi, color=color, alpha=0.2)
+    lookup = record["summary"]["lookup"].get("tau_mean")
+    for ax, xlabel in zip(axes, ("training step", "GPU seconds (step x median step time, GPU shared)"), strict=True):
+        if lookup:
+            ax.axhline(lookup, color="grey", linestyle="--", label=f"prompt lookup: {lookup:.2f}")
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("tau (mean of per-prompt means)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"target: {record['target'].get('name')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/quality/collect_real.py", description=__doc__.splitlines()[0])
+    ap.add_argument("work", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--plot", type=Path, default=None)
+    ap.add_argument("--machine", default="one NVIDIA H200")
+    args = ap.parse_args(argv)
+    target = json.loads((args.work / "target.json").read_text())
+    data = json.loads((args.work / "data.json").read_text()) if (args.work / "data.json").exists() else {}
+    check = data.get("answer_check", {})
+    rows = runs_of(args.work)
+    if not rows:
+        print(f"error: {args.work}: no ours*.json or specforge*.json with a tau_vs_step", file=sys.stderr)
+        return 2
+    lookup = json.loads((args.work / "lookup.json").read_text()) if (args.work / "lookup.json").exists() else {}
+    record = {
+        "date": data.get("date") or target.get("date"), "machine": args.machine,
+        "target": {**target, "distinct_4gram": check.get("distinct_4gram_median"),
+                   "loop_fraction": check.get("loop_fraction"), "answers": check.get("answers")},
+        "runs": [{k: r[k] for k in ("trainer", "seed", "step", "gpu_s", "tau", "tau_pooled")} for r in rows]
+        + ([{"trainer": "lookup", "seed": None, "step": 0, "gpu_s": 0.0, "tau": lookup["tau_prompt_mean"],
+             "tau_pooled": lookup["tau_pooled"]}] if lookup else []),
+    }  # fmt: skip
+    record["summary"] = summarise(args.work, rows)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    if args.plot:
+        plot({**record, "runs": rows}, args.plot)
+    print(json.dumps(record["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
