@@ -5,6 +5,7 @@
 # lookup beside them. Last, bench/quality/collect_real.py makes the record and the plot.
 #   GGUF=SRC/target.gguf PROMPTS=SRC bash bench/quality/run_real.sh      (SRC: what `real_target.py gather` wrote)
 # Wheels for SpecForge (as run_h200.sh says) and gguf==0.19.0 (the conversion) are installed from $WHEELS.
+# EXTRA adds --set options to every phase (e.g. EXTRA="--set prompts_train=2000").
 # PHASES=prepare stops after the target, its answers and the dump; a second run goes on from the files left in WORK.
 set -euo pipefail
 WORK=${WORK:-/tmp/qreal}; OUTDIR=${OUTDIR:-$WORK/out}; WHEELS=${WHEELS:-.whl}; SEEDS=${SEEDS:-0 1 2}
@@ -12,7 +13,7 @@ WORK=${WORK:-/tmp/qreal}; OUTDIR=${OUTDIR:-$WORK/out}; WHEELS=${WHEELS:-.whl}; S
 mkdir -p "$OUTDIR"
 [ -d /tmp/sfsite ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/sfsite "$WHEELS"/*.whl
-q() { python3 bench/quality/run_quality.py --work "$WORK" --scale real --set "gguf=$GGUF" --set "prompts=$PROMPTS" "$@"; }
+q() { python3 bench/quality/run_quality.py --work "$WORK" --scale real --set "gguf=$GGUF" --set "prompts=$PROMPTS" ${EXTRA:-} "$@"; }
 keep() { (cd "$WORK" && tar czf "$OUTDIR/quality-real.tgz" --exclude=regen.jsonl -- *.json *.jsonl *.log) 2>/dev/null || true; }
 [ -f "$WORK/target.json" ] || PYTHONPATH=/tmp/sfsite q --phase target; keep
 [ -f "$WORK/data.json" ] || q --phase data; keep
