@@ -37,6 +37,31 @@ def runs_of(work: Path) -> list[dict]:
     return rows
 
 
+def training_of(work: Path) -> dict:
+    """Each run's training as logged, whether or not its checkpoints were measured: step time under the shared load,
+    and loss and accuracy on its own batches (mean of the last five logged steps; both trainers weight positions the
+    same way, gamma 7)."""
+    out = {}
+    for f in sorted(work.glob("*-s*.json")):
+        m = re.fullmatch(r"((?:ours|specforge)(?:-[a-z0-9]+)*?)-s(\d+)(\.partial)?", f.stem)
+        if not m or (m.group(3) and (work / f"{m.group(1)}-s{m.group(2)}.json").exists()):
+            continue
+        name, r = f"{m.group(1)}-s{m.group(2)}", json.loads(f.read_text())
+        if name.startswith("specforge"):
+            text = (work / f"{name}-train.log").read_text() if (work / f"{name}-train.log").exists() else ""
+            pairs = re.findall(r"'train/acc': ([0-9.e-]+), 'train/loss': ([0-9.e-]+)", text)
+            last = [(float(loss), float(acc)) for acc, loss in pairs][-5:]
+        else:
+            text = (work / f"{name}.log").read_text() if (work / f"{name}.log").exists() else ""
+            last = [(float(a), float(b)) for a, b in re.findall(r"^step \d+/\d+ .*?loss ([0-9.]+) acc ([0-9.]+)", text,
+                                                                 re.M)][-5:]  # fmt: skip
+        out[name] = {"step_time_ms_median": r.get("step_time_ms_median"),
+                     "final_loss": round(statistics.fmean(x for x, _ in last), 4) if last else None,
+                     "final_acc": round(statistics.fmean(y for _, y in last), 4) if last else None,
+                     "in_run_eval_at_end": r.get("in_run_eval_at_end"), "measured": not m.group(3)}  # fmt: skip
+    return out
+
+
 def mean_over_seeds(rows: list[dict], trainer: str, step: int, key: str) -> tuple[float, float, int]:
     vals = [r[key] for r in rows if r["trainer"] == trainer and r["step"] == step]
     if not vals:
@@ -149,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     target = json.loads((args.work / "target.json").read_text())
     data = json.loads((args.work / "data.json").read_text()) if (args.work / "data.json").exists() else {}
     check = data.get("answer_check", {})
-    rows = runs_of(args.work)
-    if not rows:
-        print(f"error: {args.work}: no ours*.json or specforge*.json with a tau_vs_step", file=sys.stderr)
+    rows, training = runs_of(args.work), training_of(args.work)
+    if not rows and not training:
+        print(f"error: {args.work}: no ours-sK.json or specforge-sK.json (nor their .partial.json)", file=sys.stderr)
         return 2
     lookup = json.loads((args.work / "lookup.json").read_text()) if (args.work / "lookup.json").exists() else {}
     record = {
@@ -162,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         + ([{"trainer": "lookup", "seed": None, "step": 0, "gpu_s": 0.0, "tau": lookup["tau_prompt_mean"],
              "tau_pooled": lookup["tau_pooled"]}] if lookup else []),
     }  # fmt: skip
-    record["summary"] = summarise(args.work, rows)
+    record["training"] = training
+    record["summary"] = summarise(args.work, rows) if rows else {"final_step": None, "note": "no checkpoint measured"}
     args.out.write_text(json.dumps(record, indent=1) + "\n")
-    if args.plot:
+    if args.plot and rows:
         plot({**record, "runs": rows}, args.plot)
     print(json.dumps(record["summary"], indent=1))
     return 0
