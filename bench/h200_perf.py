@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import QWEN3_8B_WORKLOAD  # noqa: E402
+from bench.step_breakdown import breakdown, kernel_time  # noqa: E402
 
 CONFIG = {**QWEN3_8B_WORKLOAD, "device": "cuda", "steps": 1000}
 
@@ -161,40 +162,6 @@ def step_flops(parts, S: int, A: int, bs: int, pairs: int) -> dict:
     head = 2 * n_lab * C * tc.vocab_size
     return {"target_fwd": target, "drafter_fwd": drafter_fwd, "drafter_bwd": drafter_bwd, "lm_head_loss": 2 * head,
             "attention_fwd": d.num_layers * attn, "attention_bwd": d.num_layers * 2.5 * attn}  # fmt: skip
-
-
-def split_step(parts, opt, batch, kernel: str) -> dict:
-    """One step, staged with CUDA events: target forward, drafter forward, LM head + loss (fwd and bwd), drafter
-    backward, optimiser."""
-    import torch
-
-    from trainer.model.drafter import block_loss
-    from trainer.run.update import clip_into_update
-
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
-    b = batch.to(parts.device)
-    ev[0].record()
-    hidden = parts.target.hidden_states(b.input_ids)
-    ev[1].record()
-    emb = parts.target.embed(b.block_ids)
-    mask = parts.backend.build_mask(b.anchors, b.anchor_valid, b.seq_len, b.block_size, parts.drafter.d.num_heads)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = parts.drafter(hidden, emb, b.block_pos, mask, parts.backend, compiled=True)
-    ev[2].record()
-    out_d = out.detach().requires_grad_(True)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss_sum, w_sum, _ = block_loss(out_d, parts.target.lm_head, b.labels, b.weights, kernel=kernel)
-    (loss_sum / w_sum).backward()
-    ev[3].record()
-    out.backward(out_d.grad)
-    ev[4].record()
-    clip_into_update(opt, parts.drafter.parameters(), 1.0)  # the trainer's update: the clip inside AdamW
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    ev[5].record()
-    torch.cuda.synchronize()
-    names = ["target_fwd", "drafter_fwd", "lm_head_loss", "drafter_bwd", "optimizer"]
-    return {n: ev[i].elapsed_time(ev[i + 1]) for i, n in enumerate(names)}
 
 
 def real_step(parts, opt, batch, fold_clip: bool = True) -> float:
@@ -394,14 +361,10 @@ def step_benchmark(steady_steps: int, isolated: bool = True, extras: bool = True
     pairs = allowed_pairs(steady.anchors, steady.anchor_valid, S, bs)
     flops = step_flops(parts, S, A, bs, pairs)
     rep["flops_per_step_tflop"] = {k: round(v / 1e12, 2) for k, v in flops.items()}
-    for _ in range(3):
-        split_step(parts, opt, steady, "auto")
-    splits = [split_step(parts, opt, steady, "auto") for _ in range(5)]
-    split = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
-    rep["split_ms"] = {k: round(v, 2) for k, v in split.items()}
-    splits_plain = [split_step(parts, opt, steady, "plain") for _ in range(3)]
-    rep["lm_head_loss_ms_unfused"] = round(statistics.median(s["lm_head_loss"] for s in splits_plain), 2)
-    print(f"split: {rep['split_ms']}, unfused loss {rep['lm_head_loss_ms_unfused']} ms", flush=True)
+    # the trainer's own step, its stages marked in stream order: they add up to the step (bench/step_breakdown.py)
+    rep["breakdown"] = breakdown(parts, opt, batch, 9, flops, rep["peak_matmul_tflops"], warmup=3)
+    rep["kernel_time"] = kernel_time(parts, opt, batch)
+    print(f"breakdown: {rep['breakdown']}\nkernels: {rep['kernel_time']}", flush=True)
 
     times, mem = [], {}
     for i in range(steady_steps):

@@ -209,32 +209,50 @@ def autocast(parts: Parts):
     return contextlib.nullcontext()
 
 
+Mark = Callable[[str], None]  # called as each stage of a step ends, in stream order: a benchmark's timeline
+
+
 def drafter_output(
-    parts: Parts, drafter: torch.nn.Module, b: BlockBatch, backend=None, compiled: bool = False
-) -> torch.Tensor:
+    parts: Parts, drafter: torch.nn.Module, b: BlockBatch, backend=None, compiled: bool = False,
+    mark: Mark | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Target hidden states -> drafter -> [B, Q, C] final hidden states of the block tokens (b on parts.device).
 
     `drafter` is the module to call: the Drafter itself or its DistributedDataParallel wrapper; `backend` defaults to
     the training attention; `compiled` runs the drafter's compiled layers where it has them (training's shapes).
+    `mark`, when given, is told where each stage ends (`target_fwd`, `embed_and_mask`, `drafter_fwd`).
     """
     backend = backend or parts.backend
     hidden = parts.target.hidden_states(b.input_ids, compiled=True)  # [B, S, n*C], no grad
+    if mark:
+        mark("target_fwd")
     block_emb = parts.target.embed(b.block_ids)  # [B, Q, C], frozen
     heads = parts.drafter.d.num_heads
     mask = backend.build_mask(b.anchors, b.anchor_valid, b.seq_len, b.block_size, heads)
+    if mark:
+        mark("embed_and_mask")
     with autocast(parts):
-        return drafter(hidden, block_emb, b.block_pos, mask, backend, compiled=compiled)  # [B, Q, C]
+        out = drafter(hidden, block_emb, b.block_pos, mask, backend, compiled=compiled)  # [B, Q, C]
+    if mark:
+        mark("drafter_fwd")
+        if out.requires_grad:  # the gradient reaching the drafter's output: the LM head and loss backward are done
+            out.register_hook(lambda grad: mark("lm_head_loss_bwd"))
+    return out
 
 
 def forward_loss(
-    parts: Parts, batch: BlockBatch, drafter: torch.nn.Module | None = None
+    parts: Parts, batch: BlockBatch, drafter: torch.nn.Module | None = None, mark: Mark | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weighted CE sum, weight sum, weighted correct sum) for one batch on parts.device."""
+    """(weighted CE sum, weight sum, weighted correct sum) for one batch on parts.device. `mark`: see
+    `drafter_output`; it is also told `lm_head_loss_fwd`, and `lm_head_loss_bwd` once backward gets there."""
     b = batch.to(parts.device)
-    out = drafter_output(parts, drafter or parts.drafter, b, compiled=True)
+    out = drafter_output(parts, drafter or parts.drafter, b, compiled=True, mark=mark)
     with autocast(parts):
-        return block_loss(out, parts.target.lm_head, b.labels, b.weights, parts.cfg.optim.chunked_loss,
-                          parts.cfg.optim.loss_kernel)
+        result = block_loss(out, parts.target.lm_head, b.labels, b.weights, parts.cfg.optim.chunked_loss,
+                            parts.cfg.optim.loss_kernel)  # fmt: skip
+    if mark:
+        mark("lm_head_loss_fwd")
+    return result
 
 
 @dataclass

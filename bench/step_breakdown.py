@@ -1,0 +1,206 @@
+"""The training step, stage by stage, in one run of the trainer's own step, adding up to the step's time.
+
+The trainer's `forward_loss` takes a `mark` that is told where each stage ends, in stream order (the LM head and
+loss backward end where the gradient reaches the drafter's output: a hook there). Here each mark records a CUDA event
+(the host clock after a synchronize, on the CPU), so consecutive marks split the whole step on the device's stream
+with nothing left over or counted twice; what the stream spends waiting for the host is inside the stage that waits.
+What is outside the marks (before the first, after the last, the host's own work to issue them) is the `host_gap`:
+the step's wall time less the sum of the stages. A profiler pass over the same steps then sorts the device's kernel
+time by what the kernels are (matmul, attention, norms, RoPE, other elementwise), so that `idle` is the stream's
+time with no kernel on it.
+
+    python bench/step_breakdown.py --device cpu        # the tiny preset: the arithmetic, not a speed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+STAGES = ["target_fwd", "embed_and_mask", "drafter_fwd", "lm_head_loss_fwd", "lm_head_loss_bwd", "drafter_bwd",
+          "optimizer"]  # fmt: skip
+KERNEL_CLASSES = [  # first match wins: a kernel's name says what it computes (cuBLAS/cuDNN/CUTLASS, Inductor's names)
+    ("attention", re.compile(r"flex_attention|flash|fmha|attention|sdpa", re.I)),
+    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|\bmm\b|_mm_|addmm|bmm|matmul|wgmma|sm90_", re.I)),
+    ("norm", re.compile(r"rsqrt|rms_?norm|layer_?norm|_norm", re.I)),
+    ("rope", re.compile(r"rotary|rope|_cos_|_sin_|^(?=.*_cat)(?=.*_neg)", re.I)),  # rotate_half: cat(-x2, x1)
+    ("loss", re.compile(r"cross_entropy|log_softmax|logsumexp|nll|_ce_", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy_|cat\b|index", re.I)),
+]
+
+
+def kernel_class(name: str) -> str:
+    """What a device kernel computes, from its name; `elementwise` for the rest (Inductor's fused pointwise and
+    reduction kernels without a telling op in their name)."""
+    for cls, pattern in KERNEL_CLASSES:
+        if pattern.search(name):
+            return cls
+    return "elementwise"
+
+
+class Timeline:
+    """Stage ends in stream order: CUDA events on a GPU (read after one synchronize at the step's end), the host
+    clock after a synchronize elsewhere."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.torch, self.cuda = torch, device.type == "cuda"
+        self.names: list[str] = []
+        self.points: list = []
+
+    def start(self) -> None:
+        self.names, self.points = [], []
+        self("start")
+
+    def __call__(self, name: str) -> None:
+        if self.cuda:
+            event = self.torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.points.append(event)
+        else:
+            self.points.append(time.perf_counter())
+        self.names.append(name)
+
+    def spans_ms(self) -> dict[str, float]:
+        """Each stage's milliseconds, from the mark before it to its own."""
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            gaps = [a.elapsed_time(b) for a, b in zip(self.points, self.points[1:], strict=False)]
+        else:
+            gaps = [1e3 * (b - a) for a, b in zip(self.points, self.points[1:], strict=False)]
+        return dict(zip(self.names[1:], gaps, strict=True))
+
+
+def instrumented_step(parts, opt, batch, timeline: Timeline) -> tuple[float, dict[str, float]]:
+    """The trainer's step (forward_loss, backward, the clip folded into the fused AdamW) with its stages marked;
+    (wall milliseconds, stage milliseconds)."""
+    import torch
+
+    from trainer.run.loop import forward_loss
+    from trainer.run.update import clip_into_update
+
+    cuda = parts.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    timeline.start()
+    loss_sum, w_sum, _ = forward_loss(parts, batch, mark=timeline)
+    (loss_sum / w_sum).backward()
+    timeline("drafter_bwd")
+    if getattr(opt, "defaults", {}).get("fused"):
+        clip_into_update(opt, parts.drafter.parameters(), parts.cfg.optim.grad_clip)
+    else:  # the CPU: no fused AdamW there
+        torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), parts.cfg.optim.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    timeline("optimizer")
+    if cuda:
+        torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - t0), timeline.spans_ms()
+
+
+def breakdown(parts, opt, batch_of, steps: int, flops: dict | None = None, ceiling_tflops: float | None = None,
+              warmup: int = 2) -> dict:  # fmt: skip
+    """Median stage times over `steps` instrumented steps (after `warmup`), the step's median wall time, the host
+    gap, whether the stages add up to the step within 5 %, and each stage's FLOPs and fraction of the ceiling."""
+    timeline = Timeline(parts.device)
+    for i in range(warmup):
+        instrumented_step(parts, opt, batch_of(i), timeline)
+    walls, spans = [], []
+    for i in range(steps):
+        wall, span = instrumented_step(parts, opt, batch_of(warmup + i), timeline)
+        walls.append(wall)
+        spans.append(span)
+    stage_ms = {k: statistics.median(s[k] for s in spans) for k in STAGES}
+    pick = sorted(range(steps), key=lambda i: walls[i])[steps // 2]  # the median step, with its own stages' sum
+    step_ms, staged = walls[pick], sum(spans[pick].values())
+    out: dict = {
+        "steps": steps, "step_ms": round(step_ms, 3), "stages_ms": {k: round(v, 3) for k, v in stage_ms.items()},
+        "stages_sum_ms": round(staged, 3), "host_gap_ms": round(step_ms - staged, 3),  # of the median step
+        "adds_up_within": round(abs(step_ms - staged) / step_ms, 4), "adds_up": abs(step_ms - staged) <= 0.05 * step_ms,
+    }  # fmt: skip
+    if flops:
+        per_stage = stage_flops(flops)
+        out["stage_tflop"] = {k: round(v / 1e12, 3) for k, v in per_stage.items()}
+        if ceiling_tflops:
+            out["stage_fraction_of_ceiling"] = {
+                k: round(per_stage[k] / 1e12 / ceiling_tflops / (stage_ms[k] / 1e3), 3)
+                for k in per_stage if stage_ms.get(k)
+            }  # fmt: skip
+            out["mfu"] = round(sum(per_stage.values()) / 1e12 / ceiling_tflops / (step_ms / 1e3), 4)
+    return out
+
+
+def stage_flops(flops: dict) -> dict[str, float]:
+    """The step's counted FLOPs (bench/h200_perf.py `step_flops`) laid on the stages: the LM head's forward is a
+    third of its forward and backward."""
+    head = flops.get("lm_head_loss", 0.0)
+    return {"target_fwd": flops.get("target_fwd", 0.0), "drafter_fwd": flops.get("drafter_fwd", 0.0),
+            "lm_head_loss_fwd": head / 3, "lm_head_loss_bwd": 2 * head / 3,
+            "drafter_bwd": flops.get("drafter_bwd", 0.0)}  # fmt: skip
+
+
+def device_kernels(events) -> list[tuple[str, float]]:
+    """(name, microseconds) of every device kernel a profile saw. Kineto lists them as device-side events in some
+    releases and under their launching CPU op (`kernels`) in others: the first where there are any, never both."""
+    device = [(e.name, float(getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0) or 0.0))
+              for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]  # fmt: skip
+    if device:
+        return device
+    return [(k.name, float(k.duration)) for e in events for k in getattr(e, "kernels", []) or []]
+
+
+def kernel_time(parts, opt, batch_of, steps: int = 3) -> dict:
+    """Device time per step by kernel class (torch.profiler over `steps` instrumented steps), and the stream's idle
+    time: the step's wall time less every kernel's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    timeline = Timeline(parts.device)
+    cuda = parts.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    walls = []
+    with profile(activities=acts) as prof:
+        for i in range(steps):
+            walls.append(instrumented_step(parts, opt, batch_of(i), timeline)[0])
+    classes: dict[str, float] = {}
+    for name, us in device_kernels(prof.events()) if cuda else []:
+        cls = kernel_class(name)
+        classes[cls] = classes.get(cls, 0.0) + us / 1e3 / steps
+    busy = sum(classes.values())
+    wall = statistics.median(walls)
+    return {"kernel_ms": {k: round(v, 3) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
+            "busy_ms": round(busy, 3), "idle_ms": round(wall - busy, 3) if cuda else None}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/step_breakdown.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args(argv)
+    import torch
+
+    from trainer.config import from_dict
+    from trainer.run.loop import build, dummy_batch
+
+    cfg = from_dict({"target": {"random_preset": "tiny-qwen3", "dtype": "float32"},
+                     "drafter": {"num_layers": 2, "block_size": 8}, "attention": {"backend": "dense"},
+                     "data": {"anchors_per_seq": 16, "seq_buckets": [256], "batch_size": 2, "synthetic_samples": 8},
+                     "device": args.device, "steps": 1})  # fmt: skip
+    parts = build(cfg, device=torch.device(args.device))
+    opt = torch.optim.AdamW(parts.drafter.parameters(), lr=1e-4, fused=args.device == "cuda")
+    batch = dummy_batch(parts, 256)
+    print(json.dumps(breakdown(parts, opt, lambda i: batch, args.steps), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

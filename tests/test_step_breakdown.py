@@ -1,0 +1,81 @@
+"""The step breakdown the speed benchmark reports: the trainer's own step with its stages marked, adding up to the
+step; marking changes nothing the step computes; kernels sorted by what they compute. Times here are the CPU's and
+are not asserted as speeds: only that the parts make the whole."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import step_breakdown  # noqa: E402
+
+from trainer.config import from_dict  # noqa: E402
+from trainer.run.loop import build, dummy_batch, forward_loss  # noqa: E402
+
+TINY = {"target": {"random_preset": "tiny-qwen3", "dtype": "float32"}, "drafter": {"num_layers": 1, "block_size": 8},
+        "attention": {"backend": "dense"}, "device": "cpu", "steps": 1,
+        "data": {"anchors_per_seq": 16, "seq_buckets": [128], "batch_size": 2, "synthetic_samples": 4}}  # fmt: skip
+
+
+def test_marked_stages_come_in_stream_order_and_add_up_to_the_step():
+    parts = build(from_dict(TINY))
+    opt = torch.optim.AdamW(parts.drafter.parameters(), lr=1e-4)
+    batch = dummy_batch(parts, 128)
+    rep = step_breakdown.breakdown(parts, opt, lambda i: batch, steps=5, warmup=1,
+                                   flops={"target_fwd": 1e9, "drafter_fwd": 2e9, "drafter_bwd": 4e9,
+                                          "lm_head_loss": 3e9}, ceiling_tflops=1.0)  # fmt: skip
+    assert list(rep["stages_ms"]) == step_breakdown.STAGES
+    assert all(v > 0 for v in rep["stages_ms"].values())
+    assert rep["adds_up"] and rep["adds_up_within"] <= 0.05
+    assert abs(rep["stages_sum_ms"] + rep["host_gap_ms"] - rep["step_ms"]) < 1e-2
+    assert rep["stage_tflop"]["lm_head_loss_bwd"] == 2 * rep["stage_tflop"]["lm_head_loss_fwd"] == 0.002
+    assert rep["mfu"] > 0 and set(rep["stage_fraction_of_ceiling"]) == set(rep["stage_tflop"])
+
+
+def test_marking_a_step_changes_neither_its_loss_nor_its_gradients():
+    results = []
+    for marked in (False, True):
+        torch.manual_seed(0)
+        parts = build(from_dict(TINY))
+        batch = dummy_batch(parts, 128)
+        seen: list[str] = []
+        loss_sum, w_sum, _ = forward_loss(parts, batch, mark=seen.append if marked else None)
+        (loss_sum / w_sum).backward()
+        results.append((float(loss_sum), [p.grad.clone() for p in parts.drafter.parameters()], seen))
+    (l0, g0, _), (l1, g1, seen) = results
+    assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
+    assert seen == ["target_fwd", "embed_and_mask", "drafter_fwd", "lm_head_loss_fwd", "lm_head_loss_bwd"]
+
+
+def test_kernels_are_sorted_by_what_their_names_say_they_compute():
+    cases = {
+        "triton_tem_fused_flex_attention_0": "attention",
+        "flash_fwd_kernel": "attention",
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+        "triton_red_fused__to_copy_mean_pow_rsqrt_0": "norm",
+        "triton_poi_fused_add_cat_mul_neg_slice_1": "rope",
+        "multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "triton_poi_fused_add_mul_silu_2": "elementwise",
+    }
+    assert {n: step_breakdown.kernel_class(n) for n in cases} == cases
+
+
+def test_device_kernels_come_from_one_listing_never_both():
+    class K:
+        def __init__(self, name, duration):
+            self.name, self.duration = name, duration
+
+    class E:
+        def __init__(self, name, device_type="DeviceType.CPU", device_time=0.0, kernels=()):
+            self.name, self.device_type, self.device_time, self.kernels = name, device_type, device_time, list(kernels)
+
+    nested = [E("aten::mm", kernels=[K("gemm_a", 5.0)]), E("aten::add", kernels=[K("add_k", 1.0)])]
+    assert step_breakdown.device_kernels(nested) == [("gemm_a", 5.0), ("add_k", 1.0)]
+    flat = [*nested, E("gemm_a", "DeviceType.CUDA", 5.0), E("add_k", "DeviceType.CUDA", 1.0)]
+    assert step_breakdown.device_kernels(flat) == [("gemm_a", 5.0), ("add_k", 1.0)]
