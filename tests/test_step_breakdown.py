@@ -46,7 +46,7 @@ def test_marking_a_step_changes_neither_its_loss_nor_its_gradients():
         seen: list[str] = []
         loss_sum, w_sum, _ = forward_loss(parts, batch, mark=seen.append if marked else None)
         (loss_sum / w_sum).backward()
-        results.append((float(loss_sum), [p.grad.clone() for p in parts.drafter.parameters()], seen))
+        results.append((float(loss_sum.detach()), [p.grad.clone() for p in parts.drafter.parameters()], seen))
     (l0, g0, _), (l1, g1, seen) = results
     assert l0 == l1 and all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
     assert seen == ["target_fwd", "embed_and_mask", "drafter_fwd", "lm_head_loss_fwd", "lm_head_loss_bwd"]
