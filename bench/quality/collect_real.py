@@ -39,8 +39,8 @@ def runs_of(work: Path) -> list[dict]:
 
 def training_of(work: Path) -> dict:
     """Each run's training as logged, whether or not its checkpoints were measured: step time under the shared load,
-    and loss and accuracy on its own batches (mean of the last five logged steps; both trainers weight positions the
-    same way, gamma 7)."""
+    and loss and accuracy on its own batches (mean of the last five logged steps). The losses compare (both weight
+    block positions by exp(-(k-1)/gamma)); the accuracies do not: ours is weighted the same way, SpecForge's is not."""
     out = {}
     for f in sorted(work.glob("*-s*.json")):
         m = re.fullmatch(r"((?:ours|specforge)(?:-[a-z0-9]+)*?)-s(\d+)(\.partial)?", f.stem)
