@@ -409,6 +409,19 @@ def step_benchmark(steady_steps: int, isolated: bool = True, extras: bool = True
     return rep
 
 
+RECORD_KEYS = ("date", "torch_version", "gpu", "peak_matmul_tflops", "mfu", "step_ms", "tokens_per_s", "peak_gib",
+               "breakdown", "kernel_time", "cold_preflight_s", "launch_to_running_cold_s", "recompiles_after_preflight")
+
+
+def record_of(report: dict, source: str, launch_to_running_cold_s: float | None = None) -> dict:
+    """The one current record (bench/results/h200.json, what the README quotes) from a run's full report: every key
+    always there, None where that run did not measure it, and the raw file it came from."""
+    peaks = [m.get("peak_gib") for m in (report.get("memory_by_step") or {}).values() if isinstance(m, dict)]
+    derived = {"peak_gib": max(peaks) if peaks else None, "cold_preflight_s": report.get("preflight_bucket_s"),
+               "launch_to_running_cold_s": launch_to_running_cold_s}  # fmt: skip
+    return {**{k: derived[k] if k in derived else report.get(k) for k in RECORD_KEYS}, "source": source}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -421,7 +434,17 @@ def main() -> None:
                     help="seq buckets the preflight compiles (the step runs at 3072), timed per bucket")
     ap.add_argument("--flex-options", default="{}", help="flex_attention kernel_options, JSON (bench/flex_tiles.py)")
     ap.add_argument("--no-extras", action="store_true", help="the step alone: no variants, profile or isolated kernels")
+    ap.add_argument("--record", default=None, help="also write the one current record here (bench/results/h200.json)")
+    ap.add_argument("--record-from", default=None, help="no run: make --record from this raw report (a JSON file)")
+    ap.add_argument("--launch-to-running-cold-s", type=float, default=None,
+                    help="from bench/time_to_first_step.py's cold launch, for the record")
     args = ap.parse_args()
+    if args.record_from:
+        raw = json.loads(Path(args.record_from).read_text())
+        rec = record_of(raw, args.record_from, args.launch_to_running_cold_s)
+        Path(args.record).write_text(json.dumps(rec, indent=1) + "\n")
+        print(json.dumps(rec))
+        return
     CONFIG["drafter"] = {**CONFIG.get("drafter", {}), "compile": args.drafter_compile}
     CONFIG["data"] = {**CONFIG["data"], "seq_buckets": sorted(set(args.buckets) | {3072})}
     from trainer.model import attention
@@ -443,6 +466,9 @@ def main() -> None:
     report.update(step_benchmark(args.steady_steps, not args.skip_isolated, not args.no_extras))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    if args.record:
+        rec = record_of(report, args.out or "(this run's output)", args.launch_to_running_cold_s)
+        Path(args.record).write_text(json.dumps(rec, indent=1, default=str) + "\n")
     print("\n| measurement | value |\n| --- | --- |")
     for k, v in report.items():
         if k not in ("profile_top", "cli", "isolated", "compile_times"):

@@ -4,6 +4,7 @@ are not asserted as speeds: only that the parts make the whole."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -79,3 +80,17 @@ def test_device_kernels_come_from_one_listing_never_both():
     assert step_breakdown.device_kernels(nested) == [("gemm_a", 5.0), ("add_k", 1.0)]
     flat = [*nested, E("gemm_a", "DeviceType.CUDA", 5.0), E("add_k", "DeviceType.CUDA", 1.0)]
     assert step_breakdown.device_kernels(flat) == [("gemm_a", 5.0), ("add_k", 1.0)]
+
+
+def test_the_current_record_has_every_key_and_says_where_it_came_from():
+    import h200_perf
+
+    raw = {"date": "2026-12-02", "mfu": 0.7, "step_ms": 205.4, "preflight_bucket_s": {"3072": 14.3},
+           "memory_by_step": {"5": {"peak_gib": 37.2}, "20": {"peak_gib": 37.3}}, "split_ms": {"x": 1}}  # fmt: skip
+    rec = h200_perf.record_of(raw, "raw.json", launch_to_running_cold_s=60.5)
+    assert list(rec) == [*h200_perf.RECORD_KEYS, "source"]
+    assert rec["peak_gib"] == 37.3 and rec["cold_preflight_s"] == {"3072": 14.3} and rec["source"] == "raw.json"
+    assert rec["breakdown"] is None and rec["launch_to_running_cold_s"] == 60.5 and "split_ms" not in rec
+    current = json.loads((ROOT / "bench" / "results" / "h200.json").read_text())
+    assert list(current) == [*h200_perf.RECORD_KEYS, "source"]  # the file the README quotes is in this form
+    assert (ROOT / current["source"]).is_file()
