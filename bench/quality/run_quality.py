@@ -15,8 +15,11 @@ side by side (the tau-versus-step curve, on the same yardstick as SpecForge's). 
 target's hidden states for SpecForge's offline mode (specforge_side.py); `specforge` trains SpecForge's DFlash
 drafter on them (same target, data, drafter shape, steps, batch and anchors), exports each checkpoint with its own
 exporter, converts it to the public DFlash format and measures it with the same bench_tau. Each phase writes
-DIR/<phase>.json.
-`--scale tiny` shrinks everything for a run on the CPU (SpecForge needs a GPU).
+DIR/<phase>.json (`ours` and `specforge` as `ours<tag>.json`, `specforge<tag>.json`: `--set tag=-s1 --set seed=1`
+for another seed).
+`--scale tiny` shrinks everything for a run on the CPU (SpecForge needs a GPU). `--scale real` takes a real
+pretrained target instead of making one: `--set gguf=FILE --set prompts=DIR` name what `real_target.py gather`
+wrote, and `run_real.sh` runs the whole pass.
 """
 
 from __future__ import annotations
