@@ -125,3 +125,11 @@ def test_a_pass_without_runs_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "target.json").write_text("{}")
     assert collect_real.main([str(tmp_path), "--out", str(tmp_path / "r.json")]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_a_result_file_cut_short_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "target.json").write_text("{}")
+    (tmp_path / "ours-s0.json").write_text('{"tau_vs_step": [{"step": 3')  # a pass killed while writing
+    assert collect_real.main([str(tmp_path), "--out", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and not (tmp_path / "r.json").exists()

@@ -165,6 +165,15 @@ def plot(record: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return collect(argv)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a pass's file missing, cut short or not its shape
+        where = getattr(e, "filename", None) or ""
+        print(f"error: {where}{': ' if where else ''}{type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        return 2
+
+
+def collect(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(prog="bench/quality/collect_real.py", description=__doc__.splitlines()[0])
     ap.add_argument("work", type=Path)
     ap.add_argument("--out", type=Path, required=True)
