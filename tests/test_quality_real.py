@@ -133,3 +133,11 @@ def test_a_result_file_cut_short_is_a_one_line_error(tmp_path, capsys):
     assert collect_real.main([str(tmp_path), "--out", str(tmp_path / "r.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and not (tmp_path / "r.json").exists()
+
+
+def test_tau_is_measured_at_every_checkpoint_or_only_those_named():
+    import run_quality
+
+    assert run_quality.tau_steps({}, [900, 300, 600, 1200]) == [300, 600, 900, 1200]
+    assert run_quality.tau_steps({"tau_at": [1200]}, [300, 600, 900, 1200]) == [1200]
+    assert run_quality.tau_steps({"tau_at": [600, 5000]}, range(300, 1201, 300)) == [600]  # never a step not saved

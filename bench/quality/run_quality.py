@@ -254,12 +254,20 @@ def phase_ours(work: Path, s: dict, log: Path) -> dict:
         "preflight": next((r for r in records if r.get("event") == "preflight"), None),
     }  # fmt: skip
     save_partial(work, name, result)
-    marks = list(range(s["eval_every"], s["steps"] + 1, s["eval_every"]))
+    marks = tau_steps(s, range(s["eval_every"], s["steps"] + 1, s["eval_every"]))
     with ThreadPoolExecutor() as pool:  # every checkpoint exported and measured side by side
         curve = pool.map(lambda k: curve_point(work, export_ours(work, run, k), k, s), marks)
         result["target_forward_ms"] = target_forward_ms(work, s)
         result["tau_vs_step"] = list(curve)
     return result
+
+
+def tau_steps(s: dict, saved) -> list[int]:
+    """The checkpoints whose tau is measured: every one saved, or those `tau_at` names (`--set tau_at=[1200]` for the
+    final one alone: measuring tau, not training, is most of a pass's GPU time on a real target)."""
+    saved = sorted(saved)
+    wanted = s.get("tau_at")
+    return saved if wanted is None else [k for k in saved if k in set(wanted)]
 
 
 def save_partial(work: Path, phase: str, result: dict) -> None:
@@ -317,6 +325,8 @@ def phase_specforge(work: Path, s: dict, log: Path) -> dict:
               **specforge_log_stats(sf_log)}  # fmt: skip
     save_partial(work, name, result)
     ckpts = sorted((run / "output").glob("*-step*"), key=lambda p: int(p.name.rsplit("step", 1)[1]))
+    keep = set(tau_steps(s, [int(c.name.rsplit("step", 1)[1]) for c in ckpts]))
+    ckpts = [c for c in ckpts if int(c.name.rsplit("step", 1)[1]) in keep]
     with ThreadPoolExecutor() as pool:
         result["tau_vs_step"] = list(pool.map(lambda c: specforge_curve_point(work, c, run, s), ckpts))
     return {**result, "checkpoints": [str(c) for c in ckpts], "log_tail": sf_log.read_text()[-3000:]}

@@ -5,7 +5,8 @@
 # lookup beside them. Last, bench/quality/collect_real.py makes the record and the plot.
 #   GGUF=SRC/target.gguf PROMPTS=SRC bash bench/quality/run_real.sh      (SRC: what `real_target.py gather` wrote)
 # Wheels for SpecForge (as run_h200.sh says) and gguf==0.19.0 (the conversion) are installed from $WHEELS.
-# EXTRA adds --set options to every phase (e.g. EXTRA="--set prompts_train=2000").
+# EXTRA adds --set options to every phase (e.g. EXTRA="--set prompts_train=2000 --set tau_at=[1200]": tau of the
+# final checkpoint alone, where measuring every checkpoint would take most of the pass).
 # PHASES=prepare stops after the target, its answers and the dump; a second run goes on from the files left in WORK.
 set -euo pipefail
 WORK=${WORK:-/tmp/qreal}; OUTDIR=${OUTDIR:-$WORK/out}; WHEELS=${WHEELS:-.whl}; SEEDS=${SEEDS:-0 1 2}
