@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import QWEN3_8B_WORKLOAD  # noqa: E402
-from bench.step_breakdown import breakdown, kernel_time  # noqa: E402
+from bench.step_breakdown import breakdown, kernel_time, trainer_step  # noqa: E402
 
 CONFIG = {**QWEN3_8B_WORKLOAD, "device": "cuda", "steps": 1000}
 
@@ -165,24 +165,13 @@ def step_flops(parts, S: int, A: int, bs: int, pairs: int) -> dict:
 
 
 def real_step(parts, opt, batch, fold_clip: bool = True) -> float:
-    """The trainer's own path (forward_loss, backward, the clip folded into the fused AdamW); seconds.
-    `fold_clip=False`: clip_grad_norm_'s own scaling pass, then the update (the trainer until round 7)."""
+    """The trainer's own step (bench/step_breakdown.py `trainer_step`); seconds. `fold_clip=False`: clip_grad_norm_'s
+    own scaling pass, then the update (the trainer until round 7)."""
     import torch
-
-    from trainer.run.loop import forward_loss
-    from trainer.run.update import clip_into_update
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    loss_sum, w_sum, _ = forward_loss(parts, batch)
-    (loss_sum / w_sum).backward()
-    if fold_clip:
-        clip_into_update(opt, parts.drafter.parameters(), 1.0)
-    else:
-        opt.grad_scale = None
-        torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), 1.0)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    trainer_step(parts, opt, batch, fold_clip=fold_clip)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 

@@ -80,29 +80,40 @@ class Timeline:
         return dict(zip(self.names[1:], gaps, strict=True))
 
 
-def instrumented_step(parts, opt, batch, timeline: Timeline) -> tuple[float, dict[str, float]]:
-    """The trainer's step (forward_loss, backward, the clip folded into the fused AdamW) with its stages marked;
-    (wall milliseconds, stage milliseconds)."""
+def trainer_step(parts, opt, batch, mark=None, fold_clip: bool = True) -> None:
+    """The trainer's step: forward_loss, backward, the clip folded into the fused AdamW (`fold_clip=False`, or an
+    AdamW that is not fused, as on the CPU: clip_grad_norm_'s own scaling pass first), the update. `mark`, when given,
+    is told where each stage ends."""
     import torch
 
     from trainer.run.loop import forward_loss
     from trainer.run.update import clip_into_update
+
+    loss_sum, w_sum, _ = forward_loss(parts, batch, mark=mark)
+    (loss_sum / w_sum).backward()
+    if mark:
+        mark("drafter_bwd")
+    if fold_clip and getattr(opt, "defaults", {}).get("fused"):
+        clip_into_update(opt, parts.drafter.parameters(), parts.cfg.optim.grad_clip)
+    else:
+        opt.grad_scale = None
+        torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), parts.cfg.optim.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if mark:
+        mark("optimizer")
+
+
+def instrumented_step(parts, opt, batch, timeline: Timeline) -> tuple[float, dict[str, float]]:
+    """The trainer's step with its stages marked; (wall milliseconds, stage milliseconds)."""
+    import torch
 
     cuda = parts.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     timeline.start()
-    loss_sum, w_sum, _ = forward_loss(parts, batch, mark=timeline)
-    (loss_sum / w_sum).backward()
-    timeline("drafter_bwd")
-    if getattr(opt, "defaults", {}).get("fused"):
-        clip_into_update(opt, parts.drafter.parameters(), parts.cfg.optim.grad_clip)
-    else:  # the CPU: no fused AdamW there
-        torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), parts.cfg.optim.grad_clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    timeline("optimizer")
+    trainer_step(parts, opt, batch, timeline)
     if cuda:
         torch.cuda.synchronize()
     return 1e3 * (time.perf_counter() - t0), timeline.spans_ms()
