@@ -18,15 +18,20 @@ import sys
 from pathlib import Path
 
 from pair_taus import paired, per_prompt
+from run_quality import specforge_rows
+
+# a run's result file: `NAME-sK.json` (NAME `ours`, `specforge` or a "why" variant of ours such as `ours-i2`, K its
+# seed), or `NAME-sK.partial.json` while its checkpoints are being measured
+RUN_FILE = re.compile(r"((?:ours|specforge)(?:-[a-z0-9]+)*?)-s(\d+)(\.partial)?")
 
 
 def runs_of(work: Path) -> list[dict]:
-    """One row per trainer, seed and checkpoint: {trainer, seed, name, step, gpu_s, tau, tau_pooled}. A run's file is
-    `NAME-sK.json`: NAME is `ours`, `specforge` or a "why" variant of ours (`ours-i2`), K its seed."""
+    """One row per trainer, seed and checkpoint of every finished run: {trainer, seed, name, step, gpu_s, tau,
+    tau_pooled}."""
     rows = []
     for f in sorted(work.glob("*-s*.json")):
-        m = re.fullmatch(r"((?:ours|specforge)(?:-[a-z0-9]+)*?)-s(\d+)", f.stem)
-        if not m:
+        m = RUN_FILE.fullmatch(f.stem)
+        if not m or m.group(3):
             continue
         r = json.loads(f.read_text())
         ms = r.get("step_time_ms_median")
@@ -43,14 +48,14 @@ def training_of(work: Path) -> dict:
     block positions by exp(-(k-1)/gamma)); the accuracies do not: ours is weighted the same way, SpecForge's is not."""
     out = {}
     for f in sorted(work.glob("*-s*.json")):
-        m = re.fullmatch(r"((?:ours|specforge)(?:-[a-z0-9]+)*?)-s(\d+)(\.partial)?", f.stem)
+        m = RUN_FILE.fullmatch(f.stem)
         if not m or (m.group(3) and (work / f"{m.group(1)}-s{m.group(2)}.json").exists()):
             continue
         name, r = f"{m.group(1)}-s{m.group(2)}", json.loads(f.read_text())
         if name.startswith("specforge"):
             text = (work / f"{name}-train.log").read_text() if (work / f"{name}-train.log").exists() else ""
-            pairs = re.findall(r"'train/acc': ([0-9.e-]+), 'train/loss': ([0-9.e-]+)", text)
-            last = [(float(loss), float(acc)) for acc, loss in pairs][-5:]
+            last = [(r["train/loss"], r["train/acc"]) for _, r in specforge_rows(text)
+                    if "train/loss" in r and "train/acc" in r][-5:]  # fmt: skip
         else:
             text = (work / f"{name}.log").read_text() if (work / f"{name}.log").exists() else ""
             last = [(float(a), float(b)) for a, b in re.findall(r"^step \d+/\d+ .*?loss ([0-9.]+) acc ([0-9.]+)", text,

@@ -301,9 +301,14 @@ def specforge_drafter(work: Path, ckpt: Path, run: Path, name: str) -> Path:
     return out
 
 
+def ckpt_step(ckpt: Path) -> int:
+    """The step of one of SpecForge's saved checkpoints (`...-stepN`)."""
+    return int(ckpt.name.rsplit("step", 1)[1])
+
+
 def specforge_curve_point(work: Path, ckpt: Path, run: Path, s: dict) -> dict:
     drafter = specforge_drafter(work, ckpt, run, specforge_name(s))
-    return curve_point(work, drafter, int(ckpt.name.rsplit("step", 1)[1]), s)
+    return curve_point(work, drafter, ckpt_step(ckpt), s)
 
 
 def phase_specforge(work: Path, s: dict, log: Path) -> dict:
@@ -324,25 +329,31 @@ def phase_specforge(work: Path, s: dict, log: Path) -> dict:
     result = {"train_s": train_s, "seed": s.get("seed", 0), "peak_mem_mib_nvidia_smi": mem.peak_mib,
               **specforge_log_stats(sf_log)}  # fmt: skip
     save_partial(work, name, result)
-    ckpts = sorted((run / "output").glob("*-step*"), key=lambda p: int(p.name.rsplit("step", 1)[1]))
-    keep = set(tau_steps(s, [int(c.name.rsplit("step", 1)[1]) for c in ckpts]))
-    ckpts = [c for c in ckpts if int(c.name.rsplit("step", 1)[1]) in keep]
+    ckpts = sorted((run / "output").glob("*-step*"), key=ckpt_step)
+    keep = set(tau_steps(s, map(ckpt_step, ckpts)))
+    ckpts = [c for c in ckpts if ckpt_step(c) in keep]
     with ThreadPoolExecutor() as pool:
         result["tau_vs_step"] = list(pool.map(lambda c: specforge_curve_point(work, c, run, s), ckpts))
     return {**result, "checkpoints": [str(c) for c in ckpts], "log_tail": sf_log.read_text()[-3000:]}
 
 
-def specforge_log_stats(sf_log: Path) -> dict:
-    """Its step time (median of the second half) and loss from its own progress lines (`step N: {...}`)."""
+def specforge_rows(text: str) -> list[tuple[int, dict]]:
+    """Its progress lines (`step N: {...}`, a Python dict) as (step, values); a line cut short is left out."""
     import ast
     import re
 
     rows = []
-    for m in re.finditer(r"^step (\d+): (\{.*\})$", sf_log.read_text(), re.M):
+    for m in re.finditer(r"^step (\d+): (\{.*\})$", text, re.M):
         try:
             rows.append((int(m.group(1)), ast.literal_eval(m.group(2))))
         except (ValueError, SyntaxError):
             continue
+    return rows
+
+
+def specforge_log_stats(sf_log: Path) -> dict:
+    """Its step time (median of the second half) and loss from its own progress lines (`step N: {...}`)."""
+    rows = specforge_rows(sf_log.read_text())
     times = sorted(r["train/perf/optimizer_step_time_s"] for k, r in rows
                    if k > rows[-1][0] // 2 and "train/perf/optimizer_step_time_s" in r) if rows else []  # fmt: skip
     return {"step_time_ms_median": round(1000 * times[len(times) // 2], 2) if times else None,
