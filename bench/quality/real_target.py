@@ -270,6 +270,11 @@ def answer_stats(answers: list[list[int]]) -> dict:
             "tokens_median": sorted(len(a) for a in answers)[len(answers) // 2] if answers else 0}  # fmt: skip
 
 
+def text_stats(tok, texts: list[str]) -> dict:
+    """`answer_stats` of answers as text, in the target's own tokens."""
+    return answer_stats([tok(t, add_special_tokens=False).input_ids for t in texts])
+
+
 def answers(args) -> int:
     """Distinct 4-gram ratio and loops of the regenerated answers: a target worth drafting for has few loops."""
     from transformers import AutoTokenizer
@@ -278,7 +283,7 @@ def answers(args) -> int:
     recs = [json.loads(x) for x in Path(args.data).read_text().splitlines() if x.strip()]
     texts = [r.get("response") or next((m["content"] for m in reversed(r.get("messages", []))
                                         if m.get("role") == "assistant"), "") for r in recs]  # fmt: skip
-    stats = answer_stats([tok(t, add_special_tokens=False).input_ids for t in texts])
+    stats = text_stats(tok, texts)
     ok = (stats["distinct_4gram_median"] or 0) >= args.min_distinct and (stats["loop_fraction"] or 0) <= args.max_loops
     print(json.dumps({**stats, "ok": ok}))
     return 0 if ok else 1

@@ -191,11 +191,10 @@ def phase_data(work: Path, s: dict, log: Path) -> dict:
 
 def answer_check(work: Path, answers: list[str]) -> dict:
     """Whether the target's answers are worth drafting for: distinct 4-gram ratio and answers ending in a loop."""
-    from real_target import answer_stats
+    from real_target import text_stats
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(work / "target")
-    return answer_stats([tok(a, add_special_tokens=False).input_ids for a in answers])
+    return text_stats(AutoTokenizer.from_pretrained(work / "target"), answers)
 
 
 def phase_features(work: Path, s: dict, log: Path) -> dict:
