@@ -164,16 +164,34 @@ def step_flops(parts, S: int, A: int, bs: int, pairs: int) -> dict:
             "attention_fwd": d.num_layers * attn, "attention_bwd": d.num_layers * 2.5 * attn}  # fmt: skip
 
 
-def real_step(parts, opt, batch, fold_clip: bool = True) -> float:
-    """The trainer's own step (bench/step_breakdown.py `trainer_step`); seconds. `fold_clip=False`: clip_grad_norm_'s
-    own scaling pass, then the update (the trainer until round 7)."""
+def real_step(parts, opt, batch, fold_clip: bool = True, ahead=None, next_batch=None) -> float:
+    """The trainer's own step (bench/step_breakdown.py `trainer_step`); seconds, until every stream is done.
+    `fold_clip=False`: clip_grad_norm_'s own scaling pass, then the update (the trainer until round 7). `ahead`: the
+    next batch's target forward queued beside the update (trainer/run/ahead.py)."""
     import torch
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    trainer_step(parts, opt, batch, fold_clip=fold_clip)
+    trainer_step(parts, opt, batch, fold_clip=fold_clip, ahead=ahead, next_batch=next_batch)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+def steady_steps(parts, opt, batch_of, n: int, ahead=None) -> tuple[float, dict]:
+    """The median step (after 5) of `n`, and memory after the 5th and the last."""
+    import torch
+
+    batches = [batch_of(i) for i in range(n + 1)]
+    times, mem = [], {}
+    for i in range(n):
+        torch.cuda.reset_peak_memory_stats()
+        times.append(real_step(parts, opt, batches[i], ahead=ahead, next_batch=batches[i + 1]))
+        if i in (4, n - 1):
+            mem[i + 1] = {"allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
+                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}  # fmt: skip
+    if ahead is not None:
+        ahead.drop()
+    return statistics.median(times[5:]), mem
 
 
 def variants(parts, opt, batch, S: int) -> dict:
@@ -306,7 +324,8 @@ def isolated_attention(parts, batch, reps: int = 20) -> dict:
     return out
 
 
-def step_benchmark(steady_steps: int, isolated: bool = True, extras: bool = True) -> dict:
+def step_benchmark(steady_steps_n: int, isolated: bool = True, extras: bool = True, ahead_modes=None,
+                   default_mode: str | None = None) -> dict:
     import torch
 
     from trainer.config import from_dict
@@ -350,27 +369,54 @@ def step_benchmark(steady_steps: int, isolated: bool = True, extras: bool = True
     pairs = allowed_pairs(steady.anchors, steady.anchor_valid, S, bs)
     flops = step_flops(parts, S, A, bs, pairs)
     rep["flops_per_step_tflop"] = {k: round(v / 1e12, 2) for k, v in flops.items()}
-    # the trainer's own step, its stages marked in stream order: they add up to the step (bench/step_breakdown.py)
-    rep["breakdown"] = breakdown(parts, opt, batch, 9, flops, rep["peak_matmul_tflops"], warmup=3)
-    rep["kernel_time"] = kernel_time(parts, opt, batch)
-    print(f"breakdown: {rep['breakdown']}\nkernels: {rep['kernel_time']}", flush=True)
+    # the trainer's own step, its stages marked in stream order: they add up to the step (bench/step_breakdown.py);
+    # today's step (the target forward in line) and the step with the next target forward beside the update
+    from trainer.run.ahead import TargetAhead
 
-    times, mem = [], {}
-    for i in range(steady_steps):
-        torch.cuda.reset_peak_memory_stats()
-        times.append(real_step(parts, opt, batch(i)))
-        if i in (4, steady_steps - 1):
-            mem[i + 1] = {"allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
-                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}  # fmt: skip
-    step_s = statistics.median(times[5:])
-    rep["step_ms"] = round(step_s * 1e3, 1)
+    modes = {"inline": None, "ahead": TargetAhead(parts), "ahead_high_priority": TargetAhead(parts, priority=-1)}
+    if ahead_modes is not None:
+        modes = {k: v for k, v in modes.items() if k in ahead_modes}
+    total = sum(v for k, v in flops.items() if not k.startswith("attention"))
+    rep["by_mode"] = {}
+    for name, ahead in list(modes.items()):
+        r = rep["by_mode"][name] = {}
+        try:
+            r["breakdown"] = breakdown(parts, opt, batch, 9, flops, rep["peak_matmul_tflops"], warmup=3, ahead=ahead)
+            r["kernel_time"] = kernel_time(parts, opt, batch, ahead=ahead)
+        except Exception as e:  # a mode that breaks (a recompile after the preflight, say) is reported, not fatal
+            r["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            modes.pop(name)
+            rep["by_mode"].pop(name)
+            rep[f"error_{name}"] = r["error"]
+        print(f"{name}: {r}", flush=True)
+    for _ in range(2):  # alternating rounds: each mode's steady steps under the same conditions
+        for name, ahead in modes.items():
+            step_s, mem = steady_steps(parts, opt, batch, steady_steps_n, ahead)
+            r = rep["by_mode"][name]
+            r.setdefault("step_ms_rounds", []).append(round(step_s * 1e3, 2))
+            r["memory_by_step"] = mem
+    for name, r in rep["by_mode"].items():
+        step_s = statistics.median(r["step_ms_rounds"]) / 1e3
+        r["step_ms"] = round(step_s * 1e3, 1)
+        r["tokens_per_s"] = round(S / step_s)
+        r["mfu"] = round(total / step_s / 1e12 / rep["peak_matmul_tflops"], 4)
+        print(f"{name}: step {r['step_ms']} ms, MFU {r['mfu']}", flush=True)
+    from trainer.run.ahead import ahead_enabled
+
+    trainers = "ahead" if ahead_enabled(parts.cfg, parts.device, parts.layout) else "inline"  # the trainer's default
+    headline = default_mode or (trainers if trainers in rep["by_mode"] else next(iter(rep["by_mode"])))
+    chosen = rep["by_mode"][headline]
+    rep["mode"] = headline
+    rep["breakdown"], rep["kernel_time"] = chosen["breakdown"], chosen["kernel_time"]
+    step_s = chosen["step_ms"] / 1e3
+    rep["step_ms"] = chosen["step_ms"]
     rep["tokens_per_s"] = round(S / step_s)
     rep["block_tokens_per_s"] = round(A * bs / step_s)
-    total = sum(v for k, v in flops.items() if not k.startswith("attention"))
     rep["achieved_tflops"] = round(total / step_s / 1e12, 1)
     rep["mfu"] = round(total / step_s / 1e12 / rep["peak_matmul_tflops"], 4)
+    mem = chosen["memory_by_step"]
     rep["memory_by_step"] = mem
-    rep["memory_steady"] = mem[5] == mem[steady_steps] if steady_steps > 5 else None
+    rep["memory_steady"] = len(set(json.dumps(m, sort_keys=True) for m in mem.values())) == 1
     if extras:
         rep.update(variants(parts, opt, batch, S))
     rep["recompiles_after_preflight"] = graphs_compiled() - baseline
@@ -423,6 +469,8 @@ def main() -> None:
                     help="seq buckets the preflight compiles (the step runs at 3072), timed per bucket")
     ap.add_argument("--flex-options", default="{}", help="flex_attention kernel_options, JSON (bench/flex_tiles.py)")
     ap.add_argument("--no-extras", action="store_true", help="the step alone: no variants, profile or isolated kernels")
+    ap.add_argument("--modes", nargs="+", default=None, choices=["inline", "ahead", "ahead_high_priority"],
+                    help="step modes timed side by side (default: all): the target forward in line, or ahead")
     ap.add_argument("--record", default=None, help="also write the one current record here (bench/results/h200.json)")
     ap.add_argument("--record-from", default=None, help="no run: make --record from this raw report (a JSON file)")
     ap.add_argument("--launch-to-running-cold-s", type=float, default=None,
@@ -452,7 +500,7 @@ def main() -> None:
             report["cli"] = {"error": f"{type(e).__name__}: {e}"}
         print(json.dumps(report["cli"], default=str)[:3000], flush=True)
     report["gpu"] = torch.cuda.get_device_name()
-    report.update(step_benchmark(args.steady_steps, not args.skip_isolated, not args.no_extras))
+    report.update(step_benchmark(args.steady_steps, not args.skip_isolated, not args.no_extras, args.modes))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     if args.record:

@@ -48,12 +48,14 @@ def kernel_class(name: str) -> str:
 
 class Timeline:
     """Stage ends in stream order: CUDA events on a GPU (read after one synchronize at the step's end), the host
-    clock after a synchronize elsewhere."""
+    clock after a synchronize elsewhere. With `separators`, each mark also launches a spin kernel of zero cycles, so
+    that a profile of the step can be cut into the same stages by the kernels' own start times (`stage_table`)."""
 
-    def __init__(self, device) -> None:
+    def __init__(self, device, separators: bool = False) -> None:
         import torch
 
         self.torch, self.cuda = torch, device.type == "cuda"
+        self.separators = separators and self.cuda
         self.names: list[str] = []
         self.points: list = []
 
@@ -66,6 +68,8 @@ class Timeline:
             event = self.torch.cuda.Event(enable_timing=True)
             event.record()
             self.points.append(event)
+            if self.separators:
+                self.torch.cuda._sleep(0)
         else:
             self.points.append(time.perf_counter())
         self.names.append(name)
@@ -80,16 +84,18 @@ class Timeline:
         return dict(zip(self.names[1:], gaps, strict=True))
 
 
-def trainer_step(parts, opt, batch, mark=None, fold_clip: bool = True) -> None:
+def trainer_step(parts, opt, batch, mark=None, fold_clip: bool = True, ahead=None, next_batch=None) -> None:
     """The trainer's step: forward_loss, backward, the clip folded into the fused AdamW (`fold_clip=False`, or an
-    AdamW that is not fused, as on the CPU: clip_grad_norm_'s own scaling pass first), the update. `mark`, when given,
-    is told where each stage ends."""
+    AdamW that is not fused, as on the CPU: clip_grad_norm_'s own scaling pass first), the update. With `ahead`
+    (trainer/run/ahead.py), the step takes its target forward from there when one was queued for `batch`, and queues
+    `next_batch`'s beside its own update, as the trainer does. `mark`, when given, is told where each stage ends."""
     import torch
 
     from trainer.run.loop import forward_loss
     from trainer.run.update import clip_into_update
 
-    loss_sum, w_sum, _ = forward_loss(parts, batch, mark=mark)
+    early = ahead.take(batch) if ahead is not None else None
+    loss_sum, w_sum, _ = forward_loss(parts, batch, mark=mark, ahead=early)
     (loss_sum / w_sum).backward()
     if mark:
         mark("drafter_bwd")
@@ -98,14 +104,17 @@ def trainer_step(parts, opt, batch, mark=None, fold_clip: bool = True) -> None:
     else:
         opt.grad_scale = None
         torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), parts.cfg.optim.grad_clip)
+    if ahead is not None and next_batch is not None:
+        ahead.queue(next_batch)
     opt.step()
     opt.zero_grad(set_to_none=True)
     if mark:
         mark("optimizer")
 
 
-def instrumented_step(parts, opt, batch, timeline: Timeline) -> tuple[float, dict[str, float]]:
-    """The trainer's step with its stages marked; (wall milliseconds, stage milliseconds)."""
+def instrumented_step(parts, opt, batch, timeline: Timeline, ahead=None, next_batch=None) -> tuple[float, dict]:
+    """The trainer's step with its stages marked; (wall milliseconds, stage milliseconds). The wall time ends when
+    every stream is done, a target forward queued ahead included."""
     import torch
 
     cuda = parts.device.type == "cuda"
@@ -113,24 +122,28 @@ def instrumented_step(parts, opt, batch, timeline: Timeline) -> tuple[float, dic
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     timeline.start()
-    trainer_step(parts, opt, batch, timeline)
+    trainer_step(parts, opt, batch, timeline, ahead=ahead, next_batch=next_batch)
     if cuda:
         torch.cuda.synchronize()
     return 1e3 * (time.perf_counter() - t0), timeline.spans_ms()
 
 
 def breakdown(parts, opt, batch_of, steps: int, flops: dict | None = None, ceiling_tflops: float | None = None,
-              warmup: int = 2) -> dict:  # fmt: skip
+              warmup: int = 2, ahead=None) -> dict:  # fmt: skip
     """Median stage times over `steps` instrumented steps (after `warmup`), the step's median wall time, the host
-    gap, whether the stages add up to the step within 5 %, and each stage's FLOPs and fraction of the ceiling."""
+    gap, whether the stages add up to the step within 5 %, and each stage's FLOPs and fraction of the ceiling. With
+    `ahead`, each step queues the next one's target forward beside its update, as the trainer does."""
     timeline = Timeline(parts.device)
+    batches = [batch_of(i) for i in range(warmup + steps + 1)]  # one object per step: `ahead` keys on it
     for i in range(warmup):
-        instrumented_step(parts, opt, batch_of(i), timeline)
+        instrumented_step(parts, opt, batches[i], timeline, ahead, batches[i + 1])
     walls, spans = [], []
-    for i in range(steps):
-        wall, span = instrumented_step(parts, opt, batch_of(warmup + i), timeline)
+    for i in range(warmup, warmup + steps):
+        wall, span = instrumented_step(parts, opt, batches[i], timeline, ahead, batches[i + 1])
         walls.append(wall)
         spans.append(span)
+    if ahead is not None:
+        ahead.drop()
     stage_ms = {k: statistics.median(s[k] for s in spans) for k in STAGES}
     pick = sorted(range(steps), key=lambda i: walls[i])[steps // 2]  # the median step, with its own stages' sum
     step_ms, staged = walls[pick], sum(spans[pick].values())
@@ -160,36 +173,92 @@ def stage_flops(flops: dict) -> dict[str, float]:
             "drafter_bwd": flops.get("drafter_bwd", 0.0)}  # fmt: skip
 
 
-def device_kernels(events) -> list[tuple[str, float]]:
-    """(name, microseconds) of every device kernel a profile saw. Kineto lists them as device-side events in some
-    releases and under their launching CPU op (`kernels`) in others: the first where there are any, never both."""
-    device = [(e.name, float(getattr(e, "device_time", 0.0) or getattr(e, "cuda_time", 0.0) or 0.0))
-              for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]  # fmt: skip
-    if device:
-        return device
-    return [(k.name, float(k.duration)) for e in events for k in getattr(e, "kernels", []) or []]
+SEPARATOR = "spin_kernel"  # torch.cuda._sleep's kernel: a Timeline's mark in a profile
 
 
-def kernel_time(parts, opt, batch_of, steps: int = 3) -> dict:
-    """Device time per step by kernel class (torch.profiler over `steps` instrumented steps), and the stream's idle
-    time: the step's wall time less every kernel's."""
+def trace_kernels(trace: dict) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every kernel, copy and memset on the device in a Chrome trace (torch.profiler's
+    export, the same format in every release), by start time."""
+    device = ("kernel", "gpu_memcpy", "gpu_memset")
+    rows = [(str(e.get("name", "")), float(e["ts"]), float(e.get("dur", 0.0))) for e in trace.get("traceEvents", [])
+            if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in device and "ts" in e]  # fmt: skip
+    return sorted(rows, key=lambda r: r[1])
+
+
+def stage_table(kernels: list[tuple[str, float, float]], marks: list[str], steps: int) -> dict | None:
+    """The device's time per step in each stage, by kernel class. `marks` are the Timeline's names in the order they
+    were marked over all profiled steps; each launched one separator kernel, so the k-th separator is the k-th mark
+    and a kernel belongs to the stage of the first separator after its start. A stage's `span_ms` runs from the end of
+    the separator before it to the start of its own; `idle_ms` is the span less its kernels' time (below zero where
+    kernels of two streams overlapped). Kernels outside a step's marks are `between_steps`. None when the separators
+    do not match the marks (a profile that lost events)."""
+    import bisect
+
+    seps = [k for k in kernels if SEPARATOR in k[0]]
+    if not marks or len(seps) != len(marks):
+        return None
+    starts = [k[1] for k in seps]
+    table: dict[str, dict] = {}
+
+    def row(stage: str) -> dict:
+        return table.setdefault(stage, {"span_ms": 0.0, "busy_ms": 0.0, "classes": {}})
+
+    for name, ts, dur in kernels:
+        if SEPARATOR in name:
+            continue
+        i = bisect.bisect_right(starts, ts)
+        stage = marks[i] if i < len(marks) and marks[i] != "start" else "between_steps"
+        r = row(stage)
+        cls = kernel_class(name)
+        r["classes"][cls] = r["classes"].get(cls, 0.0) + dur / 1e3 / steps
+        r["busy_ms"] += dur / 1e3 / steps
+    for i, stage in enumerate(marks):
+        if i and stage != "start":
+            row(stage)["span_ms"] += (seps[i][1] - seps[i - 1][1] - seps[i - 1][2]) / 1e3 / steps
+    out = {}
+    for stage, r in table.items():
+        idle = r["span_ms"] - r["busy_ms"] if stage != "between_steps" else None
+        classes = sorted(r["classes"].items(), key=lambda kv: -kv[1])
+        out[stage] = {"span_ms": round(r["span_ms"], 3), "busy_ms": round(r["busy_ms"], 3),
+                      "idle_ms": None if idle is None else round(idle, 3),
+                      "classes": {k: round(v, 3) for k, v in classes}}  # fmt: skip
+    return out
+
+
+def kernel_time(parts, opt, batch_of, steps: int = 3, ahead=None) -> dict:
+    """Device time per step by kernel class (torch.profiler over `steps` instrumented steps), the stream's idle time
+    (the step's wall time less every kernel's), and the same cut into the step's stages (`stage_table`)."""
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
-    timeline = Timeline(parts.device)
     cuda = parts.device.type == "cuda"
+    timeline = Timeline(parts.device, separators=True)
+    batches = [batch_of(i) for i in range(steps + 2)]
+    instrumented_step(parts, opt, batches[0], timeline, ahead, batches[1])  # queues the first profiled step's target
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    walls = []
+    walls, marks = [], []
     with profile(activities=acts) as prof:
-        for i in range(steps):
-            walls.append(instrumented_step(parts, opt, batch_of(i), timeline)[0])
+        for i in range(1, steps + 1):
+            walls.append(instrumented_step(parts, opt, batches[i], timeline, ahead, batches[i + 1])[0])
+            marks += timeline.names
+    if ahead is not None:
+        ahead.drop()
+    kernels: list[tuple[str, float, float]] = []
+    if cuda:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            kernels = trace_kernels(json.loads(Path(f.name).read_text()))
     classes: dict[str, float] = {}
-    for name, us in device_kernels(prof.events()) if cuda else []:
-        cls = kernel_class(name)
-        classes[cls] = classes.get(cls, 0.0) + us / 1e3 / steps
+    for name, _, dur in kernels:
+        if SEPARATOR not in name:
+            cls = kernel_class(name)
+            classes[cls] = classes.get(cls, 0.0) + dur / 1e3 / steps
     busy = sum(classes.values())
     wall = statistics.median(walls)
     return {"kernel_ms": {k: round(v, 3) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
-            "busy_ms": round(busy, 3), "idle_ms": round(wall - busy, 3) if cuda else None}  # fmt: skip
+            "busy_ms": round(busy, 3), "idle_ms": round(wall - busy, 3) if cuda else None,
+            "by_stage": stage_table(kernels, marks, steps) if cuda else None}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

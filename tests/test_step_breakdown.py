@@ -67,19 +67,69 @@ def test_kernels_are_sorted_by_what_their_names_say_they_compute():
     assert {n: step_breakdown.kernel_class(n) for n in cases} == cases
 
 
-def test_device_kernels_come_from_one_listing_never_both():
-    class K:
-        def __init__(self, name, duration):
-            self.name, self.duration = name, duration
+def test_device_work_is_read_from_the_chrome_trace_in_start_order():
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1.0, "dur": 9.0},
+        {"ph": "X", "cat": "kernel", "name": "gemm_b", "ts": 30.0, "dur": 4.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 5.0, "dur": 1.0},
+        {"ph": "X", "cat": "kernel", "name": "gemm_a", "ts": 10.0, "dur": 5.0},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 11.0},
+        "garbage", {"ph": "X", "cat": "kernel", "name": "no_start"},
+    ]}  # fmt: skip
+    assert step_breakdown.trace_kernels(trace) == [("Memcpy HtoD", 5.0, 1.0), ("gemm_a", 10.0, 5.0),
+                                                   ("gemm_b", 30.0, 4.0)]  # fmt: skip
+    assert step_breakdown.trace_kernels({}) == []
 
-    class E:
-        def __init__(self, name, device_type="DeviceType.CPU", device_time=0.0, kernels=()):
-            self.name, self.device_type, self.device_time, self.kernels = name, device_type, device_time, list(kernels)
 
-    nested = [E("aten::mm", kernels=[K("gemm_a", 5.0)]), E("aten::add", kernels=[K("add_k", 1.0)])]
-    assert step_breakdown.device_kernels(nested) == [("gemm_a", 5.0), ("add_k", 1.0)]
-    flat = [*nested, E("gemm_a", "DeviceType.CUDA", 5.0), E("add_k", "DeviceType.CUDA", 1.0)]
-    assert step_breakdown.device_kernels(flat) == [("gemm_a", 5.0), ("add_k", 1.0)]
+def test_a_profile_is_cut_into_the_stages_by_the_marks_separators():
+    sep = "void at::cuda::(anonymous namespace)::spin_kernel(long)"
+    marks = ["start", "target_fwd", "optimizer"] * 2  # two steps of two stages
+    kernels = []
+    for step in range(2):  # per step: separators at 0, 10, 20 (+100 a step), each 1 us long
+        base = 100.0 * step
+        kernels += [(sep, base, 1.0), (sep, base + 10, 1.0), (sep, base + 20, 1.0)]
+        kernels += [("nvjet_gemm", base + 2, 4.0), ("triton_red_fused_rsqrt_0", base + 6, 2.0),
+                    ("multi_tensor_apply_kernel<FusedAdam>", base + 12, 6.0)]  # fmt: skip
+    kernels += [("late_copy_kernel", 250.0, 2.0)]  # after the last mark
+    table = step_breakdown.stage_table(sorted(kernels, key=lambda k: k[1]), marks, steps=2)
+    assert table["target_fwd"] == {"span_ms": 0.009, "busy_ms": 0.006, "idle_ms": 0.003,
+                                   "classes": {"matmul": 0.004, "norm": 0.002}}  # fmt: skip
+    assert table["optimizer"]["classes"] == {"optimizer": 0.006} and table["optimizer"]["idle_ms"] == 0.003
+    assert table["between_steps"]["busy_ms"] == 0.001 and table["between_steps"]["idle_ms"] is None
+    assert step_breakdown.stage_table(kernels, marks[:-1], steps=2) is None  # a lost separator: no guess
+
+
+def test_the_step_with_its_target_forward_queued_ahead_trains_the_same():
+    from trainer.run.ahead import TargetAhead
+
+    params = []
+    for use_ahead in (False, True):
+        torch.manual_seed(0)
+        parts = build(from_dict(TINY))
+        opt = torch.optim.AdamW(parts.drafter.parameters(), lr=1e-3)
+        batches = [dummy_batch(parts, 128) for _ in range(4)]
+        for b, i in zip(batches, range(4), strict=True):
+            b.input_ids = (b.input_ids + i) % 200  # four different batches
+        ahead = TargetAhead(parts) if use_ahead else None
+        for i in range(3):
+            step_breakdown.trainer_step(parts, opt, batches[i], ahead=ahead, next_batch=batches[i + 1])
+        params.append([p.detach().clone() for p in parts.drafter.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*params, strict=True))
+
+
+def test_hidden_states_queued_for_one_batch_are_never_handed_to_another():
+    from trainer.run.ahead import TargetAhead
+
+    parts = build(from_dict(TINY))
+    ahead = TargetAhead(parts)
+    one, other = dummy_batch(parts, 128), dummy_batch(parts, 128)
+    ahead.queue(one)
+    assert ahead.take(other) is None
+    assert ahead.take(one) is None  # the mismatch cleared it: nothing stale is left for later
+    ahead.queue(one)
+    on_device, hidden = ahead.take(one)
+    assert torch.equal(hidden, parts.target.hidden_states(one.input_ids))
+    assert torch.equal(on_device.input_ids, one.input_ids)
 
 
 def test_the_current_record_has_every_key_and_says_where_it_came_from():
