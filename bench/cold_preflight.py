@@ -31,7 +31,7 @@ from bench.common import QWEN3_8B_WORKLOAD  # noqa: E402
 BUCKETS = [1024, 2048, 3072]
 
 
-def run(work: Path, name: str, extra_env: dict[str, str]) -> dict:
+def run(work: Path, name: str, extra_env: dict[str, str], share: str = "none") -> dict:
     variant = ",".join(f"{k}={v}" for k, v in extra_env.items()) or "plain"
     data = {**QWEN3_8B_WORKLOAD["data"], "seq_buckets": BUCKETS, "synthetic_samples": 6}
     cfg = {**QWEN3_8B_WORKLOAD, "data": data, "device": "cuda", "steps": 3, "log_every": 1,
@@ -42,7 +42,10 @@ def run(work: Path, name: str, extra_env: dict[str, str]) -> dict:
     path.write_text(yaml.safe_dump(cfg))
     run_dir = work / name
     cache = work / f"{name}-cache"
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton"),
+    host = work / "host-cache"  # what the runs share, as jobs on one host would: the first run fills it
+    inductor = host / "inductor" if share == "all" else cache / "inductor"
+    triton = host / "triton" if share in ("triton", "all") else cache / "triton"
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(triton),
            **extra_env}  # fmt: skip
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(path), "--run-dir", str(run_dir)],
@@ -73,6 +76,9 @@ def main() -> None:
         default=[],
         help="KEY=VALUE[,KEY=VALUE...]: one more variant, run in turn with the plain one (repeatable)",
     )
+    ap.add_argument("--share", choices=["none", "triton", "all"], default="none",
+                    help="caches the runs share, as jobs on one host: none (each run cold), Triton's compiled kernels, "
+                    "or Triton's and Inductor's; the first run fills what is shared")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     variants = [{}] + ([dict(e.split("=", 1) for e in args.env)] if args.env else [])
@@ -83,7 +89,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for i in range(args.repeat):
             for j, extra in enumerate(variants):
-                runs.append(run(Path(d), f"r{i}-{j}", extra))
+                runs.append(run(Path(d), f"r{i}-{j}", extra, args.share))
                 print(json.dumps(runs[-1]), flush=True)
     print("| run | preflight s per bucket 1024 / 2048 / 3072 | start to preflight s | start to first step s |")
     print("| --- | --- | --- | --- |")
@@ -100,7 +106,7 @@ def main() -> None:
         summary[name] = {"preflight_s": med, "to_preflight_s": pre, "to_first_step_s": first}
         print(f"| {name} | {' / '.join(f'{x:.2f}' for x in med)} | {pre:.1f} | {first:.1f} |")
     report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": " ".join(["python", *sys.argv]), "buckets": BUCKETS, "runs": runs,
+              "command": " ".join(["python", *sys.argv]), "buckets": BUCKETS, "share": args.share, "runs": runs,
               "median": summary}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -30,6 +30,14 @@ OPTIONS = {
     "bwd_s2_w8": {"bwd_num_stages": 2, "bwd_num_warps": 8},
     "bwd_64x64_s3_w4": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
                         "bwd_num_stages": 3, "bwd_num_warps": 4},
+    "bwd_32_128_s3_w4": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
+                         "bwd_num_stages": 3, "bwd_num_warps": 4},
+    "bwd_64_128_s2_w8": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                         "bwd_num_stages": 2, "bwd_num_warps": 8},
+    "bwd_64_128_s3_w8": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                         "bwd_num_stages": 3, "bwd_num_warps": 8},
+    "bwd_32_64_s4_w4": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+                        "bwd_num_stages": 4, "bwd_num_warps": 4},
 }  # fmt: skip
 
 

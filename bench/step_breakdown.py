@@ -74,6 +74,13 @@ class Timeline:
             self.points.append(time.perf_counter())
         self.names.append(name)
 
+    def since_end_ms(self, later: Timeline) -> float:
+        """Milliseconds from this timeline's last mark to `later`'s first: the time between two steps."""
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return self.points[-1].elapsed_time(later.points[0])
+        return 1e3 * (later.points[0] - self.points[-1])
+
     def spans_ms(self) -> dict[str, float]:
         """Each stage's milliseconds, from the mark before it to its own."""
         if self.cuda:
@@ -84,18 +91,18 @@ class Timeline:
         return dict(zip(self.names[1:], gaps, strict=True))
 
 
-def trainer_step(parts, opt, batch, mark=None, fold_clip: bool = True, ahead=None, next_batch=None) -> None:
-    """The trainer's step: forward_loss, backward, the clip folded into the fused AdamW (`fold_clip=False`, or an
-    AdamW that is not fused, as on the CPU: clip_grad_norm_'s own scaling pass first), the update. With `ahead`
-    (trainer/run/ahead.py), the step takes its target forward from there when one was queued for `batch`, and queues
-    `next_batch`'s beside its own update, as the trainer does. `mark`, when given, is told where each stage ends."""
+def trainer_step(parts, opt, batch, mark=None, fold_clip: bool = True) -> None:
+    """The trainer's step (trainer/run/training.py `train_step`): forward_loss, backward, the clip folded into the
+    fused AdamW (`fold_clip=False`, or an AdamW that is not fused, as on the CPU: clip_grad_norm_'s own scaling pass
+    first), the update queued, and the host waiting, as the trainer does for the step's numbers, only until the
+    gradient norm is done: the update runs while the host prepares the next step. `mark`, when given, is told where
+    each stage ends."""
     import torch
 
     from trainer.run.loop import forward_loss
     from trainer.run.update import clip_into_update
 
-    early = ahead.take(batch) if ahead is not None else None
-    loss_sum, w_sum, _ = forward_loss(parts, batch, mark=mark, ahead=early)
+    loss_sum, w_sum, _ = forward_loss(parts, batch, mark=mark)
     (loss_sum / w_sum).backward()
     if mark:
         mark("drafter_bwd")
@@ -104,53 +111,56 @@ def trainer_step(parts, opt, batch, mark=None, fold_clip: bool = True, ahead=Non
     else:
         opt.grad_scale = None
         torch.nn.utils.clip_grad_norm_(parts.drafter.parameters(), parts.cfg.optim.grad_clip)
-    if ahead is not None and next_batch is not None:
-        ahead.queue(next_batch)
+    numbers = torch.cuda.Event() if parts.device.type == "cuda" else None
+    if numbers is not None:
+        numbers.record()
     opt.step()
-    opt.zero_grad(set_to_none=True)
     if mark:
         mark("optimizer")
+    if numbers is not None:
+        numbers.synchronize()  # the trainer's one wait a step: its numbers, copied before the update
+    opt.zero_grad(set_to_none=True)
 
 
-def instrumented_step(parts, opt, batch, timeline: Timeline, ahead=None, next_batch=None) -> tuple[float, dict]:
-    """The trainer's step with its stages marked; (wall milliseconds, stage milliseconds). The wall time ends when
-    every stream is done, a target forward queued ahead included."""
+def run_steps(parts, opt, batches, timelines: list[Timeline] | None = None) -> float:
+    """`batches` through the trainer's step back to back, as the trainer runs them (no wait between steps but the
+    trainer's own); wall milliseconds per step, to the end of the last one on the device."""
     import torch
 
     cuda = parts.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    timeline.start()
-    trainer_step(parts, opt, batch, timeline, ahead=ahead, next_batch=next_batch)
+    for i, batch in enumerate(batches):
+        if timelines is not None:
+            timelines[i].start()
+        trainer_step(parts, opt, batch, timelines[i] if timelines is not None else None)
     if cuda:
         torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - t0), timeline.spans_ms()
+    return 1e3 * (time.perf_counter() - t0) / len(batches)
 
 
 def breakdown(parts, opt, batch_of, steps: int, flops: dict | None = None, ceiling_tflops: float | None = None,
-              warmup: int = 2, ahead=None) -> dict:  # fmt: skip
-    """Median stage times over `steps` instrumented steps (after `warmup`), the step's median wall time, the host
-    gap, whether the stages add up to the step within 5 %, and each stage's FLOPs and fraction of the ceiling. With
-    `ahead`, each step queues the next one's target forward beside its update, as the trainer does."""
-    timeline = Timeline(parts.device)
-    batches = [batch_of(i) for i in range(warmup + steps + 1)]  # one object per step: `ahead` keys on it
-    for i in range(warmup):
-        instrumented_step(parts, opt, batches[i], timeline, ahead, batches[i + 1])
-    walls, spans = [], []
-    for i in range(warmup, warmup + steps):
-        wall, span = instrumented_step(parts, opt, batches[i], timeline, ahead, batches[i + 1])
-        walls.append(wall)
-        spans.append(span)
-    if ahead is not None:
-        ahead.drop()
+              warmup: int = 2) -> dict:  # fmt: skip
+    """`steps` marked steps back to back (after `warmup`): each stage's median time, the device's time from one
+    step's start to the next one's (`step_ms`, its median), the part of it between a step's update and the next
+    step's first kernel (`between_steps_ms`: the host preparing the step), the wall time per step of the same run
+    (`wall_step_ms`), whether stages and gap add up to the wall time within 5 %, and each stage's FLOPs and fraction
+    of the ceiling."""
+    batches = [batch_of(i) for i in range(warmup + steps + 1)]
+    run_steps(parts, opt, batches[:warmup])
+    timelines = [Timeline(parts.device) for _ in range(steps + 1)]
+    wall = run_steps(parts, opt, batches[warmup:], timelines)  # the last step only ends the last gap
+    spans = [t.spans_ms() for t in timelines[:steps]]
+    gaps = [timelines[i].since_end_ms(timelines[i + 1]) for i in range(steps)]
+    totals = [sum(s.values()) + g for s, g in zip(spans, gaps, strict=True)]
     stage_ms = {k: statistics.median(s[k] for s in spans) for k in STAGES}
-    pick = sorted(range(steps), key=lambda i: walls[i])[steps // 2]  # the median step, with its own stages' sum
-    step_ms, staged = walls[pick], sum(spans[pick].values())
+    step_ms, gap_ms = statistics.median(totals), statistics.median(gaps)
     out: dict = {
         "steps": steps, "step_ms": round(step_ms, 3), "stages_ms": {k: round(v, 3) for k, v in stage_ms.items()},
-        "stages_sum_ms": round(staged, 3), "host_gap_ms": round(step_ms - staged, 3),  # of the median step
-        "adds_up_within": round(abs(step_ms - staged) / step_ms, 4), "adds_up": abs(step_ms - staged) <= 0.05 * step_ms,
+        "stages_sum_ms": round(sum(stage_ms.values()), 3), "between_steps_ms": round(gap_ms, 3),
+        "wall_step_ms": round(wall, 3), "adds_up_within": round(abs(wall - step_ms) / wall, 4),
+        "adds_up": abs(wall - step_ms) <= 0.05 * wall,
     }  # fmt: skip
     if flops:
         per_stage = stage_flops(flops)
@@ -165,12 +175,11 @@ def breakdown(parts, opt, batch_of, steps: int, flops: dict | None = None, ceili
 
 
 def stage_flops(flops: dict) -> dict[str, float]:
-    """The step's counted FLOPs (bench/h200_perf.py `step_flops`) laid on the stages: the LM head's forward is a
-    third of its forward and backward."""
-    head = flops.get("lm_head_loss", 0.0)
+    """The step's counted FLOPs (bench/h200_perf.py `step_flops`) laid on the stages. The LM head's are all in its
+    forward stage: the fused loss kernel (trainer/model/ce_kernel.py) computes the gradient there, and its backward
+    only hands it on."""
     return {"target_fwd": flops.get("target_fwd", 0.0), "drafter_fwd": flops.get("drafter_fwd", 0.0),
-            "lm_head_loss_fwd": head / 3, "lm_head_loss_bwd": 2 * head / 3,
-            "drafter_bwd": flops.get("drafter_bwd", 0.0)}  # fmt: skip
+            "lm_head_loss_fwd": flops.get("lm_head_loss", 0.0), "drafter_bwd": flops.get("drafter_bwd", 0.0)}
 
 
 SEPARATOR = "spin_kernel"  # torch.cuda._sleep's kernel: a Timeline's mark in a profile
@@ -190,8 +199,9 @@ def stage_table(kernels: list[tuple[str, float, float]], marks: list[str], steps
     were marked over all profiled steps; each launched one separator kernel, so the k-th separator is the k-th mark
     and a kernel belongs to the stage of the first separator after its start. A stage's `span_ms` runs from the end of
     the separator before it to the start of its own; `idle_ms` is the span less its kernels' time (below zero where
-    kernels of two streams overlapped). Kernels outside a step's marks are `between_steps`. None when the separators
-    do not match the marks (a profile that lost events)."""
+    kernels of two streams overlapped). `between_steps` runs from a step's last mark to the next step's start, and
+    holds any kernel outside a step's marks. None when the separators do not match the marks (a profile that lost
+    events)."""
     import bisect
 
     seps = [k for k in kernels if SEPARATOR in k[0]]
@@ -213,37 +223,45 @@ def stage_table(kernels: list[tuple[str, float, float]], marks: list[str], steps
         r["classes"][cls] = r["classes"].get(cls, 0.0) + dur / 1e3 / steps
         r["busy_ms"] += dur / 1e3 / steps
     for i, stage in enumerate(marks):
-        if i and stage != "start":
-            row(stage)["span_ms"] += (seps[i][1] - seps[i - 1][1] - seps[i - 1][2]) / 1e3 / steps
+        if i:
+            span = (seps[i][1] - seps[i - 1][1] - seps[i - 1][2]) / 1e3 / steps
+            row("between_steps" if stage == "start" else stage)["span_ms"] += span
     out = {}
     for stage, r in table.items():
-        idle = r["span_ms"] - r["busy_ms"] if stage != "between_steps" else None
+        idle = r["span_ms"] - r["busy_ms"]
         classes = sorted(r["classes"].items(), key=lambda kv: -kv[1])
         out[stage] = {"span_ms": round(r["span_ms"], 3), "busy_ms": round(r["busy_ms"], 3),
-                      "idle_ms": None if idle is None else round(idle, 3),
+                      "idle_ms": round(idle, 3),
                       "classes": {k: round(v, 3) for k, v in classes}}  # fmt: skip
     return out
 
 
-def kernel_time(parts, opt, batch_of, steps: int = 3, ahead=None) -> dict:
-    """Device time per step by kernel class (torch.profiler over `steps` instrumented steps), the stream's idle time
-    (the step's wall time less every kernel's), and the same cut into the step's stages (`stage_table`)."""
+def top_kernels(kernels: list[tuple[str, float, float]], steps: int, n: int = 12) -> list[tuple[str, str, float]]:
+    """The `n` kernel names with the most device time per step: (class, name cut to 90 characters, ms)."""
+    total: dict[str, float] = {}
+    for name, _, dur in kernels:
+        if SEPARATOR not in name:
+            total[name] = total.get(name, 0.0) + dur / 1e3 / steps
+    top = sorted(total.items(), key=lambda kv: -kv[1])[:n]
+    return [(kernel_class(name), name[:90], round(ms, 3)) for name, ms in top]
+
+
+def kernel_time(parts, opt, batch_of, steps: int = 3) -> dict:
+    """Device time per step by kernel class (torch.profiler over `steps` marked steps back to back), the device's
+    idle time (the wall time less every kernel's), the same cut into the step's stages (`stage_table`), and the
+    kernels that take the most time."""
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
 
     cuda = parts.device.type == "cuda"
-    timeline = Timeline(parts.device, separators=True)
-    batches = [batch_of(i) for i in range(steps + 2)]
-    instrumented_step(parts, opt, batches[0], timeline, ahead, batches[1])  # queues the first profiled step's target
+    batches = [batch_of(i) for i in range(steps + 1)]
+    run_steps(parts, opt, batches[:1])
+    timelines = [Timeline(parts.device, separators=True) for _ in range(steps)]
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    walls, marks = [], []
     with profile(activities=acts) as prof:
-        for i in range(1, steps + 1):
-            walls.append(instrumented_step(parts, opt, batches[i], timeline, ahead, batches[i + 1])[0])
-            marks += timeline.names
-    if ahead is not None:
-        ahead.drop()
+        wall = run_steps(parts, opt, batches[1:], timelines)
+    marks = [name for t in timelines for name in t.names]
     kernels: list[tuple[str, float, float]] = []
     if cuda:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -255,10 +273,10 @@ def kernel_time(parts, opt, batch_of, steps: int = 3, ahead=None) -> dict:
             cls = kernel_class(name)
             classes[cls] = classes.get(cls, 0.0) + dur / 1e3 / steps
     busy = sum(classes.values())
-    wall = statistics.median(walls)
     return {"kernel_ms": {k: round(v, 3) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
             "busy_ms": round(busy, 3), "idle_ms": round(wall - busy, 3) if cuda else None,
-            "by_stage": stage_table(kernels, marks, steps) if cuda else None}  # fmt: skip
+            "by_stage": stage_table(kernels, marks, steps) if cuda else None,
+            "top": top_kernels(kernels, steps) if cuda else None}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +34,8 @@ def test_marked_stages_come_in_stream_order_and_add_up_to_the_step():
     assert list(rep["stages_ms"]) == step_breakdown.STAGES
     assert all(v > 0 for v in rep["stages_ms"].values())
     assert rep["adds_up"] and rep["adds_up_within"] <= 0.05
-    assert abs(rep["stages_sum_ms"] + rep["host_gap_ms"] - rep["step_ms"]) < 1e-2
-    assert rep["stage_tflop"]["lm_head_loss_bwd"] == 2 * rep["stage_tflop"]["lm_head_loss_fwd"] == 0.002
+    assert rep["between_steps_ms"] >= 0 and rep["stages_sum_ms"] <= rep["step_ms"] * 1.05
+    assert rep["stage_tflop"]["lm_head_loss_fwd"] == 0.003  # the fused loss computes its gradient in its forward
     assert rep["mfu"] > 0 and set(rep["stage_fraction_of_ceiling"]) == set(rep["stage_tflop"])
 
 
@@ -95,41 +96,11 @@ def test_a_profile_is_cut_into_the_stages_by_the_marks_separators():
     assert table["target_fwd"] == {"span_ms": 0.009, "busy_ms": 0.006, "idle_ms": 0.003,
                                    "classes": {"matmul": 0.004, "norm": 0.002}}  # fmt: skip
     assert table["optimizer"]["classes"] == {"optimizer": 0.006} and table["optimizer"]["idle_ms"] == 0.003
-    assert table["between_steps"]["busy_ms"] == 0.001 and table["between_steps"]["idle_ms"] is None
+    # from the first step's last separator (ends at 21) to the second's start (100), over two steps
+    between = table["between_steps"]
+    assert between["span_ms"] == pytest.approx(0.0395, abs=1e-3) and between["busy_ms"] == 0.001
+    assert between["idle_ms"] == pytest.approx(0.0385, abs=1e-3) and between["classes"] == {"copy": 0.001}
     assert step_breakdown.stage_table(kernels, marks[:-1], steps=2) is None  # a lost separator: no guess
-
-
-def test_the_step_with_its_target_forward_queued_ahead_trains_the_same():
-    from trainer.run.ahead import TargetAhead
-
-    params = []
-    for use_ahead in (False, True):
-        torch.manual_seed(0)
-        parts = build(from_dict(TINY))
-        opt = torch.optim.AdamW(parts.drafter.parameters(), lr=1e-3)
-        batches = [dummy_batch(parts, 128) for _ in range(4)]
-        for b, i in zip(batches, range(4), strict=True):
-            b.input_ids = (b.input_ids + i) % 200  # four different batches
-        ahead = TargetAhead(parts) if use_ahead else None
-        for i in range(3):
-            step_breakdown.trainer_step(parts, opt, batches[i], ahead=ahead, next_batch=batches[i + 1])
-        params.append([p.detach().clone() for p in parts.drafter.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*params, strict=True))
-
-
-def test_hidden_states_queued_for_one_batch_are_never_handed_to_another():
-    from trainer.run.ahead import TargetAhead
-
-    parts = build(from_dict(TINY))
-    ahead = TargetAhead(parts)
-    one, other = dummy_batch(parts, 128), dummy_batch(parts, 128)
-    ahead.queue(one)
-    assert ahead.take(other) is None
-    assert ahead.take(one) is None  # the mismatch cleared it: nothing stale is left for later
-    ahead.queue(one)
-    on_device, hidden = ahead.take(one)
-    assert torch.equal(hidden, parts.target.hidden_states(one.input_ids))
-    assert torch.equal(on_device.input_ids, one.input_ids)
 
 
 def test_the_current_record_has_every_key_and_says_where_it_came_from():

@@ -108,6 +108,30 @@ def test_fused_lm_head_cross_entropy_matches_the_plain_one():
     assert torch.allclose(l0, l2, rtol=1e-5) and torch.equal(c0, c2)
 
 
+def test_the_loss_gathers_its_rows_by_the_index_found_on_the_host_exactly_as_by_the_weights():
+    """A batch carries the flat positions with a weight, found when it was built on the host; the loss taken through
+    them is the loss taken through the weights on the device (same rows, same order), gradients too."""
+    from trainer.model.drafter import block_loss
+    from trainer.model.mask import build_blocks, sample_anchors
+
+    g = torch.Generator().manual_seed(3)
+    seqs = [(torch.randint(0, 500, (64,), generator=g), (torch.rand(64, generator=g) > 0.4).long()) for _ in range(2)]
+    anchors = [sample_anchors(lm, 64, 6, g) for _, lm in seqs]
+    b = build_blocks(seqs, 64, 6, 8, 499, 7.0, anchors)
+    assert torch.equal(b.label_index, torch.nonzero(b.weights.flatten() > 0).flatten())
+    head = torch.nn.Linear(32, 500, bias=False).requires_grad_(False)
+    hidden = torch.randn(2, 48, 32, generator=g)
+    results = []
+    for index in (None, b.label_index):
+        h = hidden.clone().requires_grad_(True)
+        loss, wsum, correct = block_loss(h, head, b.labels, b.weights, index=index)
+        loss.backward()
+        results.append((loss.detach(), wsum, correct, h.grad))
+    (l0, w0, c0, g0), (l1, w1, c1, g1) = results
+    assert torch.equal(l0, l1) and torch.equal(w0, w1) and torch.equal(c0, c1) and torch.equal(g0, g1)
+    assert g0.abs().sum() > 0
+
+
 def test_init_std_draws_every_linear_weight_from_that_normal_and_leaves_the_norms():
     def weights(extra: dict):
         parts = build(from_dict({**TINY, "steps": 1, "drafter": {**TINY["drafter"], **extra}}))

@@ -25,9 +25,6 @@ class TargetConfig:
     # Qwen3-8B target forward at seq 3072 goes from 95 to 70 ms for about 7 s of compile per bucket (paid back in
     # under 300 steps). auto = on for CUDA, off on the CPU (where Inductor's compile costs more than it saves).
     compile: Literal["auto", "on", "off"] = "auto"
-    # the next step's target forward on a side stream beside this step's optimizer update (trainer/run/ahead.py):
-    # auto = on for a replicated target on CUDA, off on the CPU and for a sharded target
-    ahead: Literal["auto", "on", "off"] = "auto"
     # where the frozen target lives (trainer/parallel.py): replicate (every rank, the default), {tensor: N} (each
     # layer split over N ranks), fsdp (layers sharded over all ranks); the drafter stays data-parallel
     parallel: Any = "replicate"

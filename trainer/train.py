@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps is not None:
             cfg.steps = args.steps
         world = init_world(cfg.device)
+        from trainer.run.kernel_cache import use_host_kernel_cache
+
+        use_host_kernel_cache(world.device)  # before the build starts the compile workers
         result = train(cfg, args.config, run_dir, args.resume, lambda s: print(s, flush=True), world)
         if world.is_main:
             done = len(result.losses)

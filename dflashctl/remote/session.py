@@ -120,13 +120,15 @@ def render_wrapper(
     job: JobConfig, job_id: str, release: str, redact: bool = False, node: NodePlace | None = None
 ) -> str:
     exports = env_exports(job_env(job, job_id, node), job, redact)
-    # clear: a job-scoped cache, empty at launch and kept across its restarts; keep: one per host, shared
+    # clear: a job-scoped Inductor cache, empty at launch and kept across its restarts; keep: one per host, shared.
+    # Triton's compiled kernels are the host's either way (content-addressed: trainer/run/kernel_cache.py)
     cache = "inductor-cache" if job.inductor_cache == "clear" else "../../inductor-cache"
     return f"""#!/usr/bin/env bash
 # Written by `dflashctl launch` for job {job_id}: runs command.sh in release {release} of the code, copies its output
 # into train.log, records its exit status in exit_code.
 RUN="$(cd "$(dirname "$0")" && pwd)"
 export RUN DFLASHCTL_RUN_DIR="$RUN" TORCHINDUCTOR_CACHE_DIR="$RUN/{cache}"
+export DFLASHCTL_KERNEL_CACHE="$RUN/../../kernel-cache"
 {exports}
 rm -f "$RUN/exit_code"
 stamp() {{ date -u +%Y-%m-%dT%H:%M:%SZ; }}
@@ -186,6 +188,7 @@ def render_sbatch(job: JobConfig, job_id: str, release: str, cluster: SlurmHost)
 # the allocation (one srun task per node), appends its output to train.log, records its exit status in exit_code.
 RUN="${{SLURM_SUBMIT_DIR:?submit this script with sbatch from its run dir}}"
 export RUN DFLASHCTL_RUN_DIR="$RUN" TORCHINDUCTOR_CACHE_DIR="$RUN/{cache}"
+export DFLASHCTL_KERNEL_CACHE="$RUN/../../kernel-cache"
 . "$RUN/env.sh"
 rm -f "$RUN/exit_code"
 stamp() {{ date -u +%Y-%m-%dT%H:%M:%SZ; }}

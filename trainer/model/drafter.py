@@ -189,28 +189,32 @@ def drafter_dims(target_config, num_layers: int, num_target_layers: int, overrid
 
 def block_loss(
     hidden_BQC: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, weights: torch.Tensor, fused: bool = False,
-    kernel: str = "plain",
+    kernel: str = "plain", index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted cross-entropy summed over labelled positions, the weight sum, and weighted correct predictions.
 
     Only positions with a label go through the LM head (a 151936-wide head on every block position would dominate
-    memory). Returns sums, not means, so that callers can normalise over ranks and accumulation steps.
+    memory). Returns sums, not means, so that callers can normalise over ranks and accumulation steps. `index`: the
+    flat positions with a weight, in order (BlockBatch.label_index, found on the host); without it they are found
+    here, which makes the host wait for the device.
     """
-    sel = weights > 0  # [B, Q]
-    h = hidden_BQC[sel]  # [N, C]
+    if index is None:
+        index = torch.nonzero(weights.flatten() > 0).flatten()
+    index = index.to(hidden_BQC.device)
+    h = hidden_BQC.flatten(0, 1).index_select(0, index)  # [N, C]
+    lab, w = labels.flatten().index_select(0, index), weights.flatten().index_select(0, index)  # [N]
     if kernel != "plain" and not fused and lm_head.bias is None:
         from trainer.model import ce_kernel
 
         if kernel == "fused" or ce_kernel.available(h.device):
             with torch.autocast(h.device.type, enabled=False):
-                loss, correct = ce_kernel.fused_linear_cross_entropy(h, lm_head.weight, labels[sel], weights[sel])
-            return loss, weights[sel].float().sum(), correct
+                loss, correct = ce_kernel.fused_linear_cross_entropy(h, lm_head.weight, lab, w)
+            return loss, w.float().sum(), correct
     if fused and lm_head.bias is None:  # chunked, logits never stored (trainer.loss)
         with torch.autocast(h.device.type, enabled=False):
-            loss, correct = linear_cross_entropy(h, lm_head.weight, labels[sel], weights[sel])
-        return loss, weights[sel].float().sum(), correct
+            loss, correct = linear_cross_entropy(h, lm_head.weight, lab, w)
+        return loss, w.float().sum(), correct
     logits = lm_head(h.to(lm_head.weight.dtype)).float()  # [N, V]
-    w = weights[sel]
-    ce = F.cross_entropy(logits, labels[sel], reduction="none")  # [N]
-    correct = (logits.argmax(-1) == labels[sel]).float()
+    ce = F.cross_entropy(logits, lab, reduction="none")  # [N]
+    correct = (logits.argmax(-1) == lab).float()
     return (ce * w).sum(), w.sum(), (correct * w).sum()

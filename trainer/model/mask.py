@@ -28,6 +28,9 @@ class BlockBatch:
     labels: torch.Tensor  # [B, A*bs] token at anchor + k (k >= 1), 0 where unused
     weights: torch.Tensor  # [B, A*bs] float: exp(-(k-1)/gamma) * response mask at anchor + k, 0 where unused
     block_size: int
+    # [N] flat positions (b * A*bs + q) whose weight is > 0, found on the host when the batch is built: the loss
+    # gathers its rows by these, and a boolean mask on the device would make the host wait for the GPU to find them
+    label_index: torch.Tensor | None = None
 
     @property
     def seq_len(self) -> int:
@@ -100,6 +103,7 @@ def build_blocks(
         block_ids=block_ids.view(B, A * bs),
         block_pos=pos.view(B, A * bs),
         labels=labels.view(B, A * bs),
+        label_index=torch.nonzero(weights.flatten() > 0).flatten(),
         weights=weights.view(B, A * bs),
         block_size=bs,
     )

@@ -214,18 +214,16 @@ Mark = Callable[[str], None]  # called as each stage of a step ends, in stream o
 
 def drafter_output(
     parts: Parts, drafter: torch.nn.Module, b: BlockBatch, backend=None, compiled: bool = False,
-    mark: Mark | None = None, hidden: torch.Tensor | None = None,
+    mark: Mark | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Target hidden states -> drafter -> [B, Q, C] final hidden states of the block tokens (b on parts.device).
 
     `drafter` is the module to call: the Drafter itself or its DistributedDataParallel wrapper; `backend` defaults to
     the training attention; `compiled` runs the drafter's compiled layers where it has them (training's shapes).
-    `mark`, when given, is told where each stage ends (`target_fwd`, `embed_and_mask`, `drafter_fwd`). `hidden`: the
-    target's hidden states of `b`, when they were computed ahead (trainer/run/ahead.py).
+    `mark`, when given, is told where each stage ends (`target_fwd`, `embed_and_mask`, `drafter_fwd`).
     """
     backend = backend or parts.backend
-    if hidden is None:
-        hidden = parts.target.hidden_states(b.input_ids, compiled=True)  # [B, S, n*C], no grad
+    hidden = parts.target.hidden_states(b.input_ids, compiled=True)  # [B, S, n*C], no grad
     if mark:
         mark("target_fwd")
     block_emb = parts.target.embed(b.block_ids)  # [B, Q, C], frozen
@@ -243,17 +241,15 @@ def drafter_output(
 
 
 def forward_loss(
-    parts: Parts, batch: BlockBatch, drafter: torch.nn.Module | None = None, mark: Mark | None = None,
-    ahead: tuple[BlockBatch, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    parts: Parts, batch: BlockBatch, drafter: torch.nn.Module | None = None, mark: Mark | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weighted CE sum, weight sum, weighted correct sum) for one batch on parts.device. `mark`: see
-    `drafter_output`; it is also told `lm_head_loss_fwd`, and `lm_head_loss_bwd` once backward gets there. `ahead`:
-    the batch already on the device and its target hidden states (trainer/run/ahead.py `TargetAhead.take`)."""
-    b, hidden = ahead if ahead is not None else (batch.to(parts.device), None)
-    out = drafter_output(parts, drafter or parts.drafter, b, compiled=True, mark=mark, hidden=hidden)
+    `drafter_output`; it is also told `lm_head_loss_fwd`, and `lm_head_loss_bwd` once backward gets there."""
+    b = batch.to(parts.device)
+    out = drafter_output(parts, drafter or parts.drafter, b, compiled=True, mark=mark)
     with autocast(parts):
         result = block_loss(out, parts.target.lm_head, b.labels, b.weights, parts.cfg.optim.chunked_loss,
-                            parts.cfg.optim.loss_kernel)  # fmt: skip
+                            parts.cfg.optim.loss_kernel, b.label_index)  # fmt: skip
     if mark:
         mark("lm_head_loss_fwd")
     return result

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import resource
 import time
 from collections.abc import Callable
@@ -308,6 +309,7 @@ class Run:
             heartbeat.detail = None
         record = report.to_record()
         record["compile_cache"] = compile_cache_counts()  # hits: graphs found compiled on disk (a kept cache)
+        record["kernel_cache"] = os.environ.get("TRITON_CACHE_DIR")  # the host's, shared (trainer/run/kernel_cache.py)
         self.say(f"preflight: buckets {report.buckets}, seconds {record['seconds']}")
         if metrics:  # every rank: preflight time and buckets per rank
             metrics.write({**record, "rank": world.rank}, always=True)
