@@ -21,9 +21,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if "--trainer-from" in sys.argv:  # another tree's trainer package (a baseline), this tree's benchmark
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--trainer-from") + 1]).resolve()))
 
 from bench.common import QWEN3_8B_WORKLOAD  # noqa: E402
-from bench.step_breakdown import breakdown, kernel_time, trainer_step  # noqa: E402
+from bench.step_breakdown import breakdown, kernel_time, run_steps, trainer_step  # noqa: E402
 
 CONFIG = {**QWEN3_8B_WORKLOAD, "device": "cuda", "steps": 1000}
 
@@ -164,34 +166,110 @@ def step_flops(parts, S: int, A: int, bs: int, pairs: int) -> dict:
             "attention_fwd": d.num_layers * attn, "attention_bwd": d.num_layers * 2.5 * attn}  # fmt: skip
 
 
-def real_step(parts, opt, batch, fold_clip: bool = True, ahead=None, next_batch=None) -> float:
-    """The trainer's own step (bench/step_breakdown.py `trainer_step`); seconds, until every stream is done.
-    `fold_clip=False`: clip_grad_norm_'s own scaling pass, then the update (the trainer until round 7). `ahead`: the
-    next batch's target forward queued beside the update (trainer/run/ahead.py)."""
+def real_step(parts, opt, batch, fold_clip: bool = True) -> float:
+    """One trainer step alone (bench/step_breakdown.py `trainer_step`), synchronized before and after; seconds.
+    `fold_clip=False`: clip_grad_norm_'s own scaling pass, then the update (the trainer until round 7)."""
     import torch
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    trainer_step(parts, opt, batch, fold_clip=fold_clip, ahead=ahead, next_batch=next_batch)
+    trainer_step(parts, opt, batch, fold_clip=fold_clip)
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 
-def steady_steps(parts, opt, batch_of, n: int, ahead=None) -> tuple[float, dict]:
-    """The median step (after 5) of `n`, and memory after the 5th and the last."""
+def steady(parts, opt, batch_of, n: int, blocks: int = 3) -> tuple[float, dict]:
+    """Steps back to back as the trainer runs them, in `blocks` runs of `n` after 3 to warm up: the median of the
+    blocks' milliseconds per step, and memory after the first block and the last."""
     import torch
 
-    batches = [batch_of(i) for i in range(n + 1)]
-    times, mem = [], {}
-    for i in range(n):
+    run_steps(parts, opt, [batch_of(i) for i in range(3)])
+    per_step, mem = [], {}
+    for k in range(blocks):
         torch.cuda.reset_peak_memory_stats()
-        times.append(real_step(parts, opt, batches[i], ahead=ahead, next_batch=batches[i + 1]))
-        if i in (4, n - 1):
-            mem[i + 1] = {"allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
-                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}  # fmt: skip
-    if ahead is not None:
-        ahead.drop()
-    return statistics.median(times[5:]), mem
+        per_step.append(run_steps(parts, opt, [batch_of(3 + k * n + i) for i in range(n)]))
+        if k in (0, blocks - 1):
+            mem[3 + (k + 1) * n] = {"allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
+                                    "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}  # fmt: skip
+    return statistics.median(per_step), mem
+
+
+def trainers_adamw(parts):
+    """The optimizer the trainer makes (trainer/run/update.py `make_adamw`), or, for a trainer from before it
+    existed, the fused AdamW it made then."""
+    import torch
+
+    try:
+        from trainer.run.update import make_adamw
+    except ImportError:
+        return torch.optim.AdamW(parts.drafter.parameters(), lr=6e-4, betas=(0.9, 0.999), fused=True)
+    return make_adamw(parts.drafter.parameters(), parts.cfg.optim, parts.device)
+
+
+def explore(parts, opt, batch_of, flops_total: float, peak: float, n: int) -> dict:
+    """What the next changes would buy, in this process: torch's fused AdamW against the Triton update on the
+    drafter's own parameters (and the whole step with each), and the target's attention with SDPA's flash kernel
+    against cuDNN's (eager forward; the hidden states compared)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out: dict = {}
+    try:
+        from trainer.run.adamw_kernel import TritonAdamW
+    except ImportError:
+        TritonAdamW = None  # noqa: N806 - a trainer from before the kernel
+    params = list(parts.drafter.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    kinds = {"torch_fused": torch.optim.AdamW}
+    if TritonAdamW is not None:
+        kinds["triton"] = TritonAdamW
+    made = {k: cls(params, lr=1e-9, betas=(0.9, 0.999), fused=True) for k, cls in kinds.items()}
+    times: dict[str, list[float]] = {k: [] for k in made}
+    for _ in range(3):  # alternating rounds of 10 updates each
+        for k, o in made.items():
+            o.step()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                o.step()
+            torch.cuda.synchronize()
+            times[k].append((time.perf_counter() - t0) / 10 * 1e3)
+    nbytes = sum(p.numel() for p in params) * 28
+    for k, t in times.items():
+        ms = statistics.median(t)
+        out[f"adamw_{k}_ms"] = round(ms, 3)
+        out[f"adamw_{k}_tb_per_s"] = round(nbytes / (ms / 1e3) / 1e12, 2)
+    parts.drafter.zero_grad(set_to_none=True)
+    del made
+    for k, cls in kinds.items():  # the whole step with each
+        o = cls(parts.drafter.parameters(), lr=6e-4, betas=(0.9, 0.999), fused=True)
+        step_s = steady(parts, o, batch_of, n, blocks=2)[0] / 1e3
+        out[f"step_ms_with_{k}"] = round(step_s * 1e3, 2)
+        out[f"mfu_with_{k}"] = round(flops_total / step_s / 1e12 / peak, 4)
+        del o
+    torch.cuda.empty_cache()
+    ids = batch_of(0).input_ids.to(parts.device)
+    hidden = {}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel([backend]):
+                hidden[name] = parts.target.hidden_states(ids)
+                torch.cuda.synchronize()
+                t = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    for _ in range(5):
+                        parts.target.hidden_states(ids)
+                    torch.cuda.synchronize()
+                    t.append((time.perf_counter() - t0) / 5 * 1e3)
+            out[f"target_eager_ms_{name}"] = round(statistics.median(t), 2)
+        except Exception as e:  # a backend this build or shape does not take
+            out[f"target_eager_ms_{name}"] = f"{type(e).__name__}: {str(e)[:200]}"
+    if len(hidden) == 2:
+        a, b = hidden["flash"].float(), hidden["cudnn"].float()
+        out["target_cudnn_vs_flash_rel_err"] = round(float((a - b).norm() / a.norm()), 6)
+    return out
 
 
 def variants(parts, opt, batch, S: int) -> dict:
@@ -324,8 +402,7 @@ def isolated_attention(parts, batch, reps: int = 20) -> dict:
     return out
 
 
-def step_benchmark(steady_steps_n: int, isolated: bool = True, extras: bool = True, ahead_modes=None,
-                   default_mode: str | None = None) -> dict:
+def step_benchmark(steady_steps_n: int, isolated: bool = True, extras: bool = True, explore_too: bool = False) -> dict:
     import torch
 
     from trainer.config import from_dict
@@ -351,7 +428,8 @@ def step_benchmark(steady_steps_n: int, isolated: bool = True, extras: bool = Tr
         rep["compile_times"] = f"{type(e).__name__}: {e}"
     print(f"built in {rep['build_s']} s, preflight {rep['preflight_s']} s", flush=True)
     baseline = graphs_compiled()
-    opt = torch.optim.AdamW(parts.drafter.parameters(), lr=6e-4, betas=(0.9, 0.999), fused=True)  # as the trainer
+    opt = trainers_adamw(parts)
+    rep["optimizer"] = type(opt).__name__
     S, A, bs = 3072, 512, 16
 
     class Full:  # full-length sequences, anchors resampled per step like real epochs
@@ -365,58 +443,27 @@ def step_benchmark(steady_steps_n: int, isolated: bool = True, extras: bool = Tr
     def batch(i: int):
         return make_batch(parts, Full, S, [i % 4], i // 4)
 
-    steady = dummy_batch(parts, S)
-    pairs = allowed_pairs(steady.anchors, steady.anchor_valid, S, bs)
+    fixed = dummy_batch(parts, S)
+    pairs = allowed_pairs(fixed.anchors, fixed.anchor_valid, S, bs)
     flops = step_flops(parts, S, A, bs, pairs)
     rep["flops_per_step_tflop"] = {k: round(v / 1e12, 2) for k, v in flops.items()}
-    # the trainer's own step, its stages marked in stream order: they add up to the step (bench/step_breakdown.py);
-    # today's step (the target forward in line) and the step with the next target forward beside the update
-    from trainer.run.ahead import TargetAhead
-
-    modes = {"inline": None, "ahead": TargetAhead(parts), "ahead_high_priority": TargetAhead(parts, priority=-1)}
-    if ahead_modes is not None:
-        modes = {k: v for k, v in modes.items() if k in ahead_modes}
+    # the trainer's own step, its stages marked in stream order, steps back to back (bench/step_breakdown.py)
     total = sum(v for k, v in flops.items() if not k.startswith("attention"))
-    rep["by_mode"] = {}
-    for name, ahead in list(modes.items()):
-        r = rep["by_mode"][name] = {}
-        try:
-            r["breakdown"] = breakdown(parts, opt, batch, 9, flops, rep["peak_matmul_tflops"], warmup=3, ahead=ahead)
-            r["kernel_time"] = kernel_time(parts, opt, batch, ahead=ahead)
-        except Exception as e:  # a mode that breaks (a recompile after the preflight, say) is reported, not fatal
-            r["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-            modes.pop(name)
-            rep["by_mode"].pop(name)
-            rep[f"error_{name}"] = r["error"]
-        print(f"{name}: {r}", flush=True)
-    for _ in range(2):  # alternating rounds: each mode's steady steps under the same conditions
-        for name, ahead in modes.items():
-            step_s, mem = steady_steps(parts, opt, batch, steady_steps_n, ahead)
-            r = rep["by_mode"][name]
-            r.setdefault("step_ms_rounds", []).append(round(step_s * 1e3, 2))
-            r["memory_by_step"] = mem
-    for name, r in rep["by_mode"].items():
-        step_s = statistics.median(r["step_ms_rounds"]) / 1e3
-        r["step_ms"] = round(step_s * 1e3, 1)
-        r["tokens_per_s"] = round(S / step_s)
-        r["mfu"] = round(total / step_s / 1e12 / rep["peak_matmul_tflops"], 4)
-        print(f"{name}: step {r['step_ms']} ms, MFU {r['mfu']}", flush=True)
-    from trainer.run.ahead import ahead_enabled
-
-    trainers = "ahead" if ahead_enabled(parts.cfg, parts.device, parts.layout) else "inline"  # the trainer's default
-    headline = default_mode or (trainers if trainers in rep["by_mode"] else next(iter(rep["by_mode"])))
-    chosen = rep["by_mode"][headline]
-    rep["mode"] = headline
-    rep["breakdown"], rep["kernel_time"] = chosen["breakdown"], chosen["kernel_time"]
-    step_s = chosen["step_ms"] / 1e3
-    rep["step_ms"] = chosen["step_ms"]
+    rep["breakdown"] = breakdown(parts, opt, batch, 9, flops, rep["peak_matmul_tflops"], warmup=3)
+    rep["kernel_time"] = kernel_time(parts, opt, batch)
+    print(f"breakdown: {rep['breakdown']}\nkernels: {rep['kernel_time']}", flush=True)
+    step_ms, mem = steady(parts, opt, batch, steady_steps_n)
+    step_s = step_ms / 1e3
+    rep["step_ms"] = round(step_ms, 1)
     rep["tokens_per_s"] = round(S / step_s)
     rep["block_tokens_per_s"] = round(A * bs / step_s)
     rep["achieved_tflops"] = round(total / step_s / 1e12, 1)
     rep["mfu"] = round(total / step_s / 1e12 / rep["peak_matmul_tflops"], 4)
-    mem = chosen["memory_by_step"]
     rep["memory_by_step"] = mem
-    rep["memory_steady"] = len(set(json.dumps(m, sort_keys=True) for m in mem.values())) == 1
+    rep["memory_steady"] = len({json.dumps(m, sort_keys=True) for m in mem.values()}) == 1
+    if explore_too:
+        rep["explore"] = explore(parts, opt, batch, total, rep["peak_matmul_tflops"], steady_steps_n)
+        print(f"explore: {rep['explore']}", flush=True)
     if extras:
         rep.update(variants(parts, opt, batch, S))
     rep["recompiles_after_preflight"] = graphs_compiled() - baseline
@@ -424,7 +471,7 @@ def step_benchmark(steady_steps_n: int, isolated: bool = True, extras: bool = Tr
     if not extras:
         return rep
 
-    prof = profile_attention(parts, opt, steady)
+    prof = profile_attention(parts, opt, fixed)
     attn_ms = prof["attn_fwd_ms"] + prof["attn_bwd_ms"]
     rep["attention_ms_in_step"] = round(attn_ms, 2)
     rep["attention_share"] = round(attn_ms / rep["step_ms"], 3)
@@ -434,7 +481,7 @@ def step_benchmark(steady_steps_n: int, isolated: bool = True, extras: bool = Tr
     if not isolated:
         return rep
     unfreeze_compiles()  # new shapes below (no grad): compile them rather than fail
-    iso = isolated_attention(parts, steady)
+    iso = isolated_attention(parts, fixed)
     rep["isolated"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in iso.items()}
     rep["isolated_flex_tflops"] = round(iso["isolated_flex_tflops"], 1)
     rep["flex_ms"] = round(iso["flex_ms"], 3)
@@ -444,15 +491,48 @@ def step_benchmark(steady_steps_n: int, isolated: bool = True, extras: bool = Tr
     return rep
 
 
-RECORD_KEYS = ("date", "torch_version", "gpu", "peak_matmul_tflops", "mfu", "step_ms", "tokens_per_s", "peak_gib",
-               "breakdown", "kernel_time", "cold_preflight_s", "launch_to_running_cold_s", "recompiles_after_preflight")
+def baseline_run(args) -> dict:
+    """This benchmark with the trainer from `args.baseline`, in a process of its own (same steps, no extras): the
+    step, MFU, breakdown and preflight of the code it is compared with, measured in the same run."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "baseline.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--trainer-from", args.baseline, "--skip-cli",
+               "--skip-isolated", "--no-extras", "--steady-steps", str(args.steady_steps),
+               "--out", str(out)]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0 or not out.is_file():
+            return {"error": proc.stderr[-2000:]}
+        raw = json.loads(out.read_text())
+    keys = ("trainer_from", "optimizer", "step_ms", "tokens_per_s", "mfu", "peak_matmul_tflops", "memory_by_step",
+            "preflight_bucket_s", "breakdown", "kernel_time", "recompiles_after_preflight")  # fmt: skip
+    return {k: raw.get(k) for k in keys}
 
 
-def record_of(report: dict, source: str, launch_to_running_cold_s: float | None = None) -> dict:
+def cold_reports(paths: str | None) -> dict | None:
+    """cold_preflight_s for the record from bench/cold_preflight.py reports: per report (named by what its runs
+    shared), each run's seconds per bucket."""
+    if not paths:
+        return None
+    out = {}
+    for path in paths.split(","):
+        rep = json.loads(Path(path).read_text())
+        good = [r for r in rep["runs"] if not r["exit"]]
+        runs = [dict(zip(map(str, rep["buckets"]), r["preflight_s"], strict=True)) for r in good]
+        out[f"share_{rep.get('share', 'none')}"] = runs
+    return out
+
+
+RECORD_KEYS = ("date", "torch_version", "gpu", "peak_matmul_tflops", "optimizer", "mfu", "step_ms", "tokens_per_s",
+               "peak_gib", "breakdown", "kernel_time", "preflight_bucket_s", "cold_preflight_s",
+               "launch_to_running_cold_s", "recompiles_after_preflight", "baseline", "against_baseline")
+
+
+def record_of(report: dict, source: str, launch_to_running_cold_s: float | None = None,
+              cold: dict | None = None) -> dict:  # fmt: skip
     """The one current record (bench/results/h200.json, what the README quotes) from a run's full report: every key
-    always there, None where that run did not measure it, and the raw file it came from."""
+    always there, None where that run did not measure it, and the raw file it came from. `cold`: cold_reports'."""
     peaks = [m.get("peak_gib") for m in (report.get("memory_by_step") or {}).values() if isinstance(m, dict)]
-    derived = {"peak_gib": max(peaks) if peaks else None, "cold_preflight_s": report.get("preflight_bucket_s"),
+    derived = {"peak_gib": max(peaks) if peaks else None, "cold_preflight_s": cold,
                "launch_to_running_cold_s": launch_to_running_cold_s}  # fmt: skip
     return {**{k: derived[k] if k in derived else report.get(k) for k in RECORD_KEYS}, "source": source}
 
@@ -469,8 +549,12 @@ def main() -> None:
                     help="seq buckets the preflight compiles (the step runs at 3072), timed per bucket")
     ap.add_argument("--flex-options", default="{}", help="flex_attention kernel_options, JSON (bench/flex_tiles.py)")
     ap.add_argument("--no-extras", action="store_true", help="the step alone: no variants, profile or isolated kernels")
-    ap.add_argument("--modes", nargs="+", default=None, choices=["inline", "ahead", "ahead_high_priority"],
-                    help="step modes timed side by side (default: all): the target forward in line, or ahead")
+    ap.add_argument("--explore", action="store_true", help="also the AdamW update and SDPA backends side by side")
+    ap.add_argument("--trainer-from", default=None, help="import the trainer from this tree (a baseline's copy)")
+    ap.add_argument("--baseline", default=None, help="first the same measurement with the trainer from this tree "
+                    "(a copy of an earlier commit), in its own process with its own empty caches, kept as `baseline`")
+    ap.add_argument("--cold-from", default=None, help="bench/cold_preflight.py reports, comma-separated, for the "
+                    "record's cold_preflight_s")
     ap.add_argument("--record", default=None, help="also write the one current record here (bench/results/h200.json)")
     ap.add_argument("--record-from", default=None, help="no run: make --record from this raw report (a JSON file)")
     ap.add_argument("--launch-to-running-cold-s", type=float, default=None,
@@ -478,10 +562,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.record_from:
         raw = json.loads(Path(args.record_from).read_text())
-        rec = record_of(raw, args.record_from, args.launch_to_running_cold_s)
+        rec = record_of(raw, args.record_from, args.launch_to_running_cold_s, cold_reports(args.cold_from))
         Path(args.record).write_text(json.dumps(rec, indent=1) + "\n")
         print(json.dumps(rec))
         return
+    if args.baseline or args.trainer_from:  # each side compiles from empty caches of its own: a fair preflight
+        import os
+
+        fresh = Path(tempfile.mkdtemp(prefix="h200-perf-cache-"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"] = str(fresh / "i"), str(fresh / "t")
     CONFIG["drafter"] = {**CONFIG.get("drafter", {}), "compile": args.drafter_compile}
     CONFIG["data"] = {**CONFIG["data"], "seq_buckets": sorted(set(args.buckets) | {3072})}
     from trainer.model import attention
@@ -500,11 +589,19 @@ def main() -> None:
             report["cli"] = {"error": f"{type(e).__name__}: {e}"}
         print(json.dumps(report["cli"], default=str)[:3000], flush=True)
     report["gpu"] = torch.cuda.get_device_name()
-    report.update(step_benchmark(args.steady_steps, not args.skip_isolated, not args.no_extras, args.modes))
+    if args.baseline:
+        report["baseline"] = baseline_run(args)
+    report["trainer_from"] = args.trainer_from or "this tree"
+    report.update(step_benchmark(args.steady_steps, not args.skip_isolated, not args.no_extras, args.explore))
+    if report.get("baseline", {}).get("step_ms"):
+        base = report["baseline"]
+        report["against_baseline"] = {"step_ms": [base["step_ms"], report["step_ms"]], "mfu": [base["mfu"],
+                                      report["mfu"]], "speedup": round(base["step_ms"] / report["step_ms"], 4)}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     if args.record:
-        rec = record_of(report, args.out or "(this run's output)", args.launch_to_running_cold_s)
+        rec = record_of(report, args.out or "(this run's output)", args.launch_to_running_cold_s,
+                        cold_reports(args.cold_from))
         Path(args.record).write_text(json.dumps(rec, indent=1, default=str) + "\n")
     print("\n| measurement | value |\n| --- | --- |")
     for k, v in report.items():

@@ -103,15 +103,21 @@ def test_a_profile_is_cut_into_the_stages_by_the_marks_separators():
     assert step_breakdown.stage_table(kernels, marks[:-1], steps=2) is None  # a lost separator: no guess
 
 
-def test_the_current_record_has_every_key_and_says_where_it_came_from():
+def test_the_current_record_has_every_key_and_says_where_it_came_from(tmp_path):
     import h200_perf
 
     raw = {"date": "2026-12-02", "mfu": 0.7, "step_ms": 205.4, "preflight_bucket_s": {"3072": 14.3},
            "memory_by_step": {"5": {"peak_gib": 37.2}, "20": {"peak_gib": 37.3}}, "split_ms": {"x": 1}}  # fmt: skip
-    rec = h200_perf.record_of(raw, "raw.json", launch_to_running_cold_s=60.5)
+    cold = tmp_path / "cold.json"  # bench/cold_preflight.py's report: one failed run is left out
+    cold.write_text(json.dumps({"buckets": [1024, 3072], "share": "triton", "runs": [
+        {"exit": 0, "preflight_s": [18.4, 11.6]}, {"exit": 1, "preflight_s": [0, 0]},
+        {"exit": 0, "preflight_s": [14.7, 6.4]}]}))  # fmt: skip
+    rec = h200_perf.record_of(raw, "raw.json", 60.5, h200_perf.cold_reports(str(cold)))
     assert list(rec) == [*h200_perf.RECORD_KEYS, "source"]
-    assert rec["peak_gib"] == 37.3 and rec["cold_preflight_s"] == {"3072": 14.3} and rec["source"] == "raw.json"
+    assert rec["peak_gib"] == 37.3 and rec["preflight_bucket_s"] == {"3072": 14.3} and rec["source"] == "raw.json"
+    assert rec["cold_preflight_s"] == {"share_triton": [{"1024": 18.4, "3072": 11.6}, {"1024": 14.7, "3072": 6.4}]}
     assert rec["breakdown"] is None and rec["launch_to_running_cold_s"] == 60.5 and "split_ms" not in rec
+    assert h200_perf.cold_reports(None) is None
     current = json.loads((ROOT / "bench" / "results" / "h200.json").read_text())
     assert list(current) == [*h200_perf.RECORD_KEYS, "source"]  # the file the README quotes is in this form
     assert (ROOT / current["source"]).is_file()

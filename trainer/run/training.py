@@ -31,7 +31,7 @@ from trainer.run.gpu_history import GpuHistory
 from trainer.run.loggers import check_available, open_sinks
 from trainer.run.loop import Parts, build, forward_loss, lr_lambda, make_batch, preflight
 from trainer.run.metrics import Heartbeat, MetricsWriter
-from trainer.run.update import clip_into_update
+from trainer.run.update import clip_into_update, make_adamw
 
 
 def _json_number(value: float, digits: int) -> float | None:
@@ -249,9 +249,7 @@ class Run:
                 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
                 self.model.register_comm_hook(None, bf16_compress_hook)
-        self.opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                     weight_decay=cfg.optim.weight_decay,
-                                     fused=True)  # fmt: skip  # found_inf: the skip decided on the device
+        self.opt = make_adamw(drafter.parameters(), cfg.optim, self.world.device)  # found_inf: the skip on the device
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.global_batch = cfg.data.batch_size * self.layout.dp  # the ranks of a tensor group share their batch
         self.stream = DataStream(self.ds, self.global_batch, cfg.seed)

@@ -22,3 +22,14 @@ def clip_into_update(opt: torch.optim.Optimizer, params: Iterable[torch.nn.Param
     # clip_grad_norm_ multiplies by min(max_norm / (norm + 1e-6), 1); dividing by its inverse is the same clip
     opt.grad_scale = ((norm.float() + 1e-6) / max_norm).clamp_min(1.0)
     return norm
+
+
+def make_adamw(params, optim, device: torch.device) -> torch.optim.Optimizer:
+    """The trainer's AdamW: fused (its `grad_scale` takes the clip, its `found_inf` skips a non-finite step), with its
+    update in the Triton kernel where `optim.update_kernel` asks for it or, on auto, where the kernel runs."""
+    from trainer.run.adamw_kernel import TritonAdamW, available
+
+    kw = dict(lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=True)
+    use = optim.update_kernel == "triton" or (optim.update_kernel == "auto" and device.type == "cuda"
+                                              and available(device))  # fmt: skip
+    return TritonAdamW(params, **kw) if use else torch.optim.AdamW(params, **kw)
