@@ -21,11 +21,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-if "--trainer-from" in sys.argv:  # another tree's trainer package (a baseline), this tree's benchmark
-    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--trainer-from") + 1]).resolve()))
 
 from bench.common import QWEN3_8B_WORKLOAD  # noqa: E402
 from bench.step_breakdown import breakdown, kernel_time, run_steps, trainer_step  # noqa: E402
+
+if "--trainer-from" in sys.argv:  # another tree's trainer package (a baseline), this tree's benchmark: first on the
+    sys.path.insert(0, str(Path(sys.argv[sys.argv.index("--trainer-from") + 1]).resolve()))  # path, after the above
 
 CONFIG = {**QWEN3_8B_WORKLOAD, "device": "cuda", "steps": 1000}
 
@@ -206,72 +207,6 @@ def trainers_adamw(parts):
     return make_adamw(parts.drafter.parameters(), parts.cfg.optim, parts.device)
 
 
-def explore(parts, opt, batch_of, flops_total: float, peak: float, n: int) -> dict:
-    """What the next changes would buy, in this process: torch's fused AdamW against the Triton update on the
-    drafter's own parameters (and the whole step with each), and the target's attention with SDPA's flash kernel
-    against cuDNN's (eager forward; the hidden states compared)."""
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    out: dict = {}
-    try:
-        from trainer.run.adamw_kernel import TritonAdamW
-    except ImportError:
-        TritonAdamW = None  # noqa: N806 - a trainer from before the kernel
-    params = list(parts.drafter.parameters())
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    kinds = {"torch_fused": torch.optim.AdamW}
-    if TritonAdamW is not None:
-        kinds["triton"] = TritonAdamW
-    made = {k: cls(params, lr=1e-9, betas=(0.9, 0.999), fused=True) for k, cls in kinds.items()}
-    times: dict[str, list[float]] = {k: [] for k in made}
-    for _ in range(3):  # alternating rounds of 10 updates each
-        for k, o in made.items():
-            o.step()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(10):
-                o.step()
-            torch.cuda.synchronize()
-            times[k].append((time.perf_counter() - t0) / 10 * 1e3)
-    nbytes = sum(p.numel() for p in params) * 28
-    for k, t in times.items():
-        ms = statistics.median(t)
-        out[f"adamw_{k}_ms"] = round(ms, 3)
-        out[f"adamw_{k}_tb_per_s"] = round(nbytes / (ms / 1e3) / 1e12, 2)
-    parts.drafter.zero_grad(set_to_none=True)
-    del made
-    for k, cls in kinds.items():  # the whole step with each
-        o = cls(parts.drafter.parameters(), lr=6e-4, betas=(0.9, 0.999), fused=True)
-        step_s = steady(parts, o, batch_of, n, blocks=2)[0] / 1e3
-        out[f"step_ms_with_{k}"] = round(step_s * 1e3, 2)
-        out[f"mfu_with_{k}"] = round(flops_total / step_s / 1e12 / peak, 4)
-        del o
-    torch.cuda.empty_cache()
-    ids = batch_of(0).input_ids.to(parts.device)
-    hidden = {}
-    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
-            with sdpa_kernel([backend]):
-                hidden[name] = parts.target.hidden_states(ids)
-                torch.cuda.synchronize()
-                t = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    for _ in range(5):
-                        parts.target.hidden_states(ids)
-                    torch.cuda.synchronize()
-                    t.append((time.perf_counter() - t0) / 5 * 1e3)
-            out[f"target_eager_ms_{name}"] = round(statistics.median(t), 2)
-        except Exception as e:  # a backend this build or shape does not take
-            out[f"target_eager_ms_{name}"] = f"{type(e).__name__}: {str(e)[:200]}"
-    if len(hidden) == 2:
-        a, b = hidden["flash"].float(), hidden["cudnn"].float()
-        out["target_cudnn_vs_flash_rel_err"] = round(float((a - b).norm() / a.norm()), 6)
-    return out
-
-
 def variants(parts, opt, batch, S: int) -> dict:
     """Each improvement switched off in turn, on the same compiled graphs: tokens/s and peak memory."""
     import torch
@@ -402,7 +337,7 @@ def isolated_attention(parts, batch, reps: int = 20) -> dict:
     return out
 
 
-def step_benchmark(steady_steps_n: int, isolated: bool = True, extras: bool = True, explore_too: bool = False) -> dict:
+def step_benchmark(steady_steps_n: int, isolated: bool = True, extras: bool = True) -> dict:
     import torch
 
     from trainer.config import from_dict
@@ -461,9 +396,6 @@ def step_benchmark(steady_steps_n: int, isolated: bool = True, extras: bool = Tr
     rep["mfu"] = round(total / step_s / 1e12 / rep["peak_matmul_tflops"], 4)
     rep["memory_by_step"] = mem
     rep["memory_steady"] = len({json.dumps(m, sort_keys=True) for m in mem.values()}) == 1
-    if explore_too:
-        rep["explore"] = explore(parts, opt, batch, total, rep["peak_matmul_tflops"], steady_steps_n)
-        print(f"explore: {rep['explore']}", flush=True)
     if extras:
         rep.update(variants(parts, opt, batch, S))
     rep["recompiles_after_preflight"] = graphs_compiled() - baseline
@@ -549,7 +481,6 @@ def main() -> None:
                     help="seq buckets the preflight compiles (the step runs at 3072), timed per bucket")
     ap.add_argument("--flex-options", default="{}", help="flex_attention kernel_options, JSON (bench/flex_tiles.py)")
     ap.add_argument("--no-extras", action="store_true", help="the step alone: no variants, profile or isolated kernels")
-    ap.add_argument("--explore", action="store_true", help="also the AdamW update and SDPA backends side by side")
     ap.add_argument("--trainer-from", default=None, help="import the trainer from this tree (a baseline's copy)")
     ap.add_argument("--baseline", default=None, help="first the same measurement with the trainer from this tree "
                     "(a copy of an earlier commit), in its own process with its own empty caches, kept as `baseline`")
@@ -592,11 +523,14 @@ def main() -> None:
     if args.baseline:
         report["baseline"] = baseline_run(args)
     report["trainer_from"] = args.trainer_from or "this tree"
-    report.update(step_benchmark(args.steady_steps, not args.skip_isolated, not args.no_extras, args.explore))
+    report.update(step_benchmark(args.steady_steps, not args.skip_isolated, not args.no_extras))
     if report.get("baseline", {}).get("step_ms"):
         base = report["baseline"]
-        report["against_baseline"] = {"step_ms": [base["step_ms"], report["step_ms"]], "mfu": [base["mfu"],
-                                      report["mfu"]], "speedup": round(base["step_ms"] / report["step_ms"], 4)}
+        ceiling = max(base["peak_matmul_tflops"], report["peak_matmul_tflops"])  # one ceiling for both sides
+        mfus = [round(r["mfu"] * r["peak_matmul_tflops"] / ceiling, 4) for r in (base, report)]
+        report["against_baseline"] = {"step_ms": [base["step_ms"], report["step_ms"]],
+                                      "mfu_at_one_ceiling": mfus, "ceiling_tflops": ceiling,
+                                      "speedup": round(base["step_ms"] / report["step_ms"], 4)}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     if args.record:

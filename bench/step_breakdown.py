@@ -202,7 +202,6 @@ def stage_table(kernels: list[tuple[str, float, float]], marks: list[str], steps
     kernels of two streams overlapped). `between_steps` runs from a step's last mark to the next step's start, and
     holds any kernel outside a step's marks. None when the separators do not match the marks (a profile that lost
     events)."""
-    import bisect
 
     seps = [k for k in kernels if SEPARATOR in k[0]]
     if not marks or len(seps) != len(marks):
@@ -216,9 +215,7 @@ def stage_table(kernels: list[tuple[str, float, float]], marks: list[str], steps
     for name, ts, dur in kernels:
         if SEPARATOR in name:
             continue
-        i = bisect.bisect_right(starts, ts)
-        stage = marks[i] if i < len(marks) and marks[i] != "start" else "between_steps"
-        r = row(stage)
+        r = row(_stage_at(starts, marks, ts))
         cls = kernel_class(name)
         r["classes"][cls] = r["classes"].get(cls, 0.0) + dur / 1e3 / steps
         r["busy_ms"] += dur / 1e3 / steps
@@ -234,6 +231,31 @@ def stage_table(kernels: list[tuple[str, float, float]], marks: list[str], steps
                       "idle_ms": round(idle, 3),
                       "classes": {k: round(v, 3) for k, v in classes}}  # fmt: skip
     return out
+
+
+def _stage_at(starts: list[float], marks: list[str], ts: float) -> str:
+    """The stage a kernel starting at `ts` belongs to: that of the first separator after it."""
+    import bisect
+
+    i = bisect.bisect_right(starts, ts)
+    return marks[i] if i < len(marks) and marks[i] != "start" else "between_steps"
+
+
+def largest_gaps(kernels: list[tuple[str, float, float]], marks: list[str], n: int = 6) -> list[dict]:
+    """The `n` longest stretches with nothing running on the device, each with its stage and the kernels on either
+    side (a separator's name there is a stage's edge): where the device waited for the host."""
+    seps = [k for k in kernels if SEPARATOR in k[0]]
+    if not kernels or len(seps) != len(marks):
+        return []
+    starts = [k[1] for k in seps]
+    gaps, end, before = [], None, None
+    for name, ts, dur in sorted(kernels, key=lambda k: k[1]):
+        if end is not None and ts > end:
+            gaps.append({"ms": round((ts - end) / 1e3, 3), "stage": _stage_at(starts, marks, ts),
+                         "after": before[:70], "before": name[:70]})  # fmt: skip
+        if end is None or ts + dur > end:
+            end, before = ts + dur, name
+    return sorted(gaps, key=lambda g: -g["ms"])[:n]
 
 
 def top_kernels(kernels: list[tuple[str, float, float]], steps: int, n: int = 12) -> list[tuple[str, str, float]]:
@@ -276,7 +298,8 @@ def kernel_time(parts, opt, batch_of, steps: int = 3) -> dict:
     return {"kernel_ms": {k: round(v, 3) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
             "busy_ms": round(busy, 3), "idle_ms": round(wall - busy, 3) if cuda else None,
             "by_stage": stage_table(kernels, marks, steps) if cuda else None,
-            "top": top_kernels(kernels, steps) if cuda else None}  # fmt: skip
+            "top": top_kernels(kernels, steps) if cuda else None,
+            "largest_gaps": largest_gaps(kernels, marks) if cuda else None}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,6 +101,9 @@ def test_a_profile_is_cut_into_the_stages_by_the_marks_separators():
     assert between["span_ms"] == pytest.approx(0.0395, abs=1e-3) and between["busy_ms"] == 0.001
     assert between["idle_ms"] == pytest.approx(0.0385, abs=1e-3) and between["classes"] == {"copy": 0.001}
     assert step_breakdown.stage_table(kernels, marks[:-1], steps=2) is None  # a lost separator: no guess
+    gaps = step_breakdown.largest_gaps(sorted(kernels, key=lambda k: k[1]), marks, n=2)
+    assert gaps[0] == {"ms": 0.129, "stage": "between_steps", "after": sep[:70], "before": "late_copy_kernel"}
+    assert gaps[1] == {"ms": 0.079, "stage": "between_steps", "after": sep[:70], "before": sep[:70]}  # 21 -> 100
 
 
 def test_the_current_record_has_every_key_and_says_where_it_came_from(tmp_path):

@@ -90,9 +90,6 @@ class OptimConfig:
     # LM head + CE: fused = one Triton kernel over bf16 logits (loss, argmax, gradient; trainer/ce_kernel.py), plain =
     # fp32 logits through F.cross_entropy; auto = fused where Triton runs (CUDA), else plain (chunked_loss wins)
     loss_kernel: Literal["auto", "fused", "plain"] = "auto"
-    # AdamW's update: triton = one Triton kernel a parameter at the memory's rate (trainer/run/adamw_kernel.py), torch =
-    # torch's fused AdamW; auto = triton where it runs (CUDA with Triton), else torch. Same state either way
-    update_kernel: Literal["auto", "triton", "torch"] = "auto"
     # a step whose loss or grad norm is NaN/inf is skipped (no update); this many in a row stop the run (exit 4)
     max_nonfinite_steps: int = 10
 

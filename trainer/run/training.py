@@ -23,6 +23,7 @@ from trainer.config import TrainConfig, parse_parallel, to_dict
 from trainer.data.dataset import Dataset, epoch_batches, load_tokenizer, make_dataset, shard
 from trainer.errors import ConfigError, DivergedError
 from trainer.model.compile_policy import compile_cache_counts, graphs_compiled, unfreeze_compiles
+from trainer.model.mask import to_device
 from trainer.model.parallel import make_layout
 from trainer.run import checkpoint, faults
 from trainer.run.distributed import World, all_gather_objects, all_reduce_sum, barrier, init_world
@@ -346,9 +347,9 @@ class Run:
             epoch, gb = self.stream.next()
             seq_len, idx = shard(gb, layout.dp_rank, cfg.data.batch_size)
             micro.append(make_batch(parts, self.ds, seq_len, idx, epoch))
-        # the weight total is summed from the host's batch and copied to the device (an async copy that waits for
-        # nothing queued there), where the loss and the all-reduce need it: no host sync before the step's first kernel
-        w_local = torch.stack([b.weights.sum().double() for b in micro]).sum().reshape(1).to(world.device)
+        # the weight total is summed from the host's batch and copied to the device (from pinned memory: the copy
+        # waits for nothing queued there), where the loss and the all-reduce need it: no host wait before the step
+        w_local = to_device(torch.stack([b.weights.sum().double() for b in micro]).sum().reshape(1), world.device)
         w_global = all_reduce_sum(w_local, world)
         scale = world.size / w_global.clamp_min(1e-6)
         sums = torch.zeros(2, dtype=torch.float64, device=world.device)  # [loss sum, correct sum]
