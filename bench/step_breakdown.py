@@ -244,6 +244,8 @@ def _stage_at(starts: list[float], marks: list[str], ts: float) -> str:
 def largest_gaps(kernels: list[tuple[str, float, float]], marks: list[str], n: int = 6) -> list[dict]:
     """The `n` longest stretches with nothing running on the device, each with its stage and the kernels on either
     side (a separator's name there is a stage's edge): where the device waited for the host."""
+    import bisect
+
     seps = [k for k in kernels if SEPARATOR in k[0]]
     if not kernels or len(seps) != len(marks):
         return []
@@ -251,7 +253,11 @@ def largest_gaps(kernels: list[tuple[str, float, float]], marks: list[str], n: i
     gaps, end, before = [], None, None
     for name, ts, dur in sorted(kernels, key=lambda k: k[1]):
         if end is not None and ts > end:
-            gaps.append({"ms": round((ts - end) / 1e3, 3), "stage": _stage_at(starts, marks, ts),
+            stage = _stage_at(starts, marks, ts)
+            if SEPARATOR in name:  # the gap ends at a mark: it is the stage that mark ends
+                mark = marks[bisect.bisect_left(starts, ts)]
+                stage = "between_steps" if mark == "start" else mark
+            gaps.append({"ms": round((ts - end) / 1e3, 3), "stage": stage,
                          "after": before[:70], "before": name[:70]})  # fmt: skip
         if end is None or ts + dur > end:
             end, before = ts + dur, name
