@@ -1,13 +1,14 @@
-"""The training step, stage by stage, in one run of the trainer's own step, adding up to the step's time.
+"""The training step, stage by stage, in one run of the trainer's own steps, adding up to the step's time.
 
 The trainer's `forward_loss` takes a `mark` that is told where each stage ends, in stream order (the LM head and
 loss backward end where the gradient reaches the drafter's output: a hook there). Here each mark records a CUDA event
 (the host clock after a synchronize, on the CPU), so consecutive marks split the whole step on the device's stream
 with nothing left over or counted twice; what the stream spends waiting for the host is inside the stage that waits.
-What is outside the marks (before the first, after the last, the host's own work to issue them) is the `host_gap`:
-the step's wall time less the sum of the stages. A profiler pass over the same steps then sorts the device's kernel
-time by what the kernels are (matmul, attention, norms, RoPE, other elementwise), so that `idle` is the stream's
-time with no kernel on it.
+Steps run back to back as the trainer runs them (its one wait a step, for its numbers); the time from a step's last
+mark to the next step's first is `between_steps`, and the stages plus that gap are checked against the wall time.
+A profiler pass over the same kind of steps then sorts the device's kernel time by what the kernels are (matmul,
+attention, norms, RoPE, loss, optimizer, copies, other elementwise), cuts it into the same stages (a zero-cycle
+separator kernel at each mark), and lists the longest stretches with no kernel running and what surrounds them.
 
     python bench/step_breakdown.py --device cpu        # the tiny preset: the arithmetic, not a speed
 """
