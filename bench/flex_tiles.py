@@ -38,7 +38,16 @@ OPTIONS = {
                          "bwd_num_stages": 3, "bwd_num_warps": 8},
     "bwd_32_64_s4_w4": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
                         "bwd_num_stages": 4, "bwd_num_warps": 4},
+    # keys and values repeated to every query head before the call (no GQA inside the kernel): the backward's dK/dV
+    # programs become one a query head instead of one a KV head looping over its 4 query heads; autograd sums them
+    "expand_kv": {"expand_kv": True},
+    "expand_kv_bwd_s2_w8": {"expand_kv": True, "bwd_num_stages": 2, "bwd_num_warps": 8},
 }  # fmt: skip
+
+
+def _expanded(call, groups: int, q, k, v):
+    """`call` with keys and values repeated to every query head."""
+    return call(q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
 
 
 def main() -> None:
@@ -68,8 +77,12 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         torch._dynamo.reset()  # each option set is a new compile of the same code, not a recompile against a limit
-        fn = torch.compile(partial(flex_attention, block_mask=mask, enable_gqa=True, kernel_options=opts or None),
-                           dynamic=False, fullgraph=True)  # fmt: skip
+        kernel = {key: val for key, val in opts.items() if key != "expand_kv"}
+        call = partial(flex_attention, block_mask=mask, enable_gqa=not opts.get("expand_kv"),
+                       kernel_options=kernel or None)  # fmt: skip
+        if opts.get("expand_kv"):
+            call = partial(_expanded, call, H // G)
+        fn = torch.compile(call, dynamic=False, fullgraph=True)
         qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
         try:
             t0 = time.perf_counter()
