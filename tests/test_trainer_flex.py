@@ -47,6 +47,38 @@ def test_flex_equals_dense_reference(seq_len, anchors, block):
     assert (out_flex - out_dense).abs().max().item() < 1e-5
 
 
+def test_training_calls_repeat_keys_and_values_to_every_query_head_as_grouped_attention_maps_them(monkeypatch):
+    """In training the flex call gets keys and values repeated to every query head (a faster backward on the GPU).
+    Query head h reads key head h // (H / G) either way: the repeated call equals the grouped one and the dense
+    reference (the CPU has no flex backward, so the training call's flex is stood in for by the dense reference)."""
+    from trainer.model import attention
+
+    q, k, v, anc, valid = random_case(128, 8, 16)  # H = 4 query heads, G = 2 key/value heads
+    flex, dense = FlexBackend(), DenseBackend(max_gib=1.0)
+    mask = flex.build_mask(anc, valid, 128, 16, q.shape[1])
+    grouped = flex(q, k, v, mask)  # no grad: the grouped call
+    repeated = flex(q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), mask)
+    reference = dense(q, k, v, dense.build_mask(anc, valid, 128, 16, q.shape[1]))
+    assert (grouped - repeated).abs().max().item() < 1e-5 and (grouped - reference).abs().max().item() < 1e-5
+    seen = []
+
+    def stand_in(q_, k_, v_, _mask):
+        seen.append((k_.shape[1], v_.shape[1]))
+        return dense(q_, k_, v_, dense.build_mask(anc, valid, 128, 16, q_.shape[1]))
+
+    monkeypatch.setattr(attention, "guarded_flex", stand_in)
+    qg, kg = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
+    out = flex(qg, kg, v, mask)
+    assert seen == [(4, 4)] and (out.detach() - reference).abs().max().item() < 1e-5
+    out.square().sum().backward()  # the copies' gradients are summed back onto the grouped keys
+    kd = k.clone().requires_grad_(True)
+    dense(q, kd, v, dense.build_mask(anc, valid, 128, 16, 4)).square().sum().backward()
+    assert torch.allclose(kg.grad, kd.grad, atol=1e-5)
+    with torch.no_grad():
+        flex(qg, kg, v, mask)
+    assert seen[1] == (2, 2)  # evaluation keeps the grouped call
+
+
 def test_zero_recompiles_after_preflight():
     """With the target's layers compiled too (regional compilation, as on CUDA): their output equals eager, and
     after the preflight no shape of real data compiles anything."""
