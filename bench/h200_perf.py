@@ -204,7 +204,7 @@ def trainers_adamw(parts):
         from trainer.run.update import make_adamw
     except ImportError:
         return torch.optim.AdamW(parts.drafter.parameters(), lr=6e-4, betas=(0.9, 0.999), fused=True)
-    return make_adamw(parts.drafter.parameters(), parts.cfg.optim, parts.device)
+    return make_adamw(parts.drafter.parameters(), parts.cfg.optim)
 
 
 def variants(parts, opt, batch, S: int) -> dict:
@@ -337,7 +337,7 @@ def isolated_attention(parts, batch, reps: int = 20) -> dict:
     return out
 
 
-def step_benchmark(steady_steps_n: int, isolated: bool = True, extras: bool = True) -> dict:
+def step_benchmark(steady_steps: int, isolated: bool = True, extras: bool = True) -> dict:
     import torch
 
     from trainer.config import from_dict
@@ -387,7 +387,7 @@ def step_benchmark(steady_steps_n: int, isolated: bool = True, extras: bool = Tr
     rep["breakdown"] = breakdown(parts, opt, batch, 9, flops, rep["peak_matmul_tflops"], warmup=3)
     rep["kernel_time"] = kernel_time(parts, opt, batch)
     print(f"breakdown: {rep['breakdown']}\nkernels: {rep['kernel_time']}", flush=True)
-    step_ms, mem = steady(parts, opt, batch, steady_steps_n)
+    step_ms, mem = steady(parts, opt, batch, steady_steps)
     step_s = step_ms / 1e3
     rep["step_ms"] = round(step_ms, 1)
     rep["tokens_per_s"] = round(S / step_s)

@@ -181,7 +181,7 @@ def main() -> None:
     if not args.skip_step:
         from bench import h200_perf
 
-        step = h200_perf.step_benchmark(30, isolated=False)
+        step = h200_perf.step_benchmark(steady_steps=30, isolated=False)
         out["step"] = {k: step[k] for k in ("tokens_per_s", "mfu", "step_ms", "preflight_s", "preflight_peak_gib",
                                             "recompiles_after_preflight", "memory_by_step", "peak_matmul_tflops",
                                             "build_s") if k in step}  # fmt: skip

@@ -216,15 +216,19 @@ def client(tmp_path, monkeypatch, sshd) -> Client:
     return Client(home, known, hosts, project)
 
 
-def run_trainer_cli(config: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m trainer.train --config CONFIG ARGS...` from the project root, as a user runs it."""
+def run_trainer_cli(
+    config: Path, *args: str, env: dict | None = None, unset: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """`python -m trainer.train --config CONFIG ARGS...` from the project root, as a user runs it: this environment
+    with `env` added and the variables in `unset` left out."""
+    base = {k: v for k, v in os.environ.items() if k not in unset}
     return subprocess.run(
         [sys.executable, "-m", "trainer.train", "--config", str(config), *args],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=TESTS.parent,
-        env={**os.environ, **(env or {})},
+        env={**base, **(env or {})},
     )
 
 

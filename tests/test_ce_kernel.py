@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_trainer_cli
+
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("triton")
 
@@ -69,7 +71,5 @@ def test_fused_is_a_config_error_where_it_cannot_run(tmp_path):
     cfg.write_text("target: {random_preset: tiny-qwen3, dtype: float32}\ndrafter: {num_layers: 1, block_size: 8}\n"
                    "attention: {backend: dense}\ndata: {anchors_per_seq: 16, seq_buckets: [128]}\ndevice: cpu\n"
                    "optim: {loss_kernel: fused}\nsteps: 1\n")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(cfg)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = run_trainer_cli(cfg, unset=("TRITON_INTERPRET",))
     assert proc.returncode == 2 and "optim.loss_kernel" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

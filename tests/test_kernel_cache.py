@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -36,8 +35,8 @@ def test_the_trainer_uses_and_reports_the_host_kernel_cache(tmp_path):
     cfg.write_text("target: {random_preset: tiny-qwen3, dtype: float32}\ndrafter: {num_layers: 1, block_size: 8}\n"
                    "attention: {backend: dense}\ndata: {anchors_per_seq: 16, seq_buckets: [128], synthetic_samples: 2, "
                    "holdout: 0}\neval: {at_end: false}\ndevice: cpu\nsteps: 1\n")  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
-    proc = run_trainer_cli(cfg, "--run-dir", str(tmp_path / "run"), env={**env, ROOT_VARIABLE: str(tmp_path / "kc")})
+    proc = run_trainer_cli(cfg, "--run-dir", str(tmp_path / "run"), env={ROOT_VARIABLE: str(tmp_path / "kc")},
+                           unset=("TRITON_CACHE_DIR",))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     pre = next(r for r in recs if r.get("event") == "preflight")
@@ -73,6 +72,3 @@ def test_jobs_launched_on_one_host_share_its_kernel_cache_beside_their_own_induc
         for job_id in ids:
             run_cli("kill", job_id, "--grace", "1")
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(pytest.main([__file__, "-q"]))

@@ -24,8 +24,7 @@ def clip_into_update(opt: torch.optim.Optimizer, params: Iterable[torch.nn.Param
     return norm
 
 
-
-def make_adamw(params, optim, device: torch.device) -> torch.optim.Optimizer:
+def make_adamw(params, optim) -> torch.optim.Optimizer:
     """The trainer's AdamW: fused, so that its `grad_scale` takes the clip (above) and its `found_inf` skips a
     non-finite step on the device. (A Triton kernel for the update was measured against it on an H200 and was not
     faster: 8.8 against 8.5 ms for the paper-shape drafter, docs/benchmarks.md.)"""
