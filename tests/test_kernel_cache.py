@@ -22,10 +22,16 @@ def test_the_host_cache_is_keyed_by_torch_and_triton_versions_and_a_job_s_own_ca
     path = use_host_kernel_cache(torch.device("cpu"), env)
     key = version_key(torch.device("cpu"))
     assert path == str(tmp_path / "kc" / key) and env["TRITON_CACHE_DIR"] == path
+    for d in (tmp_path / "kc", tmp_path / "kc" / key):  # nobody else may put a kernel there for this job to run
+        assert d.is_dir() and d.stat().st_mode & 0o077 == 0, oct(d.stat().st_mode)
+    assert use_host_kernel_cache(torch.device("cpu"), {ROOT_VARIABLE: str(tmp_path / "kc")}) == path  # again: same
     assert key.startswith(f"torch{torch.__version__}".replace("+", "_")) and "-triton" in key
     assert all(c.isalnum() or c in "._-" for c in key)  # one directory name, whatever the version strings hold
     own = {ROOT_VARIABLE: str(tmp_path / "kc"), "TRITON_CACHE_DIR": "/mine"}
     assert use_host_kernel_cache(torch.device("cpu"), own) is None and own["TRITON_CACHE_DIR"] == "/mine"
+    (tmp_path / "afile").write_text("")
+    blocked = {ROOT_VARIABLE: str(tmp_path / "afile")}  # a file where the cache would go: no host cache, no crash
+    assert use_host_kernel_cache(torch.device("cpu"), blocked) is None and "TRITON_CACHE_DIR" not in blocked
     bare: dict[str, str] = {}
     assert use_host_kernel_cache(torch.device("cpu"), bare) is None and bare == {}
 

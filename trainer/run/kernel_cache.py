@@ -9,7 +9,8 @@ docs/benchmarks.md). Inductor's own cache, with its graphs and its autotuning ch
 
 dflashctl's run script names the host's cache in `DFLASHCTL_KERNEL_CACHE`; the trainer keys it by the versions that
 make kernels differ, so the kernels of a torch or Triton no longer installed can be deleted without touching the
-rest. A `TRITON_CACHE_DIR` the job sets itself wins.
+rest. The directories it makes are the owner's alone (0700): Triton runs whatever kernel it finds there. A
+`TRITON_CACHE_DIR` the job sets itself wins.
 """
 
 from __future__ import annotations
@@ -40,11 +41,16 @@ def version_key(device: torch.device) -> str:
 
 def use_host_kernel_cache(device: torch.device, environ: MutableMapping[str, str] = os.environ) -> str | None:
     """Point Triton at the host's kernel cache for these versions (before anything compiles: Inductor's compile
-    workers take the environment they start with). Returns the directory, or None where no host cache is named or
-    the job chose its own."""
+    workers take the environment they start with). Returns the directory, or None where no host cache is named, the
+    job chose its own, or the directory cannot be made."""
     root = environ.get(ROOT_VARIABLE)
     if not root or environ.get("TRITON_CACHE_DIR"):
         return None
     path = os.path.join(root, version_key(device))
+    try:
+        for d in (root, path):  # the owner's alone, as run dirs are: a kernel another user put there would run here
+            os.makedirs(d, mode=0o700, exist_ok=True)
+    except OSError:  # a cache that cannot be made (a file in its place, no room): Triton's own default, as before
+        return None
     environ["TRITON_CACHE_DIR"] = path
     return path
