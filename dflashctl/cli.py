@@ -5,7 +5,7 @@ Exit codes: 0 success; 1 a remote command or check failed; 2 bad input (config, 
 RUNNING, STARTING, STOPPING, PENDING; 10 CRASHED; 11 OOM; 12 NCCL_TIMEOUT; 13 STALLED; 14 DENSE_FALLBACK;
 15 RECOMPILE_LIMIT; 16 LOST; 17 CONFIG_ERROR; 18 UNREACHABLE; 19 PROBE_FAILED; 20 KILLED; 21 KILL_FAILED;
 22 DIVERGED; 23 GPU_FAULT; 24 HOST_OOM; 25 DISK_FULL; 26 TIMEOUT; 27 PREEMPTED; 28 NODE_FAIL; 29 CANCELLED;
-30 INCOMPLETE (`diagnose`: no failure and no normal end); 130 Ctrl-C.
+30 INCOMPLETE (`diagnose`: no failure and no normal end); 31 NCCL_ERROR; 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -658,7 +658,7 @@ def watch(
     STARTING with --once); 10 CRASHED; 11 OOM; 12 NCCL_TIMEOUT; 13 STALLED; 14 DENSE_FALLBACK; 15 RECOMPILE_LIMIT;
     16 LOST; 17 CONFIG_ERROR; 18 UNREACHABLE (after 10 minutes, unless --until-done); 19 PROBE_FAILED;
     20 KILLED; 21 KILL_FAILED; 22 DIVERGED; 23 GPU_FAULT; 24 HOST_OOM; 25 DISK_FULL; 26 TIMEOUT; 27 PREEMPTED;
-    28 NODE_FAIL; 29 CANCELLED; 130 Ctrl-C. docs/watch.md lists every state with an example line.
+    28 NODE_FAIL; 29 CANCELLED; 31 NCCL_ERROR; 130 Ctrl-C. docs/watch.md lists every state with an example line.
     """
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl

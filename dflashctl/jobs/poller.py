@@ -211,7 +211,8 @@ class Watcher:
 
 
 
-CONSEQUENCES = ("NCCL_TIMEOUT", "STALLED", "LOST")  # what the other nodes show when one of them failed first
+# what the other nodes show when one of them failed first
+CONSEQUENCES = ("NCCL_TIMEOUT", "NCCL_ERROR", "STALLED", "LOST")
 # A node whose failure is only a lost peer ("Connection closed by peer") names no cause: the peer's own verdict is
 # awaited this long (its torchrun may take a second or two longer to end) before the lost peer is called the failure.
 PEER_GRACE_S = 15.0

@@ -1,13 +1,16 @@
 """`diagnose`: the watch classifier applied to a log alone (no snapshots: no pane, no metrics, no clock).
 
-A log says FINISHED only with a normal end (the trainer's finish line, run.sh's `exit 0`); a log with neither a
-failure nor a normal end is INCOMPLETE (cut off, still running, or an end no signature knows), never an all-clear.
+A log says FINISHED only with a normal end (the trainer's finish line, run.sh's `exit 0`, HF Trainer's
+`train_runtime`, Lightning's stop at its step or epoch limit) and no failure after it: a failure the run outlived
+(an OOM a script caught and retried) is a warning in the evidence, never the verdict. A log with neither a failure
+nor a normal end is INCOMPLETE (cut off, still running, or an end no signature knows), never an all-clear; a
+traceback it ends inside is named, with its rank and the last frame reached.
 """
 
 from __future__ import annotations
 
 from .health import Verdict
-from .logs import ADVICE, classify_log, exit_line, normal_end, this_attempt
+from .logs import ADVICE, classify_log, cut_traceback, exit_line, normal_end_at, this_attempt
 
 SIGKILL_EXITS = (137, -9)
 
@@ -15,23 +18,38 @@ SIGKILL_EXITS = (137, -9)
 def diagnose_lines(lines: list[str]) -> Verdict:
     """The verdict on the newest attempt of a log (earlier attempts were judged and restarted already)."""
     lines = this_attempt(lines)
+    finished = _finished(lines)
+    if finished:
+        return finished
     found = classify_log(lines)
     if found:
         return Verdict(found.state, found.reason, found.evidence, found.advice or ADVICE.get(found.state))
-    done = normal_end(lines)
-    if done:
-        return Verdict("FINISHED", "the log ends with a clean finish", [done.strip()])
     code = exit_line(lines)
     if code in SIGKILL_EXITS:
         why = f"killed by SIGKILL (exit {code}) with no error of its own: likely the kernel's OOM killer (host RAM)"
         return Verdict("HOST_OOM", why, [f"exit {code}"], ADVICE["HOST_OOM"])
+    cut = cut_traceback(lines)
     if code is not None:
         tail = [ln for ln in lines if ln.strip()][-3:]
-        return Verdict("CRASHED", f"exit status {code} with no failure signature", tail, ADVICE["CRASHED"])
+        return Verdict("CRASHED", f"exit status {code} with no failure signature", [*cut, *tail], ADVICE["CRASHED"])
     last = next((ln for ln in reversed(lines) if ln.strip()), "")
-    ev = [f"{len(lines)} lines read", f"last line: {last.strip()[:200]}"]
-    return Verdict("INCOMPLETE", "no failure and no normal end: the log was cut off or the job is still running",
-                   ev, ADVICE["INCOMPLETE"])  # fmt: skip
+    ev = [f"{len(lines)} lines read", *cut, f"last line: {last.strip()[:200]}"]
+    why = "the log ends inside a traceback" if cut else "the log was cut off or the job is still running"
+    return Verdict("INCOMPLETE", f"no failure and no normal end: {why}", ev, ADVICE["INCOMPLETE"])
+
+
+def _finished(lines: list[str]) -> Verdict | None:
+    """FINISHED when the log ends in a normal finish: no failure after the newest finish line, and no non-zero exit
+    status. A failure before it is one the run outlived: a warning."""
+    at = normal_end_at(lines)
+    if at is None or classify_log(lines[at + 1 :]) is not None or exit_line(lines) not in (None, 0):
+        return None
+    ev = [lines[at].strip()]
+    outlived = classify_log(lines[:at])
+    if outlived:
+        ev.append(f"warning: the run outlived a failure before its finish: {outlived.state}: {outlived.reason}")
+        ev += [f"  {e}" for e in outlived.evidence[:2]]
+    return Verdict("FINISHED", "the log ends with a clean finish", ev)
 
 
 def diagnose_text(text: str) -> Verdict:

@@ -23,10 +23,11 @@ from .logs import (
 
 SLURM_ENDS = ("TIMEOUT", "PREEMPTED", "NODE_FAIL", "CANCELLED")  # Slurm's own ends of a job, as states
 FAILURES = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "STALLED", "LOST",
-            "PROBE_FAILED", "KILL_FAILED", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL", *SLURM_ENDS)  # fmt: skip
+            "PROBE_FAILED", "KILL_FAILED", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL", *SLURM_ENDS,
+            "NCCL_ERROR")  # fmt: skip
 TERMINAL = ("FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "LOST",
             "PROBE_FAILED", "KILLED", "KILL_FAILED", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL",
-            *SLURM_ENDS)  # fmt: skip
+            *SLURM_ENDS, "NCCL_ERROR")  # fmt: skip
 STOP_RESULT_GRACE_S = 120.0  # after grace_s, how long a kill may take to record its result before it is presumed dead
 EARLY_S = 300.0  # a command job (no step records) counts as "before its first step" for this long
 SIGKILL_CODES = (-9, 137)

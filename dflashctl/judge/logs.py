@@ -22,6 +22,9 @@ ADVICE = {
     "bucket.",
     "NCCL_TIMEOUT": "a rank hung or died inside a collective: read the other ranks' lines and check the GPUs; a "
     "restart with --resume usually helps.",
+    "NCCL_ERROR": "the connection between ranks broke (a reset connection, an InfiniBand or socket error, a peer "
+    "gone): check the interconnect on the hosts named (`ibstat`, NCCL_SOCKET_IFNAME / NCCL_IB_HCA, the switch), then "
+    "restart with --resume; if it repeats on one host, leave that host out.",
     "CRASHED": "fix the exception shown; where it was transient, a restart resumes from the newest checkpoint.",
     "CONFIG_ERROR": "fix the config key, module or file named; the job did not start training. Not restarted: it "
     "would repeat.",
@@ -52,6 +55,11 @@ ADVICE = {
     "INCOMPLETE": "the log shows no failure and no normal end: it was cut off, the job is still running, or it "
     "ended in a way no signature knows. Read its last lines (`dflashctl logs`), or ask `dflashctl status`.",
 }
+# A SIGKILL that no kernel log confirms: the OOM killer is the usual sender, but not the only one
+SIGKILL_ADVICE = ("a process was killed by signal 9 (SIGKILL): confirm the OOM killer on that host (`dmesg -T | grep "
+                  "-i -e oom -e 'killed process'`, `journalctl -k`); if it was, lower host RAM per rank (fewer "
+                  "dataloader workers, smaller prefetch) or use fewer ranks per host. If the kernel log shows no OOM "
+                  "kill, something else sent it (a scheduler's memory limit, a user, a watchdog): find it first.")
 DENSE_ATTENTION_ADVICE = ("attention materialised the full score matrix (eager attention or SDPA's math kernel): use "
                           "a fused kernel (compiled flex_attention, SDPA flash/memory-efficient with bf16/fp16 inputs "
                           "and a supported mask) or shorter sequences. Not restarted: it would repeat.")  # fmt: skip
@@ -149,8 +157,9 @@ SIGNATURES: tuple[Signature, ...] = (
         "HOST_OOM",
         41,
         r"(exitcode\s*:\s*-9\b|\(exitcode: -9\)|Signal 9 \(SIGKILL\)|Signals\.SIGKILL|"
-        r"^(?:.*:\s*)?(?:line \d+:\s*)?\d+\s+Killed\b|^Killed$|exit(?:ed)? (?:with )?(?:code|status) 137\b|"
-        r"task \d+: Killed$)",
+        r"^(?:.*:\s*)?(?:line \d+:\s*)?\d+\s+Killed\b|^Killed$|exit(?:ed)? (?:with )?(?:exit )?(?:code|status) 137\b|"
+        r"task \d+: Killed$|return code = -9\b|terminated with code -9\b|exited on signal 9\b|"
+        r"terminated with signal SIGKILL|EXIT STRING: Killed \(signal 9\))",
     ),
     _sig("slurm_time_limit", "TIMEOUT", 45, r"CANCELLED AT \S+ DUE TO TIME LIMIT|DUE TO TIME LIMIT \*\*\*"),
     _sig("slurm_preempted", "PREEMPTED", 45, r"CANCELLED AT \S+ DUE TO PREEMPTION|DUE TO PREEMPTION \*\*\*"),
@@ -181,17 +190,38 @@ SIGNATURES: tuple[Signature, ...] = (
         "fatal_signal",
         "CRASHED",
         56,
-        r"(Segmentation fault|Fatal Python error: \w+|Signal 11 \(SIGSEGV\)|"
-        r"exitcode\s*:\s*-(?:6|11)\b|terminate called after throwing an instance of '[^']+'|Aborted \(core dumped\))",
+        r"(Segmentation fault|Fatal Python error: \w+|Signal (?:11|6) \(SIG(?:SEGV|ABRT)\)|"
+        r"exitcode\s*:\s*-(?:6|11)\b|terminate called after throwing an instance of '[^']+'|Aborted \(core dumped\)|"
+        r"return code = -(?:6|11)\b|terminated with code -(?:6|11)\b|exited on signal (?:6|11)\b|"
+        r"terminated with signal SIG(?:SEGV|ABRT)|Signals\.SIG(?:SEGV|ABRT))",
     ),
     _sig("traceback", "CRASHED", 60, r"^Traceback \(most recent call last\)"),
     _sig("srun_task_exit", "CRASHED", 70, r"srun: error: (\S+): tasks? ([\d,-]+): Exited with exit code (\d+)"),
+    _sig(
+        "launcher_exit",
+        "CRASHED",
+        71,
+        r"(exits with return code = -?\d+|Child process with PID \d+ terminated with code -?\d+|"
+        r"process rank \d+ with PID \d+ on node \S+ exited on signal \d+|ssh exited with exit code \d+|"
+        r"CalledProcessError: Command .* (?:died with <Signals|returned non-zero exit status)|"
+        r"Process name:\s*\[\[\d+,\d+\],\d+\]|process \d+ terminated with (?:exit code|signal) \w+)",
+    ),
+    _sig(
+        "nccl_network",
+        "NCCL_ERROR",
+        78,
+        r"(ncclSystemError|unhandled system error|ncclRemoteError|remote process exited or there was a network error|"
+        r"^(?!.*(?:wandb|https?:|urllib3|requests\.|huggingface|Retrying)).*Connection reset by peer|"
+        r"NCCL WARN .*(?:Connection (?:reset|closed|refused)|[Ss]ocket\w* ?:|NET/\w+ ?:|Net ?:|Call to \w+ .*failed|"
+        r"IBV_WC_\w+|Got completion from peer|[Nn]etwork is unreachable|No route to host|connection abort))",
+    ),
     _sig(
         "nccl_timeout",
         "NCCL_TIMEOUT",
         80,
         r"(Watchdog caught collective operation timeout|NCCL watchdog|"
-        r"ProcessGroupNCCL.*[Tt]imeout|Some NCCL operations have failed or timed out|DistBackendError.*[Tt]imeout)",
+        r"ProcessGroupNCCL.*[Tt]imeout|Some NCCL operations have failed or timed out|DistBackendError.*[Tt]imeout|"
+        r"ProcessGroupNCCL watchdog hang|watchdog got stuck)",
     ),
     _sig(
         "peer_lost",
@@ -205,12 +235,19 @@ SIGNATURES: tuple[Signature, ...] = (
 SIG = {s.name: s for s in SIGNATURES}
 
 # Prefixes a launcher or a logger puts before a process's own line, stripped in one step (repeatedly: they nest)
-RANK_PREFIXES = (re.compile(r"^\[(?:rank|default)(\d+)\]:\s?"), re.compile(r"^ {0,3}(\d{1,5}): "))
+RANK_PREFIXES = (re.compile(r"^\[(?:rank|default)(\d+)\]:\s?"), re.compile(r"^ {0,3}(\d{1,5}): "),
+                 re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>:\s?"))  # srun --label, torchrun, mpirun --tag-output
+# pdsh's `host: ` (DeepSpeed's multi-node runner): a host name with a digit or a hyphen in it, or localhost; never a
+# Python exception's name (`torch.OutOfMemoryError: `) or a tool's (`srun: `)
+HOST_PREFIX = re.compile(r"^((?=[\w.-]*[\d-])[A-Za-z][\w-]*(?:\.[\w-]+)*|localhost): (?=\S)")
 STAMP_PREFIXES = (
     re.compile(r"^\[?[EWIFD]\d{4} [\d:.]+(?: +\d+)? \S+\]\s?"),  # glog (torch's C++ and Python logs)
     re.compile(r"^\[?\d{4}-\d{2}-\d{2}[T _]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\]?(?: [|-])?\s+"),
     re.compile(r"^\[?\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\]?\s+"),
+    re.compile(r"^[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d{2}:\d{2}:\d{2} \d{4}\s?"),  # mpirun --timestamp-output
 )
+# A tqdm progress bar that the next message was written onto (`Epoch 2: 100%|####| 9/9 [00:01<00:00]Traceback ...`)
+PROGRESS_BAR = re.compile(r"^[^|\r]{0,80}?(?:\d{1,3}%\|[^|]*\|[^\[\]]*|\d+it ?)\[[^\]]*\]\s*(?=\S)")
 FLEX_FRAME = re.compile(r"flex_attention|_guarded_flex|sdpa_dense|math_attention")
 DENSE_FRAME = re.compile(r"(eager_attention_forward|_scaled_dot_product_attention_math|_attn\(|"
                          r"attn_weights = torch\.matmul|scores = torch\.matmul|torch\.matmul\(q(?:uery)?\w*, "
@@ -223,7 +260,20 @@ START_ERRORS = re.compile(r"^(ModuleNotFoundError|ImportError|FileNotFoundError|
                           r"PermissionError|NotADirectoryError|IndentationError|OSError)\b")  # fmt: skip
 # Exceptions that follow from another failure: a wrapper's summary, a signal sent to the survivors, a peer gone
 CONSEQUENCE = re.compile(r"(ChildFailedError|SignalException|got signal: \d+|KeyboardInterrupt|SystemExit|"
-                         r"ProcessExitedException|process \d+ terminated with signal SIGTERM)")  # fmt: skip
+                         r"ProcessExitedException|ProcessRaisedException|process \d+ terminated with signal SIGTERM|"
+                         r"CalledProcessError)")  # fmt: skip
+# A process ended by SIGABRT: its own crash, unless the collective layer aborted it (below)
+ABORT = re.compile(r"(exitcode\s*:\s*-6\b|SIGABRT|Aborted \(core dumped\)|^Aborted$|Fatal Python error: Aborted|"
+                   r"return code = -6\b|terminated with code -6\b|exited on signal 6\b|"
+                   r"terminate called after throwing)")
+# ProcessGroupNCCL's watchdog ending its process: the C++ exception it throws, or the what() line under `terminate`
+COLLECTIVE_ABORT = re.compile(r"instance of 'c10::DistBackendError|what\(\):.*(?:[Ww]atchdog|ProcessGroupNCCL|NCCL|"
+                              r"collective)")  # fmt: skip
+# What ends a rank from outside its own code: a collective timed out, the network broke, a peer or a node was lost
+COLLECTIVE_CAUSES = ("nccl_timeout", "nccl_network", "peer_lost", "slurm_node_fail")
+# A launcher killing the others once one rank failed: the kills after it are its clean-up, not the failure
+CLEANUP = re.compile(r"Forcefully terminating all other processes|Killing subprocess \d+")
+SIGNAL_NAMES = {1: "SIGHUP", 2: "SIGINT", 6: "SIGABRT", 7: "SIGBUS", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
 HARDWARE_XIDS = {48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 121, 140}  # the rest are the application's own
 # A line that reports a training loss, and the value it reports ("loss nan", "loss: inf", "'loss': NaN", "loss=-inf")
 LOSS_VALUE = re.compile(r"(?<![A-Za-z])(?:loss|grad_?norm|grad norm)['\"]?\s*[:=]?\s*['\"]?"
@@ -232,7 +282,8 @@ DIVERGED_LINES = 3  # non-finite loss lines in a row, the newest loss line among
 STEP_LINE = re.compile(r"^\s*(step|iter(ation)?)\s*[:=]?\s*\d+", re.I)
 # The start of an attempt: run.sh's line, and torchrun restarting its worker group
 ATTEMPT_START = re.compile(r"^\[dflashctl\] \S+ start\b|will restart worker group")
-FINISHED_LINE = re.compile(r"^(finished: \d+ steps|\[dflashctl\] \S+ exit 0$|\{'train_runtime': )")
+FINISHED_LINE = re.compile(r"^(?:finished: \d+ steps|\[dflashctl\] \S+ exit 0$|\{'train_runtime': )|"
+                           r"`Trainer\.fit` stopped: `max_(?:steps|epochs)=\d+` reached")
 EXIT_LINE = re.compile(r"^\[dflashctl\] \S+ exit (-?\d+)$")
 
 @dataclass
@@ -244,11 +295,16 @@ class Finding:
     early: bool = False  # a start error (missing module or file) with no training progress before it
     advice: str | None = None  # what to do, where the signature says more than its state's advice
 
+    def __post_init__(self) -> None:
+        if self.rank is not None and not re.fullmatch(r"rank\d+", self.rank):
+            self.rank = None  # a host's stream (pdsh) names no rank: its name is in the reason
+
 
 def strip_prefix(line: str) -> tuple[str | None, str]:
-    """(the stream a launcher named, the process's own text): every launcher and timestamp prefix removed."""
-    stream = None
-    for _ in range(6):
+    """(the stream a launcher named, the process's own text): every launcher and timestamp prefix removed, and what a
+    progress bar drew before the text on the same line (`\r` redraws, a bar the message was written onto)."""
+    stream, host = None, None
+    for _ in range(8):
         for p in RANK_PREFIXES:
             if m := p.match(line):
                 stream = stream or f"rank{int(m[1])}"
@@ -260,8 +316,16 @@ def strip_prefix(line: str) -> tuple[str | None, str]:
                     line = line[m.end() :]
                     break
             else:
-                return stream, line
-    return stream, line
+                if "\r" in line:
+                    shown = [seg for seg in line.split("\r") if seg.strip()]
+                    line = shown[-1] if shown else ""
+                    continue
+                if m := PROGRESS_BAR.match(line) or (None if host or stream else HOST_PREFIX.match(line)):
+                    host = host or (m[1] if m.re is HOST_PREFIX else None)
+                    line = line[m.end() :]
+                    continue
+                break
+    return stream or host, line
 
 
 @dataclass
@@ -310,10 +374,12 @@ class Traceback:
     def consequence(self) -> bool:
         """Raised because something else failed: a wrapper's summary, a signal, a peer gone."""
         return bool(CONSEQUENCE.search(self.exception) or SIG["peer_lost"].pattern.search(self.exception)
-                    or SIG["nccl_timeout"].pattern.search(self.exception))  # fmt: skip
+                    or SIG["nccl_timeout"].pattern.search(self.exception)
+                    or SIG["nccl_network"].pattern.search(self.exception))  # fmt: skip
 
 
 def _tracebacks_of(log: Log, stream: str | None) -> list[Traceback]:
+    """A stream's tracebacks; one that the log ends inside (no exception line yet) has an empty `exception`."""
     idx = [i for i, s in enumerate(log.streams) if s == stream]
     found, k = [], 0
     while k < len(idx):
@@ -338,8 +404,8 @@ def _tracebacks_of(log: Log, stream: str | None) -> list[Traceback]:
                 k += 1
                 break
             k += 1
-        if exc:
-            tb = Traceback(stream or "", exc[0], frames, code, exc[1])
+        if exc or (frames and k >= len(idx)):
+            tb = Traceback(stream or "", exc[0] if exc else "", frames, code, exc[1] if exc else idx[-1])
             tb.flex = any(FLEX_FRAME.search(f) for f in frames + code)
             found.append(tb)
     return found
@@ -347,7 +413,8 @@ def _tracebacks_of(log: Log, stream: str | None) -> list[Traceback]:
 
 def root_cause(log: Log) -> tuple[str | None, int | None]:
     """torchrun's summary names the first failing rank and its exit code ("Root Cause ... rank : 3 (local_rank: 3)
-    ... exitcode : -9"); srun's `task N: Exited with exit code C` names the task."""
+    ... exitcode : -9"); the other launchers' exit lines (`launcher_exit`) and srun's `task N: Exited with exit code C`
+    name theirs. A code below zero is the signal that ended the process."""
     for i, ln in enumerate(log.plain):
         if ln.startswith("Root Cause"):
             rank = code = None
@@ -357,17 +424,84 @@ def root_cause(log: Log) -> tuple[str | None, int | None]:
                 if code is None and (m := re.search(r"exitcode\s*:\s*(-?\d+)", nxt)):
                     code = int(m[1])
             return rank, code
+    for i in log.hits("launcher_exit"):
+        who, code = launcher_exit(log, i)
+        if code is not None:
+            return who, code
     for i in log.hits("srun_task_exit"):
         m = SIG["srun_task_exit"].pattern.search(log.plain[i])
         return f"rank{re.split('[,-]', m[2])[0]}", int(m[3])
     return None, None
 
 
+def launcher_exit(log: Log, i: int) -> tuple[str | None, int | None]:
+    """(who, exit code or minus the signal) from one launcher's exit line: DeepSpeed's `exits with return code = -9`
+    (its command names the last rank started, not the failed one: no rank), Lightning's `[rank: 1] Child process ...
+    terminated with code -9`, Open MPI's `process rank 3 ... exited on signal 9` and its `Process name: [[j,1],3]` /
+    `Exit code: 1` pair, pdsh's `pdsh@h: node1: ssh exited with exit code 137` (128 + a signal), accelerate's
+    CalledProcessError and torch.multiprocessing's `process 1 terminated with signal SIGKILL`."""
+    ln = log.plain[i]
+    if m := re.search(r"exits with return code = (-?\d+)", ln):
+        return log.streams[i], int(m[1])
+    if m := re.search(r"\[rank: (\d+)\] Child process with PID \d+ terminated with code (-?\d+)", ln):
+        return f"rank{m[1]}", int(m[2])
+    if m := re.search(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)", ln):
+        return f"rank{m[1]}", -int(m[2])
+    if m := re.search(r"(?:pdsh@\S+: )?(\S+): ssh exited with exit code (\d+)", ln):
+        code = int(m[2])
+        return m[1], -(code - 128) if 128 < code < 160 else code
+    if m := re.search(r"died with <Signals\.\w+: (\d+)>|returned non-zero exit status (\d+)", ln):
+        return log.streams[i], -int(m[1]) if m[1] else int(m[2])
+    if m := re.search(r"process (\d+) terminated with (?:exit code (\d+)|signal (SIG\w+))", ln):
+        signals = {name: n for n, name in SIGNAL_NAMES.items()}
+        return f"rank{m[1]}", int(m[2]) if m[2] else -signals.get(m[3], 0) or None
+    if m := re.search(r"Process name:\s*\[\[\d+,\d+\],(\d+)\]", ln):
+        code = next((int(c[1]) for nxt in log.plain[i + 1 : i + 4] if (c := re.search(r"Exit code:\s*(-?\d+)", nxt))),
+                    None)  # fmt: skip
+        return f"rank{m[1]}", code
+    return log.streams[i], None
+
+
+def _signal(code: int) -> str:
+    return f"signal {-code} ({SIGNAL_NAMES[-code]})" if -code in SIGNAL_NAMES else f"signal {-code}"
+
+
+def collective_cause(log: Log) -> bool:
+    """The log shows what ends a rank from outside its own code: a timed-out collective, a broken network, a lost
+    peer or node."""
+    return any(log.hits(name) for name in COLLECTIVE_CAUSES)
+
+
+def _collective_abort(log: Log, i: int) -> bool:
+    """Line i reports a SIGABRT that the collective layer caused: ProcessGroupNCCL's watchdog throwing its
+    DistBackendError (its `terminate called` line, with the `what():` under it), or the bare SIGABRT reports (exit -6,
+    `Aborted`) when no other exception was thrown. Only where the log shows a collective cause."""
+    ln = log.plain[i]
+    if not ABORT.search(ln):
+        return False
+    if "terminate called" not in ln:
+        thrown = [j for j in log.hits("fatal_signal") if "terminate called" in log.plain[j]]
+        return not any(not _collective_abort(log, j) for j in thrown)  # no other exception ended a rank
+    stream = log.streams[i]
+    after = [log.plain[j] for j in range(i, min(len(log.plain), i + 40)) if log.streams[j] == stream][:4]
+    return any(COLLECTIVE_ABORT.search(a) for a in after)
+
+
+def own_native(log: Log) -> list[int]:
+    """The CUDA errors and fatal signals that are a rank's own failure, in log order: where the log shows a collective
+    cause, the aborts it caused (the watchdog's `terminate called ... DistBackendError`, exit -6) are not."""
+    native = sorted(set(log.hits("cuda_error") + log.hits("fatal_signal")))
+    if not collective_cause(log):
+        return native
+    return [i for i in native if not _collective_abort(log, i)]
+
+
 def tracebacks(log: Log) -> list[Traceback]:
     """Every stream's tracebacks, root causes first: a rank's own exception before a consequence (torchrun's
-    ChildFailedError, a SIGTERM, a peer gone), the root-cause rank torchrun or srun names first, then the earliest."""
+    ChildFailedError, a SIGTERM, a peer gone), the root-cause rank torchrun or srun names first, then the earliest.
+    A traceback the log ends inside is left out (`cut_traceback`)."""
     if log._tracebacks is None:
-        found = [tb for s in dict.fromkeys(log.streams) for tb in _tracebacks_of(log, s)]
+        found = [tb for s in dict.fromkeys(log.streams) for tb in _tracebacks_of(log, s) if tb.exception]
         root = root_cause(log)[0]
         found.sort(key=lambda tb: (tb.consequence, tb.stream != root if root else False, tb.at))
         log._tracebacks = found
@@ -511,7 +645,8 @@ def _memory(log: Log, ctx: Context) -> Finding | None:
     tb = oom_tbs[0] if oom_tbs else None
     where = f" on {tb.stream}" if tb and tb.stream else ""
     nccl = log.hits("nccl_timeout")
-    waiting = sorted({log.streams[i] for i in nccl if log.streams[i]}, key=lambda s: int(s[4:]))
+    waiting = sorted({log.streams[i] for i in nccl if log.streams[i]},
+                     key=lambda s: (not s[4:].isdigit(), int(s[4:]) if s[4:].isdigit() else 0, s))  # fmt: skip
     after = f" (then NCCL timeouts on {', '.join(waiting)})" if waiting else ""
     ev = [log.plain[last]] + (tb.frames[-2:] if tb else []) + [log.plain[i] for i in nccl[:1]]
     return Finding("OOM", f"CUDA out of memory{where}{asked}{after}", ev, tb.stream if tb else None)
@@ -535,14 +670,21 @@ def _host_oom(log: Log, ctx: Context) -> Finding | None:
                        "RAM; fewer or lighter workers)", [log.plain[loader[-1]]])  # fmt: skip
     killed, kernel = log.hits("sigkill"), log.hits("kernel_oom")
     root, code = root_cause(log)
+    if code is not None and code != -9:
+        killed = []  # a launcher named a first failure that was no kill: the kills are its clean-up of the others
+    cleanup = next((i for i, ln in enumerate(log.plain) if CLEANUP.search(ln)), None)
+    if cleanup is not None and code != -9:
+        killed = [i for i in killed if i < cleanup]
     own = [tb for tb in tracebacks(log) if not tb.consequence]
     if not (code == -9 or ((killed or kernel) and not own)):
         return None
-    how = "confirmed by the kernel log" if kernel else "likely the kernel's OOM killer (host RAM)"
     rank = root or log.rank_of(killed)
     where = f" {rank}" if rank else " a process"
     ev = [log.plain[i] for i in kernel[-1:]] + [log.plain[i] for i in killed[-2:]]
-    return Finding("HOST_OOM", f"{where.strip()} was killed by SIGKILL: {how}", ev, rank)
+    if kernel:
+        return Finding("HOST_OOM", f"{where.strip()} was killed by SIGKILL: confirmed by the kernel log", ev, rank)
+    return Finding("HOST_OOM", f"{where.strip()} was killed by SIGKILL: likely the kernel's OOM killer (host RAM)", ev,
+                   rank, advice=SIGKILL_ADVICE)  # fmt: skip
 
 
 SLURM_SIGS = ("slurm_time_limit", "slurm_preempted", "slurm_node_fail", "slurm_cancelled")
@@ -558,7 +700,7 @@ def _slurm_end(log: Log, ctx: Context) -> Finding | None:
     if not ends:
         return None
     first, name = ends[0]
-    before = [i for n in ("sigkill", "kernel_oom", "cuda_error", "fatal_signal") for i in log.hits(n) if i < first]
+    before = [i for i in log.hits("sigkill") + log.hits("kernel_oom") + own_native(log) if i < first]
     if before or any(not tb.consequence and tb.at < first for tb in tracebacks(log)):
         return None
     state = SIG[name].state
@@ -583,12 +725,14 @@ def _trained(log: Log) -> bool:
 
 def _crashed(log: Log, ctx: Context) -> Finding | None:
     """A rank's own exception (the root-cause rank torchrun or srun names, else the earliest); then a CUDA error or a
-    fatal signal that left no Python traceback; a wrapper's summary or a peer's error only where nothing else is
-    (NCCL timeouts with no own error are NCCL_TIMEOUT)."""
+    fatal signal that left no Python traceback (not an abort the collective layer caused); then a launcher's word that
+    a rank exited; a wrapper's summary or a peer's error only where nothing else is (NCCL timeouts and network errors
+    with no own error are NCCL_TIMEOUT and NCCL_ERROR)."""
     tbs = tracebacks(log)
     own = [tb for tb in tbs if not tb.consequence]
+    collective = log.hits("nccl_timeout") or log.hits("nccl_network")
     if not own:
-        native = sorted(log.hits("cuda_error") + log.hits("fatal_signal"))
+        native = own_native(log)
         if native:
             i = native[0]
             rank = log.streams[i]
@@ -597,11 +741,18 @@ def _crashed(log: Log, ctx: Context) -> Finding | None:
             return Finding("CRASHED", f"{what}{f' on {rank}' if rank else ''}", [log.plain[j] for j in native[:2]],
                            rank)  # fmt: skip
         tasks = log.hits("srun_task_exit")
-        if tasks and not log.hits("nccl_timeout"):
+        if tasks and not collective:
             m = SIG["srun_task_exit"].pattern.search(log.plain[tasks[0]])
             return Finding("CRASHED", f"task {m[2]} on {m[1]} exited with exit code {m[3]}",
                            [log.plain[i] for i in tasks[:2]], f"rank{re.split('[,-]', m[2])[0]}")  # fmt: skip
-        if log.hits("nccl_timeout") or not tbs:
+        exits = [(i, *launcher_exit(log, i)) for i in log.hits("launcher_exit")]
+        exits = [(i, who, code) for i, who, code in exits if code and code not in (-9, -15)]
+        if exits and not collective_cause(log):
+            i, who, code = exits[0]
+            how = f"was ended by {_signal(code)}" if code < 0 else f"exited with code {code}"
+            return Finding("CRASHED", f"{who or 'a process'} {how} (the launcher's word; no error of its own in the "
+                           "log)", [log.plain[i]], who)  # fmt: skip
+        if collective or not tbs:
             return None
     tb = (own or tbs)[0]
     where = f" on {tb.stream}" if tb.stream else ""
@@ -613,17 +764,38 @@ def _crashed(log: Log, ctx: Context) -> Finding | None:
     return Finding("CRASHED", f"{tb.exception.split(':')[0]}{where}", ev, tb.stream or None)
 
 
+def _aborts(log: Log) -> str:
+    """What the collective layer's aborts add to a reason: they follow from the cause, they are not the failure."""
+    aborted = sorted({log.streams[i] or "a rank" for i in log.hits("fatal_signal") if _collective_abort(log, i)})
+    return f"; the watchdog's aborts that follow ({', '.join(aborted)}) are its consequence" if aborted else ""
+
+
+def _network(log: Log, ctx: Context) -> Finding | None:
+    """The network between ranks broke (NCCL's system and remote errors, its socket and InfiniBand warnings, a reset
+    connection): above the timeouts and aborts it causes, below any rank's own failure."""
+    net = log.hits("nccl_network")
+    if not net:
+        return None
+    first = net[0]
+    where = f" on {log.streams[first]}" if log.streams[first] else ""
+    what = SIG["nccl_network"].pattern.search(log.plain[first])[1].strip()
+    ev = list(dict.fromkeys([log.plain[first].strip(), log.plain[net[-1]].strip()]))
+    ev += [log.plain[i] for i in log.hits("nccl_timeout")[:1]]
+    return Finding("NCCL_ERROR", f"the connection between ranks broke{where}: {what[:120]}{_aborts(log)}", ev,
+                   log.streams[first])  # fmt: skip
+
+
 def _nccl(log: Log, ctx: Context) -> Finding | None:
     nccl = log.hits("nccl_timeout")
     if not nccl:
         return None
     ev = [log.plain[nccl[0]]] + ([log.plain[nccl[-1]]] if len(nccl) > 1 else [])
-    return Finding("NCCL_TIMEOUT", "an NCCL collective timed out", ev)
+    return Finding("NCCL_TIMEOUT", f"an NCCL collective timed out{_aborts(log)}", ev)
 
 
 # The rules in root-cause order: the first that finds something names the failure
 RULES = (gpu_fault, _dense_guard, _diverged, _disk_full, _memory, _recompile, _slurm_end, _host_oom, _config,
-         _crashed, _nccl)  # fmt: skip
+         _crashed, _network, _nccl)  # fmt: skip
 
 
 def classify_log(text: str | list[str], gpu_total_gib: float | None = None, disk_free_gib: float | None = None,
@@ -640,8 +812,29 @@ def classify_log(text: str | list[str], gpu_total_gib: float | None = None, disk
 
 
 def normal_end(lines: list[str]) -> str | None:
-    """The line that says the log ended normally (the trainer's finish line, run.sh's `exit 0`), or None."""
-    return next((ln for ln in reversed(lines) if FINISHED_LINE.match(strip_prefix(ln)[1].strip())), None)
+    """The line that says the log ended normally (the trainer's finish line, run.sh's `exit 0`, HF Trainer's
+    `train_runtime`, Lightning's stop at max_steps / max_epochs), or None."""
+    at = normal_end_at(lines)
+    return None if at is None else lines[at]
+
+
+def normal_end_at(lines: list[str]) -> int | None:
+    """The index of the newest normal-end line, or None."""
+    return next((i for i in range(len(lines) - 1, -1, -1) if FINISHED_LINE.search(strip_prefix(lines[i])[1].strip())),
+                None)  # fmt: skip
+
+
+def cut_traceback(lines: list[str]) -> list[str]:
+    """Where the log ends inside a traceback (no exception line yet): the stream and the last frame it reached, as
+    evidence; [] when none."""
+    log = Log.of(lines)
+    cut = [tb for s in dict.fromkeys(log.streams) for tb in _tracebacks_of(log, s) if not tb.exception]
+    if not cut:
+        return []
+    tb = max(cut, key=lambda t: t.at)
+    where = f" on {tb.stream}" if tb.stream else ""
+    code = tb.code[-1:] if len(tb.code) >= len(tb.frames) else []  # the source line under that frame, if shown
+    return [f"a traceback cut short{where}; the last frame it reached: {tb.frames[-1]}", *code]
 
 
 def exit_line(lines: list[str]) -> int | None:

@@ -32,10 +32,11 @@ NEVER_RESTART = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "CONFIG_ERROR", "FINISHED"
 State = Literal[
     "STARTING", "RUNNING", "STALLED", "FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT",
     "CRASHED", "CONFIG_ERROR", "LOST", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL",
+    "NCCL_ERROR",  # the network between ranks broke: restartable once the link is back
     "TIMEOUT", "PREEMPTED", "NODE_FAIL",  # Slurm's own ends (restartable; NODE_FAIL's node is then excluded)
 ]  # fmt: skip
 # Slurm's ends that a restart resumes from: they happen only on Slurm hosts, so they are in every job's default
-DEFAULT_RESTART_ON = ["CRASHED", "STALLED", "NCCL_TIMEOUT", "TIMEOUT", "PREEMPTED", "NODE_FAIL"]
+DEFAULT_RESTART_ON = ["CRASHED", "STALLED", "NCCL_TIMEOUT", "NCCL_ERROR", "TIMEOUT", "PREEMPTED", "NODE_FAIL"]
 
 
 class NotifyConfig(BaseModel):
