@@ -10,7 +10,7 @@ traceback it ends inside is named, with its rank and the last frame reached.
 from __future__ import annotations
 
 from .health import Verdict
-from .logs import ADVICE, classify_log, cut_traceback, exit_line, normal_end_at, this_attempt
+from .logs import ADVICE, classify_log, cut_traceback, exit_line, normal_end_at, strip_prefix, this_attempt
 
 SIGKILL_EXITS = (137, -9)
 
@@ -44,7 +44,7 @@ def _finished(lines: list[str]) -> Verdict | None:
     at = normal_end_at(lines)
     if at is None or classify_log(lines[at + 1 :]) is not None or exit_line(lines) not in (None, 0):
         return None
-    ev = [lines[at].strip()]
+    ev = [strip_prefix(lines[at])[1].strip()]
     outlived = classify_log(lines[:at])
     if outlived:
         ev.append(f"warning: the run outlived a failure before its finish: {outlived.state}: {outlived.reason}")

@@ -448,8 +448,8 @@ def launcher_exit(log: Log, i: int) -> tuple[str | None, int | None]:
     if m := re.search(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)", ln):
         return f"rank{m[1]}", -int(m[2])
     if m := re.search(r"(?:pdsh@\S+: )?(\S+): ssh exited with exit code (\d+)", ln):
-        code = int(m[2])
-        return m[1], -(code - 128) if 128 < code < 160 else code
+        code = int(m[2])  # a shell's 128 + N, or a Python launcher's sys.exit(-N) (256 - N), is signal N
+        return m[1], -(code - 128) if 128 < code < 160 else -(256 - code) if 224 <= code < 255 else code
     if m := re.search(r"died with <Signals\.\w+: (\d+)>|returned non-zero exit status (\d+)", ln):
         return log.streams[i], -int(m[1]) if m[1] else int(m[2])
     if m := re.search(r"process (\d+) terminated with (?:exit code (\d+)|signal (SIG\w+))", ln):
@@ -695,12 +695,16 @@ SLURM_REASON = {"TIMEOUT": "Slurm cancelled the job: out of wall time", "PREEMPT
 
 def _slurm_end(log: Log, ctx: Context) -> Finding | None:
     """Slurm's own end lines, unless a rank had already failed by itself before them (then that is the cause and
-    the job hung until Slurm ended it); the SIGTERM tracebacks after them are their consequence."""
+    the job hung until Slurm ended it); the SIGTERM tracebacks after them are their consequence. A node failure
+    also outranks the timeouts and network errors before its line (the other nodes lost it first); any other end
+    (a step cancelled once a task failed) does not."""
     ends = sorted((i, name) for name in SLURM_SIGS for i in log.hits(name))
     if not ends:
         return None
     first, name = ends[0]
     before = [i for i in log.hits("sigkill") + log.hits("kernel_oom") + own_native(log) if i < first]
+    if name != "slurm_node_fail":
+        before += [i for i in log.hits("nccl_timeout") + log.hits("nccl_network") if i < first]
     if before or any(not tb.consequence and tb.at < first for tb in tracebacks(log)):
         return None
     state = SIG[name].state
@@ -766,8 +770,11 @@ def _crashed(log: Log, ctx: Context) -> Finding | None:
 
 def _aborts(log: Log) -> str:
     """What the collective layer's aborts add to a reason: they follow from the cause, they are not the failure."""
-    aborted = sorted({log.streams[i] or "a rank" for i in log.hits("fatal_signal") if _collective_abort(log, i)})
-    return f"; the watchdog's aborts that follow ({', '.join(aborted)}) are its consequence" if aborted else ""
+    aborts = [i for i in log.hits("fatal_signal") if _collective_abort(log, i)]
+    if not aborts:
+        return ""
+    named = ", ".join(sorted({s for s in (log.streams[i] for i in aborts) if s}))
+    return f"; the aborts that follow{f' ({named})' if named else ''} are its consequence"
 
 
 def _network(log: Log, ctx: Context) -> Finding | None:
