@@ -730,14 +730,16 @@ def attach(
 @app.command()
 def diagnose(
     log_file: str = typer.Argument(..., metavar="LOG", click_type=_Named(),
-                                   help="A log file (train.log, a tmux capture, a SLURM output), or - for stdin."),
+                                   help="A log file (train.log, a tmux capture, a SLURM output; gzip'd or not), "
+                                        "or - for stdin."),
     as_json: bool = Flag("--json", help="Print {state, reason, evidence, advice, exit} as JSON."),
 ) -> None:
     """Classify any training log with the same rules `watch` uses, and say what to do next.
 
-    Reads through launcher prefixes (srun --label, torchrun's \\[rankN]:, timestamps) and judges the newest attempt.
-    A log with no failure and no normal end is INCOMPLETE (exit 30), never an all-clear. Big logs are read from
-    the tail, in bounded memory.
+    Reads through launcher prefixes (srun --label, torchrun's \\[rankN]:, mpirun's \\[1,N]<stdout>:, pdsh's host:,
+    timestamps, progress bars) and judges the newest attempt. A log with no failure and no normal end is INCOMPLETE
+    (exit 30), never an all-clear; a failure the run outlived before its normal end is a warning under FINISHED. Big
+    logs are read from the tail in bounded memory; gzip'd logs and stdin are streamed in the same bound.
     """
     from dflashctl.judge.diagnosis import diagnose_lines
     from dflashctl.judge.states import EXIT_BY_STATE
@@ -794,10 +796,10 @@ def _read_log(path: str) -> list[str]:
 
 def _read_stdin() -> list[str]:
     from dflashctl.errors import ConfigError
-    from dflashctl.logfile import LogFileError, lines_of
+    from dflashctl.logfile import LogFileError, read_stream
 
     try:
-        return lines_of(sys.stdin.buffer.read())
+        return read_stream(sys.stdin.buffer)  # streamed, gzip'd or not: the memory bound of a file
     except LogFileError as e:
         raise ConfigError("-", None, str(e)) from None
 

@@ -3,12 +3,16 @@
 A training log can be hundreds of MB. The classifier needs little of it: the newest attempt (found by scanning back
 from the end), its first lines, its last lines (the end, the loss tail), and every line some signature could match,
 with the traceback that follows it. Those are found a block at a time by a few plain byte searches, so memory
-stays bounded whatever the file's size. A log on stdin is read whole (`lines_of`), with the same checks.
+stays bounded whatever the file's size. What cannot be read backwards (a gzip'd log, rotated; a log on stdin, gzip'd
+or not) is read forward once (`read_stream`), keeping the same slices in the same bound, with the same checks.
 """
 
 from __future__ import annotations
 
+import gzip
+import zlib
 from pathlib import Path
+from typing import BinaryIO
 
 from dflashctl.judge.logs import ATTEMPT_START, strip_prefix
 
@@ -24,6 +28,8 @@ SNIFF = 8192
 MIDDLE_NEEDLES = (b"Traceback (most recent call last)", b"hit config.", b"called without torch.compile", b"NVRM: Xid",
                   b"ECC error")  # fmt: skip
 ATTEMPT_NEEDLES = (b"[dflashctl] ", b"will restart worker group")
+GZIP_MAGIC = b"\x1f\x8b"
+OVERRUN = 64 * 1024  # how far past a block a traceback found in it is followed
 
 
 class LogFileError(Exception):
@@ -52,12 +58,121 @@ def _binary(chunk: bytes) -> bool:
 
 
 def lines_of(data: bytes) -> list[str]:
-    """A whole log's lines (stdin), refused as a file would be: empty, or binary at its start or its end."""
-    if not data.strip():
+    """A whole log's lines (bytes in memory), refused as a file would be: empty, or binary at its start or its end."""
+    import io
+
+    return read_stream(io.BytesIO(data))
+
+
+class _Peeked:
+    """A byte stream with its first bytes, read to see what it is, put back in front."""
+
+    def __init__(self, first: bytes, rest: BinaryIO) -> None:
+        self.first, self.rest = first, rest
+
+    def read(self, n: int = -1) -> bytes:
+        if not self.first:
+            return self.rest.read(n)
+        out, self.first = self.first, b""
+        return out + (self.rest.read(n - len(out)) if n < 0 or n > len(out) else b"")
+
+
+def read_stream(raw: BinaryIO) -> list[str]:
+    """What `read_log` keeps, from a stream read forward once (stdin, a gzip'd file, gzip'd or not): the newest
+    attempt whole while it is small, else its first HEAD_BYTES, its last TAIL_BYTES, and the middle's needle lines,
+    one block ahead so that a traceback crossing a block is followed. Memory: two blocks and what is kept."""
+    first = raw.read(2)
+    f: BinaryIO = gzip.GzipFile(fileobj=_Peeked(first, raw), mode="rb") if first == GZIP_MAGIC else _Peeked(first, raw)
+    if first != GZIP_MAGIC:
+        return _forward(f)
+    try:
+        return _forward(f)
+    except (EOFError, OSError, zlib.error) as e:  # not gzip after all, corrupt, or cut short
+        raise LogFileError(f"is not a readable gzip file ({e})") from None
+
+
+def _forward(f: BinaryIO) -> list[str]:
+    small = HEAD_BYTES + TAIL_BYTES + BLOCK  # an attempt up to this size is kept whole, as read_log does
+    kept: dict[int, str] = {}
+    middle: list[int] = []
+    start = 0  # offset of the newest attempt's first line
+    whole: list[bytes] | None = []  # the attempt's bytes while it is small
+    whole_len = 0
+    pending, pending_at = b"", 0  # complete lines read, not yet searched (they wait for the next block's overrun)
+    tail = b""  # the last TAIL_BYTES read
+    carry, at, text, sniffed = b"", 0, False, False
+    while True:
+        chunk = f.read(BLOCK)
+        data = carry + chunk
+        cut = data.rfind(b"\n") + 1 if chunk else len(data)
+        if chunk and cut == 0 and len(data) > 2 * BLOCK:
+            cut = len(data)  # one line longer than two blocks: taken as it is
+        block, carry = data[:cut], data[cut:]
+        if not sniffed and (block or not chunk):
+            sniffed = True
+            if _binary(block[:SNIFF]):
+                raise LogFileError("is not a text log (binary content)")
+        text = text or bool(block.strip())
+        if pending:
+            _search(pending, pending_at, block[:OVERRUN], start, kept, middle)
+        if (a := _attempt_start(block)) >= 0:
+            start = at + a
+            kept.clear()
+            middle.clear()
+            whole, whole_len = [], 0
+            block_from = a
+        else:
+            block_from = 0
+        if whole is not None:
+            whole.append(block[block_from:])
+            whole_len += len(block) - block_from
+            if whole_len > small:
+                whole = None
+        pending, pending_at = block, at
+        tail = (tail + block)[-TAIL_BYTES:]
+        at += len(block)
+        if not chunk:
+            break
+    if not text:
         raise LogFileError("is empty: there is no log to read")
-    if _binary(data[:SNIFF]) or _binary(data[-SNIFF:]):
+    if _binary(tail[-SNIFF:]):
         raise LogFileError("is not a text log (binary content)")
-    return data.decode("utf-8", errors="replace").splitlines()
+    if whole is not None:
+        return b"".join(whole).decode("utf-8", errors="replace").splitlines()
+    tail_at = at - len(tail)
+    if tail_at < start:
+        tail, tail_at = tail[start - tail_at :], start
+    else:
+        nl = tail.find(b"\n") + 1
+        tail, tail_at = tail[nl:], tail_at + nl
+    _all_lines(tail, tail_at, kept)
+    return [kept[k] for k in sorted(kept) if k >= start]
+
+
+def _attempt_start(block: bytes) -> int:
+    """Where the last attempt-start line in a block of whole lines begins, or -1."""
+    hit = -1
+    for needle in ATTEMPT_NEEDLES:
+        pos = block.rfind(needle)
+        while pos >= 0:
+            ls = block.rfind(b"\n", 0, pos) + 1
+            le = block.find(b"\n", pos)
+            line = block[ls : le if le >= 0 else len(block)].decode("utf-8", errors="replace")
+            if ATTEMPT_START.search(strip_prefix(line)[1]):
+                hit = max(hit, ls)
+                break
+            pos = block.rfind(needle, 0, pos)
+    return hit
+
+
+def _search(block: bytes, base: int, overrun: bytes, start: int, kept: dict[int, str], middle: list[int]) -> None:
+    """One forward block: its lines within the attempt's first HEAD_BYTES kept whole, the middle's needles kept with
+    the traceback after them (into the next block's first bytes)."""
+    lo = max(0, start - base)
+    head_end = start + HEAD_BYTES - base
+    if head_end > lo:
+        _all_lines(block[lo : min(len(block), head_end)], base + lo, kept, drop_last=True)
+    _search_middle(block + overrun, lo, len(block), base, kept, middle)
 
 
 def newest_attempt_offset(f, size: int) -> int:
@@ -86,10 +201,15 @@ def newest_attempt_offset(f, size: int) -> int:
 
 
 def read_log(path: str | Path) -> list[str]:
-    """The lines of the newest attempt that the classifier can use, in file order; bounded memory."""
+    """The lines of the newest attempt that the classifier can use, in file order; bounded memory. A gzip'd file
+    (found by its magic bytes, whatever its name) is decompressed as it is read."""
     path = Path(path)
     size = _check(path)
     with path.open("rb") as f:
+        if f.read(2) == GZIP_MAGIC:
+            f.seek(0)
+            return read_stream(f)
+        f.seek(0)
         head = f.read(SNIFF)
         f.seek(max(0, size - SNIFF))
         if _binary(head) or _binary(f.read(SNIFF)):
@@ -110,24 +230,30 @@ def _reduced(f, start: int, size: int) -> list[str]:
     middle: list[int] = []
     while pos < tail_at:
         f.seek(pos)
-        block = f.read(min(BLOCK, tail_at - pos) + 64 * 1024)  # overrun: a traceback cut at the block's end
+        block = f.read(min(BLOCK, tail_at - pos) + OVERRUN)  # overrun: a traceback cut at the block's end
         end = min(BLOCK, tail_at - pos)
-        for needle in MIDDLE_NEEDLES:
-            at = block.find(needle, 0, end)
-            while at >= 0:
-                at = _keep_from(block, at, pos, kept, middle, whole=needle.startswith(b"Traceback"))
-                at = block.find(needle, at, end)
+        _search_middle(block, 0, end, pos, kept, middle)
         pos += end
-        if len(middle) > MAX_KEPT * 2:
-            middle.sort()
-            for off in middle[: len(middle) - MAX_KEPT]:
-                kept.pop(off, None)
-            del middle[: len(middle) - MAX_KEPT]
     f.seek(tail_at)
     tail = f.read()
     first_nl = tail.find(b"\n") + 1
     _all_lines(tail[first_nl:], tail_at + first_nl, kept)
     return [kept[k] for k in sorted(kept)]
+
+
+def _search_middle(block: bytes, lo: int, end: int, base: int, kept: dict[int, str], middle: list[int]) -> None:
+    """Keep the needle lines that start in block[lo:end] (a traceback through its exception line); past MAX_KEPT
+    middle lines, the oldest are dropped (the newest decide)."""
+    for needle in MIDDLE_NEEDLES:
+        at = block.find(needle, lo, end)
+        while at >= 0:
+            at = _keep_from(block, at, base, kept, middle, whole=needle.startswith(b"Traceback"))
+            at = block.find(needle, at, end)
+    if len(middle) > MAX_KEPT * 2:
+        middle.sort()
+        for off in middle[: len(middle) - MAX_KEPT]:
+            kept.pop(off, None)
+        del middle[: len(middle) - MAX_KEPT]
 
 
 def _all_lines(data: bytes, base: int, kept: dict[int, str], drop_last: bool = False) -> None:
