@@ -3,17 +3,21 @@
 Writes a log of --mb MB (step lines, an occasional warning, a recompile-limit warning in the middle and an OOM
 through flex at the end), then times, each in a fresh process so that peak RSS is its own:
 - the yardstick: `for line in open(f): rx.search(line)` with one literal regex;
-- dflashctl's reader and classifier (`read_log` + `diagnose_lines`), the code `dflashctl diagnose` runs.
+- dflashctl's reader and classifier (`read_log` + `diagnose_lines`), the code `dflashctl diagnose` runs;
+- with --gz, the same two on the log gzip'd (a rotated log): the yardstick reads it through `gzip.open`, dflashctl
+  streams it forward once (`read_stream`).
 Prints a table and writes bench/results/diagnose.json.
 
-    .venv/bin/python bench/diagnose_bench.py --mb 200 --repeat 3
+    .venv/bin/python bench/diagnose_bench.py --mb 200 --repeat 3 --gz
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,9 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 BASELINE = """
-import re, resource, sys, time
+import gzip, re, resource, sys, time
 t = time.perf_counter(); rx = re.compile(r"Traceback \\(most recent call last\\)"); n = 0
-with open(sys.argv[1], errors="replace") as f:
+with (gzip.open(sys.argv[1], "rt", errors="replace") if sys.argv[1].endswith(".gz") else
+      open(sys.argv[1], errors="replace")) as f:
     for line in f:
         if rx.search(line):
             n += 1
@@ -69,15 +74,25 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--gz", action="store_true", help="also time the log gzip'd")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "train.log"
         write_log(path, args.mb)
         size = path.stat().st_size
-        base, ours = [], []
+        packed = Path(tmp) / "train.log.1.gz"
+        packed_size = 0
+        if args.gz:
+            with path.open("rb") as src, gzip.open(packed, "wb", compresslevel=6) as dst:
+                shutil.copyfileobj(src, dst, 8 << 20)
+            packed_size = packed.stat().st_size
+        base, ours, gz_base, gz_ours = [], [], [], []
         for _ in range(args.repeat):  # alternate, so that both see the same page cache and machine phase
             base.append(run(BASELINE, path))
             ours.append(run(OURS, path))
+            if args.gz:
+                gz_base.append(run(BASELINE, packed))
+                gz_ours.append(run(OURS, packed))
     b_s, o_s = statistics.median(x[0] for x in base), statistics.median(x[0] for x in ours)
     rows = {
         "date": time.strftime("%Y-%m-%d"),
@@ -94,6 +109,15 @@ def main() -> None:
     print(f"{'':24}{'seconds':>10}{'peak RSS MB':>14}")
     print(f"{'one-regex loop':24}{b_s:>10.2f}{rows['baseline_peak_rss_mb']:>14.0f}")
     print(f"{'diagnose':24}{o_s:>10.2f}{rows['diagnose_peak_rss_mb']:>14.0f}   {rows['state']}, {rows['ratio']}x")
+    if args.gz:
+        gb, go = statistics.median(x[0] for x in gz_base), statistics.median(x[0] for x in gz_ours)
+        rows.update(gz_mb=round(packed_size / 2**20, 1), gz_baseline_s=round(gb, 3),
+                    gz_baseline_peak_rss_mb=round(max(x[1] for x in gz_base), 1), gz_diagnose_s=round(go, 3),
+                    gz_diagnose_peak_rss_mb=round(max(x[1] for x in gz_ours), 1), gz_ratio=round(go / gb, 2),
+                    gz_state=gz_ours[0][2])  # fmt: skip
+        print(f"{'gzip one-regex loop':24}{gb:>10.2f}{rows['gz_baseline_peak_rss_mb']:>14.0f}")
+        print(f"{'diagnose (gzip)':24}{go:>10.2f}{rows['gz_diagnose_peak_rss_mb']:>14.0f}   {rows['gz_state']}, "
+              f"{rows['gz_ratio']}x")
     out = ROOT / "bench" / "results" / "diagnose.json"
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")

@@ -74,14 +74,16 @@ class Signature:
     pattern: re.Pattern[str]
     rank: int
     advice: str | None = None
+    unless: re.Pattern[str] | None = None  # a line that also matches this is not one (noise with the same words)
 
     @property
     def what_to_do(self) -> str | None:
         return self.advice or ADVICE.get(self.state)
 
 
-def _sig(name: str, state: str, rank: int, pattern: str, flags: int = 0, advice: str | None = None) -> Signature:
-    return Signature(name, state, re.compile(pattern, flags), rank, advice)
+def _sig(name: str, state: str, rank: int, pattern: str, flags: int = 0, advice: str | None = None,
+         unless: str | None = None) -> Signature:  # fmt: skip
+    return Signature(name, state, re.compile(pattern, flags), rank, advice, re.compile(unless) if unless else None)
 
 
 # Ranks: hardware 10, the trainer's own stops 20-25, memory 30-40, the scheduler's ends 45, start errors 50,
@@ -211,9 +213,10 @@ SIGNATURES: tuple[Signature, ...] = (
         "NCCL_ERROR",
         78,
         r"(ncclSystemError|unhandled system error|ncclRemoteError|remote process exited or there was a network error|"
-        r"^(?!.*(?:wandb|https?:|urllib3|requests\.|huggingface|Retrying)).*Connection reset by peer|"
+        r"Connection reset by peer|"
         r"NCCL WARN .*(?:Connection (?:reset|closed|refused)|[Ss]ocket\w* ?:|NET/\w+ ?:|Net ?:|Call to \w+ .*failed|"
         r"IBV_WC_\w+|Got completion from peer|[Nn]etwork is unreachable|No route to host|connection abort))",
+        unless=r"wandb|https?:|urllib3|requests\.|huggingface|Retrying",  # a download retried, not the ranks' links
     ),
     _sig(
         "nccl_timeout",
@@ -284,6 +287,7 @@ STEP_LINE = re.compile(r"^\s*(step|iter(ation)?)\s*[:=]?\s*\d+", re.I)
 ATTEMPT_START = re.compile(r"^\[dflashctl\] \S+ start\b|will restart worker group")
 FINISHED_LINE = re.compile(r"^(?:finished: \d+ steps|\[dflashctl\] \S+ exit 0$|\{'train_runtime': )|"
                            r"`Trainer\.fit` stopped: `max_(?:steps|epochs)=\d+` reached")
+FINISHED_WORDS = ("finished: ", " exit 0", "train_runtime", "Trainer.fit")  # a cheap test before the prefixes
 EXIT_LINE = re.compile(r"^\[dflashctl\] \S+ exit (-?\d+)$")
 
 @dataclass
@@ -320,7 +324,8 @@ def strip_prefix(line: str) -> tuple[str | None, str]:
                     shown = [seg for seg in line.split("\r") if seg.strip()]
                     line = shown[-1] if shown else ""
                     continue
-                if m := PROGRESS_BAR.match(line) or (None if host or stream else HOST_PREFIX.match(line)):
+                bar = ("%|" in line or "it [" in line) and PROGRESS_BAR.match(line)
+                if m := bar or (None if host or stream or ": " not in line[:80] else HOST_PREFIX.match(line)):
                     host = host or (m[1] if m.re is HOST_PREFIX else None)
                     line = line[m.end() :]
                     continue
@@ -347,8 +352,9 @@ class Log:
     def hits(self, name: str) -> list[int]:
         """The lines a signature matches (computed once per log)."""
         if name not in self._hits:
-            pattern = SIG[name].pattern
-            self._hits[name] = [i for i, ln in enumerate(self.plain) if pattern.search(ln)]
+            pattern, unless = SIG[name].pattern, SIG[name].unless
+            self._hits[name] = [i for i, ln in enumerate(self.plain)
+                                if pattern.search(ln) and not (unless and unless.search(ln))]  # fmt: skip
         return self._hits[name]
 
     def rank_of(self, indices: list[int]) -> str | None:
@@ -357,7 +363,8 @@ class Log:
 
 def this_attempt(lines: list[str]) -> list[str]:
     """The lines of the newest attempt: an earlier attempt's failure was judged (and restarted) already."""
-    starts = [i for i, ln in enumerate(lines) if ATTEMPT_START.search(strip_prefix(ln)[1])]
+    starts = [i for i, ln in enumerate(lines)
+              if ("[dflashctl]" in ln or "worker group" in ln) and ATTEMPT_START.search(strip_prefix(ln)[1])]
     return lines[starts[-1] :] if starts else lines
 
 
@@ -827,8 +834,8 @@ def normal_end(lines: list[str]) -> str | None:
 
 def normal_end_at(lines: list[str]) -> int | None:
     """The index of the newest normal-end line, or None."""
-    return next((i for i in range(len(lines) - 1, -1, -1) if FINISHED_LINE.search(strip_prefix(lines[i])[1].strip())),
-                None)  # fmt: skip
+    return next((i for i in range(len(lines) - 1, -1, -1) if any(w in lines[i] for w in FINISHED_WORDS)
+                 and FINISHED_LINE.search(strip_prefix(lines[i])[1].strip())), None)  # fmt: skip
 
 
 def cut_traceback(lines: list[str]) -> list[str]:
@@ -847,6 +854,6 @@ def cut_traceback(lines: list[str]) -> list[str]:
 def exit_line(lines: list[str]) -> int | None:
     """The exit status run.sh wrote at the end of the attempt, if the log has it."""
     for ln in reversed(lines):
-        if m := EXIT_LINE.match(strip_prefix(ln)[1].strip()):
+        if "[dflashctl]" in ln and (m := EXIT_LINE.match(strip_prefix(ln)[1].strip())):
             return int(m[1])
     return None
