@@ -8,7 +8,7 @@ through flex at the end), then times, each in a fresh process so that peak RSS i
   streams it forward once (`read_stream`).
 Prints a table and writes bench/results/diagnose.json.
 
-    .venv/bin/python bench/diagnose_bench.py --mb 200 --repeat 3 --gz
+    .venv/bin/python bench/diagnose_bench.py --mb 200 --repeat 3 --gz --machine "2-core CI-like machine"
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=200)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--gz", action="store_true", help="also time the log gzip'd")
+    ap.add_argument("--machine", default=None, help="how the results name the machine (default: platform's words)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "train.log"
@@ -96,7 +97,8 @@ def main() -> None:
     b_s, o_s = statistics.median(x[0] for x in base), statistics.median(x[0] for x in ours)
     rows = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}",
+        "machine": args.machine or f"{platform.machine()}, {platform.processor() or 'cpu'}, "
+        f"Python {platform.python_version()}",
         "log_mb": round(size / 2**20, 1),
         "baseline_s": round(b_s, 3),
         "baseline_peak_rss_mb": round(max(x[1] for x in base), 1),
