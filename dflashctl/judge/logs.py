@@ -240,9 +240,10 @@ SIG = {s.name: s for s in SIGNATURES}
 # Prefixes a launcher or a logger puts before a process's own line, stripped in one step (repeatedly: they nest)
 RANK_PREFIXES = (re.compile(r"^\[(?:rank|default)(\d+)\]:\s?"), re.compile(r"^ {0,3}(\d{1,5}): "),
                  re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>:\s?"))  # srun --label, torchrun, mpirun --tag-output
-# pdsh's `host: ` (DeepSpeed's multi-node runner): a host name with a digit or a hyphen in it, or localhost; never a
-# Python exception's name (`torch.OutOfMemoryError: `) or a tool's (`srun: `)
-HOST_PREFIX = re.compile(r"^((?=[\w.-]*[\d-])[A-Za-z][\w-]*(?:\.[\w-]+)*|localhost): (?=\S)")
+# pdsh's `host: ` (DeepSpeed's multi-node runner): a lower-case host name with a digit or a hyphen in it, or
+# localhost; never a Python exception's name (`torch.OutOfMemoryError: `, `py4j.protocol.Py4JJavaError: `), an
+# identifier (`step_1: `) or a tool's (`srun: `)
+HOST_PREFIX = re.compile(r"^((?=[a-z0-9.-]*[\d-])[a-z][a-z0-9-]*(?:\.[a-z0-9-]+)*|localhost): (?=\S)")
 STAMP_PREFIXES = (
     re.compile(r"^\[?[EWIFD]\d{4} [\d:.]+(?: +\d+)? \S+\]\s?"),  # glog (torch's C++ and Python logs)
     re.compile(r"^\[?\d{4}-\d{2}-\d{2}[T _]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\]?(?: [|-])?\s+"),
