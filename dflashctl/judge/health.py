@@ -195,7 +195,7 @@ def _ended(h: History, lines: list[str]) -> Verdict:
         at = f" at step {h.last_step}" if h.last_step is not None else ""
         return _verdict("FINISHED", f"exit 0{at}", [f"exit_code 0{at.replace(' at', ',')}"], h)
     found = _find(h, lines)
-    if found is None or found.state in ("NCCL_TIMEOUT", "CRASHED", "STALLED"):
+    if found is None or found.state in ("NCCL_TIMEOUT", "NCCL_ERROR", "CRASHED", "STALLED"):
         found = _hardware_readings(h) or found
     found = _crash_record(h, found)
     if found and found.early and h.last_step is not None:  # it trained first: an ordinary crash
