@@ -448,3 +448,14 @@ def test_gzip_on_stdin_and_broken_gzip_files(tmp_path):
         r = run_cli("diagnose", str(tmp_path / name))
         assert r.code == 2 and words in r.stderr and name in r.stderr, r
         assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_an_exception_python_ignored_at_exit_does_not_undo_a_finish():
+    lines = [*_lines("FINISHED", "hf-trainer-eval-oom-retried.log"),
+             "Exception ignored in: <function _MultiProcessingDataLoaderIter.__del__ at 0x7f3a1b642520>",
+             "Traceback (most recent call last):",
+             '  File "/opt/venv/lib/python3.12/site-packages/torch/utils/data/dataloader.py", line 1618, in __del__',
+             "    self._shutdown_workers()", "AttributeError: '_MultiProcessingDataLoaderIter' object has no attribute "
+             "'_workers_status'"]  # fmt: skip
+    assert diagnose_lines(lines).state == "FINISHED"
+    assert diagnose_lines([ln for ln in lines if not ln.startswith("Exception ignored")]).state != "FINISHED"

@@ -377,6 +377,7 @@ class Traceback:
     code: list[str]  # the source lines shown under the frames
     at: int  # index of the exception line
     flex: bool = False  # a frame passes through flex attention
+    ignored: bool = False  # Python printed it under "Exception ignored in: ..." (a __del__ at exit): no failure
 
     @property
     def consequence(self) -> bool:
@@ -395,6 +396,7 @@ def _tracebacks_of(log: Log, stream: str | None) -> list[Traceback]:
             k += 1
             continue
         frames, code, exc = [], [], None
+        ignored = k > 0 and log.plain[idx[k - 1]].startswith("Exception ignored in")
         k += 1
         while k < len(idx):
             ln = log.plain[idx[k]]
@@ -413,7 +415,8 @@ def _tracebacks_of(log: Log, stream: str | None) -> list[Traceback]:
                 break
             k += 1
         if exc or (frames and k >= len(idx)):
-            tb = Traceback(stream or "", exc[0] if exc else "", frames, code, exc[1] if exc else idx[-1])
+            tb = Traceback(stream or "", exc[0] if exc else "", frames, code, exc[1] if exc else idx[-1],
+                           ignored=ignored)  # fmt: skip
             tb.flex = any(FLEX_FRAME.search(f) for f in frames + code)
             found.append(tb)
     return found
@@ -509,7 +512,8 @@ def tracebacks(log: Log) -> list[Traceback]:
     ChildFailedError, a SIGTERM, a peer gone), the root-cause rank torchrun or srun names first, then the earliest.
     A traceback the log ends inside is left out (`cut_traceback`)."""
     if log._tracebacks is None:
-        found = [tb for s in dict.fromkeys(log.streams) for tb in _tracebacks_of(log, s) if tb.exception]
+        found = [tb for s in dict.fromkeys(log.streams) for tb in _tracebacks_of(log, s)
+                 if tb.exception and not tb.ignored]  # fmt: skip
         root = root_cause(log)[0]
         found.sort(key=lambda tb: (tb.consequence, tb.stream != root if root else False, tb.at))
         log._tracebacks = found
