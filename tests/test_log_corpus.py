@@ -459,3 +459,9 @@ def test_an_exception_python_ignored_at_exit_does_not_undo_a_finish():
              "'_workers_status'"]  # fmt: skip
     assert diagnose_lines(lines).state == "FINISHED"
     assert diagnose_lines([ln for ln in lines if not ln.startswith("Exception ignored")]).state != "FINISHED"
+
+
+def test_a_divergence_that_lasts_to_the_finish_line_is_not_outlived():
+    lines = [*_lines("DIVERGED", "hf-trainer-nan-tail.log"),
+             "{'train_runtime': 812.1, 'train_samples_per_second': 9.8, 'train_loss': nan, 'epoch': 1.0}"]
+    assert diagnose_lines(lines).state == "DIVERGED"

@@ -40,12 +40,15 @@ def diagnose_lines(lines: list[str]) -> Verdict:
 
 def _finished(lines: list[str]) -> Verdict | None:
     """FINISHED when the log ends in a normal finish: no failure after the newest finish line, and no non-zero exit
-    status. A failure before it is one the run outlived: a warning."""
+    status. A failure before it is one the run outlived: a warning; a divergence never is (the newest losses are
+    still non-finite)."""
     at = normal_end_at(lines)
     if at is None or classify_log(lines[at + 1 :]) is not None or exit_line(lines) not in (None, 0):
         return None
     ev = [strip_prefix(lines[at])[1].strip()]
     outlived = classify_log(lines[:at])
+    if outlived and outlived.state == "DIVERGED":
+        return None  # the loss was still non-finite at the end (HF Trainer finishes on NaN): nothing was outlived
     if outlived:
         ev.append(f"warning: the run outlived a failure before its finish: {outlived.state}: {outlived.reason}")
         ev += [f"  {e}" for e in outlived.evidence[:2]]
