@@ -325,7 +325,7 @@ def strip_prefix(line: str) -> tuple[str | None, str]:
                     shown = [seg for seg in line.split("\r") if seg.strip()]
                     line = shown[-1] if shown else ""
                     continue
-                bar = ("%|" in line or "it [" in line) and PROGRESS_BAR.match(line)
+                bar = ("%|" in line or "it [" in line) and len(line) < 4096 and PROGRESS_BAR.match(line)
                 if m := bar or (None if host or stream or ": " not in line[:80] else HOST_PREFIX.match(line)):
                     host = host or (m[1] if m.re is HOST_PREFIX else None)
                     line = line[m.end() :]
