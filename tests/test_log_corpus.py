@@ -465,3 +465,15 @@ def test_a_divergence_that_lasts_to_the_finish_line_is_not_outlived():
     lines = [*_lines("DIVERGED", "hf-trainer-nan-tail.log"),
              "{'train_runtime': 812.1, 'train_samples_per_second': 9.8, 'train_loss': nan, 'epoch': 1.0}"]
     assert diagnose_lines(lines).state == "DIVERGED"
+
+
+def test_a_lost_peer_the_watchdog_aborted_on_is_a_broken_link_and_a_plain_abort_stays_a_crash():
+    aborted = ["[rank0]: step 5 loss 2", "[rank1]:[E1204 10:02:44.1 7 ProcessGroupNCCL.cpp:1595] [PG ID 0 PG GUID "
+               "0(default_pg) Rank 1] NCCL communicator was aborted on rank 1.",
+               "[rank1]:terminate called after throwing an instance of 'c10::DistBackendError'",
+               "[rank1]:  what():  [PG ID 0 PG GUID 0(default_pg) Rank 1] NCCL communicator was aborted on rank 1.",
+               "  exitcode  : -6 (pid: 60228)"]  # fmt: skip
+    assert diagnose_lines(aborted).state == "NCCL_ERROR"
+    # a broken pipe and an abort with no collective layer in sight: the process's own crash, as before
+    assert diagnose_lines(["step 1 loss 2", "BrokenPipeError: [Errno 32] Broken pipe", "Aborted (core dumped)"]).state \
+        == "CRASHED"

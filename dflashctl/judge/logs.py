@@ -274,7 +274,7 @@ ABORT = re.compile(r"(exitcode\s*:\s*-6\b|SIGABRT|Aborted \(core dumped\)|^Abort
 COLLECTIVE_ABORT = re.compile(r"instance of 'c10::DistBackendError|what\(\):.*(?:[Ww]atchdog|ProcessGroupNCCL|NCCL|"
                               r"collective)")  # fmt: skip
 # What ends a rank from outside its own code: a collective timed out, the network broke, a peer or a node was lost
-COLLECTIVE_CAUSES = ("nccl_timeout", "nccl_network", "peer_lost", "slurm_node_fail")
+COLLECTIVE_CAUSES = ("nccl_timeout", "nccl_network", "slurm_node_fail")  # and a lost peer, where the watchdog aborted
 # A launcher killing the others once one rank failed: the kills after it are its clean-up, not the failure
 CLEANUP = re.compile(r"Forcefully terminating all other processes|Killing subprocess \d+")
 SIGNAL_NAMES = {1: "SIGHUP", 2: "SIGINT", 6: "SIGABRT", 7: "SIGBUS", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
@@ -479,8 +479,8 @@ def _signal(code: int) -> str:
 
 def collective_cause(log: Log) -> bool:
     """The log shows what ends a rank from outside its own code: a timed-out collective, a broken network, a lost
-    peer or node."""
-    return any(log.hits(name) for name in COLLECTIVE_CAUSES)
+    node, or a lost peer that the watchdog then aborted on."""
+    return any(log.hits(name) for name in COLLECTIVE_CAUSES) or bool(_lost_peer_abort(log))
 
 
 def _collective_abort(log: Log, i: int) -> bool:
@@ -746,7 +746,7 @@ def _crashed(log: Log, ctx: Context) -> Finding | None:
     with no own error are NCCL_TIMEOUT and NCCL_ERROR)."""
     tbs = tracebacks(log)
     own = [tb for tb in tbs if not tb.consequence]
-    collective = log.hits("nccl_timeout") or log.hits("nccl_network")
+    collective = log.hits("nccl_timeout") or log.hits("nccl_network") or _lost_peer_abort(log)
     if not own:
         native = own_native(log)
         if native:
@@ -789,15 +789,27 @@ def _aborts(log: Log) -> str:
     return f"; the aborts that follow{f' ({named})' if named else ''} are its consequence"
 
 
+def _lost_peer_abort(log: Log) -> list[int]:
+    """A lost peer (gloo's `Connection closed by peer`, `NCCL communicator was aborted`, ...) where the watchdog then
+    threw its DistBackendError: the peer lines, or []."""
+    lost = log.hits("peer_lost")
+    if not lost:
+        return []
+    thrown = [i for i in log.hits("fatal_signal") if "terminate called" in log.plain[i] and _collective_abort(log, i)]
+    return lost if thrown else []
+
+
 def _network(log: Log, ctx: Context) -> Finding | None:
     """The network between ranks broke (NCCL's system and remote errors, its socket and InfiniBand warnings, a reset
-    connection): above the timeouts and aborts it causes, below any rank's own failure."""
-    net = log.hits("nccl_network")
+    connection, a peer lost before the watchdog aborted): above the timeouts and aborts it causes, below any rank's
+    own failure."""
+    net = log.hits("nccl_network") or _lost_peer_abort(log)
     if not net:
         return None
     first = net[0]
     where = f" on {log.streams[first]}" if log.streams[first] else ""
-    what = SIG["nccl_network"].pattern.search(log.plain[first])[1].strip()
+    what = (SIG["nccl_network"].pattern.search(log.plain[first]) or SIG["peer_lost"].pattern.search(log.plain[first]))
+    what = what[1].strip()
     ev = list(dict.fromkeys([log.plain[first].strip(), log.plain[net[-1]].strip()]))
     ev += [log.plain[i] for i in log.hits("nccl_timeout")[:1]]
     return Finding("NCCL_ERROR", f"the connection between ranks broke{where}: {what[:120]}{_aborts(log)}", ev,
