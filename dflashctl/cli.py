@@ -1,11 +1,8 @@
 """The `dflashctl` command line: thin commands that parse, call one library function and render the result.
 
 Exit codes: 0 success; 1 a remote command or check failed; 2 bad input (config, host, host key, unreachable host).
-`watch`, `status`, `diagnose` and a `kill` of an ended job exit with the state's code (judge/states.py): 0 FINISHED,
-RUNNING, STARTING, STOPPING, PENDING; 10 CRASHED; 11 OOM; 12 NCCL_TIMEOUT; 13 STALLED; 14 DENSE_FALLBACK;
-15 RECOMPILE_LIMIT; 16 LOST; 17 CONFIG_ERROR; 18 UNREACHABLE; 19 PROBE_FAILED; 20 KILLED; 21 KILL_FAILED;
-22 DIVERGED; 23 GPU_FAULT; 24 HOST_OOM; 25 DISK_FULL; 26 TIMEOUT; 27 PREEMPTED; 28 NODE_FAIL; 29 CANCELLED;
-30 INCOMPLETE (`diagnose`: no failure and no normal end); 130 Ctrl-C.
+`watch`, `status`, `diagnose` and a `kill` of an ended job exit with the state's code, from the one state table
+(judge/facts.py: `dflashctl watch --help` lists them); 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ from typer._click.types import IntParamType, StringParamType  # noqa: E402 - typ
 
 from dflashctl import __version__  # noqa: E402
 from dflashctl.errors import EXIT_FAILED, EXIT_USAGE, DflashError  # noqa: E402
+from dflashctl.judge.facts import exit_codes_help  # noqa: E402 - the state table: light, stdlib only
 
 # Everything else is imported inside the command that needs it: `--help` and `ls` must not pay for paramiko.
 
@@ -229,7 +227,7 @@ def kill(
     (or with --yes). A job that had already ended keeps its verdict, and the exit code is that state's."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
-    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.judge.facts import EXIT_BY_STATE
     from dflashctl.show.render import err, out, print_json
 
     def confirm(record) -> bool:
@@ -268,7 +266,7 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
     state's code, as `watch --once` does."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
-    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.judge.facts import EXIT_BY_STATE
     from dflashctl.show.render import err, out, print_json
 
     st = jobctl.status(job, str(find_project_root()), accept_new)
@@ -642,7 +640,16 @@ def logs(
         raise typer.Exit(EXIT_FAILED)
 
 
-@app.command()
+WATCH_HELP = (
+    "Follow a job: a verdict per poll (state, reason, evidence); restarts and notifications are the job's "
+    "supervisor's, or this watch's where no supervisor answers.\n\n"
+    "Stops at FINISHED or at a failure nobody will restart. Exit code by that state: "
+    f"{exit_codes_help()}; 130 Ctrl-C. UNREACHABLE ends the watch after 10 minutes, unless --until-done. "
+    "docs/watch.md lists every state with an example line."
+)
+
+
+@app.command(help=WATCH_HELP)
 def watch(
     job: str | None = JobArg,
     interval: float | None = typer.Option(None, "--interval", metavar="S",
@@ -652,18 +659,11 @@ def watch(
     as_json: bool = Flag("--json", help="One verdict object per poll on stdout, nothing else."),
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Follow a job: a verdict per poll (state, reason, evidence), restarts and notifications by its policy.
-
-    Stops at FINISHED or at a failure it will not restart. Exit code by that state: 0 FINISHED (and RUNNING or
-    STARTING with --once); 10 CRASHED; 11 OOM; 12 NCCL_TIMEOUT; 13 STALLED; 14 DENSE_FALLBACK; 15 RECOMPILE_LIMIT;
-    16 LOST; 17 CONFIG_ERROR; 18 UNREACHABLE (after 10 minutes, unless --until-done); 19 PROBE_FAILED;
-    20 KILLED; 21 KILL_FAILED; 22 DIVERGED; 23 GPU_FAULT; 24 HOST_OOM; 25 DISK_FULL; 26 TIMEOUT; 27 PREEMPTED;
-    28 NODE_FAIL; 29 CANCELLED; 130 Ctrl-C. docs/watch.md lists every state with an example line.
-    """
+    """Follow a job: a verdict per poll (state, reason, evidence), restarts and notifications by its policy."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
     from dflashctl.jobs import watch as watching
-    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.judge.facts import EXIT_BY_STATE
     from dflashctl.show import view
     from dflashctl.show.render import err, out, print_json
 
@@ -740,7 +740,7 @@ def diagnose(
     the tail, in bounded memory.
     """
     from dflashctl.judge.diagnosis import diagnose_lines
-    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.judge.facts import EXIT_BY_STATE
     from dflashctl.show.render import out, print_json
 
     v = diagnose_lines(_read_stdin() if log_file == "-" else _read_log(log_file))
@@ -761,8 +761,7 @@ def _filtered(jobs: list, states: list[str] | None, host: str | None, name: str 
     import fnmatch
 
     from dflashctl.errors import ConfigError
-    from dflashctl.judge.health import FAILURES
-    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.judge.facts import EXIT_BY_STATE, FAILURES
 
     wanted: set[str] = set()
     for st in states or []:

@@ -19,7 +19,7 @@ import pytest
 from dflashctl.agent import probe
 from dflashctl.agent.common import locked
 from dflashctl.jobs.watch import Watcher
-from dflashctl.judge.health import assess
+from dflashctl.judge.assess import assess
 from dflashctl.model.jobfile import WatchConfig
 from dflashctl.model.record import JobRecord
 from dflashctl.remote import sync

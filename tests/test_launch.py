@@ -58,7 +58,7 @@ def cli_json(*args: str) -> dict | list:
 
 def status_json(job_id: str, cwd: Path | None = None) -> dict:
     """`status --json`: its exit code is the state's, as for `watch --once`."""
-    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.judge.facts import EXIT_BY_STATE
 
     res = run_cli("status", job_id, "--json", cwd=cwd)
     st = json.loads(res.stdout)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from dflashctl.judge.assess import History, Thresholds, assess
 from dflashctl.judge.diagnosis import diagnose_lines, diagnose_text
-from dflashctl.judge.health import History, Thresholds, assess
+from dflashctl.judge.facts import EXIT_BY_STATE
 from dflashctl.judge.logs import SIGNATURES, classify_log, strip_prefix
-from dflashctl.judge.states import EXIT_BY_STATE
 from dflashctl.logfile import LogFileError, read_log
 
 CORPUS = Path(__file__).resolve().parent / "logs"

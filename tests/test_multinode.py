@@ -162,7 +162,7 @@ def two_node_record():
 def test_the_first_node_to_fail_is_named_not_the_one_that_lost_its_peer(client, monkeypatch):
     """Both nodes crashed in the same poll: the head's log shows gloo losing its peer, node b's the real error."""
     from dflashctl.jobs.watch import make_watcher
-    from dflashctl.judge.health import Verdict
+    from dflashctl.judge.facts import Verdict
 
     job = two_node_record()
     w = make_watcher(job)
@@ -181,7 +181,7 @@ def test_a_node_that_only_lost_its_peer_waits_for_the_peer_to_say_why(client, mo
     crash, seen later, is then named; and a lost peer with no failing peer is named once the grace is over."""
     from dflashctl.jobs import watch
     from dflashctl.jobs.watch import make_watcher
-    from dflashctl.judge.health import Verdict
+    from dflashctl.judge.facts import Verdict
 
     job = two_node_record()
     w = make_watcher(job)

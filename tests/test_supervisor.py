@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.judge.states import EXIT_BY_STATE
+from dflashctl.judge.facts import EXIT_BY_STATE
 from tests.conftest import run_cli
 from tests.test_launch import alive, cli_json, status_json, wait_until, write_project
 from tests.test_safety import job_file, run_dir_of, starts

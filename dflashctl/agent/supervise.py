@@ -36,16 +36,16 @@ MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 60.0
 def _judge():
     """The pure judge: inside the zipapp it ships in the agent's package; from the source tree it is dflashctl's."""
     try:
-        from .judge import fold, health
+        from .judge import assess, facts, fold
     except ImportError:
-        from ..judge import fold, health
-    return fold, health
+        from ..judge import assess, facts, fold
+    return fold, assess, facts
 
 
 class Supervisor:
     def __init__(self, run_dir: str, spec: dict) -> None:
-        fold, health = _judge()
-        self.fold, self.health = fold, health
+        fold, assess, facts = _judge()
+        self.fold, self.assess, self.facts_ = fold, assess, facts
         self.run, self.spec = run_dir, spec
         from .pack import own_archive
 
@@ -55,7 +55,7 @@ class Supervisor:
         self.restart_on = [s for s in watch.get("restart_on") or [] if isinstance(s, str)]
         self.max_restarts = int(watch.get("max_restarts") or 0)
         self.backoff_s = float(watch.get("backoff_s") or 0.0)
-        self.th = health.Thresholds.of(watch)  # the same thresholds `status` and `watch` judge with
+        self.th = facts.Thresholds.of(watch)  # the same thresholds `status` and `watch` judge with
         self.scheduled = spec.get("scheduler") == "slurm"
         # a Slurm job's supervisor runs on the login node: its GPUs are not the job's
         self.where = {"scheduler": "slurm", "gpus": False} if self.scheduled else {}
@@ -67,7 +67,7 @@ class Supervisor:
         self.reset()
 
     def reset(self) -> None:
-        self.h = self.health.History(started_at=0.0, is_trainer=bool(self.spec.get("is_trainer")),
+        self.h = self.facts_.History(started_at=0.0, is_trainer=bool(self.spec.get("is_trainer")),
                                      kill_grace_s=float(self.spec.get("grace_s") or 40.0))  # fmt: skip
         self.tail: deque = deque(maxlen=400)
         self.log_offset = self.metrics_offset = 0
@@ -96,7 +96,7 @@ class Supervisor:
             self.reset()
         out = self.fold.fold(self.h, snap, self.job, self.tail, self.log_offset, self.metrics_offset, self.state)
         self.log_offset, self.metrics_offset = out.log_offset, out.metrics_offset
-        v = self.health.assess(self.h, self.th)
+        v = self.assess.assess(self.h, self.th)
         body = {"time": snap["time"], "state": v.state, "reason": v.reason, "evidence": v.evidence[:12],
                 "advice": v.advice, "step": v.step, "restarts": self.restarts, "attempt_start": self.h.started_at,
                 "by": "supervisor", "pid": os.getpid()}  # fmt: skip
@@ -140,7 +140,7 @@ class Supervisor:
         return str(ans.get("why"))
 
     def run_forever(self) -> str:
-        final = self.health.TERMINAL
+        final = self.facts_.TERMINAL
         while not self.stopping:
             v = self.look()
             if v is None:

@@ -419,7 +419,7 @@ def _status_record(job: JobRecord, picked: str, v, **known) -> dict:
 
 def unreachable_status(job: JobRecord, picked: str, why: str) -> dict:
     """`status` of a job whose host does not answer: UNREACHABLE, with the last state recorded and when."""
-    from dflashctl.judge.health import ADVICE, Verdict
+    from dflashctl.judge.facts import ADVICE, Verdict
 
     seen = job.since if isinstance(job.since, (int, float)) and job.since else None
     when = f", recorded {time.time() - seen:.0f} s ago" if seen else ""

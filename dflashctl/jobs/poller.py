@@ -18,7 +18,8 @@ from dflashctl.errors import ProbeFailedError
 from dflashctl.jobs import control, registry
 from dflashctl.jobs import verdict as verdicts
 from dflashctl.judge import fold as folding
-from dflashctl.judge.health import FAILURES, PEER_LOST, History, Thresholds, Verdict, assess
+from dflashctl.judge.assess import PEER_LOST, assess
+from dflashctl.judge.facts import FAILURES, History, Thresholds, Verdict
 from dflashctl.model.jobfile import WatchConfig
 from dflashctl.model.record import JobRecord
 from dflashctl.remote import session

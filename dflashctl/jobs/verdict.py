@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections import deque
 
 from dflashctl.judge import fold as folding
-from dflashctl.judge.health import TERMINAL, History, Thresholds, Verdict, assess
+from dflashctl.judge.assess import assess
+from dflashctl.judge.facts import TERMINAL, History, Thresholds, Verdict
 from dflashctl.model.jobfile import WatchConfig
 
 FRESH_SLACK_S = 5.0  # a supervisor's differing word is said for two of its intervals and this much

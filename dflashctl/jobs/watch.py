@@ -21,8 +21,13 @@ from dflashctl.jobs.poller import (  # noqa: F401 - the poller's names, as calle
     make_watcher,
     sparkline,
 )
-from dflashctl.judge.health import ADVICE, FAILURES, TERMINAL, Verdict
-from dflashctl.judge.states import EXIT_BY_STATE  # noqa: F401 - re-exported for callers of watch
+from dflashctl.judge.facts import (
+    ADVICE,
+    EXIT_BY_STATE,  # noqa: F401 - re-exported for callers of watch
+    FAILURES,
+    TERMINAL,
+    Verdict,
+)
 
 
 @dataclass

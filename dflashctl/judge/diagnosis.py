@@ -6,7 +6,7 @@ failure nor a normal end is INCOMPLETE (cut off, still running, or an end no sig
 
 from __future__ import annotations
 
-from .health import Verdict
+from .facts import Verdict
 from .logs import ADVICE, classify_log, exit_line, normal_end, this_attempt
 
 SIGKILL_EXITS = (137, -9)

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dflashctl.jobs.poller import Watcher, sparkline
-from dflashctl.judge.health import Verdict
+from dflashctl.judge.facts import Verdict
 from dflashctl.show.render import neutralise
 
 COLOURS = {"RUNNING": "green", "STARTING": "cyan", "FINISHED": "bold green", "STALLED": "yellow",
