@@ -272,7 +272,7 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
     st = jobctl.status(job, str(find_project_root()), accept_new)
     code = EXIT_BY_STATE.get(st["state"], EXIT_FAILED)
     if as_json:
-        print_json(st)
+        print_json(st)  # the Report's schema (docs/cli-json.md)
         raise typer.Exit(code)
     if job is None:
         how = {"kill_failed": "whose kill failed", "live": "the newest alive", "newest": "the newest"}[st["picked"]]
@@ -291,13 +291,12 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
     exit_code = f"exit code {st['exit_code']}" if st["exit_code"] is not None else "no exit code yet"
     out.print(f"[bold]{st['id']}[/] on {st['host']}: session {st['session']}, {exit_code}, {up}, "
               f"{st['processes']} processes, restarts {st['restarts']}")  # fmt: skip
-    r = st["last_step"]
-    if r and isinstance(r.get("step"), int):
-        loss = f", loss {st['first_loss']:.4f} → {st['last_loss']:.4f}" if st["last_loss"] is not None else ""
+    if isinstance(st["step"], int):
+        loss = f", loss {st['first_loss']:.4f} → {st['loss']:.4f}" if None not in (st["first_loss"], st["loss"]) else ""
         tps = f", {st['mean_tokens_per_s']:,.0f} tok/s (mean)" if st["mean_tokens_per_s"] is not None else ""
         tau = f", tau {st['tau']:.3f} on {st['tau_set']}" if st["tau"] is not None else ""
         took = f" in {st['elapsed_s']:.0f} s" if st["elapsed_s"] is not None else ""
-        out.print(f"step {r['step']}{took}{loss}{tps}{tau}")
+        out.print(f"step {st['step']}{took}{loss}{tps}{tau}")
     ev = st["last_event"]
     if ev:
         fields = ", ".join(f"{k} {v}" for k, v in ev.items() if k not in ("event", "time", "config") and
@@ -360,17 +359,17 @@ def report(
 
         out.print(Text.from_ansi(plots.terminal(runs, min(80, out.width))))
     for s in summaries:
-        loss = "no step yet" if s["steps"] is not None else "no step records"
-        if s["last_loss"] is not None:
-            loss = f"loss {s['first_loss']:.4f} → {s['last_loss']:.4f} (min {s['min_loss']:.4f})"
+        loss = "no step yet" if s["step"] is not None else "no step records"
+        if s["loss"] is not None:
+            loss = f"loss {s['first_loss']:.4f} → {s['loss']:.4f} (min {s['min_loss']:.4f})"
         if s["nonfinite_steps"]:
             loss += f", NaN/inf from step {s['nonfinite_from_step']} ({s['nonfinite_steps']} steps)"
         if s["malformed_records"]:
             loss += f", {s['malformed_records']} records skipped"
         tau = f", best tau {s['best_tau']:.2f} on {s['best_tau_set']}" if s["best_tau"] is not None else ""
         tps = f", {s['mean_tokens_per_s']:,.0f} tok/s" if s["mean_tokens_per_s"] else ""
-        steps = f"{s['steps']} steps" if s["steps"] is not None else "no steps (a command job)"
-        out.print(f"{s['job']}: {steps} in {s['elapsed_s'] or 0:.0f} s, {loss}{tps}{tau}, restarts "
+        steps = f"{s['step']} steps" if s["step"] is not None else "no steps (a command job)"
+        out.print(f"{s['id']}: {steps} in {s['elapsed_s'] or 0:.0f} s, {loss}{tps}{tau}, restarts "
                   f"{s['restarts']}, {s['gpu_hours'] or 0:.2f} GPU-hours", markup=False, highlight=False)
 
 
@@ -677,7 +676,7 @@ def watch(
     )
     try:
         if as_json:
-            v = watching.run(w, opts, lambda _w, _v, rec: print_json(rec.model_dump()), say=say)
+            v = watching.run(w, opts, lambda _w, _v, rec: print_json(rec.to_dict()), say=say)
         elif not out.is_terminal:  # piped, tee'd, nohup: one plain line per poll, as it happens
             v = watching.run(w, opts, lambda _w, _v, rec: out.print(view.line(rec), markup=False), say=say)
         else:

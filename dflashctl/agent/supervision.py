@@ -6,10 +6,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 
 from .common import read_json, start_time
 
-SPEC, STATE, VERDICT, LOCK = "supervise.json", "supervisor.json", "verdict.json", ".supervisor.lock"
+SPEC, STATE, VERDICT, BEAT = "supervise.json", "supervisor.json", "verdict.json", "supervisor.beat"
 AGENT_FILE = "agent.pyz"
 
 
@@ -45,8 +46,21 @@ def spawn(run_dir: str) -> None:
         os._exit(127)
 
 
+def heartbeat(run_dir: str) -> dict | None:
+    """The supervisor's heartbeat as this machine sees it: its counter, and its age on this machine's monotonic clock
+    (the supervisor's stamp and this reader's now, one clock: no wall clock in it). None: none written yet."""
+    beat = read_json(os.path.join(run_dir, BEAT))
+    if not isinstance(beat, dict) or not isinstance(beat.get("beat"), int):
+        return None
+    mono = beat.get("mono")
+    now = time.monotonic()
+    age = now - mono if isinstance(mono, (int, float)) and not isinstance(mono, bool) and mono <= now + 1 else None
+    return {"beat": beat["beat"], "age_s": round(max(0.0, age), 2) if age is not None else None}
+
+
 def state(run_dir: str) -> dict | None:
-    """What a probe reports of the supervisor: whether one is expected, alive (pid and start time), its verdict."""
+    """What a probe reports of the supervisor: whether one is expected, alive (pid and start time), its heartbeat,
+    its verdict."""
     if not os.path.isfile(os.path.join(run_dir, SPEC)):
         return None
     me = read_json(os.path.join(run_dir, STATE))
@@ -55,4 +69,4 @@ def state(run_dir: str) -> dict | None:
     alive = isinstance(pid, int) and start is not None and start_time(pid) == start and not me.get("ended")
     verdict = read_json(os.path.join(run_dir, VERDICT))
     return {"alive": bool(alive), "pid": pid, "interval_s": me.get("interval_s"), "ended": me.get("ended"),
-            "verdict": verdict if isinstance(verdict, dict) else None}  # fmt: skip
+            "heartbeat": heartbeat(run_dir), "verdict": verdict if isinstance(verdict, dict) else None}  # fmt: skip
