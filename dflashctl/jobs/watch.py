@@ -66,7 +66,7 @@ def run(
                 notify(w, r, say)
         if r.state != "UNREACHABLE" and r.decided_by != decider:
             decider = r.decided_by
-            if decider == HERE and r.supervisor is not None:  # taking over: said once, where the user looks
+            if decider == HERE and r.supervisor is not None and r.state not in TERMINAL:  # taking over: said once
                 say(r.decided_why)
                 w.log_event({"decision": "warning", "warning": r.decided_why})
         _warn_disk(w, r, opts, say)

@@ -191,6 +191,7 @@ class Judge:
     def _seen(self, report: Report) -> Report:
         if report.state != self.state:
             self.since = report.time
+            self.state = report.state
         report.since = self.since
         return report
 
