@@ -33,7 +33,7 @@ import time
 from . import probe
 from .common import append_jsonl, read_int, read_json, scrub_secrets, start_time, write_atomic
 from .procs import close_session
-from .supervision import BEAT, SPEC, STATE, VERDICT
+from .supervision import BEAT, SPEC, STATE, VERDICT, reserve_final, write_final
 
 MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 60.0
 
@@ -132,8 +132,14 @@ class Supervisor:
         """Recorded where every asker reads it (verdict.json's `gave_up`): nobody restarts this attempt after."""
         self.gave_up = why
         self.write_verdict(r, why)
+        ended = f"{r.state}: {why}"
+        with contextlib.suppress(OSError):  # in place, into space taken at the start: it holds on a full disk
+            write_final(self.run, {"time": r.time, "state": r.state, "reason": r.reason, "evidence": r.evidence[:12],
+                                   "advice": r.advice, "step": r.step, "restarts": self.restarts,
+                                   "attempt_start": self.h.started_at, "by": "supervisor", "gave_up": why,
+                                   "ended": ended})  # fmt: skip
         self.event({"decision": "no_restart", "after": r.state, "why": why})
-        return f"{r.state}: {why}"
+        return ended
 
     def restart(self, r) -> str | None:
         """One remote restart. None: go on watching; else why the watch ends."""
@@ -247,6 +253,8 @@ def main() -> int:
         return 1
     if fd is None:
         return 0  # one supervisor per run dir: the one already running keeps the watch
+    with contextlib.suppress(OSError):
+        reserve_final(run_dir)
     me = os.getpid()
     record = {"pid": me, "start": start_time(me), "started_at": time.time()}
     sup = Supervisor(run_dir, spec)
