@@ -89,6 +89,8 @@ def run(
             if move.refused and r.decided_by == HERE:
                 say(f"not restarted: {move.why}")
                 w.log_event({"decision": "no_restart", "after": r.state, "why": move.why})
+            elif move.refused:  # the supervisor's decision, shown
+                say(f"not restarted: {r.decided_why}")
             if w.unsaid:  # the refused restart's reason, in a last record of the same verdict (`--json` sees it)
                 emit(w, r, w.record(r))
             return r
