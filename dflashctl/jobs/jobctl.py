@@ -382,8 +382,8 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     if r.state != "UNREACHABLE":  # a silent scheduler concludes nothing: the record keeps its last state
         registry.update(job.id, state=r.state, reason=r.reason)
     fig = snap.get("figures") if isinstance(snap.get("figures"), dict) else {}
-    if isinstance(fig.get("last_loss"), (int, float)):  # one look reads the metrics in part: the file's newest
-        r.loss = fig["last_loss"]
+    if isinstance(fig.get("step"), int):  # one look reads the metrics in part: the file's newest, as `report`'s
+        r.step, r.loss = fig["step"], fig.get("last_loss")
     return _status_record(
         r, picked=picked, run_dir=job.run_dir, nodes=nodes,
         alive=bool(alive), session="alive" if alive else ("dead" if pane.get("exists") else "gone"),
