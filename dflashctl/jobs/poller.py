@@ -210,7 +210,7 @@ class NodesWatcher(Watcher):
         head = reports[0]
         head.state, head.reason, head.evidence, head.advice, head.step = v.state, v.reason, v.evidence, v.advice, \
             v.step if v.step is not None else head.step  # fmt: skip
-        return self.judge._seen(head)
+        return self.judge.note_state(head)
 
     def restart_remote(self, attempt: int, state: str = "") -> control.RestartOutcome:
         outcome = control.restart_all(self.job, lambda h: open_runner(h, self.accept_new), attempt,

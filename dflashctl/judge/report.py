@@ -134,7 +134,7 @@ class Judge:
         self._apply_supervisor(report, mono_now)
         if mono_now is not None:
             self.last_look = mono_now
-        return self._seen(report)
+        return self.note_state(report)
 
     def failed_look(self, reachable: bool, why: str) -> Report:
         """A look that got no snapshot: the host did not answer (UNREACHABLE, the last state kept), or it answered
@@ -146,7 +146,7 @@ class Judge:
             self.h.last_state = known or self.h.last_state or self.last_state
         report = self._report(assess(self.h, self.th))
         self.h.reachable, self.h.probe_error = True, None
-        return self._seen(report)
+        return self.note_state(report)
 
     def _keep(self, out: Folded) -> None:
         self.tps_all.extend(out.new_tps)
@@ -188,7 +188,7 @@ class Judge:
                       self.tau_set, self.eta_s(), list(self.gpus), self.restarts, self.max_restarts,
                       h.stop_request is not None)  # fmt: skip
 
-    def _seen(self, report: Report) -> Report:
+    def note_state(self, report: Report) -> Report:
         if report.state != self.state:
             self.since = report.time
             self.state = report.state
