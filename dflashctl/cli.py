@@ -1,11 +1,8 @@
 """The `dflashctl` command line: thin commands that parse, call one library function and render the result.
 
 Exit codes: 0 success; 1 a remote command or check failed; 2 bad input (config, host, host key, unreachable host).
-`watch`, `status`, `diagnose` and a `kill` of an ended job exit with the state's code (judge/states.py): 0 FINISHED,
-RUNNING, STARTING, STOPPING, PENDING; 10 CRASHED; 11 OOM; 12 NCCL_TIMEOUT; 13 STALLED; 14 DENSE_FALLBACK;
-15 RECOMPILE_LIMIT; 16 LOST; 17 CONFIG_ERROR; 18 UNREACHABLE; 19 PROBE_FAILED; 20 KILLED; 21 KILL_FAILED;
-22 DIVERGED; 23 GPU_FAULT; 24 HOST_OOM; 25 DISK_FULL; 26 TIMEOUT; 27 PREEMPTED; 28 NODE_FAIL; 29 CANCELLED;
-30 INCOMPLETE (`diagnose`: no failure and no normal end); 31 NCCL_ERROR; 130 Ctrl-C.
+`watch`, `status`, `diagnose` and a `kill` of an ended job exit with the state's code, from the one state table
+(judge/facts.py: `dflashctl watch --help` lists them); 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -24,6 +21,7 @@ from typer._click.types import IntParamType, StringParamType  # noqa: E402 - typ
 
 from dflashctl import __version__  # noqa: E402
 from dflashctl.errors import EXIT_FAILED, EXIT_USAGE, DflashError  # noqa: E402
+from dflashctl.judge.facts import exit_codes_help  # noqa: E402 - the state table: light, stdlib only
 
 # Everything else is imported inside the command that needs it: `--help` and `ls` must not pay for paramiko.
 
@@ -229,7 +227,7 @@ def kill(
     (or with --yes). A job that had already ended keeps its verdict, and the exit code is that state's."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
-    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.judge.facts import EXIT_BY_STATE
     from dflashctl.show.render import err, out, print_json
 
     def confirm(record) -> bool:
@@ -268,13 +266,13 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
     state's code, as `watch --once` does."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
-    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.judge.facts import EXIT_BY_STATE
     from dflashctl.show.render import err, out, print_json
 
     st = jobctl.status(job, str(find_project_root()), accept_new)
     code = EXIT_BY_STATE.get(st["state"], EXIT_FAILED)
     if as_json:
-        print_json(st)
+        print_json(st)  # the Report's schema (docs/cli-json.md)
         raise typer.Exit(code)
     if job is None:
         how = {"kill_failed": "whose kill failed", "live": "the newest alive", "newest": "the newest"}[st["picked"]]
@@ -293,13 +291,12 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
     exit_code = f"exit code {st['exit_code']}" if st["exit_code"] is not None else "no exit code yet"
     out.print(f"[bold]{st['id']}[/] on {st['host']}: session {st['session']}, {exit_code}, {up}, "
               f"{st['processes']} processes, restarts {st['restarts']}")  # fmt: skip
-    r = st["last_step"]
-    if r and isinstance(r.get("step"), int):
-        loss = f", loss {st['first_loss']:.4f} → {st['last_loss']:.4f}" if st["last_loss"] is not None else ""
+    if isinstance(st["step"], int):
+        loss = f", loss {st['first_loss']:.4f} → {st['loss']:.4f}" if None not in (st["first_loss"], st["loss"]) else ""
         tps = f", {st['mean_tokens_per_s']:,.0f} tok/s (mean)" if st["mean_tokens_per_s"] is not None else ""
         tau = f", tau {st['tau']:.3f} on {st['tau_set']}" if st["tau"] is not None else ""
         took = f" in {st['elapsed_s']:.0f} s" if st["elapsed_s"] is not None else ""
-        out.print(f"step {r['step']}{took}{loss}{tps}{tau}")
+        out.print(f"step {st['step']}{took}{loss}{tps}{tau}")
     ev = st["last_event"]
     if ev:
         fields = ", ".join(f"{k} {v}" for k, v in ev.items() if k not in ("event", "time", "config") and
@@ -362,17 +359,17 @@ def report(
 
         out.print(Text.from_ansi(plots.terminal(runs, min(80, out.width))))
     for s in summaries:
-        loss = "no step yet" if s["steps"] is not None else "no step records"
-        if s["last_loss"] is not None:
-            loss = f"loss {s['first_loss']:.4f} → {s['last_loss']:.4f} (min {s['min_loss']:.4f})"
+        loss = "no step yet" if s["step"] is not None else "no step records"
+        if s["loss"] is not None:
+            loss = f"loss {s['first_loss']:.4f} → {s['loss']:.4f} (min {s['min_loss']:.4f})"
         if s["nonfinite_steps"]:
             loss += f", NaN/inf from step {s['nonfinite_from_step']} ({s['nonfinite_steps']} steps)"
         if s["malformed_records"]:
             loss += f", {s['malformed_records']} records skipped"
         tau = f", best tau {s['best_tau']:.2f} on {s['best_tau_set']}" if s["best_tau"] is not None else ""
         tps = f", {s['mean_tokens_per_s']:,.0f} tok/s" if s["mean_tokens_per_s"] else ""
-        steps = f"{s['steps']} steps" if s["steps"] is not None else "no steps (a command job)"
-        out.print(f"{s['job']}: {steps} in {s['elapsed_s'] or 0:.0f} s, {loss}{tps}{tau}, restarts "
+        steps = f"{s['step']} steps" if s["step"] is not None else "no steps (a command job)"
+        out.print(f"{s['id']}: {steps} in {s['elapsed_s'] or 0:.0f} s, {loss}{tps}{tau}, restarts "
                   f"{s['restarts']}, {s['gpu_hours'] or 0:.2f} GPU-hours", markup=False, highlight=False)
 
 
@@ -642,7 +639,16 @@ def logs(
         raise typer.Exit(EXIT_FAILED)
 
 
-@app.command()
+WATCH_HELP = (
+    "Follow a job: a verdict per poll (state, reason, evidence); restarts and notifications are the job's "
+    "supervisor's, or this watch's where no supervisor answers.\n\n"
+    "Stops at FINISHED or at a failure nobody will restart. Exit code by that state: "
+    f"{exit_codes_help()}; 130 Ctrl-C. UNREACHABLE ends the watch after 10 minutes, unless --until-done. "
+    "docs/watch.md lists every state with an example line."
+)
+
+
+@app.command(help=WATCH_HELP)
 def watch(
     job: str | None = JobArg,
     interval: float | None = typer.Option(None, "--interval", metavar="S",
@@ -652,18 +658,11 @@ def watch(
     as_json: bool = Flag("--json", help="One verdict object per poll on stdout, nothing else."),
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Follow a job: a verdict per poll (state, reason, evidence), restarts and notifications by its policy.
-
-    Stops at FINISHED or at a failure it will not restart. Exit code by that state: 0 FINISHED (and RUNNING or
-    STARTING with --once); 10 CRASHED; 11 OOM; 12 NCCL_TIMEOUT; 13 STALLED; 14 DENSE_FALLBACK; 15 RECOMPILE_LIMIT;
-    16 LOST; 17 CONFIG_ERROR; 18 UNREACHABLE (after 10 minutes, unless --until-done); 19 PROBE_FAILED;
-    20 KILLED; 21 KILL_FAILED; 22 DIVERGED; 23 GPU_FAULT; 24 HOST_OOM; 25 DISK_FULL; 26 TIMEOUT; 27 PREEMPTED;
-    28 NODE_FAIL; 29 CANCELLED; 31 NCCL_ERROR; 130 Ctrl-C. docs/watch.md lists every state with an example line.
-    """
+    """Follow a job: a verdict per poll (state, reason, evidence), restarts and notifications by its policy."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
     from dflashctl.jobs import watch as watching
-    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.judge.facts import EXIT_BY_STATE
     from dflashctl.show import view
     from dflashctl.show.render import err, out, print_json
 
@@ -677,7 +676,7 @@ def watch(
     )
     try:
         if as_json:
-            v = watching.run(w, opts, lambda _w, _v, rec: print_json(rec.model_dump()), say=say)
+            v = watching.run(w, opts, lambda _w, _v, rec: print_json(rec.to_dict()), say=say)
         elif not out.is_terminal:  # piped, tee'd, nohup: one plain line per poll, as it happens
             v = watching.run(w, opts, lambda _w, _v, rec: out.print(view.line(rec), markup=False), say=say)
         else:
@@ -742,7 +741,7 @@ def diagnose(
     logs are read from the tail in bounded memory; gzip'd logs and stdin are streamed in the same bound.
     """
     from dflashctl.judge.diagnosis import diagnose_lines
-    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.judge.facts import EXIT_BY_STATE
     from dflashctl.show.render import out, print_json
 
     v = diagnose_lines(_read_stdin() if log_file == "-" else _read_log(log_file))
@@ -763,8 +762,7 @@ def _filtered(jobs: list, states: list[str] | None, host: str | None, name: str 
     import fnmatch
 
     from dflashctl.errors import ConfigError
-    from dflashctl.judge.health import FAILURES
-    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.judge.facts import EXIT_BY_STATE, FAILURES
 
     wanted: set[str] = set()
     for st in states or []:

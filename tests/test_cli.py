@@ -257,15 +257,15 @@ def test_every_commands_help_reads_well_at_80_columns():
 
 def test_the_plain_watch_line_says_each_thing_once():
     from dflashctl.jobs.watch import PollRecord
+    from dflashctl.judge.report import Report
     from dflashctl.show.view import line
 
-    base = dict(time=0.0, id="j", job="j", host="h", advice=None, since=0.0, epoch=0, loss=2.0, eta_s=None,
-                restarts=0, gpus=[], remote_commands=1)  # fmt: skip
-    running = PollRecord(**base, state="RUNNING", reason="step 391, 19,147 tok/s, loss 4.6456", evidence=["x"],
-                         step=391, tokens_per_s=19147.0)  # fmt: skip
+    base = dict(id="j", host="h", time=1.0, since=0.0, epoch=0, loss=2.0)
+    running = PollRecord(Report(**base, state="RUNNING", reason="step 391, 19,147 tok/s, loss 4.6456",
+                                evidence=["x"], step=391, tokens_per_s=19147.0), 1)  # fmt: skip
     text = line(running)
     assert text.count("391") == 1 and text.count("tok/s") == 1, text
-    done = PollRecord(**base, state="FINISHED", reason="exit 0 at step 1000", evidence=["exit_code 0, step 1000"],
-                      step=1000, tokens_per_s=6717.0)  # fmt: skip
+    done = PollRecord(Report(**base, state="FINISHED", reason="exit 0 at step 1000",
+                             evidence=["exit_code 0, step 1000"], step=1000, tokens_per_s=6717.0), 1)  # fmt: skip
     text = line(done)
     assert text.count("1000") == 1 and "tok/s" not in text, text

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from dflashctl.judge.assess import History, Thresholds, assess, classify_log
 from dflashctl.judge.diagnosis import diagnose_text
-from dflashctl.judge.health import History, Thresholds, assess, classify_log
 
 LOGS = Path(__file__).resolve().parent / "logs"  # the corpus: one folder per state
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.judge.states import EXIT_BY_STATE
+from dflashctl.judge.facts import EXIT_BY_STATE
 from tests.conftest import run_cli, tmpfs
 from tests.test_launch import cli_json, status_json, write_project
 from tests.test_watch import ROOT, box, launch, watch_json, write_job  # noqa: F401 - box is a fixture

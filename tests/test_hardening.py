@@ -19,7 +19,7 @@ import pytest
 from dflashctl.agent import probe
 from dflashctl.agent.common import locked
 from dflashctl.jobs.watch import Watcher
-from dflashctl.judge.health import assess
+from dflashctl.judge.assess import assess
 from dflashctl.model.jobfile import WatchConfig
 from dflashctl.model.record import JobRecord
 from dflashctl.remote import sync
@@ -109,9 +109,9 @@ def test_malformed_metrics_and_heartbeats_are_skipped_and_counted(tmp_path):
         (run / "heartbeat").write_text(hb)
         w = make_watcher()
         snap = snapshot(run)
-        w.fold(snap)
+        w.judge.take(snap)
         w.history.session_exists, w.history.started_at = True, now - 10
-        v = assess(w.history, w.thresholds)
+        v = assess(w.history, w.judge.th)
         assert v.state == "RUNNING" and w.history.last_step == 4 and w.tau is None, (hb, v)
         assert snap["metrics"]["malformed"] == 5 and w.history.malformed >= 6
         assert any("malformed" in e for e in v.evidence)
@@ -128,9 +128,9 @@ def test_a_heartbeat_from_the_future_cannot_keep_a_frozen_job_running(tmp_path):
     for _ in range(3):
         snap = snapshot(run)
         assert snap["heartbeat"]["future"] and snap["heartbeat"]["age_s"] is None
-        w.fold(snap)
+        w.judge.take(snap)
         w.history.session_exists, w.history.started_at = True, time.time() - 5
-        states.append(assess(w.history, w.thresholds).state)
+        states.append(assess(w.history, w.judge.th).state)
         time.sleep(0.7)
     assert states[0] != "STALLED" and states[-1] == "STALLED", states
 

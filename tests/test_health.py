@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.judge.health import History, Thresholds, assess, classify_log
+from dflashctl.judge.assess import History, Thresholds, assess, classify_log
 
 LOGS = Path(__file__).resolve().parent / "logs"  # the corpus: one folder per state
 

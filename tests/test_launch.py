@@ -58,7 +58,7 @@ def cli_json(*args: str) -> dict | list:
 
 def status_json(job_id: str, cwd: Path | None = None) -> dict:
     """`status --json`: its exit code is the state's, as for `watch --once`."""
-    from dflashctl.judge.states import EXIT_BY_STATE
+    from dflashctl.judge.facts import EXIT_BY_STATE
 
     res = run_cli("status", job_id, "--json", cwd=cwd)
     st = json.loads(res.stdout)
@@ -217,7 +217,7 @@ def test_demo_trainer_job(client, tmp_path, monkeypatch, host):
     follow = run_cli("logs", job_id, "-f", cwd=ROOT, timeout=600)
     assert follow.code == 0 and "finished: 40 steps" in follow.stdout and "tau" in follow.stdout
     st = status_json(job_id, ROOT)
-    assert st["exit_code"] == 0 and st["last_step"]["step"] == 40 and st["last_event"]["event"] == "finished"
+    assert st["exit_code"] == 0 and st["step"] == 40 and st["last_event"]["event"] == "finished"
     assert st["state"] == "FINISHED" and st["tau"] is not None and st["tau_set"] == "holdout"
     assert os.path.exists(f"{st['run_dir']}/checkpoints")
 

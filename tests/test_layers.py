@@ -54,10 +54,19 @@ def test_the_remote_agent_is_one_package_of_the_standard_library_and_itself():
     assert not (ROOT / "dflashctl" / "remote" / "probe.py").exists()  # one agent, not three shipped alone
 
 
+IMPURE_MODULES = {"os", "time", "subprocess", "socket", "shutil", "pathlib", "io", "datetime", "random"}
+IMPURE_CALLS = {"open", "input", "print", "exec", "eval", "__import__"}
+
+
 def test_the_judge_is_pure():
+    """No I/O and no clock in judge/: `now` and every elapsed time are passed in, by whoever measures them."""
     for path in (ROOT / "dflashctl" / "judge").glob("*.py"):
         outside = {m for m in imports(path) if m.split(".")[0] not in STDLIB | {"__future__"}}
         assert all(m.startswith("dflashctl.judge") for m in outside), (path.name, outside)
+        assert not {m.split(".")[0] for m in imports(path)} & IMPURE_MODULES, path.name
+        calls = {n.func.id for n in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}  # fmt: skip
+        assert not calls & IMPURE_CALLS, (path.name, calls & IMPURE_CALLS)
 
 
 def test_dflashctl_and_the_trainer_never_import_each_other():

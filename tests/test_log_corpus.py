@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from dflashctl.judge.assess import assess
 from dflashctl.judge.diagnosis import diagnose_lines, diagnose_text
-from dflashctl.judge.health import History, Thresholds, assess
+from dflashctl.judge.facts import EXIT_BY_STATE, History, Thresholds
 from dflashctl.judge.logs import SIG, SIGNATURES, classify_log, strip_prefix
-from dflashctl.judge.states import EXIT_BY_STATE
 from dflashctl.logfile import LogFileError, read_log
 
 CORPUS = Path(__file__).resolve().parent / "logs"

@@ -159,50 +159,39 @@ def two_node_record():
                      members=members)  # fmt: skip
 
 
-def test_the_first_node_to_fail_is_named_not_the_one_that_lost_its_peer(client, monkeypatch):
-    """Both nodes crashed in the same poll: the head's log shows gloo losing its peer, node b's the real error."""
-    from dflashctl.jobs.watch import make_watcher
-    from dflashctl.judge.health import Verdict
+def test_the_first_node_to_fail_is_named_not_the_one_that_lost_its_peer():
+    """Both nodes crashed in the same poll: the head's log shows gloo losing its peer, node b's the real error
+    (judge/nodes.combine, pure: the looker's monotonic `now` is passed in)."""
+    from dflashctl.judge.facts import Verdict
+    from dflashctl.judge.nodes import Node, combine
 
-    job = two_node_record()
-    w = make_watcher(job)
-    w.tail.extend(["RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer."])
-    w.others[0].tail.extend(["RuntimeError: injected fault at step 5"])
-    w.history.exit_time, w.others[0].history.exit_time = 100.0, 100.5  # the head even wrote its exit code first
-    v = w.combine([Verdict("CRASHED", "ChildFailedError (exit 1)"), Verdict("CRASHED", "ChildFailedError (exit 1)")])
+    crash = Verdict("CRASHED", "ChildFailedError (exit 1)")
+    # the head even wrote its exit code first
+    v = combine([Node("nodea", crash, lost_peer=True, exit_time=100.0), Node("nodeb", crash, exit_time=100.5)], {},
+                50.0)  # fmt: skip
     assert v.state == "CRASHED" and v.reason.startswith("node nodeb:")
-    v = w.combine([Verdict("RUNNING", "step 3"), Verdict("UNREACHABLE", "no route")])
+    v = combine([Node("nodea", Verdict("RUNNING", "step 3")), Node("nodeb", Verdict("UNREACHABLE", "no route"))], {},
+                50.0)  # fmt: skip
     assert v.state == "RUNNING" and any("node nodeb: UNREACHABLE" in e for e in v.evidence)
 
 
-def test_a_node_that_only_lost_its_peer_waits_for_the_peer_to_say_why(client, monkeypatch):
+def test_a_node_that_only_lost_its_peer_waits_for_the_peer_to_say_why():
     """Seen on a loaded machine: the head's torchrun ended (peer lost) a poll before node b's, which had the real
     error. The head's lost peer is not called the failure while node b still runs, for up to PEER_GRACE_S; node b's own
     crash, seen later, is then named; and a lost peer with no failing peer is named once the grace is over."""
-    from dflashctl.jobs import watch
-    from dflashctl.jobs.watch import make_watcher
-    from dflashctl.judge.health import Verdict
+    from dflashctl.judge.facts import Verdict
+    from dflashctl.judge.nodes import PEER_GRACE_S, Node, combine
 
-    job = two_node_record()
-    w = make_watcher(job)
-    w.tail.extend(["RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29086.",
-                   *(f"  frame {k}" for k in range(40)), "ChildFailedError:"])  # fmt: skip
-    w.history.exit_time = 100.0
-    clock = [1000.0]
-    monkeypatch.setattr(watch.time, "time", lambda: clock[0])
-    head_crash = Verdict("CRASHED", "ChildFailedError (exit 1)")
-    v = w.combine([head_crash, Verdict("RUNNING", "step 4")])
+    head_crash = Node("nodea", Verdict("CRASHED", "ChildFailedError (exit 1)"), lost_peer=True, exit_time=100.0)
+    bad_since: dict = {}
+    v = combine([head_crash, Node("nodeb", Verdict("RUNNING", "step 4"))], bad_since, 1000.0)
     assert v.state == "RUNNING" and "nodea lost a peer; waiting for nodeb" in v.reason
-    clock[0] += 2
-    w.others[0].tail.extend(["RuntimeError: injected fault at step 5"])
-    w.others[0].history.exit_time = 101.0
-    v = w.combine([head_crash, Verdict("CRASHED", "RuntimeError: injected fault at step 5")])
+    fault = Verdict("CRASHED", "RuntimeError: injected fault at step 5")
+    v = combine([head_crash, Node("nodeb", fault, exit_time=101.0)], bad_since, 1002.0)
     assert v.state == "CRASHED" and v.reason.startswith("node nodeb:"), v.reason
 
-    w2 = make_watcher(job)
-    w2.tail.extend(["RuntimeError: Connection closed by peer"])
-    v = w2.combine([head_crash, Verdict("RUNNING", "step 4")])
+    bad_since = {}
+    v = combine([head_crash, Node("nodeb", Verdict("RUNNING", "step 4"))], bad_since, 2000.0)
     assert v.state == "RUNNING"
-    clock[0] += watch.PEER_GRACE_S + 1
-    v = w2.combine([head_crash, Verdict("RUNNING", "step 4")])
+    v = combine([head_crash, Node("nodeb", Verdict("RUNNING", "step 4"))], bad_since, 2000.0 + PEER_GRACE_S + 1)
     assert v.state == "CRASHED" and v.reason.startswith("node nodea:")

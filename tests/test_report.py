@@ -73,9 +73,9 @@ def test_series_and_summary_from_one_history_answer(tmp_path):
     assert [round(b - a, 1) for a, b in s.preflight] == [12.5, 12.5]  # to the slower rank's record
     assert set(s.gpu) == {0, 1} and len(s.gpu[0]["time"]) == truth["gpu_samples"]
     sm = report.summary(s, hist, gpus_asked=1)
-    assert sm["steps"] == 300 and sm["restarts"] == 1 and sm["best_tau"] == 4.0 and sm["best_tau_set"] == "gsm8k"
+    assert sm["step"] == 300 and sm["restarts"] == 1 and sm["best_tau"] == 4.0 and sm["best_tau_set"] == "gsm8k"
     assert sm["first_loss"] == pytest.approx(8.0 * math.exp(-1 / 80) + 0.5)
-    assert sm["last_loss"] == pytest.approx(8.0 * math.exp(-300 / 80) + 0.5) == pytest.approx(sm["min_loss"])
+    assert sm["loss"] == pytest.approx(8.0 * math.exp(-300 / 80) + 0.5) == pytest.approx(sm["min_loss"])
     assert sm["gpus"] == 2 and sm["gpu_hours"] == pytest.approx(2 * sm["elapsed_s"] / 3600, abs=1e-3)
     assert sm["elapsed_s"] == pytest.approx(truth["last_time"] - T0, abs=0.2)
     # thinning keeps the shape of a long run and its last point
@@ -123,13 +123,13 @@ def test_report_through_the_cli_json_png_html(client, monkeypatch, tmp_path):
     res = run_cli("report", "one-2026", "two-2026", "--json")
     assert res.code == 0, res.stderr
     got = json.loads(res.stdout)
-    assert [j["job"] for j in got["jobs"]] == ["one-20261201T100000Z-aaaa", "two-20261201T100000Z-aaaa"]
-    assert set(got["jobs"][0]) >= {"steps", "elapsed_s", "first_loss", "last_loss", "min_loss", "mean_tokens_per_s",
+    assert [j["id"] for j in got["jobs"]] == ["one-20261201T100000Z-aaaa", "two-20261201T100000Z-aaaa"]
+    assert set(got["jobs"][0]) >= {"step", "elapsed_s", "first_loss", "loss", "min_loss", "mean_tokens_per_s",
                                    "best_tau", "restarts", "gpu_hours"}  # fmt: skip
     # `status` says the same numbers of the same run (one definition, over the whole metrics.jsonl)
     st = json.loads(run_cli("status", "one-20261201T100000Z-aaaa", "--json").stdout)
     one = got["jobs"][0]
-    for key in ("mean_tokens_per_s", "elapsed_s", "first_loss", "last_loss"):
+    for key in ("mean_tokens_per_s", "elapsed_s", "first_loss", "loss", "step"):
         assert st[key] == one[key] and st[key] is not None, (key, st[key], one[key])
     png = tmp_path / "r.png"
     res = run_cli("report", "one-2026", "--out", str(png))
@@ -196,9 +196,9 @@ def test_a_real_h200_run_reads_as_it_ran(tmp_path):
     recs = [json.loads(x) for x in (fixture / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "event" not in r]
     sm = report.summary(s, hist, 1)
-    assert sm["steps"] == 300 and sm["malformed_records"] == 0 and sm["gpus"] == 1
+    assert sm["step"] == 300 and sm["malformed_records"] == 0 and sm["gpus"] == 1
     assert sm["mean_tokens_per_s"] == pytest.approx(sum(r["tokens_per_s"] for r in steps) / 300, abs=0.1)
-    assert sm["first_loss"] == steps[0]["loss"] and sm["last_loss"] == steps[-1]["loss"]
+    assert sm["first_loss"] == steps[0]["loss"] and sm["loss"] == steps[-1]["loss"]
     assert len(sm["preflight_s"]) == 1 and 5 < sm["preflight_s"][0] < 60
     util = s.gpu[0]["util"]
     assert max(util) == 100 and min(util) == 0 and max(s.gpu[0]["power_w"]) > 600  # busy while training, idle after
@@ -228,7 +228,7 @@ def test_extreme_values_are_skipped_and_counted_and_a_nan_stretch_is_named(tmp_p
     assert summ["malformed_records"] == 3  # 1e308, 10**400 and step 10**30 skipped and counted
     assert summ["nonfinite_steps"] == 102 and summ["nonfinite_from_step"] == 200  # 200..300, and the NaN at 303
     assert any("NaN/inf from step 200" in m.label for m in s.markers)
-    assert summ["last_loss"] == pytest.approx(5.0 - 199 / 100)
+    assert summ["loss"] == pytest.approx(5.0 - 199 / 100)
     plots._close(plots.figure([s]))  # draws
     plots.write_png([s], tmp_path / "x.png")
     assert plots.terminal([s], 80)

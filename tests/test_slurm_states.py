@@ -14,7 +14,7 @@ import pytest
 
 from dflashctl.agent import slurm
 from dflashctl.config import HostConfig
-from dflashctl.judge.health import History, Thresholds, assess
+from dflashctl.judge.assess import History, Thresholds, assess
 from dflashctl.model.jobfile import JobConfig
 from dflashctl.remote import session
 from tests.conftest import run_cli

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.judge.states import EXIT_BY_STATE
+from dflashctl.judge.facts import EXIT_BY_STATE
 from tests.conftest import run_cli
 from tests.test_launch import alive, cli_json, status_json, wait_until, write_project
 from tests.test_safety import job_file, run_dir_of, starts
@@ -60,7 +60,8 @@ def test_a_crash_is_restarted_by_the_supervisor_after_the_laptops_watch_died(pro
     assert any(e.get("decision") == "no_restart" and "max_restarts" in e["why"] for e in events(run))
     st = status_json(job_id)
     assert st["state"] == "CRASHED" and "exit status 3" in st["reason"]
-    assert st["supervisor"] == {"alive": False, "ended": supervisor(run)["ended"]}
+    assert st["supervisor"]["alive"] is False and st["supervisor"]["ended"] == supervisor(run)["ended"]
+    assert st["gave_up"] is True and st["decided_by"] == "supervisor"  # its final word is everyone's
     assert "CRASHED" in supervisor(run)["ended"]
     # it ended for good: its secret is no longer at rest in any file of the run dir, and no dead pane is left
     assert not [f for f in run.rglob("*") if f.is_file() and b"hf_sup3r" in f.read_bytes()]

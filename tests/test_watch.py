@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.jobs.watch import PollRecord
 from tests.conftest import TEST_TMUX_SOCKET, run_cli
+from tests.json_names import json_names
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "T000SECRET/B111/xyzzy"
@@ -97,7 +97,7 @@ def watch_json(job_id: str, *extra: str, timeout: float = 400) -> tuple[int, lis
     res = run_cli("watch", job_id, "--json", *extra, cwd=ROOT, timeout=timeout)
     records = [json.loads(line) for line in res.stdout.splitlines()]
     for rec in records:
-        PollRecord.model_validate(rec)  # the documented schema
+        assert set(rec) <= json_names("watch"), set(rec) - json_names("watch")  # the documented schema
     return res.code, records, res.stderr
 
 
@@ -127,7 +127,7 @@ def test_clean_run_finishes_with_exit_0_and_notifies_without_leaking_the_secret(
         assert any("is FINISHED" in m["body"]["text"] for m in hook.received)
         assert all(m["path"] == f"/hooks/{SECRET}" for m in hook.received)
         once = run_cli("watch", job_id, "--once", "--json", cwd=ROOT)
-        assert once.code == 0 and PollRecord.model_validate(json.loads(once.stdout)).state == "FINISHED"
+        assert once.code == 0 and json.loads(once.stdout)["state"] == "FINISHED"
     finally:
         hook.shutdown()
 
@@ -141,7 +141,7 @@ def test_crash_is_restarted_and_resumes_from_the_checkpoint(box):
     assert "CRASHED" in seen and seen.index("CRASHED") < len(seen) - 1
     said = [e for r in records for e in r["events"]]  # the restart is said in --json, not only counted
     assert any(e["decision"] == "restart" and e["after"] == "CRASHED" and e["attempt"] == 1 for e in said), said
-    assert all(r["id"] == r["job"] == job_id for r in records)
+    assert all(r["id"] == job_id and "job" not in r for r in records)
     crashed = next(r for r in records if r["state"] == "CRASHED")
     assert "RuntimeError: injected fault at step 15" in crashed["evidence"][0]
     assert records[-1]["restarts"] == 1

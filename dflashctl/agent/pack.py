@@ -18,7 +18,7 @@ JUDGE = "judge"  # the pure judge (stdlib only, relative imports), shipped insid
 def _judge_dir(source_dir: str) -> str | None:
     """Where the judge's modules are: beside the agent's package in the source tree, or inside it (unpacked)."""
     for d in (os.path.join(source_dir, JUDGE), os.path.join(os.path.dirname(source_dir), JUDGE)):
-        if os.path.isfile(os.path.join(d, "health.py")):
+        if os.path.isfile(os.path.join(d, "facts.py")):
             return d
     return None
 

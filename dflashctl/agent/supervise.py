@@ -1,17 +1,23 @@
-"""Runs ON the remote beside a job: `python3 -S agent.pyz supervise RUN_DIR`. The job keeps its own watch.
+"""Runs ON the remote beside a job: `python3 -S agent.pyz supervise RUN_DIR`. The job's one decider.
 
 Started by the job's launcher (agent/launcher.py) in a session of its own, outside the job's process tree, so that
-a restart, which stops the old attempt's tree, does not stop it; one per run dir (an flock on `.supervisor.lock`:
-the launcher of every restarted attempt tries again, and the one already running keeps the watch). On its own clock
-it takes the same snapshot a poll takes (which keeps the run dir's progress history), folds and judges it with the
-same pure judge as `status` and `watch` (shipped inside the agent's zipapp), writes the verdict to `verdict.json`,
-and applies the job file's restart policy itself, through the same remote restart action under the run dir's lock:
-so it, any number of local watchers and a cron job restart a failed attempt once, never after a kill, never past
-`max_restarts`. Its decisions go to the run dir's `events.jsonl` with `"by": "supervisor"`. It ends when the job
-ends for good (a final state, the restart budget spent, a stop request), or when its run dir is gone.
+a restart, which stops the old attempt's tree, does not stop it; one per run dir (an flock on the run dir itself:
+removing a file cannot let a second one in; the launcher of every restarted attempt tries again, and the one
+already running keeps the watch). On its own monotonic clock it takes the same snapshot a poll takes (which keeps
+the run dir's progress history), asks the same pure Judge as `status` and `watch` (shipped inside the agent's
+zipapp), writes the verdict to `verdict.json` and a heartbeat to `supervisor.beat` every sample (a frozen process
+cannot: readers then take over), and applies the one restart policy (judge/policy.next_move) through the same
+remote restart action under the run dir's lock: so it, any number of local watchers and a cron job restart a
+failed attempt once, never after a kill, never past `max_restarts`. When it gives up, that is recorded in
+`verdict.json` (`gave_up`) and every reader says so and restarts nothing. Its decisions go to the run dir's
+`events.jsonl` with `"by": "supervisor"`, through `Supervisor.event`. It ends when the job ends for good (a final
+state, the restart budget spent, a stop request), or when its run dir is gone.
 
 What it is given (`supervise.json`, written at launch): the job's session, tag, tmux socket, restart arguments and
 its watch policy. Stdlib only, like all of the agent.
+
+A test may shift this process's wall clock (DFLASHCTL_TEST_WALL_SHIFT_FILE, read by `_test_wall_clock`): a real
+clock step needs privileges a test machine cannot spend. Only the shown stamps may move with it.
 """
 
 from __future__ import annotations
@@ -23,12 +29,11 @@ import os
 import signal
 import sys
 import time
-from collections import deque
 
 from . import probe
 from .common import append_jsonl, read_int, read_json, scrub_secrets, start_time, write_atomic
 from .procs import close_session
-from .supervision import LOCK, SPEC, STATE, VERDICT
+from .supervision import BEAT, SPEC, STATE, VERDICT, reserve_final, write_final
 
 MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 60.0
 
@@ -36,126 +41,150 @@ MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 60.0
 def _judge():
     """The pure judge: inside the zipapp it ships in the agent's package; from the source tree it is dflashctl's."""
     try:
-        from .judge import fold, health
+        from .judge import facts, policy, report
     except ImportError:
-        from ..judge import fold, health
-    return fold, health
+        from ..judge import facts, policy, report
+    return facts, policy, report
 
 
 class Supervisor:
     def __init__(self, run_dir: str, spec: dict) -> None:
-        fold, health = _judge()
-        self.fold, self.health = fold, health
+        facts, policy, report = _judge()
+        self.policy_mod, self.facts_ = policy, facts
         self.run, self.spec = run_dir, spec
         from .pack import own_archive
 
         self.agent = own_archive()  # what it was started from: the copy its restarts run is checked against it
         watch = spec.get("watch") if isinstance(spec.get("watch"), dict) else {}
         self.interval = min(MAX_INTERVAL_S, max(MIN_INTERVAL_S, float(watch.get("interval_s") or 60.0)))
-        self.restart_on = [s for s in watch.get("restart_on") or [] if isinstance(s, str)]
-        self.max_restarts = int(watch.get("max_restarts") or 0)
-        self.backoff_s = float(watch.get("backoff_s") or 0.0)
-        self.th = health.Thresholds.of(watch)  # the same thresholds `status` and `watch` judge with
+        self.policy = policy.Policy.of(watch)
         self.scheduled = spec.get("scheduler") == "slurm"
         # a Slurm job's supervisor runs on the login node: its GPUs are not the job's
         self.where = {"scheduler": "slurm", "gpus": False} if self.scheduled else {}
-        self.job = fold.Job([int(g) for g in spec.get("gpus") or [] if isinstance(g, int)], self.scheduled)
         self.restarts = read_int(os.path.join(run_dir, probe.RESTARTS)) or 0
+        self.judge = report.Judge(str(spec.get("job_id") or ""), "", facts.Thresholds.of(watch),
+                                  bool(spec.get("is_trainer")), float(spec.get("grace_s") or 40.0),
+                                  [g for g in spec.get("gpus") or [] if isinstance(g, int)], self.scheduled,
+                                  max_restarts=self.policy.max_restarts, restarts=self.restarts)  # fmt: skip
         self.state: str | None = None
-        self.failed_at: float | None = None
+        self.failed_at: float | None = None  # time.monotonic() when this failure was first seen
         self.stopping = False
-        self.reset()
+        self.beats = 0
+        self.gave_up: str | None = None
+
+    @property
+    def h(self):
+        return self.judge.h
 
     def reset(self) -> None:
-        self.h = self.health.History(started_at=0.0, is_trainer=bool(self.spec.get("is_trainer")),
-                                     kill_grace_s=float(self.spec.get("grace_s") or 40.0))  # fmt: skip
-        self.tail: deque = deque(maxlen=400)
-        self.log_offset = self.metrics_offset = 0
+        self.judge.reset()
         self.failed_at = None
 
     def request(self) -> dict:
         return {"run_dir": self.run, "session": self.spec.get("session"), "job_id": self.spec.get("job_id"),
-                "log_offset": self.log_offset, "metrics_offset": self.metrics_offset, "capture_lines": 40,
-                "job_gpus": self.job.gpus, "record_gpu": not self.spec.get("is_trainer") and not self.scheduled,
-                **self.where}  # fmt: skip
+                "log_offset": self.judge.log_offset, "metrics_offset": self.judge.metrics_offset,
+                "capture_lines": 40, "job_gpus": self.judge.job.gpus,
+                "record_gpu": not self.spec.get("is_trainer") and not self.scheduled, **self.where}  # fmt: skip
 
     def event(self, event: dict) -> None:
+        """The one place a decision is recorded (the run dir's events.jsonl, read by every asker)."""
         body = {"time": round(time.time(), 3), "by": "supervisor", **event}
         with contextlib.suppress(OSError):  # a full disk loses an event, never the watch
             append_jsonl(os.path.join(self.run, "events.jsonl"), [body])
 
+    def beat(self) -> None:
+        """The heartbeat: a counter rewritten every sample, with this machine's monotonic time (readers on this
+        machine compare it with their own monotonic now; readers elsewhere watch the counter on their own clock)."""
+        self.beats += 1
+        body = {"beat": self.beats, "mono": round(time.monotonic(), 3), "time": round(time.time(), 3),
+                "pid": os.getpid()}  # fmt: skip
+        with contextlib.suppress(OSError):
+            write_atomic(os.path.join(self.run, BEAT), json.dumps(body, separators=(",", ":")).encode())
+
     def look(self):
-        """One snapshot, folded and judged; the verdict written for every asker."""
+        """One snapshot, judged; the verdict written for every asker."""
         self.seen = self.facts()
         snap = probe.snapshot(self.request())
+        self.beat()
         if not snap.get("run_dir_exists"):
             return None
+        snap.pop("supervisor", None)  # its own word is what it is making now
         remote = snap.get("restarts")
         if isinstance(remote, int) and remote > self.restarts:  # a local watcher restarted it
             self.restarts = remote
             self.reset()
-        out = self.fold.fold(self.h, snap, self.job, self.tail, self.log_offset, self.metrics_offset, self.state)
-        self.log_offset, self.metrics_offset = out.log_offset, out.metrics_offset
-        v = self.health.assess(self.h, self.th)
-        body = {"time": snap["time"], "state": v.state, "reason": v.reason, "evidence": v.evidence[:12],
-                "advice": v.advice, "step": v.step, "restarts": self.restarts, "attempt_start": self.h.started_at,
-                "by": "supervisor", "pid": os.getpid()}  # fmt: skip
+        r = self.judge.take(snap, time.monotonic())
+        self.write_verdict(r)
+        if r.state != self.state:
+            self.event({"decision": "state", "state": r.state, "previous": self.state, "reason": r.reason,
+                        "evidence": r.evidence[:5]})  # fmt: skip
+            self.state = r.state
+        return r
+
+    def write_verdict(self, r, gave_up: str | None = None) -> None:
+        body = {"time": r.time, "state": r.state, "reason": r.reason, "evidence": r.evidence[:12],
+                "advice": r.advice, "step": r.step, "restarts": self.restarts, "attempt_start": self.h.started_at,
+                "by": "supervisor", "pid": os.getpid(), **({"gave_up": gave_up} if gave_up else {})}  # fmt: skip
         with contextlib.suppress(OSError):
             write_atomic(os.path.join(self.run, VERDICT), json.dumps(body, separators=(",", ":")).encode())
-        if v.state != self.state:
-            self.event({"decision": "state", "state": v.state, "previous": self.state, "reason": v.reason,
-                        "evidence": v.evidence[:5]})  # fmt: skip
-            self.state = v.state
-        return v
 
-    def restart(self, v) -> str | None:
-        """Apply the restart policy to a failed attempt. None: go on watching; else why the watch ends."""
-        if self.restarts >= self.max_restarts:
-            why = f"max_restarts ({self.max_restarts}) reached"
-            self.event({"decision": "no_restart", "after": v.state, "why": why})
-            return why
-        now = time.time()
-        if self.failed_at is None:
-            self.failed_at = now
-        if now - self.failed_at < self.backoff_s * (2**self.restarts):
-            return None
-        need = probe.restart_room_gib(v.state, self.h.checkpoint_gib)
-        ans = probe.restart({"run_dir": self.run, "session": self.spec.get("session"),
-                             "job_id": self.spec.get("job_id"), "attempt": self.restarts,
-                             "max_restarts": self.max_restarts, "grace_s": float(self.spec.get("grace_s") or 40.0),
-                             "python": sys.executable, "args": list(self.spec.get("args") or []),
-                             "min_free_gib": need, **self.where}, self.agent)  # fmt: skip
-        if ans.get("restarted"):
+    def give_up(self, r, why: str) -> str:
+        """Recorded where every asker reads it (verdict.json's `gave_up`): nobody restarts this attempt after."""
+        self.gave_up = why
+        self.write_verdict(r, why)
+        ended = f"{r.state}: {why}"
+        with contextlib.suppress(OSError):  # in place, into space taken at the start: it holds on a full disk
+            write_final(self.run, {"time": r.time, "state": r.state, "reason": r.reason, "evidence": r.evidence[:12],
+                                   "advice": r.advice, "step": r.step, "restarts": self.restarts,
+                                   "attempt_start": self.h.started_at, "by": "supervisor", "gave_up": why,
+                                   "ended": ended})  # fmt: skip
+        self.event({"decision": "no_restart", "after": r.state, "why": why})
+        return ended
+
+    def restart(self, r) -> str | None:
+        """One remote restart. None: go on watching; else why the watch ends."""
+        need = probe.restart_room_gib(r.state, self.h.checkpoint_gib)
+        ans = probe.restart_action({"run_dir": self.run, "session": self.spec.get("session"),
+                                    "job_id": self.spec.get("job_id"), "attempt": self.restarts,
+                                    "max_restarts": self.policy.max_restarts,
+                                    "grace_s": float(self.spec.get("grace_s") or 40.0), "python": sys.executable,
+                                    "args": list(self.spec.get("args") or []), "min_free_gib": need, **self.where},
+                                   self.agent)  # fmt: skip
+        if ans.get("restarted") or ans.get("raced"):
             self.restarts = int(ans["restarts"])
-            self.event({"decision": "restart", "after": v.state, "attempt": self.restarts, "reason": v.reason,
-                        **({"agent_replaced": True} if ans.get("agent_replaced") else {})})  # fmt: skip
+            self.judge.restarts = self.restarts
+            if ans.get("restarted"):
+                self.event({"decision": "restart", "after": r.state, "attempt": self.restarts, "reason": r.reason,
+                            **({"agent_replaced": True} if ans.get("agent_replaced") else {})})  # fmt: skip
             self.reset()
             self.state = "STARTING"
             return None
-        if "another watcher" in str(ans.get("why")):
-            self.restarts = int(ans.get("restarts") or self.restarts)
-            self.reset()
-            return None
-        self.event({"decision": "no_restart", "after": v.state, "why": ans.get("why")})
-        return str(ans.get("why"))
+        return self.give_up(r, str(ans.get("why")))
 
     def run_forever(self) -> str:
-        final = self.health.TERMINAL
         while not self.stopping:
-            v = self.look()
-            if v is None:
+            r = self.look()
+            if r is None:
                 return "the run dir is gone"
-            if self.h.stop_request is not None and v.state != "STOPPING":
-                return f"stopped: {v.state}"
-            if v.state in self.restart_on and self.h.stop_request is None:
-                why = self.restart(v)
+            now = time.monotonic()
+            failing = r.state in self.policy.restart_on
+            if failing and self.failed_at is None:
+                self.failed_at = now
+            elif not failing:
+                self.failed_at = None
+            move = self.policy_mod.next_move(r, self.restarts, self.policy, self.failed_at, now)
+            if move.kind == self.policy_mod.RESTART:
+                why = self.restart(r)
                 if why:
-                    return f"{v.state}: {why}"
-            elif v.state in final:
-                return v.state
-            deadline = time.monotonic() + self.interval
+                    return why
+                continue
+            if move.kind == self.policy_mod.GIVE_UP:
+                failed = move.refused or r.state in self.facts_.FAILURES  # its final word, for every asker
+                return self.give_up(r, move.why) if failed else move.why
+            wait = self.interval if move.wait_s is None else min(self.interval, move.wait_s)
+            deadline = time.monotonic() + wait
             while not self.stopping and time.monotonic() < deadline and not self.news():
-                time.sleep(min(0.2, self.interval))
+                time.sleep(min(0.2, wait))
         return "told to stop (SIGTERM)"
 
     def facts(self) -> tuple:
@@ -177,6 +206,37 @@ class Supervisor:
             return True
         return False
 
+
+def _test_wall_clock() -> None:
+    """Tests only: shift this process's wall clock by the seconds written in the file the variable names (read at
+    every call, so a test can step it while the supervisor runs). Monotonic time is never touched."""
+    path = os.environ.get("DFLASHCTL_TEST_WALL_SHIFT_FILE")
+    if not path:
+        return
+    real = time.time
+
+    def shifted() -> float:
+        try:
+            with open(path) as f:
+                return real() + float(f.read().strip() or 0)
+        except (OSError, ValueError):
+            return real()
+
+    time.time = shifted
+
+
+def lock_run_dir(run_dir: str) -> int | None:
+    """An exclusive flock on the run dir itself (an fd of the directory, held for the supervisor's life): no file
+    to remove, so no second supervisor. None: another holds it."""
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def main() -> int:
     run_dir = os.path.abspath(sys.argv[1]) if len(sys.argv) > 1 else ""
     spec = read_json(os.path.join(run_dir, SPEC))
@@ -185,14 +245,16 @@ def main() -> int:
         return 2
     if spec.get("tmux_socket"):
         probe.TMUX[2] = str(spec["tmux_socket"])
+    _test_wall_clock()
     try:
-        fd = os.open(os.path.join(run_dir, LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return 0  # one supervisor per run dir: the one already running keeps the watch
+        fd = lock_run_dir(run_dir)
     except OSError as e:
-        sys.stderr.write(f"dflashctl supervise: cannot lock {LOCK} in {run_dir}: {e.strerror}\n")
+        sys.stderr.write(f"dflashctl supervise: cannot lock the run dir {run_dir}: {e.strerror}\n")
         return 1
+    if fd is None:
+        return 0  # one supervisor per run dir: the one already running keeps the watch
+    with contextlib.suppress(OSError):
+        reserve_final(run_dir)
     me = os.getpid()
     record = {"pid": me, "start": start_time(me), "started_at": time.time()}
     sup = Supervisor(run_dir, spec)

@@ -4,12 +4,51 @@ agent/supervise.py, which imports the probe to take its snapshots: the launcher 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
+import time
 
 from .common import read_json, start_time
 
-SPEC, STATE, VERDICT, LOCK = "supervise.json", "supervisor.json", "verdict.json", ".supervisor.lock"
+SPEC, STATE, VERDICT, BEAT = "supervise.json", "supervisor.json", "verdict.json", "supervisor.beat"
+FINAL, FINAL_SIZE = "supervisor.final", 8192  # its last word, written in place into space taken at its start
+
+
+def reserve_final(run_dir: str) -> None:
+    """Take the space of the supervisor's last word now (blank): on a full disk a new file cannot be written, but
+    bytes already allocated can be overwritten. A new supervisor (a new attempt) blanks the previous one's."""
+    path = os.path.join(run_dir, FINAL)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        os.pwrite(fd, b" " * FINAL_SIZE, 0)
+    finally:
+        os.close(fd)
+
+
+def write_final(run_dir: str, body: dict) -> None:
+    """The supervisor's last word (gave up, with the verdict), over the reserved bytes: no new block needed."""
+    body = dict(body)
+    data = json.dumps(body, separators=(",", ":")).encode()
+    while len(data) > FINAL_SIZE and body.get("evidence"):
+        body["evidence"] = body["evidence"][:-1]
+        data = json.dumps(body, separators=(",", ":")).encode()
+    fd = os.open(os.path.join(run_dir, FINAL), os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        os.pwrite(fd, data[:FINAL_SIZE].ljust(FINAL_SIZE), 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def final(run_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(run_dir, FINAL), "rb") as f:
+            text = f.read(FINAL_SIZE + 1).strip()
+        body = json.loads(text) if text else None
+    except (OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
 AGENT_FILE = "agent.pyz"
 
 
@@ -45,8 +84,21 @@ def spawn(run_dir: str) -> None:
         os._exit(127)
 
 
+def heartbeat(run_dir: str) -> dict | None:
+    """The supervisor's heartbeat as this machine sees it: its counter, and its age on this machine's monotonic clock
+    (the supervisor's stamp and this reader's now, one clock: no wall clock in it). None: none written yet."""
+    beat = read_json(os.path.join(run_dir, BEAT))
+    if not isinstance(beat, dict) or not isinstance(beat.get("beat"), int):
+        return None
+    mono = beat.get("mono")
+    now = time.monotonic()
+    age = now - mono if isinstance(mono, (int, float)) and not isinstance(mono, bool) and mono <= now + 1 else None
+    return {"beat": beat["beat"], "age_s": round(max(0.0, age), 2) if age is not None else None}
+
+
 def state(run_dir: str) -> dict | None:
-    """What a probe reports of the supervisor: whether one is expected, alive (pid and start time), its verdict."""
+    """What a probe reports of the supervisor: whether one is expected, alive (pid and start time), its heartbeat,
+    its verdict."""
     if not os.path.isfile(os.path.join(run_dir, SPEC)):
         return None
     me = read_json(os.path.join(run_dir, STATE))
@@ -54,5 +106,10 @@ def state(run_dir: str) -> dict | None:
     pid, start = me.get("pid"), me.get("start")
     alive = isinstance(pid, int) and start is not None and start_time(pid) == start and not me.get("ended")
     verdict = read_json(os.path.join(run_dir, VERDICT))
+    last = final(run_dir)  # its last word, where it could write nothing else (a full disk)
+    if last is not None and last.get("gave_up"):
+        verdict = last
+        me["ended"] = me.get("ended") or last.get("ended")
+        alive = False  # it is ending, or has
     return {"alive": bool(alive), "pid": pid, "interval_s": me.get("interval_s"), "ended": me.get("ended"),
-            "verdict": verdict if isinstance(verdict, dict) else None}  # fmt: skip
+            "heartbeat": heartbeat(run_dir), "verdict": verdict if isinstance(verdict, dict) else None}  # fmt: skip

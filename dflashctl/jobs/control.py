@@ -76,6 +76,7 @@ class RestartOutcome:
     why: str = ""
     pane_pid: int | None = None
     slurm_job: str | None = None  # a Slurm job's new submission
+    raced: bool = False  # another decider restarted this attempt first (typed by the remote: never read from `why`)
 
 
 def restart(runner: Runner, job: JobRecord, attempt: int, min_free_gib: float | None = None) -> RestartOutcome:
@@ -89,7 +90,7 @@ def restart(runner: Runner, job: JobRecord, attempt: int, min_free_gib: float | 
            **session.scheduler_of(job)}  # fmt: skip
     ans = session.call_agent(runner, req, timeout=job.kill_grace_s + 150)
     return RestartOutcome(bool(ans.get("restarted")), int(ans.get("restarts", attempt)), ans.get("why", ""),
-                          ans.get("pane_pid"), ans.get("slurm_job"))  # fmt: skip
+                          ans.get("pane_pid"), ans.get("slurm_job"), ans.get("raced") is True)  # fmt: skip
 
 
 def each_member(job: JobRecord, open_runner: Callable[[HostConfig], Runner], fn: Callable[[Runner, JobRecord], object]):
@@ -136,5 +137,5 @@ def restart_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], att
     refused = [f"{rec.host_name}: {o.why}" for rec, o in zip(job.member_records(), outcomes, strict=True)
                if not o.restarted]  # fmt: skip
     if refused and head.restarted:
-        return RestartOutcome(False, head.restarts, "; ".join(refused), head.pane_pid)
+        return RestartOutcome(False, head.restarts, "; ".join(refused), head.pane_pid, raced=head.raced)
     return head

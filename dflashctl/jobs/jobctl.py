@@ -31,6 +31,7 @@ from dflashctl.jobs import verdict as verdicts
 from dflashctl.jobs.control import KillReport
 from dflashctl.jobs.poller import make_watcher
 from dflashctl.jobs.registry import JobRecord, Member
+from dflashctl.judge.report import Report
 from dflashctl.model.jobfile import load_job
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner
@@ -349,7 +350,7 @@ def kill(spec: str | None, project: str, grace_s: float | None = None, accept_ne
     ended = not job.live and job.state != "KILL_FAILED" and not report.found and report.clean
     if report.ended_before is not None and report.clean:  # it had ended by itself: that verdict stands
         st = status(job.id, project, accept_new)
-        report.verdict = {"state": st["state"], "reason": st["reason"], "evidence": st["evidence"]}
+        report.verdict = {k: st[k] for k in ("state", "reason", "evidence", "advice")}
         ended = True
     if not ended:
         registry.update(job.id, state=report.result, killed_at=time.time())
@@ -368,63 +369,57 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
                                                "figures": True})  # fmt: skip
     except UnreachableError as e:  # the same word `watch --once` says: UNREACHABLE, with the last state seen
         return unreachable_status(job, picked, str(e))
-    records = snap.get("metrics", {}).get("records", [])
-    steps = [r for r in records if "event" not in r]
-    events = [r for r in records if "event" in r]
-    evals = [r for r in events if r.get("event") == "eval" and isinstance(r.get("tau"), (int, float))]
+    events = [r for r in snap.get("metrics", {}).get("records", []) if isinstance(r, dict) and "event" in r]
     pane = snap["session"]
     alive = pane.get("exists") and not pane.get("pane_dead")
     nodes = None
     if job.members:  # every node, one call each, judged together (the head's call above gave the metrics)
         w = make_watcher(job, accept_new)
-        v = w.poll()
-        registry.update(job.id, state=v.state, reason=v.reason)
+        r = w.poll()
         nodes = [{"host": n.job.host_name, "state": st} for n, st in zip(w.nodes, w.node_states, strict=True)]
     else:
-        v, _ = verdicts.judge(job, snap)
-        if v.state != "UNREACHABLE":  # a silent scheduler concludes nothing: the record keeps its last state
-            registry.update(job.id, state=v.state, reason=v.reason)
-    sup = snap.get("supervisor") if isinstance(snap.get("supervisor"), dict) else None
+        r = verdicts.look(job, snap)
+    if r.state != "UNREACHABLE":  # a silent scheduler concludes nothing: the record keeps its last state
+        registry.update(job.id, state=r.state, reason=r.reason)
     fig = snap.get("figures") if isinstance(snap.get("figures"), dict) else {}
+    if isinstance(fig.get("step"), int):  # one look reads the metrics in part: the file's newest, as `report`'s
+        r.step, r.loss = fig["step"], fig.get("last_loss")
     return _status_record(
-        job, picked, v, nodes=nodes,
+        r, picked=picked, run_dir=job.run_dir, nodes=nodes,
         alive=bool(alive), session="alive" if alive else ("dead" if pane.get("exists") else "gone"),
         run_dir_exists=snap["run_dir_exists"], exit_code=snap.get("exit_code"),
-        last_step=steps[-1] if steps else None, last_event=events[-1] if events else None,
+        last_event=events[-1] if events else None,
         uptime_s=round(time.time() - job.launched_at, 1) if alive else None,
-        processes=len(snap.get("procs", [])), restarts=snap.get("restarts", job.restarts),
+        processes=len(snap.get("procs", [])),
         heartbeat_age_s=(snap.get("heartbeat") or {}).get("age_s"),
-        tau=evals[-1]["tau"] if evals else None,
-        tau_set=str(evals[-1].get("prompt_set") or "holdout")[:64] if evals else None,
         # the run's numbers over its whole metrics.jsonl, defined once (agent/files.figures) for status and report
-        **{k: fig.get(k) for k in ("mean_tokens_per_s", "first_loss", "last_loss", "elapsed_s")},
-        supervisor={"alive": bool(sup.get("alive")), "ended": sup.get("ended")} if sup else None,
+        **{k: fig.get(k) for k in ("mean_tokens_per_s", "first_loss", "elapsed_s")},
     )  # fmt: skip
 
 
-STATUS_KEYS = ("nodes", "id", "host", "run_dir", "picked", "alive", "session", "run_dir_exists", "exit_code",
-               "last_step", "last_event", "uptime_s", "processes", "state", "reason", "evidence", "advice",
-               "restarts", "heartbeat_age_s", "tau", "tau_set", "mean_tokens_per_s", "first_loss", "last_loss",
-               "elapsed_s", "supervisor", "last_state", "last_seen")  # fmt: skip
+STATUS_EXTRAS = ("run_dir", "picked", "nodes", "alive", "session", "run_dir_exists", "exit_code", "last_event",
+                 "uptime_s", "processes", "heartbeat_age_s", "mean_tokens_per_s", "first_loss", "elapsed_s",
+                 "last_state", "last_seen")  # fmt: skip
 
 
-def _status_record(job: JobRecord, picked: str, v, **known) -> dict:
-    """`status --json`: one schema whatever the look could say (every key there, null where it could not)."""
-    record = dict.fromkeys(STATUS_KEYS)
-    record.update(id=job.id, host=job.host_name, run_dir=job.run_dir, picked=picked, restarts=job.restarts,
-                  state=v.state, reason=v.reason, evidence=v.evidence, advice=v.advice)  # fmt: skip
+def _status_record(r: Report, **known) -> dict:
+    """`status --json`: the Report (the one schema of every command) and what only a one-shot look knows; every
+    key there, null where the look could not say."""
+    record = {**r.to_dict(), **dict.fromkeys(STATUS_EXTRAS)}
     record.update(known)
     return record
 
 
 def unreachable_status(job: JobRecord, picked: str, why: str) -> dict:
     """`status` of a job whose host does not answer: UNREACHABLE, with the last state recorded and when."""
-    from dflashctl.judge.health import ADVICE, Verdict
+    from dflashctl.judge.facts import ADVICE
 
     seen = job.since if isinstance(job.since, (int, float)) and job.since else None
     when = f", recorded {time.time() - seen:.0f} s ago" if seen else ""
-    v = Verdict("UNREACHABLE", why, [f"last state {job.state}{when}"], ADVICE["UNREACHABLE"])
-    return _status_record(job, picked, v, session="unknown", last_state=job.state, last_seen=seen)
+    r = Report(job.id, job.host_name, "UNREACHABLE", why, [f"last state {job.state}{when}"], ADVICE["UNREACHABLE"],
+               restarts=job.restarts, max_restarts=job.watch.max_restarts, decided_why="the host did not answer")
+    return _status_record(r, picked=picked, run_dir=job.run_dir, session="unknown", last_state=job.state,
+                          last_seen=seen)  # fmt: skip
 
 
 def histories(specs: list[str], project: str, accept_new: bool = False) -> list[tuple[JobRecord, dict]]:

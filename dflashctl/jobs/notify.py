@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import dataclass
 
-from dflashctl.judge.health import FAILURES
+from dflashctl.judge.facts import FAILURES
 from dflashctl.model.jobfile import redact_url as redact  # one redaction for every output
 
 

@@ -9,7 +9,7 @@ traceback it ends inside is named, with its rank and the last frame reached.
 
 from __future__ import annotations
 
-from .health import Verdict
+from .facts import Verdict
 from .logs import ADVICE, classify_log, cut_traceback, exit_line, normal_end_at, strip_prefix, this_attempt
 
 SIGKILL_EXITS = (137, -9)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .health import History
+from .facts import History
 
 
 def number(value) -> float | None:

@@ -13,48 +13,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-ADVICE = {
-    "DENSE_FALLBACK": "flex_attention ran, or was about to run, without compile: check TORCH_COMPILE_DISABLE, the "
-    "recompile limit and the preflight buckets. Not restarted: it would repeat.",
-    "RECOMPILE_LIMIT": "shapes vary more than the compiled buckets allow: fix the bucketing or raise "
-    "attention.recompile_limit. Not restarted: it would repeat.",
-    "OOM": "lower data.batch_size or anchors_per_seq, turn on drafter.activation_checkpointing, or drop the largest "
-    "bucket.",
-    "NCCL_TIMEOUT": "a rank hung or died inside a collective: read the other ranks' lines and check the GPUs; a "
-    "restart with --resume usually helps.",
-    "NCCL_ERROR": "the connection between ranks broke (a reset connection, an InfiniBand or socket error, a peer "
-    "gone): check the interconnect on the hosts named (`ibstat`, NCCL_SOCKET_IFNAME / NCCL_IB_HCA, the switch), then "
-    "restart with --resume; if it repeats on one host, leave that host out.",
-    "CRASHED": "fix the exception shown; where it was transient, a restart resumes from the newest checkpoint.",
-    "CONFIG_ERROR": "fix the config key, module or file named; the job did not start training. Not restarted: it "
-    "would repeat.",
-    "STALLED": "read `dflashctl logs` and dump the processes (py-spy); a restart resumes from the newest checkpoint.",
-    "LOST": "the tmux session or the run dir disappeared (reboot, or killed by someone): relaunch it.",
-    "UNREACHABLE": "the host does not answer; the job's last known state is kept until it does.",
-    "PROBE_FAILED": "the host answered but the probe failed there: check the host's `python:` setting and its "
-    "disk; the error is shown.",
-    "KILL_FAILED": "run `dflashctl kill` again on this job: it retries the same job and names what survived.",
-    "STOPPING": "a stop was requested (`dflashctl kill`); no watcher restarts this job.",
-    "DIVERGED": "the loss or the gradient norm is NaN/inf: lower optim.lr, check the data and the target's dtype; "
-    "resume from the checkpoint before the divergence (no non-finite one is kept). Not restarted by default: it "
-    "would diverge again.",
-    "GPU_FAULT": "a GPU failed in hardware (ECC, Xid, fallen off the bus): relaunch on other GPUs (`gpus:`) and have "
-    "the GPU checked (`nvidia-smi -q -d ECC,PAGE_RETIREMENT`). Never restarted onto that GPU.",
-    "HOST_OOM": "the host ran out of RAM and the kernel killed a rank: lower host RAM per rank (fewer dataloader "
-    "workers, smaller prefetch, no host copies of the target) or use fewer ranks per host.",
-    "DISK_FULL": "the run dir's file system is full: free space (old checkpoints, inductor caches) or lower "
-    "checkpoint.keep; not restarted while the disk is still full.",
-    "PENDING": "the job waits in Slurm's queue for the reason shown (Priority, Resources, ReqNodeNotAvail, ...); "
-    "`squeue --start -j ID` estimates when it starts.",
-    "TIMEOUT": "the job ran out of its wall time (sbatch --time): a restart resubmits it with --resume from the "
-    "newest checkpoint; ask for a longer `time:` to need fewer.",
-    "PREEMPTED": "the scheduler took the nodes for a job of higher priority: a restart resubmits with --resume.",
-    "NODE_FAIL": "a node of the allocation failed: a restart resubmits with --resume, excluding that node.",
-    "CANCELLED": "the Slurm job was cancelled outside dflashctl (scancel, an administrator): relaunch it if that was "
-    "not meant. Not restarted: someone stopped it on purpose.",
-    "INCOMPLETE": "the log shows no failure and no normal end: it was cut off, the job is still running, or it "
-    "ended in a way no signature knows. Read its last lines (`dflashctl logs`), or ask `dflashctl status`.",
-}
+from .facts import ADVICE  # the advice lives in the one state table
+
 # A SIGKILL that no kernel log confirms: the OOM killer is the usual sender, but not the only one
 SIGKILL_ADVICE = ("a process was killed by signal 9 (SIGKILL): confirm the OOM killer on that host (`dmesg -T | grep "
                   "-i -e oom -e 'killed process'`, `journalctl -k`); if it was, lower host RAM per rank (fewer "

@@ -172,13 +172,13 @@ def summary(s: RunSeries, hist: dict, gpus_asked: int) -> dict:
     gpus = len(s.gpu) or gpus_asked
     fig = hist.get("figures") if isinstance(hist.get("figures"), dict) else {}
     return {
-        "job": s.job,
-        "steps": s.steps[-1] if s.steps else None,
+        "id": s.job,  # the job's key, as `ls` and `status` name it
+        "step": s.steps[-1] if s.steps else None,
         "step_records": hist.get("step_records", len(s.steps)),
         # the run's own numbers where the agent gave them (the same definition `status` shows), else from the series
         "elapsed_s": fig.get("elapsed_s", round(elapsed, 1) if elapsed is not None else None),
         "first_loss": fig.get("first_loss", losses[0] if losses else None),
-        "last_loss": fig.get("last_loss", losses[-1] if losses else None),
+        "loss": fig.get("last_loss", losses[-1] if losses else None),  # the newest, as `status` names it
         "min_loss": min(losses) if losses else None,
         "mean_tokens_per_s": fig.get("mean_tokens_per_s", round(sum(tps) / len(tps), 1) if tps else None),
         "best_tau": best[1] if best else None,
@@ -193,6 +193,5 @@ def summary(s: RunSeries, hist: dict, gpus_asked: int) -> dict:
         "malformed_records": s.malformed,
         "nonfinite_steps": len(s.nonfinite_steps),
         "nonfinite_from_step": s.nonfinite_steps[0] if s.nonfinite_steps else None,
-        "id": s.job,  # the job's key, as `ls` and `status` name it (`job` kept for scripts that read it)
         "tau": s.evals[-1][1] if s.evals else None,  # the newest, as `status` gives it; best_tau beside it
     }

@@ -10,11 +10,9 @@ from rich.table import Table
 from rich.text import Text
 
 from dflashctl.jobs.poller import Watcher, sparkline
-from dflashctl.judge.health import Verdict
+from dflashctl.judge.facts import COLOURS  # the one state table's colours
+from dflashctl.judge.report import HERE, Report
 from dflashctl.show.render import neutralise
-
-COLOURS = {"RUNNING": "green", "STARTING": "cyan", "FINISHED": "bold green", "STALLED": "yellow",
-           "UNREACHABLE": "magenta"}  # fmt: skip
 
 
 def _duration(s: float | None) -> str:
@@ -24,10 +22,11 @@ def _duration(s: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def line(rec) -> str:
+def line(poll) -> str:
     """One poll as one line, for a watch whose output is not a terminal (a log file, a pipe)."""
-    when = time.strftime("%H:%M:%S", time.localtime(rec.time))
-    parts = [f"{when} {rec.job} {rec.state}: {rec.reason}"]
+    rec = poll.report
+    when = time.strftime("%H:%M:%S", time.localtime(rec.time or time.time()))
+    parts = [f"{when} {rec.id} {rec.state}: {rec.reason}"]
     if rec.step is not None and f"step {rec.step}" not in rec.reason:  # said once, not three times
         parts.append(f"step {rec.step}")
     if rec.tokens_per_s is not None and rec.state in ("RUNNING", "STARTING", "STALLED") and "tok/s" not in rec.reason:
@@ -35,7 +34,7 @@ def line(rec) -> str:
     said_already = rec.reason + " ".join(parts)
     if rec.state not in ("RUNNING", "STARTING", "FINISHED") and rec.evidence and rec.evidence[0] not in said_already:
         parts.append(f"evidence: {rec.evidence[0]}")
-    said = [describe(e) for e in rec.events if e.get("decision") != "notify"]
+    said = [describe(e) for e in poll.events if e.get("decision") != "notify"]
     return neutralise(" | ".join(parts + said))
 
 
@@ -53,7 +52,7 @@ def describe(event: dict) -> str:
     return str(what)
 
 
-def render(w: Watcher, v: Verdict, next_poll_s: float | None = None, log_lines: int = 8) -> Panel:
+def render(w: Watcher, v: Report, next_poll_s: float | None = None, log_lines: int = 8) -> Panel:
     h = w.history
     colour = COLOURS.get(v.state, "bold red")
     head = Text.assemble((f" {v.state} ", f"reverse {colour}"), "  ", v.reason)
@@ -68,6 +67,8 @@ def render(w: Watcher, v: Verdict, next_poll_s: float | None = None, log_lines: 
     tau = f"{w.tau:.2f} on {neutralise(w.tau_set or 'holdout')}" if w.tau else "-"
     stats.add_row("restarts", f"{w.restarts} of {w.cfg.max_restarts}", "tau", tau)
     parts: list = [head, stats]
+    if v.decided_by == HERE and v.supervisor is not None:  # the watch took over: said where the user looks
+        parts.append(Text(neutralise(v.decided_why), style="bold yellow"))
     if v.state not in ("RUNNING", "STARTING") and v.evidence:
         parts.append(Text(neutralise("\n".join(v.evidence[:6])), style=colour))
         if v.advice:

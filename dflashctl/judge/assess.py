@@ -1,16 +1,16 @@
 """Pure: from what the probes saw so far, decide what state a job is in, with the evidence and what to do next.
 
-No I/O here. `classify_log` reads any log text (a train.log, a tmux capture, a SLURM output); `assess` combines it with
-the snapshots' facts (pane, exit code, metrics records, heartbeat, throughput history) into a `Verdict`.
+No I/O here; the facts and the states are judge/facts.py's. `classify_log` reads any log text (a train.log, a tmux
+capture, a SLURM output); `assess` combines it with the
+snapshots' facts (pane, exit code, metrics records, heartbeat, throughput history) into a `Verdict`.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, field
 
+from .facts import ADVICE, TERMINAL, History, Thresholds, Verdict
 from .logs import (
-    ADVICE,
     CONSEQUENCE,
     SIG,
     START_ERRORS,
@@ -21,101 +21,10 @@ from .logs import (
     this_attempt,
 )
 
-SLURM_ENDS = ("TIMEOUT", "PREEMPTED", "NODE_FAIL", "CANCELLED")  # Slurm's own ends of a job, as states
-FAILURES = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "STALLED", "LOST",
-            "PROBE_FAILED", "KILL_FAILED", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL", *SLURM_ENDS,
-            "NCCL_ERROR")  # fmt: skip
-TERMINAL = ("FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT", "CRASHED", "CONFIG_ERROR", "LOST",
-            "PROBE_FAILED", "KILLED", "KILL_FAILED", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL",
-            *SLURM_ENDS, "NCCL_ERROR")  # fmt: skip
 STOP_RESULT_GRACE_S = 120.0  # after grace_s, how long a kill may take to record its result before it is presumed dead
 EARLY_S = 300.0  # a command job (no step records) counts as "before its first step" for this long
 SIGKILL_CODES = (-9, 137)
 PEER_LOST = SIG["peer_lost"].pattern  # a rank that died because a peer did
-
-
-@dataclass
-class Thresholds:
-    stall_after_s: float = 600.0
-    startup_budget_s: float = 3600.0
-    heartbeat_max_age_s: float = 120.0
-    throughput_floor: float | None = None
-    throughput_drop: float = 0.3
-    slow_polls: int = 3
-
-    @classmethod
-    def of(cls, watch: dict) -> Thresholds:
-        """From a job file's `watch` as a mapping (what the CLI validated, what the supervisor reads from the run
-        dir); a key left out or null keeps its default."""
-        d = cls()
-        floor = watch.get("throughput_floor")
-        return cls(float(watch.get("stall_after_s") or d.stall_after_s),
-                   float(watch.get("startup_budget_s") or d.startup_budget_s),
-                   float(watch.get("heartbeat_max_age_s") or d.heartbeat_max_age_s),
-                   float(floor) if isinstance(floor, (int, float)) else None,
-                   float(watch.get("throughput_drop") or d.throughput_drop),
-                   int(watch.get("slow_polls") or d.slow_polls))  # fmt: skip
-
-
-@dataclass
-class History:
-    """What the watcher has accumulated from the snapshots of one job (the remote's clock throughout)."""
-
-    started_at: float  # launch or last restart, remote clock
-    now: float = 0.0  # time of the newest snapshot
-    reachable: bool = True
-    session_exists: bool = True
-    pane_dead: bool = False
-    pane_status: int | None = None
-    run_dir_exists: bool = True
-    exit_code: int | None = None
-    is_trainer: bool = True
-    last_step: int | None = None
-    last_step_time: float | None = None  # `time` of the newest step record
-    epoch: int | None = None
-    loss: float | None = None
-    tokens_per_s: list[float] = field(default_factory=list)  # one per poll that saw new steps
-    fatal: dict | None = None
-    finished: bool = False
-    phase: str | None = None
-    heartbeat_age_s: float | None = None
-    log_tail: list[str] = field(default_factory=list)
-    pane_lines: list[str] = field(default_factory=list)
-    gpu_total_gib: float | None = None
-    last_state: str | None = None  # kept through UNREACHABLE
-    probe_error: str | None = None  # the host answered, the probe failed: its stderr
-    stop_request: dict | None = None  # `dflashctl kill` asked for a stop (in the run dir: every watcher sees it)
-    stop_result: dict | None = None  # what that kill verified: KILLED, or KILL_FAILED with the survivors
-    kill_grace_s: float = 40.0
-    activity_at: float | None = None  # remote time of the last sign of progress of a job without metrics
-    activity: str = ""  # what that sign was (log grew, CPU time, GPU busy)
-    malformed: int = 0  # metrics lines and heartbeats that were not what the contract says, skipped
-    step_changed_at: float | None = None  # remote time the newest step was first seen (the run dir's progress history)
-    gpus: list[dict] = field(default_factory=list)  # the job's GPU readings (index, uuid, ecc_uncorrected, ...)
-    job_gpus: list[int] = field(default_factory=list)  # the GPU indices the job was given, in rank order
-    node: str | None = None  # the host name, for a job over several hosts
-    disk_free_gib: float | None = None  # free space at the run dir
-    checkpoint_gib: float | None = None  # size of the newest checkpoint
-    oom_kills: int | None = None  # the kernel's OOM kills in the job's cgroup since launch (None: not readable)
-    kernel_oom: list[str] = field(default_factory=list)  # the kernel log's OOM-killer lines since launch, if readable
-    kernel_xid: list[str] = field(default_factory=list)  # the kernel log's GPU driver (Xid) lines since launch
-    nonfinite_steps: int = 0  # consecutive non-finite steps the trainer skipped
-    scheduler: dict | None = None  # a Slurm job's state as the scheduler said it: id, state, reason, nodes, exit
-    exit_time: float | None = None  # when exit_code was written, remote clock
-    history_error: str | None = None  # the run dir's progress history could not be written: one look judges
-
-
-@dataclass
-class Verdict:
-    state: str
-    reason: str
-    evidence: list[str] = field(default_factory=list)
-    advice: str | None = None
-    step: int | None = None
-    since: float | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _verdict(state: str, reason: str, evidence: list[str], h: History, advice: str | None = None) -> Verdict:

@@ -1,0 +1,195 @@
+"""Pure: the facts the judge works on (`History`, `Thresholds`) and what it says (`Verdict`), and the ONE table of
+states: name, exit code, whether it is final, whether it is a failure, what to do next, and its colour. Every list
+of states elsewhere (the failure set, the final set, the exit codes of `watch`/`status`/`diagnose`/`kill`, their
+help text, the live view's colours, the advice in a verdict) is read from this table.
+
+Plain classes and stdlib only: the supervisor runs this on the remote, on Python 3.8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+class State:
+    """One row of the table. `terminal`: the job will not change state by itself (a watch ends there, unless its
+    policy restarts it). `failure`: something went wrong (`ls -s failed`, the bell, a notice's priority)."""
+
+    __slots__ = ("name", "code", "terminal", "failure", "advice", "colour")
+
+    def __init__(self, name: str, code: int, terminal: bool, failure: bool, advice: str | None, colour: str):
+        self.name, self.code, self.terminal, self.failure = name, code, terminal, failure
+        self.advice, self.colour = advice, colour
+
+    def __repr__(self) -> str:
+        return f"State({self.name}, {self.code})"
+
+
+def _s(name: str, code: int, terminal: bool, failure: bool, colour: str = "bold red", advice: str | None = None):
+    return State(name, code, terminal, failure, advice, colour)
+
+
+NOT_RESTARTED = " Not restarted: it would repeat."
+STATES = (
+    _s("STARTING", 0, False, False, "cyan"),
+    _s("RUNNING", 0, False, False, "green"),
+    _s("PENDING", 0, False, False, "cyan", "the job waits in Slurm's queue for the reason shown (Priority, Resources, "
+       "ReqNodeNotAvail, ...); `squeue --start -j ID` estimates when it starts."),
+    _s("STOPPING", 0, False, False, "cyan", "a stop was requested (`dflashctl kill`); no watcher restarts this job."),
+    _s("FINISHED", 0, True, False, "bold green"),
+    _s("CRASHED", 10, True, True, advice="fix the exception shown; where it was transient, a restart resumes from "
+       "the newest checkpoint."),
+    _s("OOM", 11, True, True, advice="lower data.batch_size or anchors_per_seq, turn on "
+       "drafter.activation_checkpointing, or drop the largest bucket."),
+    _s("NCCL_TIMEOUT", 12, True, True, advice="a rank hung or died inside a collective: read the other ranks' lines "
+       "and check the GPUs; a restart with --resume usually helps."),
+    _s("STALLED", 13, False, True, "yellow", "read `dflashctl logs` and dump the processes (py-spy); a restart "
+       "resumes from the newest checkpoint."),
+    _s("DENSE_FALLBACK", 14, True, True, advice="flex_attention ran, or was about to run, without compile: check "
+       "TORCH_COMPILE_DISABLE, the recompile limit and the preflight buckets." + NOT_RESTARTED),
+    _s("RECOMPILE_LIMIT", 15, True, True, advice="shapes vary more than the compiled buckets allow: fix the "
+       "bucketing or raise attention.recompile_limit." + NOT_RESTARTED),
+    _s("LOST", 16, True, True, advice="the tmux session or the run dir disappeared (reboot, or killed by someone): "
+       "relaunch it."),
+    _s("CONFIG_ERROR", 17, True, True, advice="fix the config key, module or file named; the job did not start "
+       "training." + NOT_RESTARTED),
+    _s("UNREACHABLE", 18, False, False, "magenta", "the host does not answer; the job's last known state is kept "
+       "until it does."),
+    _s("PROBE_FAILED", 19, True, True, advice="the host answered but the probe failed there: check the host's "
+       "`python:` setting and its disk; the error is shown."),
+    _s("KILLED", 20, True, False, "yellow"),
+    _s("KILL_FAILED", 21, True, True, advice="run `dflashctl kill` again on this job: it retries the same job and "
+       "names what survived."),
+    _s("DIVERGED", 22, True, True, advice="the loss or the gradient norm is NaN/inf: lower optim.lr, check the data "
+       "and the target's dtype; resume from the checkpoint before the divergence (no non-finite one is kept). Not "
+       "restarted by default: it would diverge again."),
+    _s("GPU_FAULT", 23, True, True, advice="a GPU failed in hardware (ECC, Xid, fallen off the bus): relaunch on "
+       "other GPUs (`gpus:`) and have the GPU checked (`nvidia-smi -q -d ECC,PAGE_RETIREMENT`). Never restarted "
+       "onto that GPU."),
+    _s("HOST_OOM", 24, True, True, advice="the host ran out of RAM and the kernel killed a rank: lower host RAM per "
+       "rank (fewer dataloader workers, smaller prefetch, no host copies of the target) or use fewer ranks per "
+       "host."),
+    _s("DISK_FULL", 25, True, True, advice="the run dir's file system is full: free space (old checkpoints, "
+       "inductor caches) or lower checkpoint.keep; not restarted while the disk is still full."),
+    _s("TIMEOUT", 26, True, True, advice="the job ran out of its wall time (sbatch --time): a restart resubmits it "
+       "with --resume from the newest checkpoint; ask for a longer `time:` to need fewer."),
+    _s("PREEMPTED", 27, True, True, advice="the scheduler took the nodes for a job of higher priority: a restart "
+       "resubmits with --resume."),
+    _s("NODE_FAIL", 28, True, True, advice="a node of the allocation failed: a restart resubmits with --resume, "
+       "excluding that node."),
+    _s("CANCELLED", 29, True, True, advice="the Slurm job was cancelled outside dflashctl (scancel, an "
+       "administrator): relaunch it if that was not meant. Not restarted: someone stopped it on purpose."),
+    _s("INCOMPLETE", 30, False, False, "yellow", "the log shows no failure and no normal end: it was cut off, the "
+       "job is still running, or it ended in a way no signature knows. Read its last lines (`dflashctl logs`), or "
+       "ask `dflashctl status`."),
+    _s("NCCL_ERROR", 31, True, True, advice="the connection between ranks broke (a connection reset, an InfiniBand "
+       "or socket error, a peer gone): check the interconnect on the hosts named (`ibstat`, NCCL_SOCKET_IFNAME / "
+       "NCCL_IB_HCA, the switch), then restart with --resume; if it repeats on one host, leave that host out."),
+)  # fmt: skip
+
+BY_NAME = {s.name: s for s in STATES}
+FAILURES = tuple(s.name for s in STATES if s.failure)
+TERMINAL = tuple(s.name for s in STATES if s.terminal)
+EXIT_BY_STATE = {s.name: s.code for s in STATES}
+ADVICE = {s.name: s.advice for s in STATES if s.advice}
+COLOURS = {s.name: s.colour for s in STATES}
+
+
+def exit_code(state: str, unknown: int = 1) -> int:
+    """The exit code of `watch`, `status`, `kill` and `diagnose` for a state (`unknown` for a name not here)."""
+    s = BY_NAME.get(state)
+    return s.code if s is not None else unknown
+
+
+def exit_codes_help() -> str:
+    """The exit codes in words, for help text: `0 FINISHED, RUNNING, ...; 10 CRASHED; ...` (generated, never typed)."""
+    by_code: dict = {}
+    for s in STATES:
+        by_code.setdefault(s.code, []).append(s.name)
+    return "; ".join(f"{code} {', '.join(names)}" for code, names in sorted(by_code.items()))
+
+
+@dataclass
+class Thresholds:
+    """When a live job counts as stalled: seconds measured on the measurer's clock, and throughput bounds."""
+
+    stall_after_s: float = 600.0  # no new step (or no sign of progress) for this long: STALLED
+    startup_budget_s: float = 3600.0  # no first step within this long after the start: STALLED
+    heartbeat_max_age_s: float = 120.0  # the trainer's heartbeat unchanged this long: STALLED (process frozen)
+    throughput_floor: float | None = None  # tokens/s under this for `slow_polls` polls: STALLED
+    throughput_drop: float = 0.3  # tokens/s under this fraction of its median for `slow_polls` polls: STALLED
+    slow_polls: int = 3
+
+    @classmethod
+    def of(cls, watch: dict) -> Thresholds:
+        """From a job file's `watch` as a mapping (what the CLI validated, what the supervisor reads from the run
+        dir); a key left out or null keeps its default."""
+        d = cls()
+        floor = watch.get("throughput_floor")
+        return cls(float(watch.get("stall_after_s") or d.stall_after_s),
+                   float(watch.get("startup_budget_s") or d.startup_budget_s),
+                   float(watch.get("heartbeat_max_age_s") or d.heartbeat_max_age_s),
+                   float(floor) if isinstance(floor, (int, float)) else None,
+                   float(watch.get("throughput_drop") or d.throughput_drop),
+                   int(watch.get("slow_polls") or d.slow_polls))  # fmt: skip
+
+
+@dataclass
+class History:
+    """What the watcher has accumulated from the snapshots of one job (the remote's clock throughout)."""
+
+    started_at: float  # launch or last restart, remote clock
+    now: float = 0.0  # time of the newest snapshot
+    reachable: bool = True
+    session_exists: bool = True
+    pane_dead: bool = False
+    pane_status: int | None = None
+    run_dir_exists: bool = True
+    exit_code: int | None = None
+    is_trainer: bool = True
+    last_step: int | None = None
+    last_step_time: float | None = None  # `time` of the newest step record
+    epoch: int | None = None
+    loss: float | None = None
+    tokens_per_s: list[float] = field(default_factory=list)  # one per poll that saw new steps
+    fatal: dict | None = None
+    finished: bool = False
+    phase: str | None = None
+    heartbeat_age_s: float | None = None
+    log_tail: list[str] = field(default_factory=list)
+    pane_lines: list[str] = field(default_factory=list)
+    gpu_total_gib: float | None = None
+    last_state: str | None = None  # kept through UNREACHABLE
+    probe_error: str | None = None  # the host answered, the probe failed: its stderr
+    stop_request: dict | None = None  # `dflashctl kill` asked for a stop (in the run dir: every watcher sees it)
+    stop_result: dict | None = None  # what that kill verified: KILLED, or KILL_FAILED with the survivors
+    kill_grace_s: float = 40.0
+    activity_at: float | None = None  # remote time of the last sign of progress of a job without metrics
+    activity: str = ""  # what that sign was (log grew, CPU time, GPU busy)
+    malformed: int = 0  # metrics lines and heartbeats that were not what the contract says, skipped
+    step_changed_at: float | None = None  # remote time the newest step was first seen (the run dir's progress history)
+    gpus: list[dict] = field(default_factory=list)  # the job's GPU readings (index, uuid, ecc_uncorrected, ...)
+    job_gpus: list[int] = field(default_factory=list)  # the GPU indices the job was given, in rank order
+    node: str | None = None  # the host name, for a job over several hosts
+    disk_free_gib: float | None = None  # free space at the run dir
+    checkpoint_gib: float | None = None  # size of the newest checkpoint
+    oom_kills: int | None = None  # the kernel's OOM kills in the job's cgroup since launch (None: not readable)
+    kernel_oom: list[str] = field(default_factory=list)  # the kernel log's OOM-killer lines since launch, if readable
+    kernel_xid: list[str] = field(default_factory=list)  # the kernel log's GPU driver (Xid) lines since launch
+    nonfinite_steps: int = 0  # consecutive non-finite steps the trainer skipped
+    scheduler: dict | None = None  # a Slurm job's state as the scheduler said it: id, state, reason, nodes, exit
+    exit_time: float | None = None  # when exit_code was written, remote clock
+    history_error: str | None = None  # the run dir's progress history could not be written: one look judges
+
+
+@dataclass
+class Verdict:
+    state: str
+    reason: str
+    evidence: list[str] = field(default_factory=list)
+    advice: str | None = None
+    step: int | None = None
+    since: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
