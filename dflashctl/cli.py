@@ -438,41 +438,49 @@ def export_drafter(
 def gc(
     host: str = HostArg,
     older_than: float = typer.Option(7.0, "--older-than", metavar="DAYS", help="Only jobs that ended this long ago."),
-    dry_run: bool = Flag("--dry-run", help="List what would be removed; remove nothing."),
+    all_projects: bool = Flag("--all-projects", help="Every project's run dirs on HOST, not only this project's."),
+    dry_run: bool = Flag("--dry-run", help="List what would be removed; change nothing."),
     yes: bool = Flag("--yes", "-y", help="Remove without asking."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Remove the run dirs of jobs that ended on HOST (checkpoints, logs, exports), never a live job's.
+    """Remove the run dirs of this project's jobs that ended on HOST (checkpoints, logs, exports), never a live job's.
 
     A run dir goes only when its job ended (an exit status or a kill's result), no session or supervisor of it runs,
-    and nothing in it changed for --older-than days; `pull` first what you want to keep. Asks before removing
-    (--yes skips; --dry-run lists)."""
+    nothing in it changed for --older-than days and nothing is mounted inside it (that one is named and kept); `pull`
+    first what you want to keep. Lists them and asks before removing (--yes skips; --dry-run only lists)."""
     from dflashctl.config import find_project_root
     from dflashctl.errors import ConfigError
     from dflashctl.jobs import jobctl
     from dflashctl.show.render import err, out, print_json
 
-    if older_than < 0:
-        raise ConfigError("--older-than", None, f"{older_than:g} days: expected 0 or more")
+    jobctl.check_number("--older-than", older_than)
     root = find_project_root()
+    plan = None
     if not dry_run and not yes:
-        plan = jobctl.gc(host, root, older_than, True, accept_new)
+        plan = jobctl.gc(host, root, older_than, True, accept_new, all_projects)
         if not plan["removed"]:
             dry_run = True  # nothing to remove: said below, nothing asked
         elif as_json or not sys.stdin.isatty():
             raise ConfigError("gc", None, f"{len(plan['removed'])} run dirs would be removed: pass --yes (or "
                               "--dry-run to list them)")  # fmt: skip
-        elif not typer.confirm(f"remove {len(plan['removed'])} run dirs on {host} ("
-                               f"{sum(r['bytes'] for r in plan['removed']) / 2**30:.2f} GiB)?", default=False):
-            raise typer.Exit(1)
-    res = jobctl.gc(host, root, older_than, dry_run, accept_new)
+        else:
+            for r in plan["removed"]:
+                err.print(f"  {plan['workdir']}/runs/{r['id']}  {r['bytes'] / 2**20:,.1f} MiB", markup=False)
+            if not typer.confirm(f"remove these {len(plan['removed'])} run dirs on {host} ("
+                                 f"{sum(r['bytes'] for r in plan['removed']) / 2**30:.2f} GiB)?", default=False):
+                raise typer.Exit(1)
+    confirmed = [r["id"] for r in plan["removed"]] if plan else None
+    res = jobctl.gc(host, root, older_than, dry_run, accept_new, all_projects, only=confirmed)
     if as_json:
         print_json(res)
         return
     verb = "would remove" if dry_run else "removed"
     for r in res["removed"]:
         out.print(f"{verb} {res['workdir']}/runs/{r['id']}  {r['bytes'] / 2**20:,.1f} MiB", markup=False)
+    for k in res["kept"]:
+        if k["why"].startswith(("holds a mount point", "not removed")):
+            err.print(f"kept {res['workdir']}/runs/{k['id']}: {k['why']}", markup=False)
     total = sum(r["bytes"] for r in res["removed"]) / 2**30
     err.print(f"{verb} {len(res['removed'])} run dirs ({total:.2f} GiB); kept {len(res['kept'])}")
 

@@ -43,10 +43,11 @@ def start_session(run_dir: str, session: str, python: str, args: list[str]) -> i
     return int(info.get("pane_pid") or 0)
 
 
-def our_live_jobs(workdir: str) -> list[dict]:
+def our_live_jobs(workdir: str, close_ended: bool = True) -> list[dict]:
     """Jobs of ours whose tmux session is alive on this socket (from their run dirs' job.json), after closing the
     sessions of our jobs that have ended (dead pane, exit_code written): their state is in the run dir, and a dead
-    pane only kept a pid that may belong to someone else by now. One look at the sessions and the run dirs."""
+    pane only kept a pid that may belong to someone else by now. One look at the sessions and the run dirs. A dry
+    run (`close_ended` false) closes nothing."""
     sessions = {s["name"]: s["dead"] for s in list_sessions()}
     jobs = []
     runs = os.path.join(workdir, "runs")
@@ -57,7 +58,7 @@ def our_live_jobs(workdir: str) -> list[dict]:
         if session not in sessions:
             continue
         if sessions[session]:
-            if os.path.exists(os.path.join(run, "exit_code")):
+            if close_ended and os.path.exists(os.path.join(run, "exit_code")):
                 _run([*TMUX, "kill-session", "-t", f"={session}"])
         elif not os.path.exists(os.path.join(run, STOP_RESULT)):
             jobs.append({**meta, "run_dir": run})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import secrets
 import shlex
@@ -174,16 +175,36 @@ def doctor_reports(spec: str, root: Path, accept_new: bool = False) -> list:
         return [DoctorReport(target.name, [Check("reachable", "fail", str(e), required=True)])]
 
 
-def gc(spec: str, root: Path, older_than_days: float, dry_run: bool, accept_new: bool = False) -> dict:
-    """Remove HOST's run dirs of jobs that ended over `older_than_days` ago (never a live job's, never one whose
-    supervisor runs): one remote action under the workdir's launch lock. `dry_run` lists them, removes nothing."""
+def check_number(option: str, value: float | None, positive: bool = False) -> None:
+    """A number given on the command line is finite and at least 0 (above 0 with `positive`): `nan` compares false
+    with everything, so an unchecked one silently turns every limit off."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ConfigError(option, None, f"{value:g}: expected a finite number {'above' if positive else '0 or'} "
+                          f"{'0' if positive else 'more'}")  # fmt: skip
+
+
+def gc(spec: str, root: Path, older_than_days: float, dry_run: bool, accept_new: bool = False,
+       all_projects: bool = False, only: list[str] | None = None) -> dict:  # fmt: skip
+    """Remove HOST's run dirs of this project's jobs (every project's with `all_projects`) that ended over
+    `older_than_days` ago (never a live job's, never one whose supervisor runs, never one holding a mount): one remote
+    action under the workdir's launch lock. `dry_run` lists them and changes nothing; `only` limits the removal to the
+    run dirs a user was shown and confirmed. The result's `removed_ids`
+    are the job ids whose run dirs are gone, for the local registry to mark."""
+    check_number("--older-than", older_than_days)
     host = resolve_host(spec, root)
     with open_runner(host, accept_new) as runner:
         abs_wd, _, _ = read_remote_state(runner, host.workdir)
         ans = session.call_agent(runner, {"action": "gc", "workdir": abs_wd, "older_than_s": older_than_days * 86400,
                                           "dry_run": dry_run, "gpus": False,
+                                          "project": None if all_projects else session.project_key(root),
+                                          **({"only": list(only)} if only is not None else {}),
                                           "tmux_socket": session.tmux_socket()}, timeout=600)  # fmt: skip
-    return {"host": host.name, "workdir": abs_wd, **ans}
+    if ans.get("refused"):
+        raise ConfigError("gc", None, f"the agent on {host.name} refused: {ans['refused']}")
+    ids = [] if ans.get("dry_run") else [r["id"] for r in ans.get("removed", [])]
+    return {"host": host.name, "workdir": abs_wd, **ans, "removed_ids": ids}
 
 
 def rdzv_port_for(name: str) -> int:
