@@ -493,18 +493,22 @@ def exec_(
     command: list[str] | None = typer.Argument(None, metavar="-- COMMAND...", show_default=False, click_type=_Named(),
                                                help="What to run, after `--`."),
     on_host: bool = Flag("--host", help="JOB names a host: run in its deployed code."),
-    timeout: float | None = typer.Option(None, "--timeout", metavar="S", help="Give up after S seconds."),
+    timeout: float | None = typer.Option(None, "--timeout", metavar="S",
+                                         help="End the command (its whole process group) after S seconds; exit 124."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Run one command where a job runs (inside its container), in its release with its environment.
+    """Run one command where a job runs (inside its container), in its release with its very environment.
 
-    `dflashctl exec JOB -- nvidia-smi`, `dflashctl exec --host box -- df -h`. Exits with the command's status."""
+    `dflashctl exec JOB -- nvidia-smi`, `dflashctl exec JOB -- 'ls | wc -l'` (one string: run by bash -c),
+    `dflashctl exec --host box -- df -h`. A piped stdin is passed through. Exits with the command's status (128+N
+    when a signal ended it). A restart or kill of the job leaves the command alone (`kill --all` takes it too)."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
     from dflashctl.show.render import print_json
 
-    res = jobctl.exec_command(target, list(command or []), find_project_root(), on_host, accept_new, timeout)
+    stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer
+    res = jobctl.exec_command(target, list(command or []), find_project_root(), on_host, accept_new, timeout, stdin)
     if as_json:
         print_json(res)
     else:
