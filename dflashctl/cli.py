@@ -220,6 +220,7 @@ def kill(
     grace: float | None = typer.Option(None, "--grace", metavar="S",
                                        help="Seconds between SIGTERM and SIGKILL (job's default 40)."),
     yes: bool = Flag("--yes", "-y", help="With no JOB: stop the newest alive job without asking."),
+    with_execs: bool = Flag("--all", help="Also end what `dflashctl exec` started for the job (a kill leaves it)."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
@@ -239,6 +240,14 @@ def kill(
             return False
         return typer.confirm(f"stop {record.id} on {record.host_name} (the newest alive job)?", default=False)
 
+    if with_execs and job is None:
+        from dflashctl.errors import ConfigError
+
+        raise ConfigError("kill", "--all", "name the job whose exec'd processes to end")
+    if with_execs:  # first: the job's own kill may find it already ended
+        ended = jobctl.end_execs(job, str(find_project_root()), accept_new=accept_new)
+        err.print(f"exec'd processes of {ended['id']}: SIGTERM {ended['term']}, SIGKILL {ended['kill']}"
+                  + (f", still there {ended['left']}" if ended["left"] else ""), markup=False)  # fmt: skip
     report = jobctl.kill(job, str(find_project_root()), grace, accept_new, confirm)
     if as_json:
         print_json(report.to_dict())

@@ -123,11 +123,14 @@ def test_an_execd_process_survives_a_kill_of_the_job_and_carries_its_own_tag(job
         assert env["DFLASHCTL_EXEC_OF"] == job_id and env["DFLASHCTL_JOB_ID"] != job_id
         assert cli_json("kill", job_id)["result"] == "KILLED"
         assert pids_with("4745") == [pid], "the job's kill took the exec'd command"
+        res = run_cli("kill", job_id, "--all")  # asked for: now it goes
+        assert f"SIGTERM [{pid}]" in res.stderr, res.stderr
+        proc.wait(60)
+        assert pids_with("4745") == [] and proc.returncode == 143, proc.returncode
     finally:
         for p in pids_with("4745"):
             os.kill(p, signal.SIGKILL)
         proc.wait(60)
-    assert proc.returncode == 137
 
 
 def test_shell_opens_in_the_jobs_release_with_its_environment(job):

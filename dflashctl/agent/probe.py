@@ -23,6 +23,7 @@ container's host by the same command. Actions:
 - `files`, `chunk` (pull): files to bring back with their sha256; then raw bytes of one of them, a chunk at a time.
 - `tail`: the last lines of a file, read from its end (bounded however long its lines are).
 - `gc`: remove the run dirs of jobs that ended long enough ago, never a live one's (`collect.py`).
+- `end_execs`: end the processes `exec` started for a job (`execs.py`, for `kill --all`).
 
 On a Slurm host (`"scheduler": "slurm"` in the request) the job's "pane" is its newest submission (agent/slurm.py):
 `launch` writes the same run dir and runs `sbatch` instead of tmux, `restart` cancels the old submission, sees it end
@@ -87,6 +88,10 @@ def main() -> int:
         from .collect import collect
 
         answer = collect(req)
+    elif action == "end_execs":  # `kill --all`: what `exec` started for the job
+        from .execs import end_execs
+
+        answer = end_execs(req)
     elif action == "history":
         answer = history(req)
     elif action == "tail":

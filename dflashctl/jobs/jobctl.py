@@ -526,6 +526,18 @@ exit $?
 KILL_AFTER_S = 5  # the `timeout -k`: SIGKILL this long after the SIGTERM, for a command that ignores it
 
 
+def end_execs(spec: str | None, project: str, grace_s: float = 5.0, accept_new: bool = False) -> dict:
+    """`kill --all`: end what `exec` started for the job (found by DFLASHCTL_EXEC_OF, its own tag), which a kill or
+    restart of the job alone leaves running. {id, term, kill, left}."""
+    job = find_job(spec, project)
+    with open_runner(job.host, accept_new) as runner:
+        ans = session.call_agent(runner, {"action": "end_execs", "job_id": job.tag, "grace_s": grace_s, "gpus": False},
+                                 timeout=grace_s + 60)  # fmt: skip
+    if ans.get("refused"):
+        raise ConfigError("kill", "--all", ans["refused"])
+    return {"id": job.id, **ans}
+
+
 def exec_argv(command: list[str]) -> list[str]:
     """One string is a shell command line (`exec JOB -- 'a; b'`, as `ssh host 'a; b'` and `sky exec` run it);
     several words are an argument list, run as given."""
