@@ -37,6 +37,7 @@ process: its pid may belong to someone else by now. Nothing here imports the res
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from .common import RESTARTS, STOP_REQUEST, STOP_RESULT, WRAPPER_PID, start_time  # noqa: F401 - the probe's names
@@ -88,6 +89,9 @@ def main() -> int:
         from .collect import collect
 
         answer = collect(req)
+    elif action == "hello":  # doctor: the agent runs here, as a deploy would run it
+        answer = {"python": os.path.realpath(sys.executable), "version": sys.version.split()[0],
+                  "isolated": bool(sys.flags.isolated), "ok": True}  # fmt: skip
     elif action == "end_execs":  # `kill --all`: what `exec` started for the job
         from .execs import end_execs
 

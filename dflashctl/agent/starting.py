@@ -34,7 +34,9 @@ def start_session(run_dir: str, session: str, python: str, args: list[str]) -> i
 
     agent = os.path.join(run_dir, AGENT_FILE)
     keeper = [agent, "launch"] if os.path.isfile(agent) else [os.path.join(run_dir, "launcher.py")]  # older run dirs
-    cmd = "exec " + shlex.join([python, *keeper, run_dir, *args])
+    # -I -S: the launcher is stdlib only; nothing on PYTHONPATH, in the user's site or the working directory is
+    # imported by it (the job it starts still gets the whole environment)
+    cmd = "exec " + shlex.join([python, "-I", "-S", *keeper, run_dir, *args])
     rc, _ = _run([*TMUX, "-f", os.path.join(run_dir, "tmux.conf"), "new-session", "-d", "-s", session, "-x", "200",
                   "-y", "50", cmd, ";", "set-option", "-w", "-t", f"={session}:", "remain-on-exit", "on"])  # fmt: skip
     if rc != 0:

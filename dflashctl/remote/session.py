@@ -23,7 +23,7 @@ from dflashctl.agent import probe
 from dflashctl.config import SAFE_NAME, HostConfig, SlurmHost
 from dflashctl.errors import ConfigError, ProbeFailedError
 from dflashctl.model.jobfile import JobConfig, is_secret, node_tag, redact_env, redact_job_snapshot
-from dflashctl.remote.agent_bundle import AGENT, boot_argv
+from dflashctl.remote.agent_bundle import AGENT, boot_argv, note_noise, split_answer
 from dflashctl.remote.deploy_record import AgentPython, remembered_python
 from dflashctl.remote.transport import Runner, container_prefix
 
@@ -332,8 +332,10 @@ def call_agent(
 
     # inside the container, the interpreter the deploy's agent reported, as the deploy does: a shim costs every poll
     res = run("python3") if on_host else AgentPython(host.python, remembered_python(host)).run(run)
+    out, noise = split_answer(res.stdout)
     try:
-        answer = json.loads(res.out)
+        answer = json.loads(out)
+        note_noise(host.name, noise)
         if not isinstance(answer, dict):
             raise ValueError
         return answer
