@@ -28,8 +28,8 @@ from .stopping import stop_processes
 # ---------------------------------------------------------------------------------------------- starting
 
 
-def start_session(run_dir: str, session: str, python: str, args: list[str]) -> int:
-    """Start the job's tmux session: the pane runs the launcher (a child subreaper) which runs run.sh."""
+def session_argv(run_dir: str, session: str, python: str, args: list[str]) -> list[str]:
+    """The tmux command that starts the job's session: the pane runs the launcher (a child subreaper) on run.sh."""
     import shlex
 
     agent = os.path.join(run_dir, AGENT_FILE)
@@ -37,8 +37,13 @@ def start_session(run_dir: str, session: str, python: str, args: list[str]) -> i
     # -I -S: the launcher is stdlib only; nothing on PYTHONPATH, in the user's site or the working directory is
     # imported by it (the job it starts still gets the whole environment)
     cmd = "exec " + shlex.join([python, "-I", "-S", *keeper, run_dir, *args])
-    rc, _ = _run([*TMUX, "-f", os.path.join(run_dir, "tmux.conf"), "new-session", "-d", "-s", session, "-x", "200",
-                  "-y", "50", cmd, ";", "set-option", "-w", "-t", f"={session}:", "remain-on-exit", "on"])  # fmt: skip
+    return [*TMUX, "-f", os.path.join(run_dir, "tmux.conf"), "new-session", "-d", "-s", session, "-x", "200",
+            "-y", "50", cmd, ";", "set-option", "-w", "-t", f"={session}:", "remain-on-exit", "on"]  # fmt: skip
+
+
+def start_session(run_dir: str, session: str, python: str, args: list[str]) -> int:
+    """Start the job's tmux session (session_argv); the pane's pid."""
+    rc, _ = _run(session_argv(run_dir, session, python, args))
     if rc != 0:
         raise RuntimeError(f"tmux could not start session {session}")
     info = tmux_session(session, 0)
@@ -273,7 +278,10 @@ def launch(req: dict, payload: bytes) -> dict:
         if run is None:
             return {"refused": [f"run dir {os.path.join(wd, 'runs', req['job_id'])} already exists"]}
         pane_pid = start_session(run, req["session"], req["python"], [])
-    return {"run_dir": run, "pane_pid": pane_pid, "overrides": overrides}
+    import shlex
+
+    started = shlex.join(session_argv(run, req["session"], req["python"], []))
+    return {"run_dir": run, "pane_pid": pane_pid, "overrides": overrides, "started": started}
 
 
 def _restart_refused(req: dict, run: str, count: int) -> dict | None:

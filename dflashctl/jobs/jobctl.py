@@ -34,6 +34,7 @@ from dflashctl.jobs.poller import make_watcher
 from dflashctl.jobs.registry import JobRecord, Member
 from dflashctl.model.jobfile import load_job
 from dflashctl.remote import session
+from dflashctl.remote.agent_bundle import shown_argv
 from dflashctl.remote.connect import open_runner
 from dflashctl.remote.sync import build_manifest, deploy, manifest_version, read_remote_state
 
@@ -112,9 +113,9 @@ def launch(
         if dry_run:
             report.files = session.run_files(job, job_id, host.python, trainer_cfg, local_version, redact=True,
                                              cluster=cluster, run_dir=report.run_dir)  # fmt: skip
-            what = ["sbatch", f"{report.run_dir}/sbatch.sh"] if cluster else [host.python, "-c", "<dflashctl probe>",
-                                                                               "launch", job_id]  # fmt: skip
-            report.remote_commands = [runner.describe(what)]
+            report.remote_commands = [runner.describe(shown_argv(host.python, "probe", json.dumps(req)))]
+            if cluster:
+                report.remote_commands.append(f"sbatch {report.run_dir}/sbatch.sh")
             return report
         if deploy_first:
             deploy(runner, root, host.workdir, progress=progress)
@@ -125,6 +126,9 @@ def launch(
         raise RefusedError(f"{host.name}: {'; '.join(ans['refused'])}" + ("" if "--force" in ans["refused"][-1] else
                                                                           " (use --force to launch anyway)"))
     report.run_dir, report.pane_pid, report.overrides = ans["run_dir"], ans["pane_pid"], ans.get("overrides", [])
+    report.remote_commands = [runner.describe(shown_argv(host.python, "probe", json.dumps(req))),
+                              *([ans["started"]] if ans.get("started") else []),
+                              *([f"sbatch {report.run_dir}/sbatch.sh"] if cluster else [])]  # fmt: skip
     report.slurm_job = ans.get("slurm_job")
     registry.record(JobRecord(
         id=job_id, name=job.name, project=str(root), job_file=str(job_path.resolve()), host_name=host.name,
@@ -273,8 +277,8 @@ def launch_nodes(
             _raise_refusal(ans, h, job_path)
         if dry_run:
             report.files = files[0]
-            report.remote_commands = [r.describe([h.python, "-c", "<dflashctl probe>", "launch", job_id])
-                                      for h, r in zip(hosts, runners, strict=True)]  # fmt: skip
+            report.remote_commands = [r.describe(shown_argv(h.python, "probe", json.dumps(req)))
+                                      for h, r, req in zip(hosts, runners, reqs, strict=True)]  # fmt: skip
             return report
         members: list[Member] = []
         try:
@@ -284,6 +288,8 @@ def launch_nodes(
                 members.append(Member(node=i, host_name=h.name, host=h, run_dir=ans["run_dir"], session=sessions[i],
                                       pane_pid=ans["pane_pid"], gpus=list(places[i].gpus)))  # fmt: skip
                 report.overrides += [f"{h.name}: {o}" for o in ans.get("overrides", [])]
+                report.remote_commands += [r.describe(shown_argv(h.python, "probe", json.dumps(req))),
+                                           *([ans["started"]] if ans.get("started") else [])]  # fmt: skip
         except Exception:
             for m, r in zip(members, runners, strict=False):  # never leave half a job running
                 rec = JobRecord(id=job_id, name=job.name, project=str(root), job_file=str(job_path),

@@ -60,6 +60,12 @@ def boot_argv(python: str, action: str, *args: str) -> list[str]:
     return [python, *ISOLATED, "-c", BOOT, str(len(AGENT)), AGENT_SHA, action, *args]
 
 
+def shown_argv(python: str, action: str, *args: str) -> list[str]:
+    """boot_argv as a person reads it: the boot line (a screenful) named, not printed."""
+    return [python, *ISOLATED, "-c", f"<dflashctl agent boot line, sha256 {AGENT_SHA[:12]}>", str(len(AGENT)),
+            AGENT_SHA, action, *args]  # fmt: skip
+
+
 NOISE_SEEN: dict[str, bytes] = {}  # host name -> what its interpreter printed before the agent's answer, this run
 
 
