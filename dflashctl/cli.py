@@ -837,6 +837,24 @@ def _reflow_help() -> None:
 _reflow_help()
 
 
+# The verbs a SkyPilot user types (`sky queue`, `sky cancel`, `sky jobs`, `sky status -a`), answered with ours.
+SKYPILOT_VERBS = {"queue": "ls", "jobs": "ls", "cancel": "kill"}
+
+
+def skypilot_hint(args: list[str]) -> str | None:
+    """A usage error that names our verb, where the command given is one of SkyPilot's."""
+    words = [a for a in args if not a.startswith("-")]
+    if not words:
+        return None
+    verb = words[0]
+    if verb in SKYPILOT_VERBS:
+        ours = SKYPILOT_VERBS[verb]
+        return f"no command `{verb}` (SkyPilot's): did you mean `dflashctl {ours}`?"
+    if verb == "status" and any(a in ("-a", "--all") for a in args):
+        return "`status -a` is SkyPilot's: did you mean `dflashctl ls` (`ls --all-projects` for every project)?"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one handler turns every typed error into a one-line message and its exit code. Under --json the
     same error is also printed on stdout as {"error", "exit"}, so a script never parses an empty answer."""
@@ -849,6 +867,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(json.dumps({"error": message, "exit": code}) + "\n")
         return code
 
+    hint = skypilot_hint(args)
+    if hint:
+        return fail(hint, EXIT_USAGE)
     try:
         rv = app(args=args, prog_name="dflashctl", standalone_mode=False)
         return rv if isinstance(rv, int) else 0
