@@ -87,14 +87,16 @@ def test_a_disk_mounted_inside_an_old_run_dir_is_never_touched_and_is_named(ende
 
 
 def test_removal_stops_at_another_file_system_found_while_walking(tmp_path):
-    """Even past the mount table (a mount made between the look and the removal), the walk compares devices and
-    refuses to descend: nothing below the mount, and nothing of the run dir after it, is removed."""
+    """Past the mount table (a mount made after gc read it), the walk compares devices at every directory: the whole
+    tree is looked at before anything goes, so nothing of the run dir is removed."""
     run = fake_run(tmp_path / "runs", "j1", "p")
+    before = sorted(str(p) for p in run.rglob("*"))
     with tmpfs(run / "checkpoints" / "vol", "1m") as vol:
         (vol / "keep").write_text("k")
         with pytest.raises(collect.CrossesMount):
             collect.tree(str(run), remove=True)
         assert (vol / "keep").read_text() == "k"
+    assert sorted(str(p) for p in run.rglob("*")) == sorted([*before, str(run / "checkpoints" / "vol")])
 
 
 def test_a_link_inside_a_run_dir_is_removed_not_followed(tmp_path, ended):

@@ -76,10 +76,15 @@ def _walk(dir_fd: int, dev: int, path: str, remove: bool) -> int:
 
 
 def tree(run: str, remove: bool = False) -> int:
-    """The size of run dir `run` and, with `remove`, the run dir removed: one file system, no link followed."""
+    """The size of run dir `run` and, with `remove`, the run dir removed: one file system, no link followed. The
+    whole tree is looked at first, so a mount anywhere in it leaves all of it; one that appears during the removal
+    still stops the walk at its door."""
     fd = os.open(run, DIR_FLAGS)
     try:
-        size = _walk(fd, os.fstat(fd).st_dev, run, remove)
+        dev = os.fstat(fd).st_dev
+        size = _walk(fd, dev, run, False)
+        if remove:
+            _walk(fd, dev, run, True)
     finally:
         os.close(fd)
     if remove:
@@ -161,9 +166,7 @@ def collect(req: dict) -> dict:
                 why = "not among the run dirs listed and confirmed"
             if why is None:
                 try:
-                    size = tree(run)  # a look first: a mount found here leaves the run dir whole
-                    if not dry:
-                        tree(run, remove=True)
+                    size = tree(run, remove=not dry)
                 except OSError as e:
                     why = f"holds a mount point: {e}" if isinstance(e, CrossesMount) else f"not removed: {e}"
             if why:
