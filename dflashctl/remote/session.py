@@ -114,12 +114,6 @@ def job_env(job: JobConfig, job_id: str, node: NodePlace | None = None, slurm: b
     }
 
 
-def env_exports(env: dict[str, str], job: JobConfig, redact: bool = False) -> str:
-    """`export NAME=value` lines for a shell, values quoted; with `redact`, secrets as *** (what is shown)."""
-    shown = redact_env(env, job.secret_env) if redact else env
-    return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in shown.items())
-
-
 ENV_FILE = "job.env"
 # a bash function that exports every KEY=VALUE of the NUL-separated file named by its $1 (a value may hold newlines,
 # quotes, `$(`: `export "$kv"` never evaluates it); it fails when the file cannot be read
@@ -201,20 +195,12 @@ def sbatch_options(job: JobConfig, job_id: str, cluster: SlurmHost) -> list[str]
     return [*opts, *cluster.extra, *(spec.extra if spec else [])]
 
 
-def render_env(job: JobConfig, job_id: str, redact: bool = False) -> str:
-    """A Slurm job's environment, sourced by its batch script from the run dir (0600): Slurm keeps a copy of every
-    batch script it is given in its spool (`scontrol write batch_script` prints it), so the secrets stay out of it."""
-    exports = env_exports(job_env(job, job_id, slurm=True), job, redact)
-    return f"# the environment of job {job_id}, sourced by sbatch.sh\n{exports}\n"
-
-
 def render_sbatch(job: JobConfig, job_id: str, release: str, cluster: SlurmHost) -> str:
-    """The batch script of a Slurm job: run.sh's work (the environment, the release, train.log, exit_code) with the
-    command started on every node by one srun. Submitted from the run dir, which is its working dir: sbatch runs
+    """The batch script of a Slurm job: run.sh's work (job.env, the release, train.log, exit_code) with the command
+    started on every node by one srun. Submitted from the run dir, which is its working dir: sbatch runs
     a copy of the script, never this file, so the run dir is found as SLURM_SUBMIT_DIR. The rendezvous is at the
     allocation's first node (`scontrol show hostnames`), at the address Slurm itself reaches it by (its NodeAddr,
     which is its name unless the cluster says otherwise)."""
-    cache = "inductor-cache" if job.inductor_cache == "clear" else "../../inductor-cache"
     port = f"{job.rdzv_port}" if job.rdzv_port else "$((29500 + SLURM_JOB_ID % 400))"
     header = "\n".join(f"#SBATCH {opt}" for opt in sbatch_options(job, job_id, cluster))
     return f"""#!/usr/bin/env bash
@@ -222,9 +208,11 @@ def render_sbatch(job: JobConfig, job_id: str, release: str, cluster: SlurmHost)
 # Written by `dflashctl launch` for job {job_id}: runs command.sh in release {release} of the code on every node of
 # the allocation (one srun task per node), appends its output to train.log, records its exit status in exit_code.
 RUN="${{SLURM_SUBMIT_DIR:?submit this script with sbatch from its run dir}}"
-export RUN DFLASHCTL_RUN_DIR="$RUN" TORCHINDUCTOR_CACHE_DIR="$RUN/{cache}"
-export DFLASHCTL_KERNEL_CACHE="$RUN/../../kernel-cache"
-. "$RUN/env.sh"
+{LOAD_ENV}
+if ! load_env "$RUN/{ENV_FILE}"; then
+  echo "[dflashctl] $RUN/{ENV_FILE} cannot be read: the job's environment is missing" >> "$RUN/train.log"
+  echo 1 > "$RUN/exit_code"; exit 1
+fi
 rm -f "$RUN/exit_code"
 stamp() {{ date -u +%Y-%m-%dT%H:%M:%SZ; }}
 if ! cd "$RUN/../../releases/{release}" 2>/dev/null; then
@@ -251,11 +239,11 @@ def run_files(
     run_dir: str | None = None,
 ) -> dict[str, str]:  # fmt: skip
     """The files of a run dir, as written at launch; restarts reuse them (the job file is snapshotted here). A Slurm
-    job has `sbatch.sh` where a tmux job has `run.sh` and `tmux.conf`; both have job.env (for `exec` and `shell`, and
-    the wrapper of a tmux job), written for `run_dir`."""
+    job has `sbatch.sh` where a tmux job has `run.sh` and `tmux.conf`; both have job.env, written for `run_dir`: the
+    environment that run.sh or sbatch.sh, `exec` and `shell` all read (without `run_dir`, none is written)."""
     scheduled = cluster is not None
     command = trainer_command(job, python, node, scheduled) if job.trainer is not None else job.command
-    snapshot = redact_job_snapshot(job.model_dump(mode="json"))  # the secrets' values live in run.sh / env.sh alone
+    snapshot = redact_job_snapshot(job.model_dump(mode="json"))  # the secrets' values live in job.env alone
     secrets = sorted(k for k in job_env(job, job_id, node, slurm=scheduled) if is_secret(k, job.secret_env))
     gpus = list(node.gpus) if node is not None else job.gpu_indices
     if scheduled:
@@ -271,7 +259,6 @@ def run_files(
     }
     if scheduled:
         files["sbatch.sh"] = render_sbatch(job, job_id, release, cluster)
-        files["env.sh"] = render_env(job, job_id, redact)
     else:
         files["run.sh"] = render_wrapper(job, job_id, release)
         files["tmux.conf"] = TMUX_CONF
