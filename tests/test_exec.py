@@ -156,3 +156,23 @@ def test_shell_on_a_host_opens_in_a_workdir_with_a_space_and_runs_no_substitutio
     argv = run_cli("shell", "--host", "evil", "--dry-run").stdout.strip()
     res = subprocess.run(["bash", "-c", argv], input=b"pwd\nexit\n", capture_output=True, timeout=60)
     assert "cannot enter that directory" in res.stderr.decode() and not marker.exists(), (res.stdout, res.stderr)
+
+
+def test_through_a_container_every_layer_quotes_once(proj):  # noqa: F811
+    """The same through `pct exec CT --` (the fake pct runs the command inside its own directory): the job's values,
+    literal arguments and a shell string each arrive as they were given, and the timeout still ends the group."""
+    f = job_file(proj, "boxed", 'env -0 > "$RUN/seen.env"; sleep 300', f"env: {json.dumps(TRICKY)}\n")
+    f = Path(f)
+    f.write_text(f.read_text().replace("host: box\n", "host: boxpct\n"))
+    assert run_cli("deploy", "boxpct").code == 0
+    job_id = cli_json("launch", str(f))["id"]
+    try:
+        got = env0(run_cli("exec", job_id, "--", "env", "-0").stdout.encode())
+        assert all(got[k] == v for k, v in TRICKY.items()) and got["DFLASHCTL_EXEC_OF"] == job_id
+        res = run_cli("exec", job_id, "--", "printf", "<%s>", "a b", "$(id)", "'q'")
+        assert res.code == 0 and res.stdout == "<a b><$(id)><'q'>", res
+        res = run_cli("exec", job_id, "--timeout", "1.5", "--", "sleep 4746 & wait")
+        assert res.code == 124, res
+        wait_until(lambda: pids_with("4746") == [], timeout=30)
+    finally:
+        run_cli("kill", job_id)
