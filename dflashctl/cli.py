@@ -476,7 +476,8 @@ def gc(
         else:
             for r in plan["removed"]:
                 err.print(f"  {plan['workdir']}/runs/{r['id']}  {r['bytes'] / 2**20:,.1f} MiB", markup=False)
-            if not typer.confirm(f"remove these {len(plan['removed'])} run dirs on {host} ("
+            n = len(plan["removed"])
+            if not typer.confirm(f"remove the {n} run dir{'s' if n != 1 else ''} listed above on {host} ("
                                  f"{sum(r['bytes'] for r in plan['removed']) / 2**30:.2f} GiB)?", default=False):
                 raise typer.Exit(1)
     confirmed = [r["id"] for r in plan["removed"]] if plan else None

@@ -142,3 +142,29 @@ def test_a_dry_run_changes_nothing_not_even_a_dead_pane(ended):
     assert has_session() and sorted((p.name, p.stat().st_mtime_ns) for p in run.rglob("*")) == before
     cli_json("gc", "box", "--older-than", "1", "--yes")
     assert not has_session() and not run.exists()
+
+
+def test_at_a_terminal_gc_lists_each_run_dir_before_asking(ended):
+    """The prompt says which run dirs, not only how many: each is listed with its size; `n` keeps them all."""
+    import pty
+    import sys
+
+    job_id, run, _ = ended
+
+    def answer(text: bytes) -> subprocess.CompletedProcess:
+        master, slave = pty.openpty()
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "gc", "box", "--older-than", "1"],
+                                    stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+            os.write(master, text)
+            out, err = proc.communicate(timeout=120)
+        finally:
+            os.close(master)
+            os.close(slave)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode())
+
+    no = answer(b"n\n")
+    assert no.returncode == 1 and f"{run}  " in no.stderr and "remove the 1 run dir listed above" in no.stdout, no
+    assert run.exists()
+    yes = answer(b"y\n")
+    assert yes.returncode == 0 and f"removed {run}" in yes.stdout and not run.exists(), yes
