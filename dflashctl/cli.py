@@ -218,6 +218,7 @@ def kill(
     grace: float | None = typer.Option(None, "--grace", metavar="S",
                                        help="Seconds between SIGTERM and SIGKILL (job's default 40)."),
     yes: bool = Flag("--yes", "-y", help="With no JOB: stop the newest alive job without asking."),
+    with_execs: bool = Flag("--all", help="Also end what `dflashctl exec` started for the job (a kill leaves it)."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
@@ -237,6 +238,14 @@ def kill(
             return False
         return typer.confirm(f"stop {record.id} on {record.host_name} (the newest alive job)?", default=False)
 
+    if with_execs and job is None:
+        from dflashctl.errors import ConfigError
+
+        raise ConfigError("kill", "--all", "name the job whose exec'd processes to end")
+    if with_execs:  # first: the job's own kill may find it already ended
+        ended = jobctl.end_execs(job, str(find_project_root()), accept_new=accept_new)
+        err.print(f"exec'd processes of {ended['id']}: SIGTERM {ended['term']}, SIGKILL {ended['kill']}"
+                  + (f", still there {ended['left']}" if ended["left"] else ""), markup=False)  # fmt: skip
     report = jobctl.kill(job, str(find_project_root()), grace, accept_new, confirm)
     if as_json:
         print_json(report.to_dict())
@@ -435,41 +444,50 @@ def export_drafter(
 def gc(
     host: str = HostArg,
     older_than: float = typer.Option(7.0, "--older-than", metavar="DAYS", help="Only jobs that ended this long ago."),
-    dry_run: bool = Flag("--dry-run", help="List what would be removed; remove nothing."),
+    all_projects: bool = Flag("--all-projects", help="Every project's run dirs on HOST, not only this project's."),
+    dry_run: bool = Flag("--dry-run", help="List what would be removed; change nothing."),
     yes: bool = Flag("--yes", "-y", help="Remove without asking."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Remove the run dirs of jobs that ended on HOST (checkpoints, logs, exports), never a live job's.
+    """Remove the run dirs of this project's jobs that ended on HOST (checkpoints, logs, exports), never a live job's.
 
     A run dir goes only when its job ended (an exit status or a kill's result), no session or supervisor of it runs,
-    and nothing in it changed for --older-than days; `pull` first what you want to keep. Asks before removing
-    (--yes skips; --dry-run lists)."""
+    nothing in it changed for --older-than days and nothing is mounted inside it (that one is named and kept); `pull`
+    first what you want to keep. Lists them and asks before removing (--yes skips; --dry-run only lists)."""
     from dflashctl.config import find_project_root
     from dflashctl.errors import ConfigError
     from dflashctl.jobs import jobctl
     from dflashctl.show.render import err, out, print_json
 
-    if older_than < 0:
-        raise ConfigError("--older-than", None, f"{older_than:g} days: expected 0 or more")
+    jobctl.check_number("--older-than", older_than)
     root = find_project_root()
+    plan = None
     if not dry_run and not yes:
-        plan = jobctl.gc(host, root, older_than, True, accept_new)
+        plan = jobctl.gc(host, root, older_than, True, accept_new, all_projects)
         if not plan["removed"]:
             dry_run = True  # nothing to remove: said below, nothing asked
         elif as_json or not sys.stdin.isatty():
             raise ConfigError("gc", None, f"{len(plan['removed'])} run dirs would be removed: pass --yes (or "
                               "--dry-run to list them)")  # fmt: skip
-        elif not typer.confirm(f"remove {len(plan['removed'])} run dirs on {host} ("
-                               f"{sum(r['bytes'] for r in plan['removed']) / 2**30:.2f} GiB)?", default=False):
-            raise typer.Exit(1)
-    res = jobctl.gc(host, root, older_than, dry_run, accept_new)
+        else:
+            for r in plan["removed"]:
+                err.print(f"  {plan['workdir']}/runs/{r['id']}  {r['bytes'] / 2**20:,.1f} MiB", markup=False)
+            n = len(plan["removed"])
+            if not typer.confirm(f"remove the {n} run dir{'s' if n != 1 else ''} listed above on {host} ("
+                                 f"{sum(r['bytes'] for r in plan['removed']) / 2**30:.2f} GiB)?", default=False):
+                raise typer.Exit(1)
+    confirmed = [r["id"] for r in plan["removed"]] if plan else None
+    res = jobctl.gc(host, root, older_than, dry_run, accept_new, all_projects, only=confirmed)
     if as_json:
         print_json(res)
         return
     verb = "would remove" if dry_run else "removed"
     for r in res["removed"]:
         out.print(f"{verb} {res['workdir']}/runs/{r['id']}  {r['bytes'] / 2**20:,.1f} MiB", markup=False)
+    for k in res["kept"]:
+        if k["why"].startswith(("holds a mount point", "not removed")):
+            err.print(f"kept {res['workdir']}/runs/{k['id']}: {k['why']}", markup=False)
     total = sum(r["bytes"] for r in res["removed"]) / 2**30
     err.print(f"{verb} {len(res['removed'])} run dirs ({total:.2f} GiB); kept {len(res['kept'])}")
 
@@ -482,18 +500,22 @@ def exec_(
     command: list[str] | None = typer.Argument(None, metavar="-- COMMAND...", show_default=False, click_type=_Named(),
                                                help="What to run, after `--`."),
     on_host: bool = Flag("--host", help="JOB names a host: run in its deployed code."),
-    timeout: float | None = typer.Option(None, "--timeout", metavar="S", help="Give up after S seconds."),
+    timeout: float | None = typer.Option(None, "--timeout", metavar="S",
+                                         help="End the command (its whole process group) after S seconds; exit 124."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Run one command where a job runs (inside its container), in its release with its environment.
+    """Run one command where a job runs (inside its container), in its release with its very environment.
 
-    `dflashctl exec JOB -- nvidia-smi`, `dflashctl exec --host box -- df -h`. Exits with the command's status."""
+    `dflashctl exec JOB -- nvidia-smi`, `dflashctl exec JOB -- 'ls | wc -l'` (one string: run by bash -c),
+    `dflashctl exec --host box -- df -h`. A piped stdin is passed through. Exits with the command's status (128+N
+    when a signal ended it). A restart or kill of the job leaves the command alone (`kill --all` takes it too)."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
     from dflashctl.show.render import print_json
 
-    res = jobctl.exec_command(target, list(command or []), find_project_root(), on_host, accept_new, timeout)
+    stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer
+    res = jobctl.exec_command(target, list(command or []), find_project_root(), on_host, accept_new, timeout, stdin)
     if as_json:
         print_json(res)
     else:
@@ -816,6 +838,24 @@ def _reflow_help() -> None:
 _reflow_help()
 
 
+# The verbs a SkyPilot user types (`sky queue`, `sky cancel`, `sky jobs`, `sky status -a`), answered with ours.
+SKYPILOT_VERBS = {"queue": "ls", "jobs": "ls", "cancel": "kill"}
+
+
+def skypilot_hint(args: list[str]) -> str | None:
+    """A usage error that names our verb, where the command given is one of SkyPilot's."""
+    words = [a for a in args if not a.startswith("-")]
+    if not words:
+        return None
+    verb = words[0]
+    if verb in SKYPILOT_VERBS:
+        ours = SKYPILOT_VERBS[verb]
+        return f"no command `{verb}` (SkyPilot's): did you mean `dflashctl {ours}`?"
+    if verb == "status" and any(a in ("-a", "--all") for a in args):
+        return "`status -a` is SkyPilot's: did you mean `dflashctl ls` (`ls --all-projects` for every project)?"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one handler turns every typed error into a one-line message and its exit code. Under --json the
     same error is also printed on stdout as {"error", "exit"}, so a script never parses an empty answer."""
@@ -828,6 +868,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(json.dumps({"error": message, "exit": code}) + "\n")
         return code
 
+    hint = skypilot_hint(args)
+    if hint:
+        return fail(hint, EXIT_USAGE)
     try:
         rv = app(args=args, prog_name="dflashctl", standalone_mode=False)
         return rv if isinstance(rv, int) else 0

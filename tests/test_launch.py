@@ -91,6 +91,10 @@ def test_command_job_lifecycle(client, tmp_path, host):
     launched = cli_json("launch", f"jobs/echo-{host}.yaml")
     job_id = launched["id"]
     assert job_id.startswith(f"echo-{host}-") and launched["pane_pid"] > 0
+    agent_call, tmux = launched["remote_commands"]  # what ran, not `[]`: the agent's call, then the job's session
+    assert " -I -S -c " in agent_call and " probe " in agent_call
+    assert host != "boxpct" or agent_call.startswith("pct exec 7 --")
+    assert "new-session" in tmux and f"{launched['run_dir']}/agent.pyz launch" in tmux and " -I -S " in tmux
     wait_until(lambda: "hello-from-job" in run_cli("logs", job_id, "-n", "5").stdout)
     st = status_json(job_id)
     assert st["alive"] and st["session"] == "alive" and st["exit_code"] is None and st["processes"] >= 2

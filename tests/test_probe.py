@@ -109,8 +109,9 @@ def test_the_agent_copies_itself_byte_for_byte_from_the_bytes_it_was_sent(tmp_pa
     env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"]}
     code = "from dflashctl_agent.pack import own_archive; import sys; sys.stdout.buffer.write(own_archive())"
     argv = boot_argv(sys.executable, "probe", json.dumps({"run_dir": str(tmp_path), "gpus": False}))
-    got = subprocess.run([*argv[:3], argv[3].replace("from dflashctl_agent.__main__ import main\nsys.exit(main())",
-                                                       code), *argv[4:]],  # fmt: skip
+    i = argv.index("-c") + 1  # the boot line
+    got = subprocess.run([*argv[:i], argv[i].replace("from dflashctl_agent.__main__ import main\nsys.exit(main())",
+                                                     code), *argv[i + 1 :]],  # fmt: skip
                          input=AGENT, capture_output=True, env=env, timeout=60)
     assert got.returncode == 0, got.stderr
     assert got.stdout == AGENT

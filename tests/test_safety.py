@@ -222,9 +222,9 @@ def test_remote_files_are_private_and_secrets_never_shown(proj):
     job_id = cli_json("launch", f)["id"]
     run = run_dir_of(job_id)
     assert run.stat().st_mode & 0o777 == 0o700 and run.parent.stat().st_mode & 0o777 == 0o700
-    for name in ("run.sh", "command.sh", "job.json", "agent.pyz"):
+    for name in ("run.sh", "job.env", "command.sh", "job.json", "agent.pyz"):
         assert (run / name).stat().st_mode & 0o777 == 0o600, name
-    assert "hf_abc123" in (run / "run.sh").read_text()  # the job itself gets the value
+    assert b"HF_TOKEN=hf_abc123\0" in (run / "job.env").read_bytes()  # the job itself gets the value
     time.sleep(1.5)  # its supervisor and a status write their files too
 
     def holding(secret: str) -> list[str]:
@@ -232,10 +232,10 @@ def test_remote_files_are_private_and_secrets_never_shown(proj):
                       f.read_bytes())  # fmt: skip
 
     status_json(job_id)
-    assert holding("hf_abc123") == ["run.sh"] and holding("s3cr3t") == ["run.sh"]  # one file at rest: 0600
+    assert holding("hf_abc123") == ["job.env"] and holding("s3cr3t") == ["job.env"]  # one file at rest: 0600
     assert cli_json("kill", job_id)["result"] == "KILLED"
     assert holding("hf_abc123") == [] and holding("s3cr3t") == []  # ended for good: removed
-    assert "HF_TOKEN='***'" in (run / "run.sh").read_text() and "PLAIN=ok" in (run / "run.sh").read_text()
+    assert b"HF_TOKEN=***\0" in (run / "job.env").read_bytes() and b"PLAIN=ok\0" in (run / "job.env").read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -435,7 +435,7 @@ def test_exec_runs_with_the_jobs_environment_in_its_release_and_shell_opens_ther
     got = json.loads(run_cli("exec", "--host", "box", "--json", "--", "pwd").stdout)
     assert got["exit"] == 0 and got["cwd"].endswith("/code") and "/releases/" in got["stdout"]  # code: the current
     argv = run_cli("shell", job_id, "--dry-run").stdout
-    assert argv.startswith("ssh -t") and "/releases/" in argv and "run.sh" in argv and "bash -l" in argv
+    assert argv.startswith("ssh -t") and "/releases/" in argv and "job.env" in argv and "--rcfile" in argv
     res = run_cli("exec", job_id)
     assert res.code == 2 and len(res.stderr.strip().splitlines()) == 1
     assert cli_json("kill", job_id)["result"] == "KILLED"

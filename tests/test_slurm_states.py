@@ -163,7 +163,8 @@ def test_the_batch_script_asks_for_nodes_gpus_and_the_hosts_options():
     job = JobConfig.model_validate({"name": "big", "host": "cluster", "gpus": 8, "trainer": {},
                                     "env": {"HF_TOKEN": "hf_secret"},
                                     "slurm": {"nodes": 4, "time": "2:00:00", "extra": ["--exclusive"]}})  # fmt: skip
-    files = session.run_files(job, "big-1", "python3", {"steps": 10}, "abc", cluster=cluster.slurm)
+    files = session.run_files(job, "big-1", "python3", {"steps": 10}, "abc", cluster=cluster.slurm,
+                              run_dir="/w/runs/big-1")
     assert "run.sh" not in files and "tmux.conf" not in files and json.loads(files["job.json"])["scheduler"] == "slurm"
     script = files["sbatch.sh"]
     header = [ln for ln in script.splitlines() if ln.startswith("#SBATCH")]
@@ -176,10 +177,11 @@ def test_the_batch_script_asks_for_nodes_gpus_and_the_hosts_options():
     assert "scontrol show hostnames" in script and "srun --nodes" in script
     assert '--nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID"' in files["command.sh"]
     assert "--nproc-per-node 8" in files["command.sh"]
-    # the secret is in env.sh (0600 in the run dir), never in the script Slurm copies into its spool; shown: ***
-    assert "hf_secret" not in script and '. "$RUN/env.sh"' in script and "hf_secret" in files["env.sh"]
-    shown = session.run_files(job, "big-1", "python3", {"steps": 10}, "abc", redact=True, cluster=cluster.slurm)
-    assert "hf_secret" not in shown["env.sh"] and "export HF_TOKEN='***'" in shown["env.sh"]
+    # the secret is in job.env (0600 in the run dir), never in the script Slurm copies into its spool; shown: ***
+    assert "hf_secret" not in script and 'load_env "$RUN/job.env"' in script and "hf_secret" in files["job.env"]
+    shown = session.run_files(job, "big-1", "python3", {"steps": 10}, "abc", redact=True, cluster=cluster.slurm,
+                              run_dir="/w/runs/big-1")  # fmt: skip
+    assert "hf_secret" not in shown["job.env"] and "HF_TOKEN='***'" in shown["job.env"]
 
 
 @pytest.mark.parametrize(

@@ -99,7 +99,17 @@ def test_tensorboard_starts_in_a_window_of_the_jobs_session_and_opens_locally(cl
         assert "tensorboard" in windows and len(windows) == 2
     finally:
         tun.kill()
+        _, err = tun.communicate(timeout=30)
         subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
+    assert "has written no TensorBoard event files" in err, err  # an empty board is said to be empty
+    from dflashctl.remote.connect import open_runner
+    from dflashctl.remote.tunnel import event_files_written
+
+    job = registry.get(JOB)
+    with open_runner(job.host) as runner:
+        assert not event_files_written(job, runner)
+        (run_dir / "tensorboard" / "events.out.tfevents.1.box").write_bytes(b"")
+        assert event_files_written(job, runner)
 
 
 def _ssh_forwards(port: int) -> list[int]:

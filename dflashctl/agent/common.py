@@ -127,4 +127,23 @@ def scrub_secrets(run_dir: str) -> list[str]:
             out.append(line)
         if done:
             write_atomic(path, "\n".join(out).encode("utf-8", "surrogateescape"))
+    done += _scrub_env_file(os.path.join(run_dir, "job.env"), names)
+    return done
+
+
+def _scrub_env_file(path: str, names: list[str]) -> list[str]:
+    """job.env's NUL-separated KEY=VALUE records: every secret's whole value (newlines and all) becomes ***."""
+    try:
+        with open(path, "rb") as f:
+            records = f.read().split(b"\0")
+    except OSError:
+        return []
+    done, keys = [], {n.encode(): n for n in names}
+    for i, rec in enumerate(records):
+        key = rec.split(b"=", 1)[0]
+        if key in keys and b"=" in rec and rec != key + b"=***":
+            records[i] = key + b"=***"
+            done.append(keys[key])
+    if done:
+        write_atomic(path, b"\0".join(records))
     return done

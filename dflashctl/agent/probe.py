@@ -23,6 +23,7 @@ container's host by the same command. Actions:
 - `files`, `chunk` (pull): files to bring back with their sha256; then raw bytes of one of them, a chunk at a time.
 - `tail`: the last lines of a file, read from its end (bounded however long its lines are).
 - `gc`: remove the run dirs of jobs that ended long enough ago, never a live one's (`collect.py`).
+- `end_execs`: end the processes `exec` started for a job (`execs.py`, for `kill --all`).
 
 On a Slurm host (`"scheduler": "slurm"` in the request) the job's "pane" is its newest submission (agent/slurm.py):
 `launch` writes the same run dir and runs `sbatch` instead of tmux, `restart` cancels the old submission, sees it end
@@ -36,6 +37,7 @@ process: its pid may belong to someone else by now. Nothing here imports the res
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from .common import RESTARTS, STOP_REQUEST, STOP_RESULT, WRAPPER_PID, start_time  # noqa: F401 - the probe's names
@@ -97,6 +99,13 @@ def main() -> int:
         from .collect import collect
 
         answer = collect(req)
+    elif action == "hello":  # doctor: the agent runs here, as a deploy would run it
+        answer = {"python": os.path.realpath(sys.executable), "version": sys.version.split()[0],
+                  "isolated": bool(sys.flags.isolated), "ok": True}  # fmt: skip
+    elif action == "end_execs":  # `kill --all`: what `exec` started for the job
+        from .execs import end_execs
+
+        answer = end_execs(req)
     elif action == "history":
         answer = history(req)
     elif action == "tail":

@@ -28,25 +28,33 @@ from .stopping import stop_processes
 # ---------------------------------------------------------------------------------------------- starting
 
 
-def start_session(run_dir: str, session: str, python: str, args: list[str]) -> int:
-    """Start the job's tmux session: the pane runs the launcher (a child subreaper) which runs run.sh."""
+def session_argv(run_dir: str, session: str, python: str, args: list[str]) -> list[str]:
+    """The tmux command that starts the job's session: the pane runs the launcher (a child subreaper) on run.sh."""
     import shlex
 
     agent = os.path.join(run_dir, AGENT_FILE)
     keeper = [agent, "launch"] if os.path.isfile(agent) else [os.path.join(run_dir, "launcher.py")]  # older run dirs
-    cmd = "exec " + shlex.join([python, *keeper, run_dir, *args])
-    rc, _ = _run([*TMUX, "-f", os.path.join(run_dir, "tmux.conf"), "new-session", "-d", "-s", session, "-x", "200",
-                  "-y", "50", cmd, ";", "set-option", "-w", "-t", f"={session}:", "remain-on-exit", "on"])  # fmt: skip
+    # -I -S: the launcher is stdlib only; nothing on PYTHONPATH, in the user's site or the working directory is
+    # imported by it (the job it starts still gets the whole environment)
+    cmd = "exec " + shlex.join([python, "-I", "-S", *keeper, run_dir, *args])
+    return [*TMUX, "-f", os.path.join(run_dir, "tmux.conf"), "new-session", "-d", "-s", session, "-x", "200",
+            "-y", "50", cmd, ";", "set-option", "-w", "-t", f"={session}:", "remain-on-exit", "on"]  # fmt: skip
+
+
+def start_session(run_dir: str, session: str, python: str, args: list[str]) -> int:
+    """Start the job's tmux session (session_argv); the pane's pid."""
+    rc, _ = _run(session_argv(run_dir, session, python, args))
     if rc != 0:
         raise RuntimeError(f"tmux could not start session {session}")
     info = tmux_session(session, 0)
     return int(info.get("pane_pid") or 0)
 
 
-def our_live_jobs(workdir: str) -> list[dict]:
+def our_live_jobs(workdir: str, close_ended: bool = True) -> list[dict]:
     """Jobs of ours whose tmux session is alive on this socket (from their run dirs' job.json), after closing the
     sessions of our jobs that have ended (dead pane, exit_code written): their state is in the run dir, and a dead
-    pane only kept a pid that may belong to someone else by now. One look at the sessions and the run dirs."""
+    pane only kept a pid that may belong to someone else by now. One look at the sessions and the run dirs. A dry
+    run (`close_ended` false) closes nothing."""
     sessions = {s["name"]: s["dead"] for s in list_sessions()}
     jobs = []
     runs = os.path.join(workdir, "runs")
@@ -57,7 +65,7 @@ def our_live_jobs(workdir: str) -> list[dict]:
         if session not in sessions:
             continue
         if sessions[session]:
-            if os.path.exists(os.path.join(run, "exit_code")):
+            if close_ended and os.path.exists(os.path.join(run, "exit_code")):
                 _run([*TMUX, "kill-session", "-t", f"={session}"])
         elif not os.path.exists(os.path.join(run, STOP_RESULT)):
             jobs.append({**meta, "run_dir": run})
@@ -270,7 +278,10 @@ def launch(req: dict, payload: bytes) -> dict:
         if run is None:
             return {"refused": [f"run dir {os.path.join(wd, 'runs', req['job_id'])} already exists"]}
         pane_pid = start_session(run, req["session"], req["python"], [])
-    return {"run_dir": run, "pane_pid": pane_pid, "overrides": overrides}
+    import shlex
+
+    started = shlex.join(session_argv(run, req["session"], req["python"], []))
+    return {"run_dir": run, "pane_pid": pane_pid, "overrides": overrides, "started": started}
 
 
 def _restart_refused(req: dict, run: str, count: int) -> dict | None:

@@ -79,7 +79,8 @@ def spawn(run_dir: str) -> None:
         os.dup2(null, 1)
         os.dup2(err, 2)
         env = {k: v for k, v in os.environ.items() if k not in ("DFLASHCTL_JOB_ID", "TMUX", "TMUX_PANE")}
-        os.execve(sys.executable, [sys.executable, "-S", agent, "supervise", run_dir], env)
+        # -I: no PYTHONPATH, no user site, no working directory on the path (a planted signal.py is never imported)
+        os.execve(sys.executable, [sys.executable, "-I", "-S", agent, "supervise", run_dir], env)
     finally:
         os._exit(127)
 

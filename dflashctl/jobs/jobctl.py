@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import secrets
 import shlex
@@ -34,6 +35,7 @@ from dflashctl.jobs.registry import JobRecord, Member
 from dflashctl.judge.report import Report
 from dflashctl.model.jobfile import load_job
 from dflashctl.remote import session
+from dflashctl.remote.agent_bundle import shown_argv
 from dflashctl.remote.connect import open_runner
 from dflashctl.remote.sync import build_manifest, deploy, manifest_version, read_remote_state
 
@@ -102,7 +104,7 @@ def launch(
                "tmux_socket": socket, "needs": {"torch": job.trainer is not None, "cuda": bool(job.gpu_indices)},
                **({"scheduler": "slurm"} if cluster else {})}  # fmt: skip
         files = session.run_files(job, job_id, host.python, trainer_cfg, local_version, cluster=cluster,
-                                  project=session.project_key(root))  # fmt: skip
+                                  project=session.project_key(root), run_dir=report.run_dir)  # fmt: skip
         if dry_run or deploy_first:  # every launch check before a dry-run's "would launch" or a --deploy's upload
             # a Slurm dry run sends the batch script along: `sbatch --test-only` judges it, submitting nothing
             check = json.dumps({k: v for k, v in files.items() if k == "sbatch.sh"}).encode() if dry_run else b""
@@ -111,10 +113,10 @@ def launch(
             report.overrides = list(pre.get("overrides", []))
         if dry_run:
             report.files = session.run_files(job, job_id, host.python, trainer_cfg, local_version, redact=True,
-                                             cluster=cluster)  # fmt: skip
-            what = ["sbatch", f"{report.run_dir}/sbatch.sh"] if cluster else [host.python, "-c", "<dflashctl probe>",
-                                                                               "launch", job_id]  # fmt: skip
-            report.remote_commands = [runner.describe(what)]
+                                             cluster=cluster, run_dir=report.run_dir)  # fmt: skip
+            report.remote_commands = [runner.describe(shown_argv(host.python, "probe", json.dumps(req)))]
+            if cluster:
+                report.remote_commands.append(f"sbatch {report.run_dir}/sbatch.sh")
             return report
         if deploy_first:
             deploy(runner, root, host.workdir, progress=progress)
@@ -125,6 +127,9 @@ def launch(
         raise RefusedError(f"{host.name}: {'; '.join(ans['refused'])}" + ("" if "--force" in ans["refused"][-1] else
                                                                           " (use --force to launch anyway)"))
     report.run_dir, report.pane_pid, report.overrides = ans["run_dir"], ans["pane_pid"], ans.get("overrides", [])
+    report.remote_commands = [runner.describe(shown_argv(host.python, "probe", json.dumps(req))),
+                              *([ans["started"]] if ans.get("started") else []),
+                              *([f"sbatch {report.run_dir}/sbatch.sh"] if cluster else [])]  # fmt: skip
     report.slurm_job = ans.get("slurm_job")
     registry.record(JobRecord(
         id=job_id, name=job.name, project=str(root), job_file=str(job_path.resolve()), host_name=host.name,
@@ -175,16 +180,36 @@ def doctor_reports(spec: str, root: Path, accept_new: bool = False) -> list:
         return [DoctorReport(target.name, [Check("reachable", "fail", str(e), required=True)])]
 
 
-def gc(spec: str, root: Path, older_than_days: float, dry_run: bool, accept_new: bool = False) -> dict:
-    """Remove HOST's run dirs of jobs that ended over `older_than_days` ago (never a live job's, never one whose
-    supervisor runs): one remote action under the workdir's launch lock. `dry_run` lists them, removes nothing."""
+def check_number(option: str, value: float | None, positive: bool = False) -> None:
+    """A number given on the command line is finite and at least 0 (above 0 with `positive`): `nan` compares false
+    with everything, so an unchecked one silently turns every limit off."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ConfigError(option, None, f"{value:g}: expected a finite number {'above' if positive else '0 or'} "
+                          f"{'0' if positive else 'more'}")  # fmt: skip
+
+
+def gc(spec: str, root: Path, older_than_days: float, dry_run: bool, accept_new: bool = False,
+       all_projects: bool = False, only: list[str] | None = None) -> dict:  # fmt: skip
+    """Remove HOST's run dirs of this project's jobs (every project's with `all_projects`) that ended over
+    `older_than_days` ago (never a live job's, never one whose supervisor runs, never one holding a mount): one remote
+    action under the workdir's launch lock. `dry_run` lists them and changes nothing; `only` limits the removal to the
+    run dirs a user was shown and confirmed. The result's `removed_ids`
+    are the job ids whose run dirs are gone, for the local registry to mark."""
+    check_number("--older-than", older_than_days)
     host = resolve_host(spec, root)
     with open_runner(host, accept_new) as runner:
         abs_wd, _, _ = read_remote_state(runner, host.workdir)
         ans = session.call_agent(runner, {"action": "gc", "workdir": abs_wd, "older_than_s": older_than_days * 86400,
                                           "dry_run": dry_run, "gpus": False,
+                                          "project": None if all_projects else session.project_key(root),
+                                          **({"only": list(only)} if only is not None else {}),
                                           "tmux_socket": session.tmux_socket()}, timeout=600)  # fmt: skip
-    return {"host": host.name, "workdir": abs_wd, **ans}
+    if ans.get("refused"):
+        raise ConfigError("gc", None, f"the agent on {host.name} refused: {ans['refused']}")
+    ids = [] if ans.get("dry_run") else [r["id"] for r in ans.get("removed", [])]
+    return {"host": host.name, "workdir": abs_wd, **ans, "removed_ids": ids}
 
 
 def rdzv_port_for(name: str) -> int:
@@ -241,8 +266,9 @@ def launch_nodes(
         report.nodes = [{"host": h.name, "run_dir": f"{wd}/runs/{job_id}", "session": sessions[pl.rank],
                          "pane_pid": None, "gpus": list(pl.gpus), "node_rank": pl.rank}
                         for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
-        files = [session.run_files(job, job_id, h.python, trainer_cfg, version, redact=dry_run, node=pl)
-                 for h, pl in zip(hosts, places, strict=True)]  # fmt: skip
+        files = [session.run_files(job, job_id, h.python, trainer_cfg, version, redact=dry_run, node=pl,
+                                   run_dir=f"{wd}/runs/{job_id}")
+                 for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
         reqs = [{"action": "launch", "workdir": wd, "job_id": job_id, "name": job.name, "session": sessions[pl.rank],
                  "gpus": list(pl.gpus), "force": force, "release": version, "python": h.python, "tmux_socket": socket,
                  "needs": {"torch": job.trainer is not None, "cuda": bool(pl.gpus)}}
@@ -252,8 +278,8 @@ def launch_nodes(
             _raise_refusal(ans, h, job_path)
         if dry_run:
             report.files = files[0]
-            report.remote_commands = [r.describe([h.python, "-c", "<dflashctl probe>", "launch", job_id])
-                                      for h, r in zip(hosts, runners, strict=True)]  # fmt: skip
+            report.remote_commands = [r.describe(shown_argv(h.python, "probe", json.dumps(req)))
+                                      for h, r, req in zip(hosts, runners, reqs, strict=True)]  # fmt: skip
             return report
         members: list[Member] = []
         try:
@@ -263,6 +289,8 @@ def launch_nodes(
                 members.append(Member(node=i, host_name=h.name, host=h, run_dir=ans["run_dir"], session=sessions[i],
                                       pane_pid=ans["pane_pid"], gpus=list(places[i].gpus)))  # fmt: skip
                 report.overrides += [f"{h.name}: {o}" for o in ans.get("overrides", [])]
+                report.remote_commands += [r.describe(shown_argv(h.python, "probe", json.dumps(req))),
+                                           *([ans["started"]] if ans.get("started") else [])]  # fmt: skip
         except Exception:
             for m, r in zip(members, runners, strict=False):  # never leave half a job running
                 rec = JobRecord(id=job_id, name=job.name, project=str(root), job_file=str(job_path),
@@ -471,58 +499,110 @@ def logs(
     return {"id": job.id, "exit_code": snap.get("exit_code") if follow else None}
 
 
-def _where(spec: str, root: Path, is_host: bool) -> tuple[HostConfig, str | None, str | None]:
-    """(host, remote working dir, env file) for `exec`/`shell`: a job's release and its environment's file (run.sh,
-    env.sh on Slurm), or a host's deployed code."""
+def _where(spec: str, root: Path, is_host: bool) -> tuple[HostConfig, str | None, str | None, str]:
+    """(host, remote working dir, env file, tag) for `exec`/`shell`: a job's release, its job.env and the job's tag,
+    or a host's deployed code (None: found on the remote) with neither."""
     if is_host:
-        host = resolve_host(spec, root)
-        return host, None, None
+        return resolve_host(spec, root), None, None, ""
     job = find_job(spec, str(root))
     workdir = os.path.dirname(os.path.dirname(job.run_dir))
-    env = f"{job.run_dir}/{'env.sh' if job.scheduler == 'slurm' else 'run.sh'}"
-    return job.host, f"{workdir}/releases/{job.release}", env
+    return job.host, f"{workdir}/releases/{job.release}", f"{job.run_dir}/{session.ENV_FILE}", job.tag
+
+
+# $1 the directory, $2 the job's env file (or ""), $3 the timeout (or ""), $4 the exec's own tag (or ""), then the
+# command. The job's DFLASHCTL_JOB_ID is replaced by the exec's own tag (kept in DFLASHCTL_EXEC_OF), so that a stop
+# or restart of the job, which finds its processes by that tag, leaves a debugging command alone (`kill --all` asks
+# for them too). The command runs as a child, not exec'd: a signal's death reaches us as 128+N, not ssh's 255.
+# `timeout` puts the command in a process group of its own and signals the whole group when it fires.
+EXEC_SCRIPT = session.LOAD_ENV + """
+cd -P -- "$1" || exit 126  # -P: the release itself, should a deploy switch `code` meanwhile
+if [ -n "$2" ] && ! load_env "$2"; then
+  echo "dflashctl exec: the job's environment $2 cannot be read (a job launched before job.env existed?)" >&2; exit 126
+fi
+t="$3"; tag="$4"; shift 4
+[ -n "$tag" ] && export DFLASHCTL_EXEC_OF="${DFLASHCTL_JOB_ID-}" DFLASHCTL_JOB_ID="$tag"
+if [ -n "$t" ]; then timeout -k 5 "$t" "$@"; else "$@"; fi
+exit $?
+"""
+KILL_AFTER_S = 5  # the `timeout -k`: SIGKILL this long after the SIGTERM, for a command that ignores it
+
+
+def end_execs(spec: str | None, project: str, grace_s: float = 5.0, accept_new: bool = False) -> dict:
+    """`kill --all`: end what `exec` started for the job (found by DFLASHCTL_EXEC_OF, its own tag), which a kill or
+    restart of the job alone leaves running. {id, term, kill, left}."""
+    job = find_job(spec, project)
+    with open_runner(job.host, accept_new) as runner:
+        ans = session.call_agent(runner, {"action": "end_execs", "job_id": job.tag, "grace_s": grace_s, "gpus": False},
+                                 timeout=grace_s + 60)  # fmt: skip
+    if ans.get("refused"):
+        raise ConfigError("kill", "--all", ans["refused"])
+    return {"id": job.id, **ans}
+
+
+def exec_argv(command: list[str]) -> list[str]:
+    """One string is a shell command line (`exec JOB -- 'a; b'`, as `ssh host 'a; b'` and `sky exec` run it);
+    several words are an argument list, run as given."""
+    return ["bash", "-c", command[0]] if len(command) == 1 else list(command)
 
 
 def exec_command(spec: str, command: list[str], root: Path, is_host: bool = False, accept_new: bool = False,
-                 timeout: float | None = None) -> dict:  # fmt: skip
-    """Run one command on a job's host (in its container) in the job's release with the job's environment, or on a
-    host in its deployed code: {exit, stdout, stderr}."""
+                 timeout: float | None = None, stdin=None) -> dict:  # fmt: skip
+    """Run one command on a job's host (in its container) in the job's release with the job's very environment
+    (job.env), or on a host in its deployed code: {exit, stdout, stderr}. `timeout` (> 0 s) ends the command's
+    whole process group on the remote; `stdin` (a stream) is passed through."""
+    from dflashctl.remote.transport import UserStdin
+
     if not command:
         raise ConfigError("exec", "COMMAND", "nothing to run: give a command after --")
-    host, cwd, env = _where(spec, root, is_host)
-    script = ('cd "${1:-$HOME}" 2>/dev/null || cd "$HOME"; [ -n "$2" ] && [ -f "$2" ] && '
-              'eval "$(grep "^export " "$2")"; shift 2; exec "$@"')  # fmt: skip
+    check_number("--timeout", timeout, positive=True)
+    host, cwd, env, tag = _where(spec, root, is_host)
+    own_tag = f"{tag}.exec.{secrets.token_hex(4)}" if tag else ""
     with open_runner(host, accept_new) as runner:
         if is_host:
             abs_wd, _, _ = read_remote_state(runner, host.workdir)
             cwd = f"{abs_wd}/code"
-        res = runner.run(["bash", "--noprofile", "--norc", "-c", script, "dflashctl-exec", cwd or "", env or "",
-                          *command], timeout=timeout)  # fmt: skip
-    return {"host": host.name, "cwd": cwd, "exit": res.returncode,
-            "stdout": res.stdout.decode(errors="replace"), "stderr": res.stderr.decode(errors="replace")}
+        argv = ["bash", "--noprofile", "--norc", "-c", EXEC_SCRIPT, "dflashctl-exec", cwd or "", env or "",
+                repr(float(timeout)) if timeout else "", own_tag, *exec_argv(command)]  # fmt: skip
+        local_limit = timeout + KILL_AFTER_S + 30 if timeout else None  # the remote's own timeout fires first
+        res = runner.run(argv, timeout=local_limit, stdin=UserStdin(stdin) if stdin is not None else None)
+    return {"host": host.name, "cwd": cwd, "exit": res.returncode, "tag": own_tag or None,
+            "stdout": res.stdout.decode(errors="replace"), "stderr": res.stderr.decode(errors="replace")}  # fmt: skip
+
+
+# $1 the directory (a leading ~/ is the remote's $HOME), $2 the job's env file (or ""). The interactive shell's rc
+# file reads the user's ~/.bashrc, then the job's environment, then enters the directory: the values travel as
+# arguments and are quoted by printf %q on the remote, never pasted into a script.
+SHELL_SCRIPT = session.LOAD_ENV + """
+d="$1"; case "$d" in "~") d="$HOME";; "~/"*) d="$HOME/${d#"~/"}";; esac
+if [ -n "$2" ] && ! [ -r "$2" ]; then echo "dflashctl shell: the job's environment $2 cannot be read" >&2; exit 126; fi
+exec bash --rcfile <(
+  echo '[ -f ~/.bashrc ] && . ~/.bashrc'
+  declare -f load_env
+  [ -n "$2" ] && printf 'load_env %q\\n' "$2"
+  printf 'cd -- %q || echo "dflashctl shell: cannot enter that directory" >&2\\n' "$d"
+) -i
+"""
 
 
 def shell_argv(spec: str, root: Path, is_host: bool = False) -> list[str]:
-    """An interactive login shell on the job's host (inside its container), in the job's release with its
-    environment, or on a host in its deployed code: the system's ssh, as `attach` uses."""
+    """An interactive shell on the job's host (inside its container), in the job's release with its environment
+    (job.env, read after the user's ~/.bashrc), or on a host in its deployed code: the system's ssh, as `attach`
+    uses. Every path is an argument of `bash -c`, quoted once for the ssh layer."""
     from dflashctl.remote.transport import container_prefix
 
-    host, cwd, env = _where(spec, root, is_host)
-    cwd = cwd or f"{host.workdir.rstrip('/')}/code".replace("~/", "$HOME/", 1)
-    inner = f'cd {shlex.quote(cwd) if "$HOME" not in cwd else cwd} 2>/dev/null; '
-    if env:
-        inner += f'[ -f {shlex.quote(env)} ] && eval "$(grep "^export " {shlex.quote(env)})"; '
-    inner += "exec bash -l"
+    host, cwd, env, _ = _where(spec, root, is_host)
+    cwd = cwd or f"{host.workdir.rstrip('/')}/code"
+    inner = ["bash", "--noprofile", "--norc", "-c", SHELL_SCRIPT, "dflashctl-shell", cwd, env or ""]
     prefix = container_prefix(host)
     if prefix[:2] == ["docker", "exec"]:
         prefix = ["docker", "exec", "-it", *prefix[3:]]
     if host.is_local:
-        return [*prefix, "bash", "-c", inner]
+        return [*prefix, *inner]
     from dflashctl.remote.ssh import client_options
 
     ssh = ["ssh", "-t", *client_options(host), *(["-p", str(host.port)] if host.port else []),
            *(["-l", host.user] if host.user else []), *(["-i", host.identity_file] if host.identity_file else [])]
-    return [*ssh, host.ssh or "", shlex.join([*prefix, "bash", "-c", inner])]
+    return [*ssh, host.ssh or "", shlex.join([*prefix, *inner])]
 
 
 def attach_argv(job: JobRecord, write: bool = False) -> list[str]:

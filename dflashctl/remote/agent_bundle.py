@@ -12,6 +12,8 @@ bytes and checked again before every restart, by the supervisor too).
 from __future__ import annotations
 
 import hashlib
+import json
+import sys
 
 from dflashctl.agent.pack import PACKAGE, build
 
@@ -46,7 +48,51 @@ BOOT = (
 )
 
 
+# -I (isolated, Python >= 3.4, so every Python the agent supports): no PYTHONPATH or other PYTHON* variables, no user
+# site, and not the working directory first on sys.path (`-c` puts it there otherwise): a zipfile.py on the remote's
+# PYTHONPATH or a hashlib.py in the login directory is never imported by the boot line before its hash check.
+# -S: no `site` at all: a remote's sitecustomize or .pth hook that prints can never corrupt the JSON answer.
+ISOLATED = ("-I", "-S")
+
+
 def boot_argv(python: str, action: str, *args: str) -> list[str]:
-    """The remote argv of one agent action; its stdin must start with AGENT. `-S`: the agent is stdlib only, so the
-    interpreter skips `site`: a remote's sitecustomize or .pth hook that prints can never corrupt its JSON answer."""
-    return [python, "-S", "-c", BOOT, str(len(AGENT)), AGENT_SHA, action, *args]
+    """The remote argv of one agent action; its stdin must start with AGENT. The interpreter runs isolated."""
+    return [python, *ISOLATED, "-c", BOOT, str(len(AGENT)), AGENT_SHA, action, *args]
+
+
+def shown_argv(python: str, action: str, *args: str) -> list[str]:
+    """boot_argv as a person reads it: the boot line (a screenful) named, not printed."""
+    return [python, *ISOLATED, "-c", f"<dflashctl agent boot line, sha256 {AGENT_SHA[:12]}>", str(len(AGENT)),
+            AGENT_SHA, action, *args]  # fmt: skip
+
+
+NOISE_SEEN: dict[str, bytes] = {}  # host name -> what its interpreter printed before the agent's answer, this run
+
+
+def split_answer(stdout: bytes) -> tuple[bytes, bytes]:
+    """(the agent's answer, what came before it): the answer is one line of compact JSON, written last. A `python:`
+    wrapper or login script that prints a banner on stdout puts lines before it; they are not the agent's."""
+    body = stdout.rstrip()
+    try:
+        json.loads(body)
+        return stdout, b""
+    except ValueError:
+        pass
+    noise, sep, last = body.rpartition(b"\n")
+    if sep and last.startswith(b"{"):
+        try:
+            json.loads(last)
+            return last, noise + sep
+        except ValueError:
+            pass
+    return stdout, b""
+
+
+def note_noise(host: str, noise: bytes) -> None:
+    """One warning per host and run naming what was skipped (the first line of it), kept for `doctor`."""
+    if not noise or host in NOISE_SEEN:
+        return
+    NOISE_SEEN[host] = noise
+    first = noise.decode("utf-8", "replace").strip().splitlines()[0][:120] if noise.strip() else "blank lines"
+    sys.stderr.write(f"dflashctl: warning: {host}: its Python printed {len(noise)} bytes on stdout before the "
+                     f"agent's answer (skipped): {first!r}; make the host's `python:` print nothing\n")  # fmt: skip

@@ -3,15 +3,19 @@
 Jobs live on a dedicated tmux server (`tmux -L dflashctl`; $DFLASHCTL_TMUX_SOCKET names another, which the tests
 use so as never to touch real jobs), one session per job, `remain-on-exit on` so that a dead pane keeps its exit
 status, and a large history. The pane runs the agent's launcher (`agent.pyz launch`, a child subreaper) which runs
-`run.sh`: it exports the job's environment (including DFLASHCTL_JOB_ID, which tags every process of the job), runs
-`command.sh` in the job's release of the code, tees all output into `train.log` and writes `exit_code` when the command
-ends. The run dir is 0700 and its files 0600: run.sh holds the job's environment, secrets included.
+`run.sh`: it exports the job's environment from `job.env` (including DFLASHCTL_JOB_ID, which tags every process of
+the job), runs `command.sh` in the job's release of the code, tees all output into `train.log` and writes `exit_code`
+when the command ends. The run dir is 0700 and its files 0600: job.env holds the job's environment, secrets included,
+NUL-separated (`KEY=VALUE\0`: any value, a newline in it too, survives), written once at launch; the wrapper, `exec`
+and `shell` all read that one file, so they see the very same environment.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import posixpath
+import re
 import shlex
 from dataclasses import dataclass
 
@@ -19,7 +23,7 @@ from dflashctl.agent import probe
 from dflashctl.config import SAFE_NAME, HostConfig, SlurmHost
 from dflashctl.errors import ConfigError, ProbeFailedError
 from dflashctl.model.jobfile import JobConfig, is_secret, node_tag, redact_env, redact_job_snapshot
-from dflashctl.remote.agent_bundle import AGENT, boot_argv
+from dflashctl.remote.agent_bundle import AGENT, boot_argv, note_noise, split_answer
 from dflashctl.remote.deploy_record import AgentPython, remembered_python
 from dflashctl.remote.transport import Runner, container_prefix
 
@@ -110,26 +114,51 @@ def job_env(job: JobConfig, job_id: str, node: NodePlace | None = None, slurm: b
     }
 
 
-def env_exports(env: dict[str, str], job: JobConfig, redact: bool = False) -> str:
-    """`export NAME=value` lines for a shell, values quoted; with `redact`, secrets as *** (what is shown)."""
-    shown = redact_env(env, job.secret_env) if redact else env
-    return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in shown.items())
+ENV_FILE = "job.env"
+# a bash function that exports every KEY=VALUE of the NUL-separated file named by its $1 (a value may hold newlines,
+# quotes, `$(`: `export "$kv"` never evaluates it); it fails when the file cannot be read
+LOAD_ENV = 'load_env() { while IFS= read -r -d "" kv; do export "$kv" || return 1; done < "$1"; }'
+ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def render_wrapper(
-    job: JobConfig, job_id: str, release: str, redact: bool = False, node: NodePlace | None = None
-) -> str:
-    exports = env_exports(job_env(job, job_id, node), job, redact)
-    # clear: a job-scoped Inductor cache, empty at launch and kept across its restarts; keep: one per host, shared.
-    # Triton's compiled kernels are the host's either way (content-addressed: trainer/run/kernel_cache.py)
+def run_env(job: JobConfig, job_id: str, run_dir: str, node: NodePlace | None = None, slurm: bool = False) -> dict:
+    """The job's whole environment as its processes see it: where it runs (RUN, DFLASHCTL_RUN_DIR), its caches, and
+    job_env's variables."""
     cache = "inductor-cache" if job.inductor_cache == "clear" else "../../inductor-cache"
+    where = {"RUN": run_dir, "DFLASHCTL_RUN_DIR": run_dir,
+             "TORCHINDUCTOR_CACHE_DIR": posixpath.normpath(f"{run_dir}/{cache}"),
+             "DFLASHCTL_KERNEL_CACHE": posixpath.normpath(f"{run_dir}/../../kernel-cache")}  # fmt: skip
+    return {**where, **job_env(job, job_id, node, slurm)}
+
+
+def render_env_file(env: dict[str, str], job: JobConfig, redact: bool = False) -> str:
+    """job.env: `KEY=VALUE\0` per variable. A name that is not a shell name, or a NUL in a value (no environment can
+    hold one), is refused here, before anything is written remotely. With `redact` (a dry run's display), one
+    `KEY=VALUE` line each with the secrets as ***."""
+    for k, v in env.items():
+        if not ENV_KEY.fullmatch(k):
+            raise ConfigError("env", k, "not a valid environment variable name")
+        if "\0" in v:
+            raise ConfigError("env", k, "holds a NUL byte, which no environment can carry")
+    if redact:
+        shown = redact_env(env, job.secret_env)
+        return "# NUL-separated KEY=VALUE records on the remote; shown here one a line\n" + "".join(
+            f"{k}={shlex.quote(v)}\n" for k, v in shown.items()
+        )
+    return "".join(f"{k}={v}\0" for k, v in env.items())
+
+
+def render_wrapper(job: JobConfig, job_id: str, release: str) -> str:
+    """run.sh: the job's environment from job.env (never pasted into this script), the release, the log, the end."""
     return f"""#!/usr/bin/env bash
-# Written by `dflashctl launch` for job {job_id}: runs command.sh in release {release} of the code, copies its output
-# into train.log, records its exit status in exit_code.
+# Written by `dflashctl launch` for job {job_id}: runs command.sh in release {release} of the code with the
+# environment of job.env, copies its output into train.log, records its exit status in exit_code.
 RUN="$(cd "$(dirname "$0")" && pwd)"
-export RUN DFLASHCTL_RUN_DIR="$RUN" TORCHINDUCTOR_CACHE_DIR="$RUN/{cache}"
-export DFLASHCTL_KERNEL_CACHE="$RUN/../../kernel-cache"
-{exports}
+{LOAD_ENV}
+if ! load_env "$RUN/{ENV_FILE}"; then
+  echo "[dflashctl] $RUN/{ENV_FILE} cannot be read: the job's environment is missing" >> "$RUN/train.log"
+  echo 1 > "$RUN/exit_code"; exit 1
+fi
 rm -f "$RUN/exit_code"
 stamp() {{ date -u +%Y-%m-%dT%H:%M:%SZ; }}
 if ! cd "$RUN/../../releases/{release}" 2>/dev/null; then
@@ -166,20 +195,12 @@ def sbatch_options(job: JobConfig, job_id: str, cluster: SlurmHost) -> list[str]
     return [*opts, *cluster.extra, *(spec.extra if spec else [])]
 
 
-def render_env(job: JobConfig, job_id: str, redact: bool = False) -> str:
-    """A Slurm job's environment, sourced by its batch script from the run dir (0600): Slurm keeps a copy of every
-    batch script it is given in its spool (`scontrol write batch_script` prints it), so the secrets stay out of it."""
-    exports = env_exports(job_env(job, job_id, slurm=True), job, redact)
-    return f"# the environment of job {job_id}, sourced by sbatch.sh\n{exports}\n"
-
-
 def render_sbatch(job: JobConfig, job_id: str, release: str, cluster: SlurmHost) -> str:
-    """The batch script of a Slurm job: run.sh's work (the environment, the release, train.log, exit_code) with the
-    command started on every node by one srun. Submitted from the run dir, which is its working dir: sbatch runs
+    """The batch script of a Slurm job: run.sh's work (job.env, the release, train.log, exit_code) with the command
+    started on every node by one srun. Submitted from the run dir, which is its working dir: sbatch runs
     a copy of the script, never this file, so the run dir is found as SLURM_SUBMIT_DIR. The rendezvous is at the
     allocation's first node (`scontrol show hostnames`), at the address Slurm itself reaches it by (its NodeAddr,
     which is its name unless the cluster says otherwise)."""
-    cache = "inductor-cache" if job.inductor_cache == "clear" else "../../inductor-cache"
     port = f"{job.rdzv_port}" if job.rdzv_port else "$((29500 + SLURM_JOB_ID % 400))"
     header = "\n".join(f"#SBATCH {opt}" for opt in sbatch_options(job, job_id, cluster))
     return f"""#!/usr/bin/env bash
@@ -187,9 +208,11 @@ def render_sbatch(job: JobConfig, job_id: str, release: str, cluster: SlurmHost)
 # Written by `dflashctl launch` for job {job_id}: runs command.sh in release {release} of the code on every node of
 # the allocation (one srun task per node), appends its output to train.log, records its exit status in exit_code.
 RUN="${{SLURM_SUBMIT_DIR:?submit this script with sbatch from its run dir}}"
-export RUN DFLASHCTL_RUN_DIR="$RUN" TORCHINDUCTOR_CACHE_DIR="$RUN/{cache}"
-export DFLASHCTL_KERNEL_CACHE="$RUN/../../kernel-cache"
-. "$RUN/env.sh"
+{LOAD_ENV}
+if ! load_env "$RUN/{ENV_FILE}"; then
+  echo "[dflashctl] $RUN/{ENV_FILE} cannot be read: the job's environment is missing" >> "$RUN/train.log"
+  echo 1 > "$RUN/exit_code"; exit 1
+fi
 rm -f "$RUN/exit_code"
 stamp() {{ date -u +%Y-%m-%dT%H:%M:%SZ; }}
 if ! cd "$RUN/../../releases/{release}" 2>/dev/null; then
@@ -213,12 +236,14 @@ exit "$rc"
 def run_files(
     job: JobConfig, job_id: str, python: str, trainer_cfg: dict | None, release: str, redact: bool = False,
     node: NodePlace | None = None, cluster: SlurmHost | None = None, project: str | None = None,
+    run_dir: str | None = None,
 ) -> dict[str, str]:  # fmt: skip
     """The files of a run dir, as written at launch; restarts reuse them (the job file is snapshotted here). A Slurm
-    job has `sbatch.sh` where a tmux job has `run.sh` and `tmux.conf`."""
+    job has `sbatch.sh` where a tmux job has `run.sh` and `tmux.conf`; both have job.env, written for `run_dir`: the
+    environment that run.sh or sbatch.sh, `exec` and `shell` all read (without `run_dir`, none is written)."""
     scheduled = cluster is not None
     command = trainer_command(job, python, node, scheduled) if job.trainer is not None else job.command
-    snapshot = redact_job_snapshot(job.model_dump(mode="json"))  # the secrets' values live in run.sh / env.sh alone
+    snapshot = redact_job_snapshot(job.model_dump(mode="json"))  # the secrets' values live in job.env alone
     secrets = sorted(k for k in job_env(job, job_id, node, slurm=scheduled) if is_secret(k, job.secret_env))
     gpus = list(node.gpus) if node is not None else job.gpu_indices
     if scheduled:
@@ -234,10 +259,11 @@ def run_files(
     }
     if scheduled:
         files["sbatch.sh"] = render_sbatch(job, job_id, release, cluster)
-        files["env.sh"] = render_env(job, job_id, redact)
     else:
-        files["run.sh"] = render_wrapper(job, job_id, release, redact, node)
+        files["run.sh"] = render_wrapper(job, job_id, release)
         files["tmux.conf"] = TMUX_CONF
+    if run_dir is not None:
+        files[ENV_FILE] = render_env_file(run_env(job, job_id, run_dir, node, scheduled), job, redact)
     if node is None and job.watch.supervise:
         files["supervise.json"] = json.dumps(supervise_spec(job, job_id, gpus, scheduled), indent=1)
     if trainer_cfg is not None:
@@ -293,8 +319,10 @@ def call_agent(
 
     # inside the container, the interpreter the deploy's agent reported, as the deploy does: a shim costs every poll
     res = run("python3") if on_host else AgentPython(host.python, remembered_python(host)).run(run)
+    out, noise = split_answer(res.stdout)
     try:
-        answer = json.loads(res.out)
+        answer = json.loads(out)
+        note_noise(host.name, noise)
         if not isinstance(answer, dict):
             raise ValueError
         return answer

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dflashctl.config import HostConfig
 from dflashctl.errors import ConfigError, HostKeyError, UnreachableError
-from dflashctl.remote.transport import CHUNK, MAX_OUTPUT_CAPTURED, Result, Runner, _feed
+from dflashctl.remote.transport import CHUNK, MAX_OUTPUT_CAPTURED, Result, Runner, feed
 
 # paramiko.config imports `invoke` (and unittest.mock with it: 70 ms of every remote command's start) only to run
 # `Match exec` lines of an ssh config itself. dflashctl reads the config through OpenSSH's own `ssh -G`, so invoke is
@@ -379,7 +379,7 @@ class SshRunner(Runner):
         ]
         for t in readers:
             t.start()
-        _feed(chan.sendall, chan.shutdown_write, stdin, progress)
+        feed(chan.sendall, chan.shutdown_write, stdin, progress)
         for t in readers:
             t.join()
         if not chan.status_event.wait(timeout):

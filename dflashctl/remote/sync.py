@@ -39,7 +39,7 @@ from pathlib import Path, PurePosixPath
 
 from dflashctl import outputs
 from dflashctl.errors import ConfigError, DflashError, RemoteCommandError
-from dflashctl.remote.agent_bundle import AGENT, boot_argv
+from dflashctl.remote.agent_bundle import AGENT, boot_argv, note_noise, split_answer
 from dflashctl.remote.deploy_record import (
     AgentPython,
     host_python,
@@ -479,8 +479,10 @@ def _send_release(
                 report.bytes_sent += stream.sent
 
         res = agent.run(attempt)
+        out, noise = split_answer(res.stdout)
         try:
-            ans = json.loads(res.out)
+            ans = json.loads(out)
+            note_noise(runner.host.name, noise)
         except ValueError:
             detail = (res.err or res.out).strip()[-300:] or f"exit status {res.returncode}"
             raise RemoteCommandError(f"deploy to {runner.host.name} failed: {detail}") from None
@@ -521,6 +523,7 @@ def _plan_and_send(
     head, plan = talk.head, talk.plan
     try:
         ans = json.loads(res.stdout[talk.header_size :]) if head is not None else None
+        note_noise(runner.host.name, bytes(talk.heard[: talk.noise_size]))
     except ValueError:
         ans = None
     if not isinstance(ans, dict) or head is None or plan is None:
@@ -540,6 +543,9 @@ def _plan_and_send(
     return report
 
 
+MAX_NOISE = 64 << 10  # what a banner may print before the agent's header; past it, it is not a banner
+
+
 class _PlanTalk:
     """The plan step's stdin after the agent's source: once the agent has told its current release (heard on its
     stdout: a header line, then that release's manifest), the tar of what differs, or nothing."""
@@ -550,6 +556,7 @@ class _PlanTalk:
         self.ready = threading.Event()
         self.head: dict | None = None  # the header line, once it parsed
         self.header_size = 0  # the header line and the manifest after it: where the agent's answer starts
+        self.noise_size = 0  # lines a `python:` wrapper printed before the agent's header
         self.plan: Plan | None = None
         self.pipe: TarPipe | None = None
         self.tail = None
@@ -562,17 +569,19 @@ class _PlanTalk:
             self.ready.set()
             return
         self.heard += data
-        if self.head is None:
-            line, sep, _ = self.heard.partition(b"\n")
+        while self.head is None:
+            line, sep, _ = self.heard[self.noise_size :].partition(b"\n")
             if not sep:
                 return
             try:
                 head = json.loads(line)
-                self.header_size = len(line) + 1 + int(head["manifest_bytes"])
+                self.header_size = self.noise_size + len(line) + 1 + int(head["manifest_bytes"])
                 self.head = head
-            except (ValueError, KeyError, TypeError):  # not the agent talking: end its input, its exit says why
-                self.ready.set()
-                return
+            except (ValueError, KeyError, TypeError):
+                if line.startswith(b"{") or self.noise_size > MAX_NOISE:  # not the agent talking: end its input
+                    self.ready.set()
+                    return
+                self.noise_size += len(line) + 1  # a banner before the agent's header: skipped, named later
         if len(self.heard) >= self.header_size:
             self.ready.set()
 
@@ -581,7 +590,7 @@ class _PlanTalk:
             self.head = None
             return io.BytesIO(b"")  # the agent said nothing usable: end its input; its exit says what went wrong
         current = self.head.get("current")
-        line_end = self.heard.index(b"\n") + 1
+        line_end = self.heard.index(b"\n", self.noise_size) + 1
         manifest = bytes(self.heard[line_end : self.header_size]).decode("utf-8", "replace")
         remote = parse_remote_manifest(manifest) if current else {}
         self.plan = plan_changes(self.local, remote) if current != self.version else Plan([], [])

@@ -71,6 +71,21 @@ def _chunks(stdin: bytes | BinaryIO | None) -> list[bytes] | BinaryIO | None:
     return stdin
 
 
+@dataclass
+class UserStdin:
+    """A user's own stdin passed through (`exec`): fed from a thread of its own, so that a command that ends without
+    reading it all is not kept waiting on a pipe that never closes."""
+
+    stream: BinaryIO
+
+
+def feed(write: Callable[[bytes], object], close: Callable[[], object], stdin, progress: Progress | None) -> None:
+    if isinstance(stdin, UserStdin):
+        threading.Thread(target=_feed, args=(write, close, stdin.stream, progress), daemon=True).start()
+    else:
+        _feed(write, close, stdin, progress)
+
+
 def _feed(write: Callable[[bytes], object], close: Callable[[], object], stdin, progress: Progress | None) -> None:
     """Stream stdin to the command in chunks, reporting bytes sent, then close its input."""
     try:
@@ -182,7 +197,7 @@ class LocalRunner(Runner):
         for t in readers:
             t.start()
         if stdin is not None:
-            _feed(proc.stdin.write, proc.stdin.close, stdin, progress)
+            feed(proc.stdin.write, proc.stdin.close, stdin, progress)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -101,6 +101,18 @@ def start_tensorboard(job: JobRecord, runner: Runner, port: int) -> str:
     return shlex.join(tb)
 
 
+def event_files_written(job: JobRecord, runner: Runner) -> bool:
+    """Whether the job has written any TensorBoard event file under RUN/tensorboard (a board without one is empty)."""
+    res = runner.run(["find", f"{job.run_dir}/tensorboard", "-maxdepth", "4", "-name", "events.out.tfevents.*",
+                      "-print", "-quit"], timeout=30)  # fmt: skip
+    return res.returncode == 0 and bool(res.out.strip())
+
+
+NO_EVENTS = ("warning: {job} has written no TensorBoard event files under {run}/tensorboard: the board stays empty "
+             "until it does (a trainer job writes them with `metrics: {{tensorboard: true}}`; a command job must "
+             "write them there itself)")  # fmt: skip
+
+
 def _die_with_parent() -> None:
     """In the ssh child: SIGTERM when dflashctl dies, however it dies (PR_SET_PDEATHSIG), so no forward outlives it."""
     import ctypes
@@ -169,6 +181,8 @@ def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_r
     with open_runner(job.host, accept_new) as runner:
         address = remote_address(job, runner)
         if tensorboard and not dry_run:
+            if not event_files_written(job, runner):
+                say(NO_EVENTS.format(job=job.id, run=job.run_dir))
             say(f"started on {job.host_name}: {start_tensorboard(job, runner, port)}")
     if job.host.is_local:
         show(f"the job runs on this machine: http://{address}:{port}/")
