@@ -89,6 +89,10 @@ def main() -> int:
         answer = collect(req)
     elif action == "history":
         answer = history(req)
+    elif action == "notices_settled":
+        from .outbox import settle_for_laptop
+
+        answer = settle_for_laptop(req)
     elif action == "tail":
         answer = tail_lines(req["path"], int(req.get("lines", 50)), int(req.get("limit", 1 << 20)))
     else:

@@ -26,7 +26,7 @@ from dflashctl.errors import (
     RemoteCommandError,
     UnreachableError,
 )
-from dflashctl.jobs import control, registry
+from dflashctl.jobs import control, notify, registry
 from dflashctl.jobs import verdict as verdicts
 from dflashctl.jobs.control import KillReport
 from dflashctl.jobs.poller import make_watcher
@@ -365,7 +365,8 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     try:
         with open_runner(job.host, accept_new) as runner:
             snap = session.call_agent(runner, {**session.probe_request(job, capture_lines=5), "gpus": False,
-                                               "figures": True})  # fmt: skip
+                                               "figures": True, **notify.claim_request(job)})  # fmt: skip
+            notify.deliver_claimed(runner, job, snap, session.call_agent)  # what the supervisor could not send
     except UnreachableError as e:  # the same word `watch --once` says: UNREACHABLE, with the last state seen
         return unreachable_status(job, picked, str(e))
     records = snap.get("metrics", {}).get("records", [])

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from dflashctl.agent.probe import restart_room_gib  # a restart needs what a launch needs
 from dflashctl.errors import ProbeFailedError
-from dflashctl.jobs import control, registry
+from dflashctl.jobs import control, notify, registry
 from dflashctl.jobs import verdict as verdicts
 from dflashctl.judge import fold as folding
 from dflashctl.judge.health import FAILURES, PEER_LOST, History, Thresholds, Verdict, assess
@@ -86,6 +86,7 @@ class Watcher:
     said: deque = field(default_factory=lambda: deque(maxlen=5))  # the newest decisions, for the live view
     notes: list[str] = field(default_factory=list)
     supervisor: dict | None = None  # the supervisor's word on the job, from the newest snapshot
+    sent: list[str] = field(default_factory=list)  # notices the supervisor could not send, sent by this watch
     remote_restarts: int | None = None  # the run dir's restart count in the newest snapshot
 
     def __post_init__(self) -> None:
@@ -121,7 +122,8 @@ class Watcher:
         try:
             runner = self._connect()
             before = runner.commands_run
-            snap = session.call_agent(runner, req)
+            snap = session.call_agent(runner, {**req, **notify.claim_request(self.job)})
+            self.sent += notify.deliver_claimed(runner, self.job, snap, session.call_agent)
             self.remote_commands = runner.commands_run - before
         except ProbeFailedError as e:  # the host answered: not UNREACHABLE
             self.history.reachable = True
@@ -151,7 +153,9 @@ class Watcher:
         """Take one snapshot into the history (judge/fold.py, the same fold `status` and the supervisor use); keep
         what the display needs (throughput, step times, tau, GPUs)."""
         remote_restarts = snap.get("restarts")
-        if isinstance(remote_restarts, int) and remote_restarts > self.restarts:  # restarted elsewhere meanwhile
+        if isinstance(remote_restarts, int) and remote_restarts > self.restarts and self.state is None:
+            self.restarts = remote_restarts  # restarted before this watch began: nothing seen restarted here
+        elif isinstance(remote_restarts, int) and remote_restarts > self.restarts:  # restarted elsewhere meanwhile
             self.restarts = remote_restarts
             self.log_event({"decision": "restart", "attempt": remote_restarts, "after": self.state,
                             "by": "elsewhere (the job's supervisor or another watcher)", "reason": "seen restarted"})

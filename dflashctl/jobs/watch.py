@@ -125,8 +125,19 @@ def notify(w: Watcher, v: Verdict, say: Callable[[str], None]) -> None:
     n = w.cfg.notify
     if n.bell and v.state in FAILURES:
         say("\a")
-    if n.webhook:
-        msg = Message(w.job.id, w.job.host_name, v.state, v.reason, v.evidence, v.advice, w.restarts, time.time())
-        line = post(n.webhook, msg, n.format, n.timeout_s, n.retries)
+    if n.webhook and not paged_by_supervisor(w):
+        msg = Message(w.job.id, w.job.host_name, v.state, v.reason, v.evidence, v.advice, w.restarts, time.time(),
+                      v.state in FAILURES, max(0, w.cfg.max_restarts - w.restarts), f"dflashctl status {w.job.id}")
+        line = post(n.webhook, msg, n.format, n.timeout_s, n.retries, job=w.job)
         w.log_event({"decision": "notify", "state": v.state, "result": line})
         say(line)
+
+
+def paged_by_supervisor(w: Watcher) -> bool:
+    """The job's supervisor pages the user itself (agent/outbox.py; what it could not send, this watch's polls
+    send): a watch adds no notice of its own while one is alive or ended with its job."""
+    sup = w.supervisor
+    if not isinstance(sup, dict):
+        return False
+    ended = str(sup.get("ended") or "")
+    return bool(sup.get("alive")) or bool(ended and not ended.startswith("failed"))
