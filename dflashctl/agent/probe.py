@@ -87,8 +87,10 @@ def main() -> int:
         from .collect import collect
 
         answer = collect(req)
-    elif action == "history":
-        answer = history(req)
+    elif action == "history":  # a report's metrics and events: the job's text, its secrets masked
+        from .common import job_redactor
+
+        answer = job_redactor(req.get("run_dir")).deep(history(req))
     elif action == "notices_settled":
         from .outbox import settle_for_laptop
 

@@ -31,6 +31,7 @@ from dflashctl.jobs import verdict as verdicts
 from dflashctl.jobs.control import KillReport
 from dflashctl.jobs.poller import make_watcher
 from dflashctl.jobs.registry import JobRecord, Member
+from dflashctl.jobs.secrets import redactor
 from dflashctl.model.jobfile import load_job
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner
@@ -438,7 +439,7 @@ def histories(specs: list[str], project: str, accept_new: bool = False) -> list[
             hist = session.call_agent(runner, {"action": "history", "run_dir": job.run_dir, "gpus": False})
         if not hist.get("run_dir_exists"):
             raise RefusedError(f"{job.id}: its run dir {job.run_dir} is gone from {job.host_name}")
-        out.append((job, hist))
+        out.append((job, redactor(job).deep(hist)))
     return out
 
 
@@ -454,6 +455,8 @@ def logs(
     job = find_job(spec, project)
     if node is not None:
         job = job.member(node)
+    clean = redactor(job)  # the job printed its secrets maybe: never shown
+    emit = (lambda text, show=emit: show(clean.chunk(text))) if clean else emit
     with open_runner(job.host, accept_new) as runner:
         got = session.call_agent(runner, {"action": "tail", "path": f"{job.run_dir}/train.log", "lines": lines,
                                           "limit": LOG_TAIL_BYTES, "gpus": False})  # fmt: skip
