@@ -166,3 +166,28 @@ def test_a_notice_the_supervisor_cannot_send_waits_and_the_next_status_sends_it_
             "CRASHED", "RESTARTED"]  # fmt: skip
     finally:
         hook.close()
+
+
+def test_secrets_leave_the_run_dir_whole_at_a_kill_and_without_a_supervisor(proj):
+    """A multi-line key at rest: a verified kill scrubs every line of it from run.sh; a job with `supervise: false`
+    whose attempt ends with no restart to follow (max_restarts 0) is scrubbed by its launcher at its own end; one
+    with restarts left keeps them (a watch may restart it from run.sh)."""
+    pem = "\\n".join(PEM_LINES)
+    env = f'env: {{HF_TOKEN: {TOKEN}, PEM_KEY: "{pem}\\n"}}\n'
+    killed = cli_json("launch", job_file(proj, "killed", "sleep 300", env))["id"]
+    run = run_dir_of(killed)
+    assert PEM_LINES[2] in (run / "run.sh").read_text()
+    assert run_cli("kill", killed).code == 0
+    assert files_holding(run) == {}
+    alone = "watch: {supervise: false, max_restarts: 0}\n"
+    done = cli_json("launch", job_file(proj, "alone", "exit 4", env + alone))["id"]
+    run = run_dir_of(done)
+    wait_until(lambda: "export PEM_KEY='***'" in (run / "run.sh").read_text(), 60)
+    assert (run / "exit_code").read_text().strip() == "4" and not (run / "supervise.json").exists()
+    assert files_holding(run) == {}
+    hopeful = "watch: {supervise: false, max_restarts: 2, restart_on: [CRASHED]}\n"
+    kept = cli_json("launch", job_file(proj, "hopeful", "exit 4", env + hopeful))["id"]
+    run = run_dir_of(kept)
+    # the launcher has exited (its pane is dead): what it would have scrubbed, it would have by now
+    wait_until(lambda: json.loads(run_cli("status", kept, "--json").stdout)["session"] == "dead", 60)
+    assert PEM_LINES[2] in (run / "run.sh").read_text()

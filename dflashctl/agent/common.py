@@ -130,7 +130,7 @@ def _exports(text: str, names: list[str]) -> list[tuple[str, int, int, str]]:
         if m.group(1) not in names:
             continue
         q = _QUOTED.match(text, m.end())
-        if q:
+        if q and _unquote(q.group(0)) != "***":  # scrubbed already
             found.append((m.group(1), q.start(), q.end(), _unquote(q.group(0))))
     return found
 
@@ -164,7 +164,8 @@ def secret_values(run_dir: str) -> list[str]:
         values += [v for _, _, _, v in _exports(text, names)] if text else []
     spec = read_json(os.path.join(run_dir, "supervise.json"))
     hook = ((spec.get("notify") or {}) if isinstance(spec, dict) else {}).get("webhook")
-    values += redact_module().url_secrets(hook) if isinstance(hook, str) else []
+    if isinstance(hook, str) and hook != redact_module().redact_url(hook):  # not yet scrubbed
+        values += redact_module().url_secrets(hook)
     return [v for v in values if v and v != "***"]
 
 
