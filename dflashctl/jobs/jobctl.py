@@ -184,7 +184,17 @@ def gc(spec: str, root: Path, older_than_days: float, dry_run: bool, accept_new:
         ans = session.call_agent(runner, {"action": "gc", "workdir": abs_wd, "older_than_s": older_than_days * 86400,
                                           "dry_run": dry_run, "gpus": False,
                                           "tmux_socket": session.tmux_socket()}, timeout=600)  # fmt: skip
+    if not dry_run and ans.get("removed"):  # their records say REMOVED, by whom and when: never LOST later
+        registry.mark_removed(host.name, [r["id"] for r in ans["removed"]], remover())
     return {"host": host.name, "workdir": abs_wd, **ans}
+
+
+def remover() -> str:
+    """Who ran a `gc`: user@machine."""
+    import getpass
+    import socket
+
+    return f"{getpass.getuser()}@{socket.gethostname()}"
 
 
 def rdzv_port_for(name: str) -> int:
@@ -363,6 +373,12 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     """One probe and a verdict. Without a spec, the same job `kill` would pick (else the newest of the project)."""
     job = find_job(spec, project)
     picked = picked_how(job, spec)
+    if job.state == registry.REMOVED:  # gc removed the run dir: no host can say more than the record
+        from dflashctl.judge.health import Verdict
+
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.removed_at or 0))
+        v = Verdict("REMOVED", f"its run dir was removed by {job.removed_by} at {when} (dflashctl gc)", [], None)
+        return _status_record(job, picked, v, session="gone", run_dir_exists=False)
     try:
         with open_runner(job.host, accept_new) as runner:
             snap = session.call_agent(runner, {**session.probe_request(job, capture_lines=5), "gpus": False,
