@@ -15,16 +15,16 @@ from tests.conftest import run_cli
 from tests.test_slurm import ROOT, cluster, login, wait_for, write_job  # noqa: F401 - the module's cluster fixtures
 
 
-@pytest.fixture
-def quoted_site(tmp_path, monkeypatch, login, cluster):  # noqa: F811
-    """A client whose host `cluster` has its workdir under a folder named with a quote and a space."""
+@pytest.fixture(params=["it's", "it's shared"])
+def quoted_site(request, tmp_path, monkeypatch, login, cluster):  # noqa: F811
+    """A client whose host `cluster` has its workdir under a folder named with a quote (and a space)."""
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True)
     (home / ".ssh" / "known_hosts").write_text(f"[127.0.0.1]:{login.port} {login.host_pubkey}\n")
     (home / ".ssh" / "config").write_text(
         f"Host login\n  HostName 127.0.0.1\n  Port {login.port}\n  User root\n  IdentityFile {login.user_key}\n"
     )
-    workdir = tmp_path / "it's shared"
+    workdir = tmp_path / request.param
     hosts = tmp_path / "hosts.yaml"
     hosts.write_text("hosts:\n  cluster:\n    slurm: {login: login, partition: debug, time: '10:00'}\n"
                      f"    python: {sys.executable}\n    workdir: {json.dumps(str(workdir))}\n")  # fmt: skip
