@@ -125,6 +125,8 @@ def test_the_supervisor_pages_once_with_no_watch_and_no_secret_goes_anywhere(pro
             res = run_cli(*args)
             outputs[args[0]] = res.stdout + res.stderr
         assert "RuntimeError" in outputs["status"] and "***" in outputs["logs"], outputs
+        later = run_cli("watch", job_id, "--once")  # a watch begun after the restarts: none of them seen "after None"
+        assert "after None" not in later.stdout + later.stderr, later
         assert {k: leaks(v) for k, v in outputs.items() if leaks(v)} == {}
         assert hook.states() == ["RESTARTED", "CRASHED"], "a later status/watch sent a notice again"
         # every file we wrote: the run dir but the job's own log (it printed them), the local registry
@@ -171,7 +173,8 @@ def test_a_notice_the_supervisor_cannot_send_waits_and_the_next_status_sends_it_
 def test_secrets_leave_the_run_dir_whole_at_a_kill_and_without_a_supervisor(proj):
     """A multi-line key at rest: a verified kill scrubs every line of it from run.sh; a job with `supervise: false`
     whose attempt ends with no restart to follow (max_restarts 0) is scrubbed by its launcher at its own end; one
-    with restarts left keeps them (a watch may restart it from run.sh)."""
+    with restarts left keeps them (a watch may restart it from run.sh); one whose failure its restart_on does not
+    restart is scrubbed by the next `status`, which judged it."""
     pem = "\\n".join(PEM_LINES)
     env = f'env: {{HF_TOKEN: {TOKEN}, PEM_KEY: "{pem}\\n"}}\n'
     killed = cli_json("launch", job_file(proj, "killed", "sleep 300", env))["id"]
@@ -191,3 +194,13 @@ def test_secrets_leave_the_run_dir_whole_at_a_kill_and_without_a_supervisor(proj
     # the launcher has exited (its pane is dead): what it would have scrubbed, it would have by now
     wait_until(lambda: json.loads(run_cli("status", kept, "--json").stdout)["session"] == "dead", 60)
     assert PEM_LINES[2] in (run / "run.sh").read_text()
+    # one that crashed where its restart_on does not restart: the launcher could not know, the next `status` does
+    other = "watch: {supervise: false, max_restarts: 2, restart_on: [OOM]}\n"
+    judged = cli_json("launch", job_file(proj, "judged", "exit 4", env + other))["id"]
+    run = run_dir_of(judged)
+    wait_until(lambda: (run / "exit_code").exists() and (run / "wrapper.pid").exists(), 60)
+    launcher = json.loads((run / "wrapper.pid").read_text())["pid"]
+    wait_until(lambda: not Path(f"/proc/{launcher}").exists(), 60)  # its launcher has ended, scrubbing nothing
+    assert PEM_LINES[2] in (run / "run.sh").read_text()
+    st = json.loads(run_cli("status", judged, "--json").stdout)
+    assert st["state"] == "CRASHED" and files_holding(run) == {}

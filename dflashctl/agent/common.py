@@ -242,3 +242,15 @@ def scrub_if_unsupervised_end(run_dir: str, status: int) -> list[str]:
     if status == 0 or not watch.get("restart_on") or done >= most:
         return scrub_secrets(run_dir)
     return []
+
+
+def scrub_ended(req: dict) -> dict:
+    """A local command judged the job ended for good (no supervisor keeps it, no restart follows): its secrets leave
+    the run dir, but only once the job's attempt has ended here (an exit status, no launcher alive)."""
+    run_dir = req.get("run_dir")
+    if not isinstance(run_dir, str) or not os.path.isfile(os.path.join(run_dir, "exit_code")):
+        return {"scrubbed": [], "why": "the job has not ended here"}
+    me = read_json(os.path.join(run_dir, WRAPPER_PID))
+    if isinstance(me, dict) and isinstance(me.get("pid"), int) and start_time(me["pid"]) == me.get("start"):
+        return {"scrubbed": [], "why": "its launcher still runs"}
+    return {"scrubbed": scrub_secrets(run_dir)}

@@ -91,6 +91,10 @@ def main() -> int:
         from .common import job_redactor
 
         answer = job_redactor(req.get("run_dir")).deep(history(req))
+    elif action == "scrub":
+        from .common import scrub_ended
+
+        answer = scrub_ended(req)
     elif action == "notices_settled":
         from .outbox import settle_for_laptop
 

@@ -117,6 +117,7 @@ def redacted(run_dir: str | None, snap: dict) -> dict:
     redact = job_redactor(run_dir) if run_dir and snap.get("run_dir_exists") else None
     if not redact:
         return snap
+    snap["secrets_at_rest"] = bool(redact.plain)  # the plain values are still in the run dir
     if isinstance(snap.get("log"), dict) and isinstance(snap["log"].get("text"), str):
         snap["log"] = {**snap["log"], "text": redact.chunk(snap["log"]["text"])}  # read from an offset: cut edges
     for key in JOB_TEXT:

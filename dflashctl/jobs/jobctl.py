@@ -6,6 +6,7 @@ launch, so later commands need nothing but the id (or a prefix of it, or nothing
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 from dflashctl.config import HostConfig, resolve_host
 from dflashctl.errors import (
     ConfigError,
+    DflashError,
     NoSuchJobError,
     NothingToDoError,
     RefusedError,
@@ -402,6 +404,9 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
         v, _ = verdicts.judge(job, snap)
         if v.state != "UNREACHABLE":  # a silent scheduler concludes nothing: the record keeps its last state
             registry.update(job.id, state=v.state, reason=v.reason)
+        if notify.needs_scrub(job, v.state, snap):  # ended for good with no supervisor: no secret stays at rest
+            with contextlib.suppress(DflashError), open_runner(job.host, accept_new) as runner:
+                session.call_agent(runner, {"action": "scrub", "run_dir": job.run_dir, "gpus": False})
     sup = snap.get("supervisor") if isinstance(snap.get("supervisor"), dict) else None
     fig = snap.get("figures") if isinstance(snap.get("figures"), dict) else {}
     return _status_record(

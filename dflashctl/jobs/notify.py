@@ -46,3 +46,16 @@ def deliver_claimed(runner, job: JobRecord, snap: dict, call) -> list[str]:
         settled.append({"claim": item.get("claim"), "sent": sent, "result": line})
     call(runner, {"action": "notices_settled", "run_dir": job.run_dir, "settled": settled, "gpus": False})
     return said
+
+
+def needs_scrub(job: JobRecord, state: str, snap: dict) -> bool:
+    """No supervisor keeps this job (`supervise: false`, or one that is gone) and a local look judged it ended for
+    good: no restart follows (a final state outside `restart_on`, or the restart budget spent), while its secrets
+    are still at rest in the run dir. Then the caller has the remote scrub them (the `scrub` action), once."""
+    from dflashctl.judge.health import TERMINAL
+
+    sup = snap.get("supervisor")
+    if not snap.get("secrets_at_rest") or (isinstance(sup, dict) and sup.get("alive")) or state not in TERMINAL:
+        return False
+    restarts = snap.get("restarts") if isinstance(snap.get("restarts"), int) else job.restarts
+    return state == "FINISHED" or state not in job.watch.restart_on or restarts >= job.watch.max_restarts
