@@ -197,7 +197,7 @@ def test_secrets_leave_the_run_dir_whole_at_a_kill_and_without_a_supervisor(proj
     # one that crashed where its restart_on does not restart: the launcher could not know, the next `status` does
     other = "watch: {supervise: false, max_restarts: 2, restart_on: [OOM]}\n"
     judged = cli_json("launch", job_file(proj, "judged", "exit 4", env + other))["id"]
-    run = run_dir_of(judged)
+    run = Path(next(j["run_dir"] for j in cli_json("ls")["jobs"] if j["id"] == judged))  # no status: it would judge
     wait_until(lambda: (run / "exit_code").exists() and (run / "wrapper.pid").exists(), 60)
     launcher = json.loads((run / "wrapper.pid").read_text())["pid"]
     wait_until(lambda: not Path(f"/proc/{launcher}").exists(), 60)  # its launcher has ended, scrubbing nothing
