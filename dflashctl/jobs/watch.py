@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dflashctl.jobs import registry
-from dflashctl.jobs.notify import Message, post
+from dflashctl.jobs.notify import Message, post, redact
 from dflashctl.jobs.poller import (  # noqa: F401 - the poller's names, as callers of watch know them
     CONSEQUENCES,
     PEER_GRACE_S,
@@ -44,6 +44,8 @@ def run(
     backoff = opts.interval_s
     while True:
         v = w.poll()
+        while w.sent:  # notices the supervisor could not send, sent by this poll
+            say(w.sent.pop(0))
         changed = v.state != w.state
         if changed:
             w.since = time.time()
@@ -131,6 +133,8 @@ def notify(w: Watcher, v: Verdict, say: Callable[[str], None]) -> None:
         line = post(n.webhook, msg, n.format, n.timeout_s, n.retries, job=w.job)
         w.log_event({"decision": "notify", "state": v.state, "result": line})
         say(line)
+    elif n.webhook:  # said where the user looks: who pages, never the URL's path
+        say(f"{v.state}: the job's supervisor pages {redact(n.webhook)}")
 
 
 def paged_by_supervisor(w: Watcher) -> bool:
