@@ -13,11 +13,13 @@ log, not a secret.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 MASK = "***"
 MIN_LEN = 4  # a piece shorter than this is not searched for
+_STARTS = re.compile(r"(?<![A-Za-z0-9])|(?=[^A-Za-z0-9])")  # where a fingerprinted piece may start (zero-width)
 
 
 def pieces(value: str) -> list[str]:
@@ -109,19 +111,21 @@ class Redactor:
         return text
 
     def _unhash(self, text: str) -> str:
-        """Every window of a fingerprinted length whose fingerprint is known, masked (longest lengths first)."""
+        """Every window of a fingerprinted length whose fingerprint is known, masked (longest lengths first). A
+        window starts where a secret can: at the text's start, after a character that is not a letter or digit
+        (`=`, a space, a quote, a line's end), or at one that is not (a path's `/`): a fifth of the positions of a
+        log, so a scrubbed job's log is still read in a fraction of a second."""
         for n in self.lengths:
             if len(text) < n:
                 continue
-            i, out, start = 0, [], 0
-            while i + n <= len(text):
+            out, start = [], 0
+            for m in _STARTS.finditer(text):
+                i = m.start()
+                if i < start or i + n > len(text):
+                    continue
                 if fingerprint(text[i : i + n], self.salt) in self.hashed:
-                    out.append(text[start:i])
-                    out.append(MASK)
-                    i += n
-                    start = i
-                else:
-                    i += 1
+                    out += [text[start:i], MASK]
+                    start = i + n
             if out:
                 out.append(text[start:])
                 text = "".join(out)
