@@ -121,7 +121,7 @@ def test_the_supervisor_pages_once_with_no_watch_and_no_secret_goes_anywhere(pro
         # every output a user or a script reads
         outputs = {}
         for args in (("status", job_id, "--json"), ("watch", job_id, "--json", "--once"), ("logs", job_id, "-n", "50"),
-                     ("kill", job_id, "--json"), ("ls", "--json")):  # fmt: skip
+                     ("report", job_id, "--json"), ("kill", job_id, "--json"), ("ls", "--json")):  # fmt: skip
             res = run_cli(*args)
             outputs[args[0]] = res.stdout + res.stderr
         assert "RuntimeError" in outputs["status"] and "***" in outputs["logs"], outputs
