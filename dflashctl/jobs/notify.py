@@ -41,7 +41,8 @@ def deliver_claimed(runner, job: JobRecord, snap: dict, call) -> list[str]:
     said, settled = [], []
     clean = redactor(job)
     for item in claimed:
-        sent, line = outbox.post(n.webhook, clean.deep(item["message"]), n.format, n.timeout_s, n.retries)
+        # one try, briefly: a webhook that is down must not hold up a `status` or a watch's poll; it waits again
+        sent, line = outbox.post(n.webhook, clean.deep(item["message"]), n.format, min(n.timeout_s, 5.0), 0)
         said.append(line)
         settled.append({"claim": item.get("claim"), "sent": sent, "result": line})
     call(runner, {"action": "notices_settled", "run_dir": job.run_dir, "settled": settled, "gpus": False})
