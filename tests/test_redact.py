@@ -130,3 +130,13 @@ def test_senders_racing_for_the_outbox_send_each_notice_once(tmp_path):
     child.join()
     assert (run / "outbox" / f"{nid}.p1_0.claim").exists()
     assert [c for c, _ in outbox.claim(str(run), outbox.me())] == [f"{nid}.{outbox.me()}.claim"]
+
+
+def test_a_garbage_notice_is_set_aside_and_the_others_are_sent(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    good = outbox.put(str(run), {"job": "j", "state": "CRASHED"})
+    (run / "outbox" / "00000000000000000001-bad.pending").write_text("{not json")
+    assert [m["id"] for _, m in outbox.claim(str(run), outbox.me())] == [good]
+    assert (run / "outbox" / "00000000000000000001-bad.bad").exists()
+    assert outbox.claim(str(run), outbox.me()) == []

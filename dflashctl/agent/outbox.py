@@ -93,6 +93,9 @@ def claim(run_dir: str, who: str) -> list[tuple[str, dict]]:
         msg = read_json(os.path.join(_dir(run_dir), claimed))
         if isinstance(msg, dict):
             got.append((claimed, msg))
+        else:  # garbage (a torn or hand-made file): set aside, never sent, never claimed again
+            with contextlib.suppress(OSError):
+                os.rename(os.path.join(_dir(run_dir), claimed), os.path.join(_dir(run_dir), f"{nid}.bad"))
     return got
 
 
