@@ -580,25 +580,54 @@ def list_jobs(
                                           help="Only jobs in this state (repeat for several; `failed`: any failure)."),
     host: str | None = typer.Option(None, "--host", metavar="HOST", help="Only jobs on this host."),
     name: str | None = typer.Option(None, "--name", metavar="GLOB", help="Only jobs whose name matches (fnmatch)."),
+    refresh: bool = Flag("--refresh", "-r", help="Ask the hosts again about every job not done for good (one "
+                         "`status` each) before listing, as `sky queue` does."),
+    forget: str | None = typer.Option(None, "--forget", metavar="ID", help="Drop the record of an ended job (its "
+                                      "run dir is left as it is); lists nothing."),
     as_json: bool = JsonOpt,
     wide: bool = Flag("--wide", help="Every column, however wide the terminal."),
+    accept_new: bool = AcceptNewOpt,
 ) -> None:
-    """Jobs launched from this project, newest first (from the local registry: states as last seen)."""
+    """Jobs launched from this project, newest first: the state the last look gave (`status`, `watch`, or the
+    hosts asked again with --refresh); a run dir removed by `gc` is REMOVED, with when and by whom."""
     from dflashctl.config import find_project_root
-    from dflashctl.jobs import registry
+    from dflashctl.jobs import records, registry
     from dflashctl.show.render import err, out, print_json
 
-    jobs = registry.all_jobs(None if all_projects else str(find_project_root()))
-    jobs = _filtered(jobs, state, host, name)
+    root = find_project_root()
+    if forget is not None:
+        gone = records.forget(forget)
+        if as_json:
+            print_json({"forgotten": gone.id, "state": gone.state})
+        else:
+            err.print(f"forgot {gone.id} ({gone.state}); its run dir {gone.run_dir} on {gone.host_name} is untouched")
+        return
+    project = None if all_projects else str(root)
+    jobs = registry.all_jobs(project)
+    records.check_host(host, registry.all_jobs(), root)
+    records.wanted_states(state)  # a bad --state is said before any host is asked
+    if refresh:
+        for job_id, why in records.refresh(records.filtered(jobs, None, host, name), str(root), accept_new).items():
+            err.print(f"{job_id}: not asked again ({why}): its last state is shown")
+        jobs = registry.all_jobs(project)
+    listed = records.filtered(jobs, state, host, name)
     if as_json:
         print_json({"jobs": [{"id": j.id, "host": j.host_name, "state": j.state, "reason": j.reason,
                               "checked_at": j.checked_at, "launched_at": j.launched_at, "run_dir": j.run_dir,
-                              "gpus": j.gpus, "slurm_job": j.slurm_job} for j in jobs]})  # fmt: skip
+                              "gpus": j.gpus, "slurm_job": j.slurm_job, "removed_at": j.removed_at,
+                              "removed_by": j.removed_by} for j in listed]})  # fmt: skip
         return
-    if not jobs and not all_projects and registry.all_jobs():
-        err.print("no jobs launched from this project; `dflashctl ls --all-projects` lists the others")
+    if not listed:
+        if jobs and (state or host or name):
+            err.print("no job of this project matches (`dflashctl ls` lists them all)" if not all_projects else
+                      "no job matches (`dflashctl ls --all-projects` lists them all)")  # fmt: skip
+        elif not all_projects and registry.all_jobs():
+            err.print("no jobs launched from this project; `dflashctl ls --all-projects` lists the others")
+    jobs = listed
     now = time.time()
-    def state(j) -> str:  # a queued Slurm job says why it waits: Slurm's reason
+    def state(j) -> str:  # a queued Slurm job says why it waits: Slurm's reason; a removed one, who removed it
+        if j.state == "REMOVED" and j.removed_at:
+            return f"REMOVED {_ago(now - j.removed_at)} by {j.removed_by}"
         return f"PENDING: {j.reason.split(': ', 1)[-1]}" if j.state == "PENDING" and j.reason else j.state
 
     rows = [(j.id, j.host_name, state(j), _ago(now - j.checked_at) if j.checked_at else "-",
@@ -616,7 +645,7 @@ def list_jobs(
         widths = [max([len(c)] + [len(r[i]) for r in rows]) + 3 for i, c in enumerate(cols)]
         while keep > 3 and sum(widths[:keep]) > out.width:
             keep -= 1
-    table = Table(title="jobs (states as last seen: `dflashctl status JOB` looks again)", title_justify="left")
+    table = Table(title="jobs (states as last seen: `dflashctl ls --refresh` asks again)", title_justify="left")
     for col in cols[:keep]:
         table.add_column(col, no_wrap=True, overflow="ellipsis")
     for r in rows:
@@ -777,26 +806,6 @@ def diagnose(
         if v.advice:
             out.print(f"next: {v.advice}", markup=False)
     raise typer.Exit(code)
-
-
-def _filtered(jobs: list, states: list[str] | None, host: str | None, name: str | None) -> list:
-    """`ls` filters: states (case-insensitive; `failed` is every failure state), a host, a name glob."""
-    import fnmatch
-
-    from dflashctl.errors import ConfigError
-    from dflashctl.judge.facts import EXIT_BY_STATE, FAILURES
-
-    wanted: set[str] = set()
-    for st in states or []:
-        st = st.upper()
-        if st == "FAILED":
-            wanted |= set(FAILURES)
-        elif st in EXIT_BY_STATE:
-            wanted.add(st)
-        else:
-            raise ConfigError("--state", None, f"{st!r} is not a state (see docs/watch.md; `failed` means any failure)")
-    return [j for j in jobs if (not wanted or j.state in wanted) and (host is None or j.host_name == host)
-            and (name is None or fnmatch.fnmatchcase(j.name, name))]  # fmt: skip
 
 
 def _ago(seconds: float) -> str:

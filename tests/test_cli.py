@@ -216,7 +216,8 @@ def test_ls_filters_by_state_host_and_name(client, monkeypatch):
     assert ids("--state", "failed") == ["alpine", "alpha"]  # every failure state
     assert ids("--state", "crashed", "--state", "diverged") == ["alpine", "alpha"]
     assert ids("--name", "al*") == ["alpine", "alpha"] and ids("--host", "testbox", "--name", "b*") == ["beta"]
-    assert ids("--host", "elsewhere") == []
+    res = run_cli("ls", "--host", "elsewhere")  # no host of that name: an error, not an empty list
+    assert res.code == 2 and "--host" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     res = run_cli("ls", "--state", "sleepy")
     assert res.code == 2 and "--state" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 

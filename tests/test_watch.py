@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import TEST_TMUX_SOCKET, run_cli
 from tests.json_names import json_names
+from tests.test_launch import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "T000SECRET/B111/xyzzy"
@@ -123,8 +124,8 @@ def test_clean_run_finishes_with_exit_0_and_notifies_without_leaking_the_secret(
         assert code == 0 and records[-1]["state"] == "FINISHED" and records[-1]["step"] == 20
         assert all(r["remote_commands"] == 1 for r in records[1:])  # one remote command per poll
         assert SECRET not in err and all(SECRET not in json.dumps(r) for r in records)
-        assert "notified http://127.0.0.1/***" in err
-        assert any("is FINISHED" in m["body"]["text"] for m in hook.received)
+        assert "FINISHED: the job's supervisor pages http://127.0.0.1/***" in err  # it sends, not the watch
+        wait_until(lambda: any("is FINISHED" in m["body"]["text"] for m in hook.received), 60)
         assert all(m["path"] == f"/hooks/{SECRET}" for m in hook.received)
         once = run_cli("watch", job_id, "--once", "--json", cwd=ROOT)
         assert once.code == 0 and json.loads(once.stdout)["state"] == "FINISHED"

@@ -9,6 +9,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import time
 
 AGENT_FILE = "agent.pyz"  # the agent's copy in a run dir: the tmux pane runs it as the job's launcher
@@ -100,50 +101,156 @@ def read_int(path: str) -> int | None:
         return None
 
 
-SECRET_FILES = ("run.sh", "env.sh")  # where a job's secrets are at rest on the remote: its environment's one file
+SECRET_FILES = ("run.sh", "env.sh")  # the job's environment as a shell script (env.sh: a Slurm job's)
+ENV_FILE = "job.env"  # the same environment, NUL-separated KEY=VALUE records (what exec and shell read)
+AT_REST = ".redact.json"  # an ended job's secrets as fingerprints only (judge/redact.py), written before the scrub
+_QUOTED = re.compile(r"(?:'[^']*'|\"'\")+|[^\s'\"]+")  # a value as shlex.quote writes it
+
+
+def redact_module():
+    """judge/redact.py: inside the zipapp it ships in the agent's package; from the source tree it is dflashctl's."""
+    try:
+        from .judge import redact
+    except ImportError:
+        from ..judge import redact
+    return redact
+
+
+def _unquote(token: str) -> str:
+    """A word shlex.quote wrote (`'a'"'"'b'` or a bare safe word), as the shell reads it."""
+    if not token.startswith(("'", '"')):
+        return token
+    return "".join("'" if seg == '"\'"' else seg[1:-1] for seg in re.findall(r"'[^']*'|\"'\"", token))
+
+
+def _exports(text: str, names: list[str]) -> list[tuple[str, int, int, str]]:
+    """(name, start, end, value) of each `export NAME=value` line of a secret name in a script we wrote."""
+    found = []
+    for m in re.finditer(r"^export ([A-Za-z_][A-Za-z0-9_]*)=", text, re.MULTILINE):
+        if m.group(1) not in names:
+            continue
+        q = _QUOTED.match(text, m.end())
+        if q and _unquote(q.group(0)) != "***":  # scrubbed already
+            found.append((m.group(1), q.start(), q.end(), _unquote(q.group(0))))
+    return found
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(1 << 22).decode("utf-8", "surrogateescape")
+    except OSError:
+        return None
+
+
+def _env_records(path: str) -> list[tuple[str, str]] | None:
+    text = _read_text(path)
+    if text is None:
+        return None
+    return [tuple(r.split("=", 1)) for r in text.split("\0") if "=" in r]  # type: ignore[misc]
+
+
+def secret_values(run_dir: str) -> list[str]:
+    """The plain values of the job's secrets this run dir still holds: job.json's `secret_names` read from job.env
+    and from run.sh / env.sh, and the webhook URL's secret parts (supervise.json's notify)."""
+    meta = read_json(os.path.join(run_dir, "job.json"))
+    names = [n for n in (meta.get("secret_names") or []) if isinstance(n, str)] if isinstance(meta, dict) else []
+    values = []
+    for key, value in _env_records(os.path.join(run_dir, ENV_FILE)) or []:
+        if key in names:
+            values.append(value)
+    for name in SECRET_FILES:
+        text = _read_text(os.path.join(run_dir, name))
+        values += [v for _, _, _, v in _exports(text, names)] if text else []
+    spec = read_json(os.path.join(run_dir, "supervise.json"))
+    hook = ((spec.get("notify") or {}) if isinstance(spec, dict) else {}).get("webhook")
+    if isinstance(hook, str) and hook != redact_module().redact_url(hook):  # not yet scrubbed
+        values += redact_module().url_secrets(hook)
+    return [v for v in values if v and v != "***"]
+
+
+def job_redactor(run_dir: str | None):
+    """What masks this job's secrets in anything read from its run dir: the plain values it holds while the job can
+    still run, the fingerprints kept once it has ended for good, both where both are there."""
+    redact = redact_module()
+    if not run_dir:
+        return redact.Redactor()
+    rest = read_json(os.path.join(run_dir, AT_REST))
+    rest = rest if isinstance(rest, dict) else {}
+    return redact.Redactor(secret_values(run_dir), str(rest.get("salt") or ""), rest.get("hashed") or [],
+                           rest.get("lengths") or [])  # fmt: skip
 
 
 def scrub_secrets(run_dir: str) -> list[str]:
-    """The job ended for good: the values of its secrets (job.json's `secret_names`) are replaced by *** in the one
-    file that held them, written anew (temp file and rename). Returns the names scrubbed."""
+    """The job ended for good: its secrets leave the run dir whole, every line of a multi-line value too. First
+    their fingerprints are kept (`.redact.json`: what later looks mask the log with), then run.sh / env.sh get
+    `export NAME='***'` for each secret and job.env `NAME=***`, each written anew (temp file and rename), and any
+    other line of those files holding a piece of a secret is masked. Returns the names scrubbed."""
     meta = read_json(os.path.join(run_dir, "job.json"))
     names = [n for n in (meta.get("secret_names") or []) if isinstance(n, str)] if isinstance(meta, dict) else []
-    if not names:
+    values = secret_values(run_dir)
+    if not values:
         return []
-    done = []
+    redact = redact_module()
+    plain = redact.Redactor(values)
+    rest = read_json(os.path.join(run_dir, AT_REST))
+    kept = rest if isinstance(rest, dict) and rest.get("salt") else {"salt": os.urandom(16).hex(), "hashed": [],
+                                                                      "lengths": []}  # fmt: skip
+    new = plain.fingerprints(bytes.fromhex(kept["salt"]))
+    kept = {"salt": kept["salt"], "hashed": sorted(set(kept["hashed"]) | set(new["hashed"])),
+            "lengths": sorted(set(kept["lengths"]) | set(new["lengths"]))}  # fmt: skip
+    write_atomic(os.path.join(run_dir, AT_REST), json.dumps(kept).encode())
+    done: list[str] = []
     for name in SECRET_FILES:
         path = os.path.join(run_dir, name)
-        try:
-            with open(path, "rb") as f:
-                lines = f.read().decode("utf-8", "surrogateescape").split("\n")
-        except OSError:
+        text = _read_text(path)
+        if text is None:
             continue
-        out = []
-        for line in lines:
-            key = line[len("export ") :].split("=", 1)[0] if line.startswith("export ") and "=" in line else None
-            if key in names:
-                line = f"export {key}='***'  # scrubbed: the job ended for good"
-                done.append(key)
-            out.append(line)
-        if done:
-            write_atomic(path, "\n".join(out).encode("utf-8", "surrogateescape"))
-    done += _scrub_env_file(os.path.join(run_dir, "job.env"), names)
-    return done
+        out, at = [], 0
+        for key, start, end, _ in _exports(text, names):
+            out += [text[at:start], "'***'"]
+            at = end
+            done.append(key)
+        scrubbed = plain("".join(out) + text[at:])
+        if scrubbed != text:
+            write_atomic(path, scrubbed.encode("utf-8", "surrogateescape"))
+    records = _env_records(os.path.join(run_dir, ENV_FILE))
+    if records:
+        clean = [(k, "***" if k in names else plain(v)) for k, v in records]
+        done += [k for k, v in records if k in names and v != "***"]
+        if clean != records:
+            data = "".join(f"{k}={v}\0" for k, v in clean)
+            write_atomic(os.path.join(run_dir, ENV_FILE), data.encode("utf-8", "surrogateescape"))
+    spec = read_json(os.path.join(run_dir, "supervise.json"))
+    hook = ((spec.get("notify") or {}) if isinstance(spec, dict) else {}).get("webhook")
+    if isinstance(hook, str) and hook != redact.redact_url(hook):  # the supervisor has sent what it could
+        spec["notify"]["webhook"] = redact.redact_url(hook)
+        write_atomic(os.path.join(run_dir, "supervise.json"), json.dumps(spec, indent=1).encode())
+    return sorted(set(done))
 
 
-def _scrub_env_file(path: str, names: list[str]) -> list[str]:
-    """job.env's NUL-separated KEY=VALUE records: every secret's whole value (newlines and all) becomes ***."""
-    try:
-        with open(path, "rb") as f:
-            records = f.read().split(b"\0")
-    except OSError:
+def scrub_if_unsupervised_end(run_dir: str, status: int) -> list[str]:
+    """The launcher's last act when no supervisor keeps the job (`supervise: false`, a node of a multi-node job):
+    the attempt ended, and when no restart can follow (it succeeded, or the job file allows no more restarts) its
+    secrets leave the run dir. A supervised job is scrubbed by its supervisor, which knows the verdict."""
+    if os.path.isfile(os.path.join(run_dir, "supervise.json")):
         return []
-    done, keys = [], {n.encode(): n for n in names}
-    for i, rec in enumerate(records):
-        key = rec.split(b"=", 1)[0]
-        if key in keys and b"=" in rec and rec != key + b"=***":
-            records[i] = key + b"=***"
-            done.append(keys[key])
-    if done:
-        write_atomic(path, b"\0".join(records))
-    return done
+    meta = read_json(os.path.join(run_dir, "job.json"))
+    watch = ((meta.get("job") or {}).get("watch") or {}) if isinstance(meta, dict) else {}
+    most = watch.get("max_restarts") if isinstance(watch.get("max_restarts"), int) else 0
+    done = read_int(os.path.join(run_dir, RESTARTS)) or 0
+    if status == 0 or not watch.get("restart_on") or done >= most:
+        return scrub_secrets(run_dir)
+    return []
+
+
+def scrub_ended(req: dict) -> dict:
+    """A local command judged the job ended for good (no supervisor keeps it, no restart follows): its secrets leave
+    the run dir, but only once the job's attempt has ended here (an exit status, no launcher alive)."""
+    run_dir = req.get("run_dir")
+    if not isinstance(run_dir, str) or not os.path.isfile(os.path.join(run_dir, "exit_code")):
+        return {"scrubbed": [], "why": "the job has not ended here"}
+    me = read_json(os.path.join(run_dir, WRAPPER_PID))
+    if isinstance(me, dict) and isinstance(me.get("pid"), int) and start_time(me["pid"]) == me.get("start"):
+        return {"scrubbed": [], "why": "its launcher still runs"}
+    return {"scrubbed": scrub_secrets(run_dir)}

@@ -106,8 +106,18 @@ def main() -> int:
         from .execs import end_execs
 
         answer = end_execs(req)
-    elif action == "history":
-        answer = history(req)
+    elif action == "history":  # a report's metrics and events: the job's text, its secrets masked
+        from .common import job_redactor
+
+        answer = job_redactor(req.get("run_dir")).deep(history(req))
+    elif action == "scrub":
+        from .common import scrub_ended
+
+        answer = scrub_ended(req)
+    elif action == "notices_settled":
+        from .outbox import settle_for_laptop
+
+        answer = settle_for_laptop(req)
     elif action == "tail":
         answer = tail_lines(req["path"], int(req.get("lines", 50)), int(req.get("limit", 1 << 20)))
     else:

@@ -138,3 +138,22 @@ def list_sessions() -> list[dict]:
 def close_session(session: str) -> None:
     """Close a job's tmux session (its pane is dead: the job ended); the server exits with its last session."""
     _run([*TMUX, "kill-session", "-t", f"={session}"])
+
+
+def close_when_dead(session: str, wait_s: float = 15.0) -> bool:
+    """Close a job's session once its pane is dead. The launcher writes `exit_code` a moment before it exits, so a
+    caller that saw the exit status waits here (bounded) for the pane to die: closing a live pane would cut the
+    launcher's last clean-up. True when the session is gone."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        info = tmux_session(session, 0)
+        if not info.get("exists"):
+            return True
+        if info.get("pane_dead"):
+            close_session(session)
+            return not tmux_session(session, 0).get("exists")
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)

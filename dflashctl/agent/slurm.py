@@ -23,7 +23,6 @@ JOB_FILE, EXCLUDE_FILE, SCRIPT = "slurm_job", "slurm_exclude", "sbatch.sh"
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE", "REVOKED", "SPECIAL_EXIT")  # fmt: skip
 JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")  # fullmatch; an array task's id is JOB_TASK
-FIELD = re.compile(r"(\w+)=(\S*)")
 
 
 def _run(argv: list[str], timeout: float = 30.0, cwd: str | None = None, stdin: str | None = None
@@ -57,9 +56,24 @@ def excluded(run_dir: str) -> list[str]:
     return [n for n in nodes if isinstance(n, str)] if isinstance(nodes, list) else []
 
 
+KEY = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=")  # a field's name: `JobId`, `AllocNode:Sid`, `CPUs/Task`
+
+
+def scontrol_fields(text: str) -> dict[str, str]:
+    """`scontrol show job -o`'s Key=Value fields. A value runs to the next field's name, not to the next space:
+    Slurm prints paths (WorkDir, Command, StdOut) as they are, spaces and quotes included."""
+    line = (text.strip().splitlines() or [""])[0]
+    keys = list(KEY.finditer(line))
+    fields = {}
+    for i, m in enumerate(keys):  # (zip's strict= is Python 3.10's: the agent runs on 3.8)
+        end = keys[i + 1].start() if i + 1 < len(keys) else len(line)
+        fields.setdefault(m.group(1), line[m.end() : end].strip())
+    return fields
+
+
 def parse_scontrol(text: str) -> dict:
     """`scontrol show job -o ID`: one line of Key=Value fields."""
-    fields = dict(FIELD.findall(text))
+    fields = scontrol_fields(text)
     return {
         "state": fields.get("JobState", ""),
         "reason": fields.get("Reason", "None").replace("_", " "),  # the one-line form writes its spaces as `_`

@@ -16,6 +16,7 @@ from .common import (
     STOP_RESULT,
     WRAPPER_PID,
     append_jsonl,
+    job_redactor,
     locked,
     read_int,
     read_json,
@@ -100,6 +101,28 @@ def snapshot(req: dict) -> dict:
         snap["figures"] = run_figures(run_dir)
     if req.get("sessions"):
         snap["sessions"] = list_sessions()
+    if req.get("claim_notices") and run_dir and snap["run_dir_exists"]:  # what the supervisor could not send
+        from .outbox import claim_for_laptop
+
+        snap["notices"] = claim_for_laptop(run_dir)
+    return redacted(run_dir, snap)
+
+
+JOB_TEXT = ("session", "procs", "metrics", "heartbeat", "stop_request", "stop_result", "figures", "host_oom")
+
+
+def redacted(run_dir: str | None, snap: dict) -> dict:
+    """The snapshot with the job's secrets masked in all the job's own text (its log, its pane, its records, its
+    command lines): the one intake of job text, so every verdict, event, record and notice made from it is clean."""
+    redact = job_redactor(run_dir) if run_dir and snap.get("run_dir_exists") else None
+    if not redact:
+        return snap
+    snap["secrets_at_rest"] = bool(redact.plain)  # the plain values are still in the run dir
+    if isinstance(snap.get("log"), dict) and isinstance(snap["log"].get("text"), str):
+        snap["log"] = {**snap["log"], "text": redact.chunk(snap["log"]["text"])}  # read from an offset: cut edges
+    for key in JOB_TEXT:
+        if key in snap:
+            snap[key] = redact.deep(snap[key])
     return snap
 
 

@@ -30,9 +30,9 @@ import signal
 import sys
 import time
 
-from . import probe
+from . import outbox, probe
 from .common import append_jsonl, read_int, read_json, scrub_secrets, start_time, write_atomic
-from .procs import close_session
+from .procs import close_when_dead
 from .supervision import BEAT, SPEC, STATE, VERDICT, reserve_final, write_final
 
 MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 60.0
@@ -91,6 +91,8 @@ class Supervisor:
         body = {"time": round(time.time(), 3), "by": "supervisor", **event}
         with contextlib.suppress(OSError):  # a full disk loses an event, never the watch
             append_jsonl(os.path.join(self.run, "events.jsonl"), [body])
+        with contextlib.suppress(OSError):  # the user paged from here (agent/outbox.py); unsent, it waits
+            outbox.record(self.run, body, self.spec, self.restarts)
 
     def beat(self) -> None:
         """The heartbeat: a counter rewritten every sample, with this machine's monotonic time (readers on this
@@ -117,7 +119,7 @@ class Supervisor:
         self.write_verdict(r)
         if r.state != self.state:
             self.event({"decision": "state", "state": r.state, "previous": self.state, "reason": r.reason,
-                        "evidence": r.evidence[:5]})  # fmt: skip
+                        "evidence": r.evidence[:5], "advice": r.advice})  # fmt: skip
             self.state = r.state
         return r
 
@@ -274,8 +276,8 @@ def main() -> int:
                 scrub_secrets(run_dir)
             # nor its dead pane (train.log has all it showed): no tmux server is left behind; but only once the
             # exit status is in the run dir (on a full disk it is not: then the pane's is the only record of it)
-            if not sup.scheduled and sup.h.pane_dead and sup.h.exit_code is not None and spec.get("session"):
-                close_session(str(spec["session"]))
+            if not sup.scheduled and sup.h.exit_code is not None and spec.get("session"):
+                close_when_dead(str(spec["session"]))
     except Exception as e:  # said where every asker sees it: the local side then judges by itself
         ended = f"failed: {type(e).__name__}: {e}"[:300]
         raise

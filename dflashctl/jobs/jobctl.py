@@ -6,6 +6,7 @@ launch, so later commands need nothing but the id (or a prefix of it, or nothing
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -21,17 +22,19 @@ from pathlib import Path
 from dflashctl.config import HostConfig, resolve_host
 from dflashctl.errors import (
     ConfigError,
+    DflashError,
     NoSuchJobError,
     NothingToDoError,
     RefusedError,
     RemoteCommandError,
     UnreachableError,
 )
-from dflashctl.jobs import control, registry
+from dflashctl.jobs import control, notify, registry
 from dflashctl.jobs import verdict as verdicts
 from dflashctl.jobs.control import KillReport
 from dflashctl.jobs.poller import make_watcher
 from dflashctl.jobs.registry import JobRecord, Member
+from dflashctl.jobs.secrets import redactor
 from dflashctl.judge.report import Report
 from dflashctl.model.jobfile import load_job
 from dflashctl.remote import session
@@ -209,7 +212,17 @@ def gc(spec: str, root: Path, older_than_days: float, dry_run: bool, accept_new:
     if ans.get("refused"):
         raise ConfigError("gc", None, f"the agent on {host.name} refused: {ans['refused']}")
     ids = [] if ans.get("dry_run") else [r["id"] for r in ans.get("removed", [])]
+    if ids:  # their records say REMOVED, by whom and when: never LOST later
+        registry.mark_removed(host.name, ids, remover())
     return {"host": host.name, "workdir": abs_wd, **ans, "removed_ids": ids}
+
+
+def remover() -> str:
+    """Who ran a `gc`: user@machine."""
+    import getpass
+    import socket
+
+    return f"{getpass.getuser()}@{socket.gethostname()}"
 
 
 def rdzv_port_for(name: str) -> int:
@@ -391,10 +404,19 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     """One probe and a verdict. Without a spec, the same job `kill` would pick (else the newest of the project)."""
     job = find_job(spec, project)
     picked = picked_how(job, spec)
+    if job.state == registry.REMOVED:  # gc removed the run dir: no host can say more than the record
+        from dflashctl.judge.facts import ADVICE
+
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.removed_at or 0))
+        r = Report(job.id, job.host_name, "REMOVED", f"its run dir was removed by {job.removed_by} at {when} "
+                   "(dflashctl gc)", [], ADVICE["REMOVED"], restarts=job.restarts,
+                   max_restarts=job.watch.max_restarts, decided_why="the record: gc removed the run dir")  # fmt: skip
+        return _status_record(r, picked=picked, run_dir=job.run_dir, session="gone", run_dir_exists=False)
     try:
         with open_runner(job.host, accept_new) as runner:
             snap = session.call_agent(runner, {**session.probe_request(job, capture_lines=5), "gpus": False,
-                                               "figures": True})  # fmt: skip
+                                               "figures": True, **notify.claim_request(job)})  # fmt: skip
+            notify.deliver_claimed(runner, job, snap, session.call_agent)  # what the supervisor could not send
     except UnreachableError as e:  # the same word `watch --once` says: UNREACHABLE, with the last state seen
         return unreachable_status(job, picked, str(e))
     events = [r for r in snap.get("metrics", {}).get("records", []) if isinstance(r, dict) and "event" in r]
@@ -409,6 +431,9 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
         r = verdicts.look(job, snap)
     if r.state != "UNREACHABLE":  # a silent scheduler concludes nothing: the record keeps its last state
         registry.update(job.id, state=r.state, reason=r.reason)
+    if notify.needs_scrub(job, r.state, snap):  # ended for good with no supervisor: no secret stays at rest
+        with contextlib.suppress(DflashError), open_runner(job.host, accept_new) as runner:
+            session.call_agent(runner, {"action": "scrub", "run_dir": job.run_dir, "gpus": False})
     fig = snap.get("figures") if isinstance(snap.get("figures"), dict) else {}
     if isinstance(fig.get("step"), int):  # one look reads the metrics in part: the file's newest, as `report`'s
         r.step, r.loss = fig["step"], fig.get("last_loss")
@@ -460,7 +485,7 @@ def histories(specs: list[str], project: str, accept_new: bool = False) -> list[
             hist = session.call_agent(runner, {"action": "history", "run_dir": job.run_dir, "gpus": False})
         if not hist.get("run_dir_exists"):
             raise RefusedError(f"{job.id}: its run dir {job.run_dir} is gone from {job.host_name}")
-        out.append((job, hist))
+        out.append((job, redactor(job).deep(hist)))
     return out
 
 
@@ -476,6 +501,8 @@ def logs(
     job = find_job(spec, project)
     if node is not None:
         job = job.member(node)
+    clean = redactor(job)  # the job printed its secrets maybe: never shown
+    emit = (lambda text, show=emit: show(clean.chunk(text))) if clean else emit
     with open_runner(job.host, accept_new) as runner:
         got = session.call_agent(runner, {"action": "tail", "path": f"{job.run_dir}/train.log", "lines": lines,
                                           "limit": LOG_TAIL_BYTES, "gpus": False})  # fmt: skip

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from dflashctl.agent.probe import restart_room_gib  # a restart needs what a launch needs
 from dflashctl.errors import ProbeFailedError
-from dflashctl.jobs import control, registry
+from dflashctl.jobs import control, notify, registry
 from dflashctl.jobs import verdict as verdicts
 from dflashctl.judge import nodes
 from dflashctl.judge.assess import PEER_LOST
@@ -70,6 +70,7 @@ class Watcher:
     unsaid: list[dict] = field(default_factory=list)  # decisions not yet carried by a poll record
     said: deque = field(default_factory=lambda: deque(maxlen=5))  # the newest decisions, for the live view
     notes: list[str] = field(default_factory=list)
+    sent: list[str] = field(default_factory=list)  # notices the supervisor could not send, sent by this watch
 
     def __post_init__(self) -> None:
         self.restarts = self.job.restarts
@@ -128,7 +129,8 @@ class Watcher:
         try:
             runner = self._connect()
             before = runner.commands_run
-            snap = session.call_agent(runner, req)
+            snap = session.call_agent(runner, {**req, **notify.claim_request(self.job)})
+            self.sent += notify.deliver_claimed(runner, self.job, snap, session.call_agent)
             self.remote_commands = runner.commands_run - before
         except ProbeFailedError as e:  # the host answered: not UNREACHABLE
             return self.judge.failed_look(True, str(e))
@@ -138,7 +140,9 @@ class Watcher:
             return self.judge.failed_look(False, str(e))
         self.pending_events = []
         remote_restarts = snap.get("restarts")
-        if isinstance(remote_restarts, int) and remote_restarts > self.restarts:  # restarted elsewhere meanwhile
+        if isinstance(remote_restarts, int) and remote_restarts > self.restarts and self.state is None:
+            self.restarts = remote_restarts  # restarted before this watch began: nothing seen restarted here
+        elif isinstance(remote_restarts, int) and remote_restarts > self.restarts:  # restarted elsewhere meanwhile
             self.restarts = remote_restarts
             self.log_event({"decision": "restart", "attempt": remote_restarts, "after": self.state,
                             "by": "elsewhere (the job's supervisor or another watcher)", "reason": "seen restarted"})

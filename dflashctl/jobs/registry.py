@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from dflashctl.errors import RecordsCorruptError
-from dflashctl.model.record import STATE_ENV, JobRecord, Member, state_dir  # noqa: F401 - their home is model/
+from dflashctl.model.record import REMOVED, STATE_ENV, JobRecord, Member, state_dir  # noqa: F401 - their home is model/
 
 
 @contextmanager
@@ -107,16 +107,51 @@ def record(job: JobRecord) -> None:
 
 
 def update(job_id: str, **fields: Any) -> JobRecord:
+    """Fields of one record changed. A REMOVED record keeps its state: its run dir is gone for good, and a later
+    look (which finds no run dir) would otherwise relabel it LOST."""
     with _locked() as d:
         jobs = _read(d)
         if job_id not in jobs:
             raise RecordsCorruptError(f"{d / 'jobs.json'}: job {job_id} is not recorded")
+        if jobs[job_id].get("state") == REMOVED and "removed_at" not in fields:
+            fields = {k: v for k, v in fields.items() if k not in ("state", "reason", "since")}
         if "state" in fields:
             fields = {**fields, "checked_at": time.time()}
         merged = JobRecord.model_validate({**jobs[job_id], **fields})
         jobs[job_id] = merged.model_dump(mode="json")
         _write(d, jobs)
         return merged
+
+
+def mark_removed(host_name: str, ids: list[str], by: str) -> list[str]:
+    """`gc` removed these run dirs on `host_name`: their records (matched by host, and by job id as the run dir's
+    name) become REMOVED, with when and who. Returns the ids marked."""
+    now = time.time()
+    with _locked() as d:
+        jobs = _read(d)
+        marked = []
+        for job_id, rec in jobs.items():
+            if rec.get("host_name") == host_name and os.path.basename(str(rec.get("run_dir") or "")) in ids:
+                jobs[job_id] = {**rec, "state": REMOVED, "reason": f"run dir removed by {by}", "removed_at": now,
+                                "removed_by": by, "checked_at": now}  # fmt: skip
+                marked.append(job_id)
+        if marked:
+            _write(d, jobs)
+        return marked
+
+
+def forget(job_id: str) -> JobRecord:
+    """Drop one record (`ls --forget`); its events stay in events.jsonl. The record dropped is returned."""
+    from dflashctl.errors import NoSuchJobError
+
+    with _locked() as d:
+        raw = _read(d)
+        jobs = _parse(raw, d)
+        if job_id not in jobs:
+            raise NoSuchJobError(f"no job {job_id!r} is recorded (see `dflashctl ls --all-projects`)")
+        del raw[job_id]
+        _write(d, raw)
+        return jobs[job_id]
 
 
 def get(job_id: str) -> JobRecord | None:

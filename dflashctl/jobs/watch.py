@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from dflashctl.jobs import registry
 from dflashctl.jobs import verdict as verdicts
-from dflashctl.jobs.notify import Message, post
+from dflashctl.jobs.notify import Message, post, redact
 from dflashctl.jobs.poller import (  # noqa: F401 - the poller's names, as callers of watch know them
     CONSEQUENCES,
     PEER_GRACE_S,
@@ -55,6 +55,8 @@ def run(
     decider = None
     while True:
         r = w.poll()
+        while w.sent:  # notices the supervisor could not send, sent by this poll
+            say(w.sent.pop(0))
         if r.state != w.state:
             previous, w.state = w.state, r.state
             if r.state != "UNREACHABLE":
@@ -117,7 +119,7 @@ def _warn_disk(w: Watcher, r: Report, opts: WatchOptions, say: Callable[[str], N
             n = w.cfg.notify
             msg = Message(w.job.id, w.job.host_name, "DISK_LOW", warned[0], [], ADVICE["DISK_FULL"], w.restarts,
                           time.time())  # fmt: skip
-            say(post(n.webhook, msg, n.format, n.timeout_s, n.retries))
+            say(post(n.webhook, msg, n.format, n.timeout_s, n.retries, job=w.job))
     elif not warned:
         w.disk_warned = False
 
@@ -143,8 +145,10 @@ def restart(w: Watcher, r: Report, say: Callable[[str], None]) -> bool:
     w.state = "STARTING"
     if outcome.restarted and w.cfg.notify.webhook:
         msg = Message(w.job.id, w.job.host_name, "RESTARTED", f"after {r.state}: {r.reason}", r.evidence[:3],
-                      None, w.restarts, time.time())  # fmt: skip
-        say(post(w.cfg.notify.webhook, msg, w.cfg.notify.format, w.cfg.notify.timeout_s, w.cfg.notify.retries))
+                      None, w.restarts, time.time(), False, max(0, w.cfg.max_restarts - w.restarts),
+                      f"dflashctl status {w.job.id}")  # fmt: skip
+        say(post(w.cfg.notify.webhook, msg, w.cfg.notify.format, w.cfg.notify.timeout_s, w.cfg.notify.retries,
+                 job=w.job))
     return True
 
 
@@ -152,8 +156,22 @@ def notify(w: Watcher, v: Report, say: Callable[[str], None]) -> None:
     n = w.cfg.notify
     if n.bell and v.state in FAILURES:
         say("\a")
-    if n.webhook:
-        msg = Message(w.job.id, w.job.host_name, v.state, v.reason, v.evidence, v.advice, w.restarts, time.time())
-        line = post(n.webhook, msg, n.format, n.timeout_s, n.retries)
+    if n.webhook and not paged_by_supervisor(v):
+        msg = Message(w.job.id, w.job.host_name, v.state, v.reason, v.evidence, v.advice, w.restarts, time.time(),
+                      v.state in FAILURES, max(0, w.cfg.max_restarts - w.restarts), f"dflashctl status {w.job.id}")
+        line = post(n.webhook, msg, n.format, n.timeout_s, n.retries, job=w.job)
         w.log_event({"decision": "notify", "state": v.state, "result": line})
         say(line)
+    elif n.webhook:  # said where the user looks: who pages, never the URL's path
+        say(f"{v.state}: the job's supervisor pages {redact(n.webhook)}")
+
+
+def paged_by_supervisor(r: Report) -> bool:
+    """The job's supervisor pages the user itself (agent/outbox.py; what it could not send, this watch's polls
+    send): a watch adds no notice of its own while one answers or ended with its job (a frozen one pages nothing:
+    then this watch does)."""
+    sup = r.supervisor
+    if not isinstance(sup, dict):
+        return False
+    ended = str(sup.get("ended") or "")
+    return bool(sup.get("answering")) or bool(ended and not ended.startswith("failed"))

@@ -85,7 +85,10 @@ STATES = (
     _s("NCCL_ERROR", 31, True, True, advice="the connection between ranks broke (a connection reset, an InfiniBand "
        "or socket error, a peer gone): check the interconnect on the hosts named (`ibstat`, NCCL_SOCKET_IFNAME / "
        "NCCL_IB_HCA, the switch), then restart with --resume; if it repeats on one host, leave that host out."),
+    _s("REMOVED", 32, True, False, "dim", "`dflashctl gc` removed its run dir: nothing of it is left on the host "
+       "(`dflashctl ls --forget ID` drops the record)."),
 )  # fmt: skip
+RECORD_ONLY = ("REMOVED",)  # what a job's record says of it (gc); never what a log or a look at the host shows
 
 BY_NAME = {s.name: s for s in STATES}
 FAILURES = tuple(s.name for s in STATES if s.failure)

@@ -15,6 +15,7 @@ from dflashctl.errors import NoSuchJobError
 from dflashctl.model.jobfile import WatchConfig, node_tag
 
 STATE_ENV = "DFLASHCTL_STATE_DIR"
+REMOVED = "REMOVED"  # a record's own state: `gc` removed the run dir; no look at the host can say more
 # states in which a job may still be running (a failure state is an attempt that ended; a restart says STARTING)
 ALIVE_STATES = ("PENDING", "STARTING", "RUNNING", "STALLED", "STOPPING", "UNREACHABLE", "PROBE_FAILED")
 
@@ -68,6 +69,8 @@ class JobRecord(BaseModel):
     members: list[Member] = Field(default_factory=list, description="the nodes of a multi-node job, head first")
     node_tag: str | None = None  # a node's process tag when it is not the job id (node i > 0: `<id>.node<i>`)
     slurm_job: str | None = None  # a Slurm host's job id at launch (a restart resubmits: the run dir has the newest)
+    removed_at: float | None = None  # `gc` removed its run dir (state REMOVED): when, and who ran it
+    removed_by: str | None = None
 
     @property
     def scheduler(self) -> str:

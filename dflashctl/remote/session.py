@@ -293,7 +293,8 @@ def supervise_spec(job: JobConfig, job_id: str, gpus: list[int], scheduled: bool
             **({"scheduler": "slurm"} if scheduled else {}),
             "grace_s": job.kill_grace_s, "args": ["--resume"] if job.trainer is not None else [],
             "is_trainer": job.trainer is not None, "gpus": gpus,
-            "watch": job.watch.model_dump(mode="json", exclude={"notify"})}  # fmt: skip
+            "watch": job.watch.model_dump(mode="json", exclude={"notify"}),
+            "notify": job.watch.notify.model_dump(mode="json")}  # fmt: skip (0600: the supervisor pages the user)
 
 
 def call_agent(

@@ -1,0 +1,96 @@
+"""What `ls` says of the records: which states a record can hold, `ls --refresh` (every unfinished job asked again,
+as `sky queue` does: one `status` each, whose verdict the registry keeps), and the one-line errors of its filters.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from concurrent.futures import ThreadPoolExecutor
+
+from dflashctl.errors import ConfigError, DflashError
+from dflashctl.model.record import REMOVED, JobRecord
+
+DONE_FOR_GOOD = ("FINISHED", "KILLED", REMOVED)  # what no look at the host changes: `--refresh` skips them
+NOT_RECORDED = ("INCOMPLETE",)  # a state `diagnose` gives a log, never a job's record
+
+
+def record_states() -> list[str]:
+    """Every state a job's record can hold: the judge's states but those no record holds, and REMOVED."""
+    from dflashctl.judge.facts import EXIT_BY_STATE
+
+    return [s for s in EXIT_BY_STATE if s not in NOT_RECORDED] + ([] if REMOVED in EXIT_BY_STATE else [REMOVED])
+
+
+def wanted_states(states: list[str] | None) -> set[str]:
+    """`--state` values, case-insensitive; `failed` is every failure state. An unknown one is a one-line error."""
+    from dflashctl.judge.facts import FAILURES
+
+    known = record_states()
+    wanted: set[str] = set()
+    for st in states or []:
+        up = st.upper()
+        if up == "FAILED":
+            wanted |= set(FAILURES)
+        elif up in known:
+            wanted.add(up)
+        else:
+            raise ConfigError("--state", None, f"{st!r} is not a state a job can be in (one of {', '.join(known)}, "
+                              "or `failed`)")  # fmt: skip
+    return wanted
+
+
+def check_host(host: str | None, jobs: list[JobRecord], root) -> None:
+    """`--host` names a host of the project's config or of a recorded job, else a one-line error."""
+    if host is None:
+        return
+    known = {j.host_name for j in jobs} | {m.host_name for j in jobs for m in j.members}
+    try:
+        from dflashctl.config import known_hosts
+
+        known |= set(known_hosts(root))
+    except DflashError:  # a broken config names no hosts; the records still do
+        pass
+    if host not in known:
+        raise ConfigError("--host", None, f"no host named {host!r} (known: {', '.join(sorted(known)) or 'none'})")
+
+
+def filtered(jobs: list[JobRecord], states: list[str] | None, host: str | None, name: str | None) -> list[JobRecord]:
+    """`ls` filters: states, a host (a job over several hosts: any of its nodes), a name glob."""
+    wanted = wanted_states(states)
+
+    def on(j: JobRecord) -> bool:
+        return host is None or j.host_name == host or any(m.host_name == host for m in j.members)
+
+    return [j for j in jobs if (not wanted or j.state in wanted) and on(j)
+            and (name is None or fnmatch.fnmatchcase(j.name, name))]  # fmt: skip
+
+
+def forget(job_id: str) -> JobRecord:
+    """Drop a record (`ls --forget`). A job that may still run is refused: forgetting it would lose the only record
+    that finds it (`kill` it first, or `ls --refresh` to see it ended)."""
+    from dflashctl.jobs import registry
+
+    job = registry.get(job_id)
+    if job is not None and job.state in ("PENDING", "STARTING", "RUNNING", "STALLED", "STOPPING"):
+        raise ConfigError("--forget", None, f"{job_id} was last seen {job.state}: `dflashctl kill {job_id}` first, "
+                          "or `dflashctl ls --refresh` if it has ended")  # fmt: skip
+    return registry.forget(job_id)
+
+
+def refresh(jobs: list[JobRecord], project: str, accept_new: bool = False) -> dict[str, str]:
+    """Ask the hosts again about every job not done for good (a few at a time): each is one `status`, which records
+    the Judge's verdict (and sends the notices its supervisor could not). Returns what could not be asked, by id."""
+    from dflashctl.jobs import jobctl
+
+    todo = [j for j in jobs if j.state not in DONE_FOR_GOOD]
+    failed: dict[str, str] = {}
+
+    def one(job: JobRecord) -> None:
+        try:
+            jobctl.status(job.id, project, accept_new)
+        except DflashError as e:  # said, and the record keeps its last state
+            failed[job.id] = str(e).splitlines()[0][:200]
+
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(todo)))) as pool:
+        list(pool.map(one, todo))
+    return failed
