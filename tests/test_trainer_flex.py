@@ -62,7 +62,7 @@ def test_training_calls_repeat_keys_and_values_to_every_query_head_as_grouped_at
     assert (grouped - repeated).abs().max().item() < 1e-5 and (grouped - reference).abs().max().item() < 1e-5
     seen = []
 
-    def stand_in(q_, k_, v_, _mask):
+    def stand_in(q_, k_, v_, _mask, _flash=False):
         seen.append((k_.shape[1], v_.shape[1]))
         return dense(q_, k_, v_, dense.build_mask(anc, valid, 128, 16, q_.shape[1]))
 

@@ -60,6 +60,9 @@ class DrafterConfig:
 class AttentionConfig:
     backend: Literal["flex", "dense"] = "flex"  # flex: compiled and guarded (CUDA); dense: masked reference
     dense_max_gib: float = 4.0  # dense refuses when one fp32 score matrix would exceed this many GiB
+    # the kernel flex compiles to: triton (Inductor's template), flash (FlashAttention-4: flash-attn-4 on a Hopper GPU),
+    # auto = flash where it can run, else triton; the choice and why are in the preflight record
+    flex_backend: Literal["auto", "triton", "flash"] = "auto"
     recompile_limit: int = 8  # Dynamo's per-function limit; hitting it is an error, never an eager fallback
 
 
@@ -92,6 +95,9 @@ class OptimConfig:
     loss_kernel: Literal["auto", "fused", "plain"] = "auto"
     # a step whose loss or grad norm is NaN/inf is skipped (no update); this many in a row stop the run (exit 4)
     max_nonfinite_steps: int = 10
+    # bf16 copies of the drafter's linear weights, written by the update (trainer/model/weight_copies.py), that the
+    # forward reads instead of casting the fp32 weights each step; auto = on under bf16 autocast (CUDA)
+    bf16_weights: Literal["auto", "off"] = "auto"
 
 
 @dataclass
