@@ -204,9 +204,6 @@ def trainers_adamw(parts):
         from trainer.run.update import make_adamw
     except ImportError:
         return torch.optim.AdamW(parts.drafter.parameters(), lr=6e-4, betas=(0.9, 0.999), fused=True)
-    copies = getattr(parts, "weight_copies", None)
-    if copies:
-        return make_adamw(parts.drafter.parameters(), parts.cfg.optim, copies)
     return make_adamw(parts.drafter.parameters(), parts.cfg.optim)
 
 
@@ -358,7 +355,6 @@ def step_benchmark(steady_steps: int, isolated: bool = True, extras: bool = True
     if args_expand_kv is not None:
         parts.backend.expand_kv = args_expand_kv
     rep["attention_kernel"] = getattr(parts, "attention_kernel", None)
-    rep["bf16_weight_copies"] = len(getattr(parts, "weight_copies", []) or [])
     pf = preflight(parts)
     rep["preflight_s"] = round(time.perf_counter() - t0, 1)
     rep["preflight_peak_gib"] = {k: round(v, 2) for k, v in pf.peak_mem_gib.items()}
@@ -490,9 +486,8 @@ def main() -> None:
     ap.add_argument("--flex-options", default="{}", help="flex_attention kernel_options, JSON (bench/flex_tiles.py)")
     ap.add_argument("--flex-backend", choices=["auto", "triton", "flash"], default=None,
                     help="attention.flex_backend (left out: the config's default)")
-    ap.add_argument("--bf16-weights", choices=["auto", "off"], default=None, help="optim.bf16_weights")
     ap.add_argument("--expand-kv", choices=["on", "off"], default=None,
-                    help="keys and values repeated to every query head in training (default: on for Triton only)")
+                    help="keys and values repeated to every query head in training (default: on)")
     ap.add_argument("--no-extras", action="store_true", help="the step alone: no variants, profile or isolated kernels")
     ap.add_argument("--trainer-from", default=None, help="import the trainer from this tree (a baseline's copy)")
     ap.add_argument("--baseline", default=None, help="first the same measurement with the trainer from this tree "
@@ -518,8 +513,6 @@ def main() -> None:
     CONFIG["drafter"] = {**CONFIG.get("drafter", {}), "compile": args.drafter_compile}
     if args.flex_backend:  # only when given: a baseline's trainer may not know the key
         CONFIG["attention"] = {**CONFIG.get("attention", {}), "flex_backend": args.flex_backend}
-    if args.bf16_weights:
-        CONFIG["optim"] = {**CONFIG.get("optim", {}), "bf16_weights": args.bf16_weights}
     CONFIG["data"] = {**CONFIG["data"], "seq_buckets": sorted(set(args.buckets) | {3072})}
     from trainer.model import attention
 

@@ -179,3 +179,24 @@ def test_compiled_drafter_layers_still_refuse_to_run_flex_eagerly():
     args = (torch.randn(1, S, 2 * 32), torch.randn(1, A * bs, 32), torch.arange(A * bs).view(1, -1), mask, flex)
     with torch.no_grad(), torch._dynamo.config.patch(disable=True), pytest.raises(DenseFallbackError, match="disabled"):
         drafter(*args, compiled=True)
+
+
+def test_flex_backend_choice_falls_back_to_triton_where_flash_cannot_run_and_refuses_flash_asked_for():
+    import pytest
+
+    from trainer.errors import ConfigError
+    from trainer.model.flash_kernel import flash_unsupported, patch_torch, resolve
+
+    cpu = torch.device("cpu")
+    assert "CUDA" in flash_unsupported(cpu)
+    assert resolve("auto", cpu) == ("triton", flash_unsupported(cpu))
+    assert resolve("triton", cpu) == ("triton", "asked for")
+    with pytest.raises(ConfigError) as e:
+        resolve("flash", cpu, "job.yaml")
+    assert e.value.source == "job.yaml" and e.value.key == "attention.flex_backend"
+    if not torch.__version__.startswith("2.11."):  # the CuteDSL patch is for torch 2.11 alone: nothing touched here
+        assert patch_torch() == []
+    from trainer.model.attention import FlexBackend, _kernel_options
+
+    assert _kernel_options(True) == {"BACKEND": "FLASH"}  # FLASH takes no Triton tile options
+    assert FlexBackend("flash").flash and FlexBackend("flash").expand_kv

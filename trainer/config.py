@@ -95,9 +95,6 @@ class OptimConfig:
     loss_kernel: Literal["auto", "fused", "plain"] = "auto"
     # a step whose loss or grad norm is NaN/inf is skipped (no update); this many in a row stop the run (exit 4)
     max_nonfinite_steps: int = 10
-    # bf16 copies of the drafter's linear weights, written by the update (trainer/model/weight_copies.py), that the
-    # forward reads instead of casting the fp32 weights each step; auto = on under bf16 autocast (CUDA)
-    bf16_weights: Literal["auto", "off"] = "auto"
 
 
 @dataclass
@@ -244,6 +241,9 @@ def check_device_supports(cfg: TrainConfig, device_type: str, source: str) -> No
     if cfg.attention.backend == "flex":
         raise ConfigError(source, "attention.backend", "flex has no backward on the CPU in this torch; train "
                           "with backend: dense on the CPU (flex is for CUDA; evaluation on the CPU may still use it)")
+    if cfg.attention.flex_backend == "flash":
+        raise ConfigError(source, "attention.flex_backend", "flash (FlashAttention-4) needs a Hopper GPU; use auto or "
+                          "triton on the CPU")
 
 
 def validate(cfg: TrainConfig, source: str) -> TrainConfig:

@@ -82,14 +82,14 @@ class FlexBackend:
     """Compiled, guarded flex_attention with a block-sparse mask built from the anchors (no compile, nothing
     quadratic: trainer.mask.block_mask_from_anchors). `kernel`: `triton` (Inductor's template) or `flash`
     (FlashAttention-4's CuTe DSL kernels, trainer.model.flash_kernel); the same mask and the same guard for both.
-    `expand_kv`: repeat keys and values to every query head in training (below); None: on for Triton only."""
+    `expand_kv`: repeat keys and values to every query head in training (below)."""
 
     name = "flex"
 
-    def __init__(self, kernel: str = "triton", expand_kv: bool | None = None) -> None:
+    def __init__(self, kernel: str = "triton", expand_kv: bool = True) -> None:
         self.kernel = kernel
         self.flash = kernel == "flash"
-        self.expand_kv = (not self.flash) if expand_kv is None else expand_kv
+        self.expand_kv = expand_kv
         if self.flash:
             from trainer.model.flash_kernel import patch_torch
 
@@ -103,7 +103,8 @@ class FlexBackend:
             # training: keys and values repeated to every query head. The backward's dK/dV then runs one program a
             # query head instead of one a KV head looping over its group: 2.82 against 3.28 ms forward and backward
             # a layer at the paper shape on an H200 (bench/flex_tiles.py `expand_kv`); autograd sums the copies
-            # back. Evaluation (no grad) keeps the grouped call, whose forward is the faster one.
+            # back. FLASH gains too: 2.27 against 2.36 ms on an H100 (bench/flash_check.py). Evaluation (no grad)
+            # keeps the grouped call.
             groups = q_BHQD.shape[1] // k_BGKD.shape[1]
             k_BGKD, v_BGKD = k_BGKD.repeat_interleave(groups, dim=1), v_BGKD.repeat_interleave(groups, dim=1)
         if torch.compiler.is_compiling():  # inside a compiled drafter layer: traced into its graph, the guard folded

@@ -19,7 +19,6 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.model.compile_policy import PolicyInBackward
 from trainer.model.loss import linear_cross_entropy
-from trainer.model.weight_copies import Linear
 
 
 @dataclass
@@ -61,10 +60,10 @@ class DrafterAttention(nn.Module):
     def __init__(self, d: DrafterDims) -> None:
         super().__init__()
         self.d = d
-        self.q_proj = Linear(d.hidden, d.num_heads * d.head_dim, bias=False)
-        self.k_proj = Linear(d.hidden, d.num_kv_heads * d.head_dim, bias=False)
-        self.v_proj = Linear(d.hidden, d.num_kv_heads * d.head_dim, bias=False)
-        self.o_proj = Linear(d.num_heads * d.head_dim, d.hidden, bias=False)
+        self.q_proj = nn.Linear(d.hidden, d.num_heads * d.head_dim, bias=False)
+        self.k_proj = nn.Linear(d.hidden, d.num_kv_heads * d.head_dim, bias=False)
+        self.v_proj = nn.Linear(d.hidden, d.num_kv_heads * d.head_dim, bias=False)
+        self.o_proj = nn.Linear(d.num_heads * d.head_dim, d.hidden, bias=False)
         self.q_norm = RMSNorm(d.head_dim, eps=d.rms_eps)
         self.k_norm = RMSNorm(d.head_dim, eps=d.rms_eps)
 
@@ -90,9 +89,9 @@ class DrafterAttention(nn.Module):
 class DrafterMLP(nn.Module):
     def __init__(self, d: DrafterDims) -> None:
         super().__init__()
-        self.gate_proj = Linear(d.hidden, d.intermediate, bias=False)
-        self.up_proj = Linear(d.hidden, d.intermediate, bias=False)
-        self.down_proj = Linear(d.intermediate, d.hidden, bias=False)
+        self.gate_proj = nn.Linear(d.hidden, d.intermediate, bias=False)
+        self.up_proj = nn.Linear(d.hidden, d.intermediate, bias=False)
+        self.down_proj = nn.Linear(d.intermediate, d.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -118,7 +117,7 @@ class Drafter(nn.Module):
         super().__init__()
         self.d = d
         self.activation_checkpointing = activation_checkpointing
-        self.fc = Linear(d.num_target_layers * d.hidden, d.hidden, bias=False)
+        self.fc = nn.Linear(d.num_target_layers * d.hidden, d.hidden, bias=False)
         self.ctx_norm = RMSNorm(d.hidden, eps=d.rms_eps)
         self.layers = nn.ModuleList(DrafterLayer(d) for _ in range(d.num_layers))
         self.final_norm = RMSNorm(d.hidden, eps=d.rms_eps)

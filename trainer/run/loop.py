@@ -9,7 +9,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,10 +48,8 @@ class Parts:
     autocast_dtype: torch.dtype | None
     layout: object = None  # trainer.parallel.Layout
     memory_plan: dict | None = None  # GiB per rank by part, as planned before loading
-    # the kernel flex compiles to ({"flex_backend": triton|flash, "why": ..., "patches": [...]}), None without flex
+    # the attention backends and the kernel flex compiles to (`attention_kernel` below), for the preflight record
     attention_kernel: dict | None = None
-    # the drafter's bf16 weight copies (trainer/model/weight_copies.py), refreshed by the optimizer's step
-    weight_copies: list = field(default_factory=list)
 
 
 # Mask ids of the published DFlash drafters, by target family: a row the family's vocabulary reserves and never emits.
@@ -139,10 +137,8 @@ def build(
         check_backend_supports_training(cfg, device, source)
     apply_compile_policy(cfg.attention.recompile_limit)
     memory = plan_memory(cfg, device, layout, source) if for_training else None
-    kernel = None
-    if cfg.attention.backend == "flex" or cfg.eval.backend == "flex":
-        kernel = attention_kernel(cfg, device, source)  # `flash` where it cannot run: refused before the target loads
-    flex_kernel = kernel["flex_backend"] if kernel else "triton"
+    kernel = attention_kernel(cfg, device, source)  # `flash` where it cannot run: refused before the target loads
+    flex_kernel = kernel["flex_backend"] or "triton"
     backend = make_backend(cfg.attention.backend, cfg.attention.dense_max_gib, source, flex_kernel)
     if for_training and cfg.attention.backend == "dense":  # its cap, from the target's config alone
         from trainer.model.target import target_config
@@ -183,25 +179,23 @@ def build(
     same = eval_name == cfg.attention.backend
     eval_backend = backend if same else make_backend(eval_name, cfg.attention.dense_max_gib, source, flex_kernel)
     autocast = torch.bfloat16 if device.type == "cuda" else None
-    copies = []
-    if autocast is not None and cfg.optim.bf16_weights == "auto":
-        from trainer.model.weight_copies import attach
-
-        copies = attach(drafter, autocast)  # after every load above; a later load (resume) refreshes them
-    if kernel and kernel["flex_backend"] == "flash":
+    if kernel["flex_backend"] == "flash":
         from trainer.model.flash_kernel import patch_torch
 
         kernel["patches"] = patch_torch()
-    return Parts(cfg, device, target, drafter, backend, eval_backend, int(mask_id), autocast, layout, memory, kernel,
-                 copies)  # fmt: skip
+    return Parts(cfg, device, target, drafter, backend, eval_backend, int(mask_id), autocast, layout, memory, kernel)
 
 
 def attention_kernel(cfg: TrainConfig, device: torch.device, source: str) -> dict:
-    """`attention.flex_backend` resolved for this device: the kernel and why (trainer.model.flash_kernel)."""
+    """The attention the run uses, for the preflight record: the backend, and for flex the kernel it compiles to
+    (`attention.flex_backend` resolved for this device, trainer.model.flash_kernel) and why; None without flex."""
     from trainer.model.flash_kernel import resolve
 
-    chosen, why = resolve(cfg.attention.flex_backend, device, source)
-    return {"flex_backend": chosen, "why": why, "patches": []}
+    out = {"backend": cfg.attention.backend, "eval_backend": cfg.eval.backend or cfg.attention.backend,
+           "flex_backend": None, "why": None, "patches": []}  # fmt: skip
+    if "flex" in (out["backend"], out["eval_backend"]) or cfg.attention.flex_backend == "flash":
+        out["flex_backend"], out["why"] = resolve(cfg.attention.flex_backend, device, source)
+    return out
 
 
 def make_batch(parts: Parts, ds: Dataset, seq_len: int, indices: list[int], epoch: int) -> BlockBatch:

@@ -250,7 +250,7 @@ class Run:
                 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
                 self.model.register_comm_hook(None, bf16_compress_hook)
-        self.opt = make_adamw(drafter.parameters(), cfg.optim, self.parts.weight_copies)  # found_inf: skip on device
+        self.opt = make_adamw(drafter.parameters(), cfg.optim)  # found_inf: the skip on the device
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.global_batch = cfg.data.batch_size * self.layout.dp  # the ranks of a tensor group share their batch
         self.stream = DataStream(self.ds, self.global_batch, cfg.seed)
