@@ -7,9 +7,10 @@ Hopper (compute capability 9.x). On Hopper FA4 tiles a head dimension of 128 by 
 are. Blackwell's kernels want 256-row query tiles, which this trainer's masks do not have: `auto` picks Triton there,
 and `flash` is refused with that reason.
 
-torch 2.11's CuteDSL code generator lacks three operations that the mask's lookup (`limit[b, q_idx // block]`)
-lowers to: `index_expr`, and `minimum`/`maximum` raise NotImplementedError. `patch_torch()` fills them in on 2.11
-only (torch >= 2.13 has them); what it patched is named in the preflight record.
+torch 2.11's CuteDSL code generator has no `index_expr`, and its `minimum`/`maximum` raise NotImplementedError;
+a mask_mod that looks a tensor up (`limit[b, q_idx // block]`) can lower to them (SpecForge patches the same three
+for its DFlash mask; which of them this mask needs was not isolated). `patch_torch()` fills them in on 2.11 only
+(torch >= 2.13 has them); what it patched is named in the preflight record.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch
 
 from trainer.errors import ConfigError
 
-CHOICES = ("auto", "triton", "flash")
 _patched: list[str] = []
 
 
