@@ -337,7 +337,8 @@ def isolated_attention(parts, batch, reps: int = 20) -> dict:
     return out
 
 
-def step_benchmark(steady_steps: int, isolated: bool = True, extras: bool = True) -> dict:
+def step_benchmark(steady_steps: int, isolated: bool = True, extras: bool = True,
+                   args_expand_kv: bool | None = None) -> dict:  # fmt: skip
     import torch
 
     from trainer.config import from_dict
@@ -351,6 +352,9 @@ def step_benchmark(steady_steps: int, isolated: bool = True, extras: bool = True
     parts = build(cfg, device=torch.device("cuda"))
     rep["build_s"] = round(time.perf_counter() - t0, 1)
     t0 = time.perf_counter()
+    if args_expand_kv is not None:
+        parts.backend.expand_kv = args_expand_kv
+    rep["attention_kernel"] = getattr(parts, "attention_kernel", None)
     pf = preflight(parts)
     rep["preflight_s"] = round(time.perf_counter() - t0, 1)
     rep["preflight_peak_gib"] = {k: round(v, 2) for k, v in pf.peak_mem_gib.items()}
@@ -480,6 +484,10 @@ def main() -> None:
     ap.add_argument("--buckets", type=int, nargs="+", default=[3072],
                     help="seq buckets the preflight compiles (the step runs at 3072), timed per bucket")
     ap.add_argument("--flex-options", default="{}", help="flex_attention kernel_options, JSON (bench/flex_tiles.py)")
+    ap.add_argument("--flex-backend", choices=["auto", "triton", "flash"], default=None,
+                    help="attention.flex_backend (left out: the config's default)")
+    ap.add_argument("--expand-kv", choices=["on", "off"], default=None,
+                    help="keys and values repeated to every query head in training (default: on)")
     ap.add_argument("--no-extras", action="store_true", help="the step alone: no variants, profile or isolated kernels")
     ap.add_argument("--trainer-from", default=None, help="import the trainer from this tree (a baseline's copy)")
     ap.add_argument("--baseline", default=None, help="first the same measurement with the trainer from this tree "
@@ -503,6 +511,8 @@ def main() -> None:
         fresh = Path(tempfile.mkdtemp(prefix="h200-perf-cache-"))
         os.environ["TORCHINDUCTOR_CACHE_DIR"], os.environ["TRITON_CACHE_DIR"] = str(fresh / "i"), str(fresh / "t")
     CONFIG["drafter"] = {**CONFIG.get("drafter", {}), "compile": args.drafter_compile}
+    if args.flex_backend:  # only when given: a baseline's trainer may not know the key
+        CONFIG["attention"] = {**CONFIG.get("attention", {}), "flex_backend": args.flex_backend}
     CONFIG["data"] = {**CONFIG["data"], "seq_buckets": sorted(set(args.buckets) | {3072})}
     from trainer.model import attention
 
@@ -523,7 +533,8 @@ def main() -> None:
     if args.baseline:
         report["baseline"] = baseline_run(args)
     report["trainer_from"] = args.trainer_from or "this tree"
-    report.update(step_benchmark(args.steady_steps, not args.skip_isolated, not args.no_extras))
+    expand = None if args.expand_kv is None else args.expand_kv == "on"
+    report.update(step_benchmark(args.steady_steps, not args.skip_isolated, not args.no_extras, expand))
     if report.get("baseline", {}).get("step_ms"):
         base = report["baseline"]
         ceiling = max(base["peak_matmul_tflops"], report["peak_matmul_tflops"])  # one ceiling for both sides

@@ -14,7 +14,7 @@ import torch
 
 from tests.conftest import run_cli, run_trainer_cli
 from tests.test_launch import cli_json, write_project
-from trainer.run.kernel_cache import ROOT_VARIABLE, use_host_kernel_cache, version_key
+from trainer.run.kernel_cache import FLASH_DIR_VARIABLE, ROOT_VARIABLE, use_host_kernel_cache, version_key
 
 
 def test_the_host_cache_is_keyed_by_torch_and_triton_versions_and_a_job_s_own_cache_wins(tmp_path):
@@ -22,8 +22,13 @@ def test_the_host_cache_is_keyed_by_torch_and_triton_versions_and_a_job_s_own_ca
     path = use_host_kernel_cache(torch.device("cpu"), env)
     key = version_key(torch.device("cpu"))
     assert path == str(tmp_path / "kc" / key) and env["TRITON_CACHE_DIR"] == path
-    for d in (tmp_path / "kc", tmp_path / "kc" / key):  # nobody else may put a kernel there for this job to run
+    flash = tmp_path / "kc" / key / "flash-attn-cute"  # FlashAttention-4's compiled kernels, switched on beside
+    assert env[FLASH_DIR_VARIABLE] == str(flash) and env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    for d in (tmp_path / "kc", tmp_path / "kc" / key, flash):  # nobody else may put a kernel there for this job to run
         assert d.is_dir() and d.stat().st_mode & 0o077 == 0, oct(d.stat().st_mode)
+    mine = {ROOT_VARIABLE: str(tmp_path / "kc"), FLASH_DIR_VARIABLE: "/mine-fa"}
+    assert use_host_kernel_cache(torch.device("cpu"), mine) == path and mine[FLASH_DIR_VARIABLE] == "/mine-fa"
+    assert "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED" not in mine  # the job's own choice of FA4 cache, untouched
     assert use_host_kernel_cache(torch.device("cpu"), {ROOT_VARIABLE: str(tmp_path / "kc")}) == path  # again: same
     assert key.startswith(f"torch{torch.__version__}".replace("+", "_")) and "-triton" in key
     assert all(c.isalnum() or c in "._-" for c in key)  # one directory name, whatever the version strings hold

@@ -31,6 +31,8 @@ def run_trainer(tmp_path, text: str):
         ("attention: {backend: flex}\n", "attention.backend: flex has no backward on the CPU"),
         ("attention: {backend: dense, dense_max_gib: 0.0001}\n", "attention.dense_max_gib"),
         ("attention: {backend: sparse}\n", "attention.backend: expected one of flex, dense"),
+        ("attention: {backend: dense, flex_backend: fa3}\n", "attention.flex_backend: expected one of auto, triton"),
+        ("attention: {backend: dense, flex_backend: flash}\n", "attention.flex_backend: flash (FlashAttention-4)"),
         ("attention: {backend: dense}\nsteps: many\n", "steps: expected int"),
         ("attention: {backend: dense}\ndata: {seq_buckets: [100]}\n", "data.seq_buckets[0]"),
         ("attention: {backend: dense}\ngrad_reduce_dtype: bfloat16\n", "grad_reduce_dtype: a bfloat16 gradient"),
@@ -52,6 +54,7 @@ def test_malformed_yaml(tmp_path):
 @pytest.mark.parametrize("extra, key", [
     ("optim: {learning_rate: 1}\n", "optim.learning_rate: unknown key"),
     ("attention: {backend: flex}\n", "attention.backend: flex has no backward on the CPU"),  # device: cpu, said
+    ("attention: {backend: dense, flex_backend: flash}\n", "attention.flex_backend: flash (FlashAttention-4) needs"),
     ("attention: {backend: dense}\ngrad_reduce_dtype: bfloat16\n", "grad_reduce_dtype: a bfloat16 gradient"),
 ])  # fmt: skip
 def test_a_bad_config_is_refused_before_torch_is_imported(tmp_path, extra, key):

@@ -62,7 +62,7 @@ def test_training_calls_repeat_keys_and_values_to_every_query_head_as_grouped_at
     assert (grouped - repeated).abs().max().item() < 1e-5 and (grouped - reference).abs().max().item() < 1e-5
     seen = []
 
-    def stand_in(q_, k_, v_, _mask):
+    def stand_in(q_, k_, v_, _mask, _flash=False):
         seen.append((k_.shape[1], v_.shape[1]))
         return dense(q_, k_, v_, dense.build_mask(anc, valid, 128, 16, q_.shape[1]))
 
@@ -179,3 +179,24 @@ def test_compiled_drafter_layers_still_refuse_to_run_flex_eagerly():
     args = (torch.randn(1, S, 2 * 32), torch.randn(1, A * bs, 32), torch.arange(A * bs).view(1, -1), mask, flex)
     with torch.no_grad(), torch._dynamo.config.patch(disable=True), pytest.raises(DenseFallbackError, match="disabled"):
         drafter(*args, compiled=True)
+
+
+def test_flex_backend_choice_falls_back_to_triton_where_flash_cannot_run_and_refuses_flash_asked_for():
+    import pytest
+
+    from trainer.errors import ConfigError
+    from trainer.model.flash_kernel import flash_unsupported, patch_torch, resolve
+
+    cpu = torch.device("cpu")
+    assert "CUDA" in flash_unsupported(cpu)
+    assert resolve("auto", cpu) == ("triton", flash_unsupported(cpu))
+    assert resolve("triton", cpu) == ("triton", "asked for")
+    with pytest.raises(ConfigError) as e:
+        resolve("flash", cpu, "job.yaml")
+    assert e.value.source == "job.yaml" and e.value.key == "attention.flex_backend"
+    if not torch.__version__.startswith("2.11."):  # the CuteDSL patch is for torch 2.11 alone: nothing touched here
+        assert patch_torch() == []
+    from trainer.model.attention import FlexBackend, _kernel_options
+
+    assert _kernel_options(True) == {"BACKEND": "FLASH"}  # FLASH takes no Triton tile options
+    assert FlexBackend("flash").flash and FlexBackend("flash").expand_kv

@@ -85,6 +85,11 @@ def test_run_dir_follows_the_metrics_contract(straight):
     events = [r.get("event") for r in recs]
     assert [e for e in events if e != "preflight_progress"][:3] == ["data", "start", "preflight"]
     assert events[-1] == "finished" and events.index("preflight_progress") < events.index("preflight")
+    (pre,) = [r for r in recs if r.get("event") == "preflight"]  # the attention it compiled, and why
+    attention = pre["attention"]
+    assert attention["backend"] == "dense" and attention["patches"] == []
+    if attention["flex_backend"] is not None:  # flex for evaluation: Triton on the CPU, with the reason
+        assert attention["flex_backend"] == "triton" and "CUDA" in attention["why"]
     assert [r["step"] for r in recs if "event" not in r] == [1, 2, 3, 4, 5, 6]
     assert [r["step"] for r in recs if r.get("event") == "checkpoint"] == [3, 6]
     assert any(r.get("event") == "eval" and r["tau"] >= 1.0 for r in recs)

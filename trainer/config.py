@@ -60,6 +60,9 @@ class DrafterConfig:
 class AttentionConfig:
     backend: Literal["flex", "dense"] = "flex"  # flex: compiled and guarded (CUDA); dense: masked reference
     dense_max_gib: float = 4.0  # dense refuses when one fp32 score matrix would exceed this many GiB
+    # the kernel flex compiles to: triton (Inductor's template), flash (FlashAttention-4: flash-attn-4 on a Hopper GPU),
+    # auto = flash where it can run, else triton; the choice and why are in the preflight record
+    flex_backend: Literal["auto", "triton", "flash"] = "auto"
     recompile_limit: int = 8  # Dynamo's per-function limit; hitting it is an error, never an eager fallback
 
 
@@ -238,6 +241,9 @@ def check_device_supports(cfg: TrainConfig, device_type: str, source: str) -> No
     if cfg.attention.backend == "flex":
         raise ConfigError(source, "attention.backend", "flex has no backward on the CPU in this torch; train "
                           "with backend: dense on the CPU (flex is for CUDA; evaluation on the CPU may still use it)")
+    if cfg.attention.flex_backend == "flash":
+        raise ConfigError(source, "attention.flex_backend", "flash (FlashAttention-4) needs a Hopper GPU; use auto or "
+                          "triton on the CPU")
 
 
 def validate(cfg: TrainConfig, source: str) -> TrainConfig:

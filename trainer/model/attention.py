@@ -43,12 +43,19 @@ def _fallback_message(B: int, H: int, Q: int, KV: int, limit_hit: bool = False) 
 KERNEL_OPTIONS: dict[str, int | bool] = {}
 
 
-def _guarded_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+def _kernel_options(flash: bool) -> dict | None:
+    """FLASH takes no Triton tile options: BACKEND alone."""
+    return {"BACKEND": "FLASH"} if flash else (dict(KERNEL_OPTIONS) or None)
+
+
+def _guarded_flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, flash: bool = False
+) -> torch.Tensor:
     if not torch.compiler.is_compiling():
         B, H, Q, _ = q.shape
         raise DenseFallbackError(_fallback_message(B, H, Q, k.shape[2]))
     return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
-                          kernel_options=dict(KERNEL_OPTIONS) or None)  # fmt: skip
+                          kernel_options=_kernel_options(flash))  # fmt: skip
 
 
 def _mask_shape(batch: int, anchors: int, seq_len: int, block_size: int) -> tuple[int, int, int]:
@@ -63,9 +70,9 @@ _compiled_flex = torch.compile(_guarded_flex, dynamic=False, fullgraph=True)
 _LIMIT_HIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())
 
 
-def guarded_flex(q, k, v, block_mask):
+def guarded_flex(q, k, v, block_mask, flash: bool = False):
     try:
-        return _compiled_flex(q, k, v, block_mask)
+        return _compiled_flex(q, k, v, block_mask, flash)
     except _LIMIT_HIT as e:
         B, H, Q, _ = q.shape
         raise DenseFallbackError(_fallback_message(B, H, Q, k.shape[2], limit_hit=True)) from e
@@ -73,24 +80,36 @@ def guarded_flex(q, k, v, block_mask):
 
 class FlexBackend:
     """Compiled, guarded flex_attention with a block-sparse mask built from the anchors (no compile, nothing
-    quadratic: trainer.mask.block_mask_from_anchors)."""
+    quadratic: trainer.mask.block_mask_from_anchors). `kernel`: `triton` (Inductor's template) or `flash`
+    (FlashAttention-4's CuTe DSL kernels, trainer.model.flash_kernel); the same mask and the same guard for both.
+    `expand_kv`: repeat keys and values to every query head in training (below)."""
 
     name = "flex"
+
+    def __init__(self, kernel: str = "triton", expand_kv: bool = True) -> None:
+        self.kernel = kernel
+        self.flash = kernel == "flash"
+        self.expand_kv = expand_kv
+        if self.flash:
+            from trainer.model.flash_kernel import patch_torch
+
+            patch_torch()
 
     def build_mask(self, anchors, anchor_valid, seq_len: int, block_size: int, num_heads: int) -> BlockMask:
         return block_mask_from_anchors(anchors, anchor_valid, seq_len, block_size)
 
     def __call__(self, q_BHQD, k_BGKD, v_BGKD, mask: BlockMask) -> torch.Tensor:
-        if torch.is_grad_enabled() and q_BHQD.requires_grad and q_BHQD.shape[1] != k_BGKD.shape[1]:
+        if self.expand_kv and torch.is_grad_enabled() and q_BHQD.requires_grad and q_BHQD.shape[1] != k_BGKD.shape[1]:
             # training: keys and values repeated to every query head. The backward's dK/dV then runs one program a
             # query head instead of one a KV head looping over its group: 2.82 against 3.28 ms forward and backward
             # a layer at the paper shape on an H200 (bench/flex_tiles.py `expand_kv`); autograd sums the copies
-            # back. Evaluation (no grad) keeps the grouped call, whose forward is the faster one.
+            # back. FLASH gains too: 2.27 against 2.36 ms on an H100 (bench/flash_check.py). Evaluation (no grad)
+            # keeps the grouped call.
             groups = q_BHQD.shape[1] // k_BGKD.shape[1]
             k_BGKD, v_BGKD = k_BGKD.repeat_interleave(groups, dim=1), v_BGKD.repeat_interleave(groups, dim=1)
         if torch.compiler.is_compiling():  # inside a compiled drafter layer: traced into its graph, the guard folded
-            return _guarded_flex(q_BHQD, k_BGKD, v_BGKD, mask)
-        return guarded_flex(q_BHQD, k_BGKD, v_BGKD, mask)
+            return _guarded_flex(q_BHQD, k_BGKD, v_BGKD, mask, self.flash)
+        return guarded_flex(q_BHQD, k_BGKD, v_BGKD, mask, self.flash)
 
 
 class DenseBackend:
@@ -130,5 +149,5 @@ class DenseBackend:
         return (probs @ v_BHKD.float()).to(q_BHQD.dtype)  # [B, H, Q, D]
 
 
-def make_backend(name: str, dense_max_gib: float, source: str = "<config>"):
-    return FlexBackend() if name == "flex" else DenseBackend(dense_max_gib, source)
+def make_backend(name: str, dense_max_gib: float, source: str = "<config>", kernel: str = "triton"):
+    return FlexBackend(kernel) if name == "flex" else DenseBackend(dense_max_gib, source)

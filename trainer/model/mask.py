@@ -125,14 +125,15 @@ def make_mask_mod(anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: in
     """The mask as a flex `mask_mod(b, h, q_idx, kv_idx) -> bool`.
 
     Written with tensor ops only, so the same function serves flex (scalar indices under vmap) and the dense reference
-    (broadcast index tensors).
+    (broadcast index tensors). It reads one int32 tensor, each block's context limit (its anchor, 0 for a padding
+    block): FlashAttention-4's mask code loads integer tensors, and one lookup a block is all it needs.
     """
+    limit = torch.where(anchor_valid, anchors, 0).to(torch.int32)  # [B, A]: context keys below it are seen
 
     def mask_mod(b, h, q_idx, kv_idx):
         blk = q_idx // block_size
-        anchor = anchors[b, blk]
         is_ctx = kv_idx < seq_len
-        sees_ctx = is_ctx & (kv_idx < anchor) & anchor_valid[b, blk]
+        sees_ctx = is_ctx & (kv_idx < limit[b, blk])
         own_block = (~is_ctx) & ((kv_idx - seq_len) // block_size == blk)
         return sees_ctx | own_block
 

@@ -11,6 +11,11 @@ dflashctl's run script names the host's cache in `DFLASHCTL_KERNEL_CACHE`; the t
 make kernels differ, so the kernels of a torch or Triton no longer installed can be deleted without touching the
 rest. The directories it makes are the owner's alone (0700): Triton runs whatever kernel it finds there. A
 `TRITON_CACHE_DIR` the job sets itself wins.
+
+FlashAttention-4's kernels (flex's FLASH backend, trainer/model/flash_kernel.py) are compiled by the CuTe DSL in the
+job's own process, and are kept only when its disk cache is switched on: here it is, in `flash-attn-cute` inside the
+same versioned directory (FA4 keys each kernel by a hash of its own sources and the CuTe DSL's version). A
+`FLASH_ATTENTION_CUTE_DSL_CACHE_DIR` the job sets itself wins.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import MutableMapping
 import torch
 
 ROOT_VARIABLE = "DFLASHCTL_KERNEL_CACHE"
+FLASH_DIR_VARIABLE = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"  # read by flash-attn-4 when it is imported
 
 
 def version_key(device: torch.device) -> str:
@@ -53,4 +59,11 @@ def use_host_kernel_cache(device: torch.device, environ: MutableMapping[str, str
     except OSError:  # a cache that cannot be made (a file in its place, no room): Triton's own default, as before
         return None
     environ["TRITON_CACHE_DIR"] = path
+    if not environ.get(FLASH_DIR_VARIABLE):
+        flash = os.path.join(path, "flash-attn-cute")
+        try:
+            os.makedirs(flash, mode=0o700, exist_ok=True)
+        except OSError:  # FA4 then compiles in memory, as without a host cache
+            return path
+        environ[FLASH_DIR_VARIABLE], environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = flash, "1"
     return path

@@ -48,6 +48,8 @@ class Parts:
     autocast_dtype: torch.dtype | None
     layout: object = None  # trainer.parallel.Layout
     memory_plan: dict | None = None  # GiB per rank by part, as planned before loading
+    # the attention backends and the kernel flex compiles to (`attention_kernel` below), for the preflight record
+    attention_kernel: dict | None = None
 
 
 # Mask ids of the published DFlash drafters, by target family: a row the family's vocabulary reserves and never emits.
@@ -135,7 +137,9 @@ def build(
         check_backend_supports_training(cfg, device, source)
     apply_compile_policy(cfg.attention.recompile_limit)
     memory = plan_memory(cfg, device, layout, source) if for_training else None
-    backend = make_backend(cfg.attention.backend, cfg.attention.dense_max_gib, source)
+    kernel = attention_kernel(cfg, device, source)  # `flash` where it cannot run: refused before the target loads
+    flex_kernel = kernel["flex_backend"] or "triton"
+    backend = make_backend(cfg.attention.backend, cfg.attention.dense_max_gib, source, flex_kernel)
     if for_training and cfg.attention.backend == "dense":  # its cap, from the target's config alone
         from trainer.model.target import target_config
 
@@ -173,9 +177,25 @@ def build(
         drafter.load_state_dict(weights, strict=True)
     eval_name = cfg.eval.backend or cfg.attention.backend
     same = eval_name == cfg.attention.backend
-    eval_backend = backend if same else make_backend(eval_name, cfg.attention.dense_max_gib, source)
+    eval_backend = backend if same else make_backend(eval_name, cfg.attention.dense_max_gib, source, flex_kernel)
     autocast = torch.bfloat16 if device.type == "cuda" else None
-    return Parts(cfg, device, target, drafter, backend, eval_backend, int(mask_id), autocast, layout, memory)
+    if kernel["flex_backend"] == "flash":
+        from trainer.model.flash_kernel import patch_torch
+
+        kernel["patches"] = patch_torch()
+    return Parts(cfg, device, target, drafter, backend, eval_backend, int(mask_id), autocast, layout, memory, kernel)
+
+
+def attention_kernel(cfg: TrainConfig, device: torch.device, source: str) -> dict:
+    """The attention the run uses, for the preflight record: the backend, and for flex the kernel it compiles to
+    (`attention.flex_backend` resolved for this device, trainer.model.flash_kernel) and why; None without flex."""
+    from trainer.model.flash_kernel import resolve
+
+    out = {"backend": cfg.attention.backend, "eval_backend": cfg.eval.backend or cfg.attention.backend,
+           "flex_backend": None, "why": None, "patches": []}  # fmt: skip
+    if "flex" in (out["backend"], out["eval_backend"]) or cfg.attention.flex_backend == "flash":
+        out["flex_backend"], out["why"] = resolve(cfg.attention.flex_backend, device, source)
+    return out
 
 
 def make_batch(parts: Parts, ds: Dataset, seq_len: int, indices: list[int], epoch: int) -> BlockBatch:
@@ -262,9 +282,11 @@ class PreflightReport:
     peak_mem_gib: dict[int, float]
     backward: bool
     frozen: bool
+    attention: dict | None = None  # Parts.attention_kernel: the flex kernel compiled, and why
 
     def to_record(self) -> dict:
         return {
+            "attention": self.attention,
             "event": "preflight",
             "buckets": self.buckets,
             "seconds": {str(k): round(v, 3) for k, v in self.seconds.items()},
@@ -324,7 +346,7 @@ def preflight(
             peaks[S] = torch.cuda.max_memory_allocated() / 2**30
         seconds[S] = time.perf_counter() - t0
     frozen = freeze_compiles() if freeze else False
-    return PreflightReport(list(buckets), seconds, peaks, backward, frozen)
+    return PreflightReport(list(buckets), seconds, peaks, backward, frozen, parts.attention_kernel)
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:

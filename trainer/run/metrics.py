@@ -27,7 +27,7 @@ STEP_FIELDS = {
 EVENT_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "start": {"world_size": int, "resumed_from": (int, type(None)), "config": dict},
     "data": {"samples": int, "dropped_too_short": int, "dropped_too_long": int, "truncated": int, "holdout": int},
-    "preflight": {"buckets": list, "seconds": dict, "peak_mem_gib": dict},
+    "preflight": {"buckets": list, "seconds": dict, "peak_mem_gib": dict, "attention": dict},
     "preflight_progress": {"rank": int, "bucket": int, "of": int, "seq_len": int, "part": str, "elapsed_s": float},
     "recompile": {"step": int, "graphs": int},
     "checkpoint": {"path": str, "step": int},
