@@ -138,7 +138,7 @@ def test_the_supervisor_pages_once_with_no_watch_and_no_secret_goes_anywhere(pro
         sent = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
                 if e.get("decision") == "notify"]  # fmt: skip
         assert [(e["state"], e["by"]) for e in sent] == [("RESTARTED", "supervisor"), ("CRASHED", "supervisor")]
-        assert "export HF_TOKEN='***'" in (run / "run.sh").read_text()
+        assert b"HF_TOKEN=***\0" in (run / "job.env").read_bytes()  # the environment's one file at rest
     finally:
         hook.close()
 
@@ -171,21 +171,22 @@ def test_a_notice_the_supervisor_cannot_send_waits_and_the_next_status_sends_it_
 
 
 def test_secrets_leave_the_run_dir_whole_at_a_kill_and_without_a_supervisor(proj):
-    """A multi-line key at rest: a verified kill scrubs every line of it from run.sh; a job with `supervise: false`
+    """A multi-line key at rest: a verified kill scrubs every line of it from job.env (the job's environment at
+    rest: run.sh reads it); a job with `supervise: false`
     whose attempt ends with no restart to follow (max_restarts 0) is scrubbed by its launcher at its own end; one
-    with restarts left keeps them (a watch may restart it from run.sh); one whose failure its restart_on does not
+    with restarts left keeps them (a watch may restart it from job.env); one whose failure its restart_on does not
     restart is scrubbed by the next `status`, which judged it."""
     pem = "\\n".join(PEM_LINES)
     env = f'env: {{HF_TOKEN: {TOKEN}, PEM_KEY: "{pem}\\n"}}\n'
     killed = cli_json("launch", job_file(proj, "killed", "sleep 300", env))["id"]
     run = run_dir_of(killed)
-    assert PEM_LINES[2] in (run / "run.sh").read_text()
+    assert PEM_LINES[2] in (run / "job.env").read_text()
     assert run_cli("kill", killed).code == 0
     assert files_holding(run) == {}
     alone = "watch: {supervise: false, max_restarts: 0}\n"
     done = cli_json("launch", job_file(proj, "alone", "exit 4", env + alone))["id"]
     run = run_dir_of(done)
-    wait_until(lambda: "export PEM_KEY='***'" in (run / "run.sh").read_text(), 60)
+    wait_until(lambda: "PEM_KEY=***\0" in (run / "job.env").read_text(), 60)
     assert (run / "exit_code").read_text().strip() == "4" and not (run / "supervise.json").exists()
     assert files_holding(run) == {}
     hopeful = "watch: {supervise: false, max_restarts: 2, restart_on: [CRASHED]}\n"
@@ -193,7 +194,7 @@ def test_secrets_leave_the_run_dir_whole_at_a_kill_and_without_a_supervisor(proj
     run = run_dir_of(kept)
     # the launcher has exited (its pane is dead): what it would have scrubbed, it would have by now
     wait_until(lambda: json.loads(run_cli("status", kept, "--json").stdout)["session"] == "dead", 60)
-    assert PEM_LINES[2] in (run / "run.sh").read_text()
+    assert PEM_LINES[2] in (run / "job.env").read_text()
     # one that crashed where its restart_on does not restart: the launcher could not know, the next `status` does
     other = "watch: {supervise: false, max_restarts: 2, restart_on: [OOM]}\n"
     judged = cli_json("launch", job_file(proj, "judged", "exit 4", env + other))["id"]
@@ -201,6 +202,6 @@ def test_secrets_leave_the_run_dir_whole_at_a_kill_and_without_a_supervisor(proj
     wait_until(lambda: (run / "exit_code").exists() and (run / "wrapper.pid").exists(), 60)
     launcher = json.loads((run / "wrapper.pid").read_text())["pid"]
     wait_until(lambda: not Path(f"/proc/{launcher}").exists(), 60)  # its launcher has ended, scrubbing nothing
-    assert PEM_LINES[2] in (run / "run.sh").read_text()
+    assert PEM_LINES[2] in (run / "job.env").read_text()
     st = json.loads(run_cli("status", judged, "--json").stdout)
     assert st["state"] == "CRASHED" and files_holding(run) == {}

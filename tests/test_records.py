@@ -69,7 +69,7 @@ def test_a_run_dir_removed_by_gc_is_removed_never_lost_and_a_record_can_be_forgo
     assert rec["state"] == "REMOVED" and rec["removed_by"] and rec["removed_at"]
     res = run_cli("status", job_id, "--json")
     st = json.loads(res.stdout)
-    assert res.code == 1 and st["state"] == "REMOVED" and rec["removed_by"] in st["reason"]
+    assert res.code == 32 and st["state"] == "REMOVED" and rec["removed_by"] in st["reason"]
     assert ls("--refresh")[job_id]["state"] == "REMOVED"  # a later look relabels nothing
     run_cli("watch", job_id, "--once")
     assert ls("-s", "removed")[job_id]["state"] == "REMOVED"
