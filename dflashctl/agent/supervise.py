@@ -168,6 +168,16 @@ class Supervisor:
         return (os.path.isdir(run), os.path.exists(os.path.join(run, probe.STOP_REQUEST)),
                 os.path.exists(os.path.join(run, "exit_code")), launcher)  # fmt: skip
 
+    def launcher_gone(self, timeout: float) -> bool:
+        """The exit status is written before the launcher has reaped the job's leftovers and exited (its pane dies
+        then): on a loaded host the last look can fall between the two. Wait for the pane's end, not a guess."""
+        deadline = time.monotonic() + timeout
+        while self.facts()[3]:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return True
+
     def news(self) -> bool:
         """One of `facts` changed since the last look: the next look is taken now, not at the end of the interval
         (a kill, an exit, a tmux server gone are judged within a fraction of a second)."""
@@ -212,7 +222,8 @@ def main() -> int:
                 scrub_secrets(run_dir)
             # nor its dead pane (train.log has all it showed): no tmux server is left behind; but only once the
             # exit status is in the run dir (on a full disk it is not: then the pane's is the only record of it)
-            if not sup.scheduled and sup.h.pane_dead and sup.h.exit_code is not None and spec.get("session"):
+            if not sup.scheduled and sup.h.exit_code is not None and spec.get("session") and (
+                    sup.h.pane_dead or sup.launcher_gone(30.0)):  # fmt: skip
                 close_session(str(spec["session"]))
     except Exception as e:  # said where every asker sees it: the local side then judges by itself
         ended = f"failed: {type(e).__name__}: {e}"[:300]
