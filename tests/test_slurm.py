@@ -393,6 +393,12 @@ def test_a_silent_controller_keeps_the_state_and_a_kill_meanwhile_fails_honestly
         assert checks["controller"]["status"] == "fail" and "partition" not in checks, checks
     finally:
         cluster.start_controller()
+    # the job's step tells a controller that was away of its end on Slurm's own retry (a minute later, on a loaded
+    # machine past the kill's wait): the kill verifies what the scheduler says, so it asks once the scheduler knows
+    squeue = ["squeue", "-h", "-j", rep["slurm_job"]]
+    env = {**os.environ, **cluster.env}
+    wait_for(lambda: not subprocess.run(squeue, env=env, capture_output=True, text=True).stdout.strip(), 180,
+             "the controller to see the job end")  # fmt: skip
     res = run_cli("kill", "--json", cwd=ROOT)  # no id: the job whose kill failed
     report = json.loads(res.stdout)
     assert res.code == 0 and report["result"] == "KILLED" and report["id"] == rep["id"], report
