@@ -397,8 +397,8 @@ def test_a_silent_controller_keeps_the_state_and_a_kill_meanwhile_fails_honestly
     # machine past the kill's wait): the kill verifies what the scheduler says, so it asks once the scheduler knows
     squeue = ["squeue", "-h", "-j", rep["slurm_job"]]
     env = {**os.environ, **cluster.env}
-    wait_for(lambda: not subprocess.run(squeue, env=env, capture_output=True, text=True).stdout.strip(), 180,
-             "the controller to see the job end")  # fmt: skip
+    wait_for(lambda: (q := subprocess.run(squeue, env=env, capture_output=True, text=True)).returncode == 0
+             and not q.stdout.strip(), 180, "the controller to see the job end")  # fmt: skip
     res = run_cli("kill", "--json", cwd=ROOT)  # no id: the job whose kill failed
     report = json.loads(res.stdout)
     assert res.code == 0 and report["result"] == "KILLED" and report["id"] == rep["id"], report
