@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from dflashctl.judge.facts import EXIT_BY_STATE
 from tests.conftest import run_cli, tmpfs
-from tests.test_launch import cli_json, status_json, write_project
+from tests.test_launch import cli_json, status_json, wait_until, write_project
 from tests.test_watch import ROOT, box, launch, watch_json, write_job  # noqa: F401 - box is a fixture
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-smi"
@@ -45,14 +44,14 @@ def _command_job(p: Path, name: str, command: str, watch: str = "") -> Path:
 def test_a_hung_command_is_stalled_for_status_watch_once_and_watch_alike(client, tmp_path):
     p = write_project(client, tmp_path)
     # restart_on: [] : its supervisor would otherwise restart the stalled job (the default policy) before it is read
-    job = _command_job(p, "hung", "echo one line; sleep 600", "  stall_after_s: 6\n  restart_on: []\n")
+    job = _command_job(p, "hung", "echo one line; sleep 600", "  stall_after_s: 15\n  restart_on: []\n")
     assert run_cli("deploy", "box").code == 0
     job_id = cli_json("launch", str(job))["id"]
     try:
-        time.sleep(4)
-        assert status_json(job_id)["state"] == "RUNNING"  # within stall_after_s
-        time.sleep(5)
-        st = status_json(job_id)  # the first look of this client: the run dir's history says how long it is quiet
+        # within stall_after_s of its one line (15 s: a loaded machine's launch and first look take a few)
+        assert status_json(job_id)["state"] == "RUNNING"
+        # status keeps nothing of its own: the run dir's history says how long the job is quiet
+        st = wait_until(lambda: (s := status_json(job_id))["state"] != "RUNNING" and s, 60)
         assert st["state"] == "STALLED" and "no sign of progress" in " ".join(st["evidence"]), st
         once = run_cli("watch", job_id, "--once", "--json")
         assert once.code == EXIT_BY_STATE["STALLED"] and json.loads(once.stdout)["state"] == "STALLED"

@@ -24,13 +24,22 @@ def fake_nvml(monkeypatch):
     sys.modules.pop("pynvml", None)
 
 
+def until(done, timeout: float = 60.0) -> None:
+    """Wait on state (beats counted), not on a time a loaded machine may not keep."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
 def test_gpu_history_records_the_visible_gpus_every_heartbeat(tmp_path, fake_nvml, monkeypatch):
     monkeypatch.setenv("FAKE_NVML_GPUS", "4")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     hist = GpuHistory(tmp_path)
     assert hist.active and hist.indices == [2, 3]
-    hb = Heartbeat(tmp_path, 0.05, hist.sample).start()
-    time.sleep(0.4)
+    taken: list[int] = []
+    hb = Heartbeat(tmp_path, 0.05, lambda: (hist.sample(), taken.append(1))).start()
+    until(lambda: len(taken) >= 3)  # three beats, however slow this machine is
     hb.stop()
     hist.close()
     lines = [json.loads(x) for x in (tmp_path / "gpu.jsonl").read_text().splitlines()]
@@ -67,9 +76,8 @@ def test_a_failing_gpu_reading_never_stops_the_heartbeat(tmp_path):
 
     hb = Heartbeat(tmp_path, 0.05, broken).start()
     first = json.loads((tmp_path / "heartbeat").read_text())["time"]
-    time.sleep(0.4)
+    until(lambda: len(calls) >= 3 and json.loads((tmp_path / "heartbeat").read_text())["time"] > first)
     hb.stop()
-    assert len(calls) >= 3 and json.loads((tmp_path / "heartbeat").read_text())["time"] > first
 
 
 def test_tensorboard_event_files_hold_the_step_curves(tmp_path):

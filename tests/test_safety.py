@@ -49,10 +49,10 @@ def test_kill_during_watch_is_not_undone_by_the_watcher(proj):
     job_id = cli_json("launch", f)["id"]
     watcher = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], stdout=subprocess.PIPE,
                                text=True, env={**os.environ, "COLUMNS": "200"})  # fmt: skip
-    time.sleep(2)
+    first = watcher.stdout.readline()  # the watch has had its first look
     killed = cli_json("kill", job_id)
     out, _ = watcher.communicate(timeout=60)
-    seen = [json.loads(line)["state"] for line in out.splitlines()]
+    seen = [json.loads(line)["state"] for line in (first + out).splitlines()]
     assert killed["result"] == "KILLED" and watcher.returncode == 20, seen
     assert "CRASHED" not in seen and seen[-1] == "KILLED"
     run = run_dir_of(job_id)
@@ -225,7 +225,7 @@ def test_remote_files_are_private_and_secrets_never_shown(proj):
     for name in ("run.sh", "job.env", "command.sh", "job.json", "agent.pyz"):
         assert (run / name).stat().st_mode & 0o777 == 0o600, name
     assert b"HF_TOKEN=hf_abc123\0" in (run / "job.env").read_bytes()  # the job itself gets the value
-    time.sleep(1.5)  # its supervisor and a status write their files too
+    wait_until(lambda: (run / "verdict.json").exists())  # its supervisor and a status write their files too
 
     def holding(secret: str) -> list[str]:
         return sorted(str(f.relative_to(run)) for f in run.rglob("*") if f.is_file() and secret.encode() in
@@ -411,7 +411,9 @@ def test_gc_removes_only_ended_old_run_dirs_and_asks_first(proj):
     new = cli_json("launch", job_file(proj, "newone", "exit 0", "watch: {restart_on: []}\n"))["id"]
     old_run, new_run = run_dir_of(old), run_dir_of(new)
     wait_until(lambda: (old_run / "exit_code").exists() and (new_run / "exit_code").exists())
-    time.sleep(1.0)  # their supervisors see the end and stop
+    for r in (old_run, new_run):  # their supervisors see the end and stop
+        wait_until(lambda r=r: (r / "supervisor.json").exists() and json.loads((r / "supervisor.json").read_text())
+                   .get("ended"))  # fmt: skip
     day_ago = time.time() - 2 * 86400
     for f in [old_run, *old_run.iterdir()]:
         os.utime(f, (day_ago, day_ago), follow_symlinks=False)

@@ -1,6 +1,7 @@
 """The step breakdown the speed benchmark reports: the trainer's own step with its stages marked, adding up to the
 step; marking changes nothing the step computes; kernels sorted by what they compute. Times here are the CPU's and
-are not asserted as speeds: only that the parts make the whole."""
+are not asserted as speeds, nor whether they add up on a busy machine (the benchmark checks that): that the parts
+make the whole is checked on a clock that ticks once a look."""
 
 from __future__ import annotations
 
@@ -33,10 +34,26 @@ def test_marked_stages_come_in_stream_order_and_add_up_to_the_step():
                                           "lm_head_loss": 3e9}, ceiling_tflops=1.0)  # fmt: skip
     assert list(rep["stages_ms"]) == step_breakdown.STAGES
     assert all(v > 0 for v in rep["stages_ms"].values())
-    assert rep["adds_up"] and rep["adds_up_within"] <= 0.05
-    assert rep["between_steps_ms"] >= 0 and rep["stages_sum_ms"] <= rep["step_ms"] * 1.05
+    # whether they add up on this clock is the benchmark's check (a loaded machine's steps vary): here its form
+    assert isinstance(rep["adds_up"], bool) and rep["adds_up"] == (rep["adds_up_within"] <= 0.05)
+    assert rep["between_steps_ms"] >= 0 and rep["wall_step_ms"] > 0 and rep["mean_step_ms"] > 0
     assert rep["stage_tflop"]["lm_head_loss_fwd"] == 0.003  # the fused loss computes its gradient in its forward
     assert rep["mfu"] > 0 and set(rep["stage_fraction_of_ceiling"]) == set(rep["stage_tflop"])
+
+
+def test_the_stages_and_the_gaps_make_the_whole_step_on_a_clock_that_ticks_once_a_look(monkeypatch):
+    """A clock that moves 1 ms each time it is read: every mark is one tick, so a step of seven stages and the gap
+    to the next is 8 ms, and the wall time (8 looks a step and one at the end: 49 ticks over the 5 steps and the
+    closing one) within 5 % of it. A stage left out of the sum, or counted twice, is 1 ms in 8 off: the check fails."""
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(step_breakdown, "time", type("Clock", (), {"perf_counter": lambda: next(ticks) / 1e3}))
+    parts = build(from_dict(TINY))
+    opt = torch.optim.AdamW(parts.drafter.parameters(), lr=1e-4)
+    batch = dummy_batch(parts, 128)
+    rep = step_breakdown.breakdown(parts, opt, lambda i: batch, steps=5, warmup=1)
+    assert rep["stages_ms"] == {k: 1.0 for k in step_breakdown.STAGES} and rep["between_steps_ms"] == 1.0
+    assert rep["mean_step_ms"] == rep["step_ms"] == 8.0 and rep["wall_step_ms"] == round(49 / 6, 3)
+    assert rep["adds_up"] and rep["adds_up_within"] == round((49 / 6 - 8) / (49 / 6), 4)
 
 
 def test_marking_a_step_changes_neither_its_loss_nor_its_gradients():

@@ -20,6 +20,7 @@ from tests.test_launch import alive, cli_json, status_json, wait_until, write_pr
 from tests.test_safety import job_file, run_dir_of, starts
 
 FAST = "watch: {interval_s: 0.5, backoff_s: 0, max_restarts: 1, restart_on: [CRASHED], stall_after_s: 600}\n"
+AT_GO = 'while [ ! -e "$RUN/go" ]; do sleep 0.1; done'  # a job that fails when the test says, not after a sleep
 BUSY_THEN_HANG = (f"{sys.executable} -c 'import time; t = time.time()\nwhile time.time() - t < 1.2: pass\n"
                   "time.sleep(600)'")
 
@@ -43,7 +44,7 @@ def supervisor(run: Path) -> dict:
 def test_a_crash_is_restarted_by_the_supervisor_after_the_laptops_watch_died(proj):
     """A watch is started and SIGKILLed (the laptop slept); the job crashes; its supervisor restarts it once
     (max_restarts 1), then says CRASHED for good and ends. The run dir's events say who restarted it."""
-    job_id = cli_json("launch", job_file(proj, "crashy", "echo working; sleep 2; exit 3",
+    job_id = cli_json("launch", job_file(proj, "crashy", f"echo working; {AT_GO}; exit 3",
                                          FAST + "env: {HF_TOKEN: hf_sup3r}\n"))["id"]  # fmt: skip
     watch = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], stdout=subprocess.PIPE,
                              text=True)  # fmt: skip
@@ -52,6 +53,7 @@ def test_a_crash_is_restarted_by_the_supervisor_after_the_laptops_watch_died(pro
     watch.send_signal(signal.SIGKILL)
     watch.wait()
     run = run_dir_of(job_id)
+    (run / "go").touch()  # the crash comes once the watch is dead, however slow this machine
     wait_until(lambda: supervisor(run).get("ended"), 90)
     assert starts(run) == 2, (run / "train.log").read_text()
     assert (run / "restarts").read_text().strip() == "1"
@@ -192,13 +194,14 @@ def test_a_run_dirs_agent_replaced_after_launch_is_checked_before_the_restart_ru
 
     from dflashctl.remote.agent_bundle import AGENT
 
-    job_id = cli_json("launch", job_file(proj, "tampered", "sleep 2; exit 1", FAST))["id"]
+    job_id = cli_json("launch", job_file(proj, "tampered", f"{AT_GO}; exit 1", FAST))["id"]
     run = run_dir_of(job_id)
     pwned = tmp_path / "pwned"
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
         z.writestr("__main__.py", f"import pathlib; pathlib.Path({str(pwned)!r}).touch()\n")
     (run / "agent.pyz").write_bytes(buf.getvalue())
+    (run / "go").touch()  # the crash comes after the edit, however slow this machine
     wait_until(lambda: supervisor(run).get("ended"), 90)
     assert starts(run) == 2 and not pwned.exists()
     assert (run / "agent.pyz").read_bytes() == AGENT
@@ -214,8 +217,9 @@ def test_the_supervisor_sees_an_end_at_once_not_at_its_next_interval(proj):
     job_id = cli_json("launch", job_file(proj, "slowwatch", "sleep 300", "watch: {interval_s: 60}\n"))["id"]
     run = run_dir_of(job_id)
     me = wait_until(lambda: (run / "verdict.json").exists() and supervisor(run), 30)
+    first_look = json.loads((run / "verdict.json").read_text())["time"]
     subprocess.run(["tmux", "-L", TEST_TMUX_SOCKET, "kill-server"], check=False)
-    t0 = time.monotonic()
-    ended = wait_until(lambda: supervisor(run).get("ended"), 20)
-    assert time.monotonic() - t0 < 10 and "LOST" in ended, ended
+    ended = wait_until(lambda: supervisor(run).get("ended"), 90)
+    # before its next look by the clock (60 s after the first), however slow this machine: the end woke it
+    assert supervisor(run)["ended_at"] - first_look < 60 and "LOST" in ended, ended
     wait_until(lambda: not alive(me["pid"]), 10)

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import sys
+import time
 
 from .common import (
     AGENT_FILE,
@@ -280,8 +281,29 @@ def launch(req: dict, payload: bytes) -> dict:
         pane_pid = start_session(run, req["session"], req["python"], [])
     import shlex
 
+    wait_watched(run, req["session"])
     started = shlex.join(session_argv(run, req["session"], req["python"], []))
     return {"run_dir": run, "pane_pid": pane_pid, "overrides": overrides, "started": started}
+
+
+def wait_watched(run: str, session: str, timeout: float = 30.0) -> None:
+    """A launch returns once the job's supervisor has started and read the agent it checks every restart's copy
+    against (it writes supervisor.json after): an edit of the run dir's `agent.pyz` after the launch is then always
+    caught. Without this wait a loaded host could start the supervisor after the edit, from the edited file. The
+    launcher spawns it before it starts run.sh; a pane that died first, or no supervisor (`supervise: false`), ends
+    the wait, and a supervisor that never comes is the probe's to say (`supervisor.alive`), not the launch's."""
+    from .supervision import SPEC, STATE
+
+    if not os.path.isfile(os.path.join(run, SPEC)):
+        return
+    deadline, look = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline and not os.path.exists(os.path.join(run, STATE)):
+        look += 1
+        if look % 20 == 0:  # once a second: is the pane still there to start it?
+            pane = tmux_session(session, 0)
+            if not pane.get("exists") or pane.get("pane_dead"):
+                return
+        time.sleep(0.05)
 
 
 def _restart_refused(req: dict, run: str, count: int) -> dict | None:
