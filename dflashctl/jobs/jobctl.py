@@ -279,8 +279,11 @@ def launch_nodes(
         report.nodes = [{"host": h.name, "run_dir": f"{wd}/runs/{job_id}", "session": sessions[pl.rank],
                          "pane_pid": None, "gpus": list(pl.gpus), "node_rank": pl.rank}
                         for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
+        # the head's supervisor probes and restarts the other nodes: how it reaches each, in its supervise.json
+        members = [session.member_spec(job_id, pl, h, n, hosts[0], f"{wd}/runs/{job_id}")
+                   for h, wd, pl, n in zip(hosts, workdirs, places, job.nodes, strict=True)][1:]  # fmt: skip
         files = [session.run_files(job, job_id, h.python, trainer_cfg, version, redact=dry_run, node=pl,
-                                   run_dir=f"{wd}/runs/{job_id}")
+                                   run_dir=f"{wd}/runs/{job_id}", members=members if pl.rank == 0 else None)
                  for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
         reqs = [{"action": "launch", "workdir": wd, "job_id": job_id, "name": job.name, "session": sessions[pl.rank],
                  "gpus": list(pl.gpus), "force": force, "release": version, "python": h.python, "tmux_socket": socket,

@@ -1,0 +1,121 @@
+"""A job over two hosts keeps its own watch: one supervisor on the head that probes the other node by ssh from the
+head (the suite's loopback sshd and keys, through an ssh config file on the head named by the job file's
+`reach_ssh_config`), combines the nodes with judge/nodes.py, restarts both, and at the end closes every node's tmux
+session and scrubs every node's secrets. A node the head cannot reach is said, and the laptop decides."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflashctl.agent import probe
+from tests.conftest import TEST_TMUX_SOCKET, run_cli
+from tests.test_launch import cli_json_in, status_json, wait_until
+from tests.test_multinode import TRAINER, two_hosts  # noqa: F401 - the fixture
+
+ROOT = Path(__file__).resolve().parents[1]
+SECRET = "hf_multinode_secret_9a8b7c"
+
+
+def sessions() -> set[str]:
+    res = subprocess.run(["tmux", "-L", TEST_TMUX_SOCKET, "ls", "-F", "#{session_name}"], capture_output=True,
+                         text=True, check=False)  # fmt: skip
+    return set(res.stdout.split())
+
+
+def events(run_dir: str) -> list[dict]:
+    path = Path(run_dir, "events.jsonl")
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def read_json(path: Path) -> dict:
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def head_ssh_config(tmp_path: Path, sshd, client) -> Path:
+    """An ssh config file on the head (this machine) that reaches the suite's sshd: what a cluster's nodes share."""
+    cfg = tmp_path / "head-ssh-config"
+    cfg.write_text(f"Host testbox\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User root\n  IdentityFile "
+                   f"{sshd.user_key}\n  UserKnownHostsFile {client.known_hosts}\n")  # fmt: skip
+    cfg.chmod(0o600)
+    return cfg
+
+
+def test_a_node_the_head_cannot_reach_is_said_and_the_laptop_decides(two_hosts, tmp_path):  # noqa: F811
+    """By default the head reaches node b at its HostName, port and user as the laptop resolves them, with the head's
+    own keys and known_hosts: here the head's user has neither (BatchMode, StrictHostKeyChecking=yes: no prompt, no
+    key taken on trust). The supervisor says so in verdict.json, and `status` decides here, naming the node."""
+    for host in ("nodea", "nodeb"):
+        assert run_cli("deploy", host, cwd=ROOT).code == 0
+    job = tmp_path / "cmd.yaml"
+    job.write_text(yaml.safe_dump({"name": "mnunr", "host": ["nodea", "nodeb"], "kill_grace_s": 3,
+                                   "command": "sleep 300", "watch": {"interval_s": 1}}))  # fmt: skip
+    rep = cli_json_in(ROOT, "launch", str(job))
+    head, member = (Path(n["run_dir"]) for n in rep["nodes"])
+    spec = json.loads((head / "supervise.json").read_text())
+    (m,) = spec["members"]
+    assert m["host"] == "nodeb" and m["run_dir"] == str(member) and m["session"] == rep["nodes"][1]["session"]
+    assert m["reach"][:3] == ["ssh", "-o", "BatchMode=yes"] and m["reach"][-1] == "127.0.0.1"
+    assert not (member / "supervise.json").exists(), "a supervisor on a member node too"
+    said = wait_until(lambda: read_json(head / "verdict.json").get("unreached"), 60)
+    assert said[0].startswith("nodeb: ssh from the head to nodeb:"), said
+    st = wait_until(lambda: (lambda s: s if s["decided_by"] == "here" and "nodeb" in s["decided_why"] else None)(
+        status_json(rep["id"], ROOT)), 60)  # fmt: skip
+    assert "the job's supervisor cannot reach nodeb" in st["decided_why"] and st["state"] == "RUNNING"
+    assert any(e.get("decision") == "warning" and "cannot reach nodeb" in e.get("warning", "") for e in events(head))
+    kill = cli_json_in(ROOT, "kill", rep["id"])
+    assert kill["result"] == "KILLED" and kill["remaining"] == []
+    assert not {n["session"] for n in rep["nodes"]} & sessions()
+
+
+@pytest.mark.slow
+def test_the_heads_supervisor_sees_node_b_crash_restarts_both_and_cleans_up_every_node(two_hosts, tmp_path,  # noqa: F811
+                                                                                       sshd, client):  # fmt: skip
+    """No laptop watch at all: node b's rank crashes at step 5; the head's supervisor, probing node b by ssh from
+    the head, names node b as CRASHED, restarts both nodes once (restart_on CRASHED, max_restarts 1), sees the job
+    FINISHED on both, then closes both tmux sessions and scrubs the secret from both run dirs."""
+    for host in ("nodea", "nodeb"):
+        assert run_cli("deploy", host, cwd=ROOT).code == 0
+    cfg = head_ssh_config(tmp_path, sshd, client)
+    job = tmp_path / "mn.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": "mnsup", "hosts": [{"host": "nodea"}, {"host": "nodeb", "env": {"TRAINER_FAULT": "crash@5"},
+                                                      "reach": "testbox", "reach_ssh_config": str(cfg)}],
+        "nproc_per_node": 1, "env": {"OMP_NUM_THREADS": "1", "HF_TOKEN": SECRET}, "kill_grace_s": 5,
+        "trainer": TRAINER,
+        "watch": {"interval_s": 1, "restart_on": ["CRASHED", "NCCL_TIMEOUT"], "max_restarts": 1, "backoff_s": 0},
+    }))  # fmt: skip
+    rep = cli_json_in(ROOT, "launch", str(job))
+    head, member = (Path(n["run_dir"]) for n in rep["nodes"])
+    st = wait_until(lambda: (lambda s: s if s["decided_by"] == "supervisor" else None)(status_json(rep["id"], ROOT)),
+                    120)  # fmt: skip
+    assert st["supervisor"]["answering"], st
+    ended = wait_until(lambda: read_json(head / "supervisor.json").get("ended"), 600)
+    assert ended == "FINISHED", (ended, (head / "supervisor.log").read_text()[-2000:])
+    got = events(head)
+    crashed = [e for e in got if e.get("decision") == "state" and e.get("state") == "CRASHED"]
+    assert crashed and crashed[0]["reason"].startswith("node nodeb:") and crashed[0]["by"] == "supervisor", got
+    restarts = [e for e in got if e.get("decision") == "restart"]
+    assert [(e["by"], e["attempt"]) for e in restarts] == [("supervisor", 1)], restarts
+    assert [(p / probe.RESTARTS).read_text().strip() for p in (head, member)] == ["1", "1"]
+    starts = [r for r in map(json.loads, (head / "metrics.jsonl").read_text().splitlines()) if r.get("event") ==
+              "start"]  # fmt: skip
+    assert [s["resumed_from"] for s in starts] == [None, 4]  # both nodes resumed from their own checkpoint 4
+    verdict = read_json(head / "verdict.json")
+    assert verdict["state"] == "FINISHED" and [n["state"] for n in verdict["nodes"]] == ["FINISHED", "FINISHED"]
+    assert verdict["unreached"] == []
+    ends = [e for e in got if e.get("decision") == "node_end"]
+    assert [(e["node"], e["scrubbed"], e["session_closed"]) for e in ends] == [("nodeb", True, True)], ends
+    assert not {n["session"] for n in rep["nodes"]} & sessions(), "a tmux session of the job is left"
+    for run in (head, member):
+        assert SECRET not in (run / "job.env").read_text(errors="replace"), f"the secret stayed in {run}"
+    st = status_json(rep["id"], ROOT)
+    assert st["state"] == "FINISHED" and [n["state"] for n in st["nodes"]] == ["FINISHED", "FINISHED"]
