@@ -113,9 +113,40 @@ def test_the_heads_supervisor_sees_node_b_crash_restarts_both_and_cleans_up_ever
     assert verdict["state"] == "FINISHED" and [n["state"] for n in verdict["nodes"]] == ["FINISHED", "FINISHED"]
     assert verdict["unreached"] == []
     ends = [e for e in got if e.get("decision") == "node_end"]
-    assert [(e["node"], e["scrubbed"], e["session_closed"]) for e in ends] == [("nodeb", True, True)], ends
+    # node b's launcher scrubbed it at its clean end already (no restart could follow): nothing left to scrub
+    assert [(e["node"], e["session_closed"]) for e in ends] == [("nodeb", True)], ends
     assert not {n["session"] for n in rep["nodes"]} & sessions(), "a tmux session of the job is left"
     for run in (head, member):
         assert SECRET not in (run / "job.env").read_text(errors="replace"), f"the secret stayed in {run}"
     st = status_json(rep["id"], ROOT)
     assert st["state"] == "FINISHED" and [n["state"] for n in st["nodes"]] == ["FINISHED", "FINISHED"]
+
+
+def test_a_job_that_ends_for_good_leaves_no_session_and_no_secret_on_either_node(two_hosts, tmp_path, sshd,  # noqa: F811
+                                                                                client):  # fmt: skip
+    """Both nodes exit 1 (CRASHED, which the job's restart_on does not restart, though restarts are left: so no
+    node's launcher scrubs by itself). The head's supervisor gives up, then on node b (by ssh from the head) and
+    here scrubs the secret and closes the dead pane's session."""
+    for host in ("nodea", "nodeb"):
+        assert run_cli("deploy", host, cwd=ROOT).code == 0
+    cfg = head_ssh_config(tmp_path, sshd, client)
+    job = tmp_path / "end.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": "mnend", "hosts": [{"host": "nodea"}, {"host": "nodeb", "reach": "testbox",
+                                                      "reach_ssh_config": str(cfg)}],
+        "env": {"HF_TOKEN": SECRET}, "kill_grace_s": 3, "command": "sleep 2; echo giving up; exit 1",
+        "watch": {"interval_s": 1, "restart_on": ["OOM"], "max_restarts": 1},
+    }))  # fmt: skip
+    rep = cli_json_in(ROOT, "launch", str(job))
+    head, member = (Path(n["run_dir"]) for n in rep["nodes"])
+    ended = wait_until(lambda: read_json(head / "supervisor.json").get("ended"), 120)
+    assert ended.startswith("CRASHED: CRASHED is not in the job's restart_on"), ended
+    verdict = read_json(head / "verdict.json")
+    assert verdict["gave_up"] and [n["state"] for n in verdict["nodes"]] == ["CRASHED", "CRASHED"], verdict
+    ends = [e for e in events(head) if e.get("decision") == "node_end"]
+    assert [(e["node"], e["scrubbed"], e["session_closed"]) for e in ends] == [("nodeb", ["HF_TOKEN"], True)], ends
+    assert not {n["session"] for n in rep["nodes"]} & sessions(), "a tmux session of the job is left"
+    for run in (head, member):
+        assert SECRET not in (run / "job.env").read_text(errors="replace"), f"the secret stayed in {run}"
+    st = status_json(rep["id"], ROOT)
+    assert st["state"] == "CRASHED" and st["gave_up"] and [n["state"] for n in st["nodes"]] == ["CRASHED", "CRASHED"]

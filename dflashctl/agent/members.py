@@ -88,11 +88,19 @@ def end_member(req: dict) -> dict:
     """The job ended for good (its head's supervisor says so): on this member, once its attempt has ended here (an
     exit status, no launcher alive), its secrets leave the run dir and its tmux session is closed after its pane
     died. Runs ON the member."""
+    import time
+
     from .common import scrub_ended
     from .procs import close_when_dead
 
     run_dir = req.get("run_dir")
+    # its torchrun ends a moment after the head saw the job end (a lost peer): awaited, bounded; a node that still
+    # runs after that is left alone and said (`why`)
+    deadline = time.monotonic() + float(req.get("wait_s") or 0)
     scrub = scrub_ended(req)
+    while scrub.get("why") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        scrub = scrub_ended(req)
     closed = None
     if isinstance(run_dir, str) and os.path.isfile(os.path.join(run_dir, "exit_code")) and req.get("session"):
         closed = close_when_dead(str(req["session"]))

@@ -223,10 +223,10 @@ class Supervisor:
     def end_members(self) -> None:
         """The job ended for good: on every other node it reaches, the secrets leave the run dir and the tmux
         session is closed once its pane is dead (agent/members.end_member, run there)."""
-        for m, ans, why in self.nodes.act({"action": "end_member", "gpus": False}, 60.0):
-            self.event({"decision": "node_end", "node": m.host, **({"why": why} if why else
-                        {"scrubbed": bool((ans or {}).get("scrubbed")), "session_closed": (ans or {}).get(
-                            "session_closed")})})  # fmt: skip
+        wait = float(self.spec.get("grace_s") or 40.0) + 30  # a node's own end after its peer's
+        for m, ans, why in self.nodes.act({"action": "end_member", "gpus": False, "wait_s": wait}, wait + 60):
+            said = {k: (ans or {}).get(k) for k in ("scrubbed", "session_closed", "why")}
+            self.event({"decision": "node_end", "node": m.host, **({"why": why} if why else said)})
 
     def run_forever(self) -> str:
         while not self.stopping:
