@@ -18,6 +18,7 @@ import subprocess
 from .common import AGENT_FILE
 
 SSH_UNREACHABLE = 255  # ssh's own exit status when it could not connect or log in
+PROBE_TIMEOUT_S = 30.0  # one look at a member; longer, and it counts as not reached (a watch then decides)
 
 
 class Unreached(Exception):
@@ -137,7 +138,7 @@ class Nodes:
             req = {"run_dir": m.run_dir, "session": m.session, "job_id": m.job_id, "log_offset": j.log_offset,
                    "metrics_offset": j.metrics_offset, "capture_lines": 40, "job_gpus": m.gpus}  # fmt: skip
             try:
-                snap = m.call(req)
+                snap = m.call(req, PROBE_TIMEOUT_S)
             except Unreached as e:
                 return j.failed_look(False, str(e)), str(e)
             except ProbeFailed as e:

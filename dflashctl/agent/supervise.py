@@ -152,6 +152,7 @@ class Supervisor:
         nodes_mod, peer_lost = _nodes_judge()
         now = time.monotonic()
         reports = self.nodes.look(now)
+        self.beat()  # alive after the ssh calls too (one may take up to members.PROBE_TIMEOUT_S)
         self.nodes.combine(r, self.judge, self.head_host, reports, nodes_mod, peer_lost, now)
         unreached = tuple(self.nodes.unreached)
         if unreached != self.unreached_said:
