@@ -281,7 +281,8 @@ def launch_nodes(
                         for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
         # the head's supervisor probes and restarts the other nodes: how it reaches each, in its supervise.json
         members = [session.member_spec(job_id, pl, h, n, hosts[0], f"{wd}/runs/{job_id}")
-                   for h, wd, pl, n in zip(hosts, workdirs, places, job.nodes, strict=True)][1:]  # fmt: skip
+                   for h, wd, pl, n in zip(hosts, workdirs, places, job.nodes, strict=True)][1:] \
+            if job.watch.supervise else None  # fmt: skip
         files = [session.run_files(job, job_id, h.python, trainer_cfg, version, redact=dry_run, node=pl,
                                    run_dir=f"{wd}/runs/{job_id}", members=members if pl.rank == 0 else None)
                  for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
