@@ -6,6 +6,8 @@ session and scrubs every node's secrets. A node the head cannot reach is said, a
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -177,3 +179,52 @@ def test_a_bad_reach_is_one_line_exit_2_and_nothing_starts(two_hosts, tmp_path, 
     assert res.code == 2 and expect in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
     assert str(job) in res.stderr
     assert not list(two_hosts.glob("*/runs/mnbad-*")), "something started"
+
+
+def test_node_b_lost_from_the_head_and_found_again_then_the_supervisor_frozen(two_hosts, tmp_path, sshd,  # noqa: F811
+                                                                              client):  # fmt: skip
+    """Mid-run the head loses its way to node b (its ssh config file is moved away: ssh exits 255): the verdict says
+    node b is not reached and `status` decides here; the file back, the supervisor's word is the job's again. Then the
+    head's supervisor is frozen (SIGSTOP): its heartbeat stops, and `status` decides here again, saying why."""
+    for host in ("nodea", "nodeb"):
+        assert run_cli("deploy", host, cwd=ROOT).code == 0
+    cfg = head_ssh_config(tmp_path, sshd, client)
+    job = tmp_path / "lost.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": "mnlost", "hosts": [{"host": "nodea"}, {"host": "nodeb", "reach": "testbox",
+                                                       "reach_ssh_config": str(cfg)}],
+        "kill_grace_s": 3, "command": "sleep 300", "watch": {"interval_s": 1},
+    }))  # fmt: skip
+    rep = cli_json_in(ROOT, "launch", str(job))
+    head = Path(rep["nodes"][0]["run_dir"])
+
+    def verdict_where(test):
+        return lambda: (lambda v: v if v and test(v) else None)(read_json(head / "verdict.json"))
+
+    def status_where(test):
+        return lambda: (lambda s: s if test(s) else None)(status_json(rep["id"], ROOT))
+
+    v = wait_until(verdict_where(lambda v: v.get("state") == "RUNNING" and len(v.get("nodes", [])) == 2), 60)
+    assert v["unreached"] == [] and [n["host"] for n in v["nodes"]] == ["nodea", "nodeb"]
+    st = wait_until(status_where(lambda s: s["decided_by"] == "supervisor"), 60)
+    assert st["state"] == "RUNNING" and [n["state"] for n in st["nodes"]] == ["RUNNING", "RUNNING"]
+    away = cfg.rename(tmp_path / "moved-away")
+    v = wait_until(verdict_where(lambda v: v.get("unreached")), 60)
+    assert v["unreached"][0].startswith("nodeb: ssh from the head to nodeb:"), v
+    st = wait_until(status_where(lambda s: s["decided_by"] == "here"), 60)
+    assert "the job's supervisor cannot reach nodeb" in st["decided_why"] and st["state"] == "RUNNING"
+    away.rename(cfg)
+    wait_until(verdict_where(lambda v: v.get("unreached") == [] and len(v.get("nodes", [])) == 2), 60)
+    wait_until(status_where(lambda s: s["decided_by"] == "supervisor"), 60)
+    said = [e["warning"] for e in events(head) if e.get("decision") == "warning"]
+    assert any("cannot reach nodeb" in w for w in said) and said[-1] == "every node is reached again", said
+    pid = read_json(head / "supervisor.json")["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        st = wait_until(status_where(lambda s: s["decided_by"] == "here"), 90)
+        assert "the job's supervisor is not answering" in st["decided_why"], st
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    kill = cli_json_in(ROOT, "kill", rep["id"])
+    assert kill["result"] == "KILLED" and kill["remaining"] == []
+    assert not {n["session"] for n in rep["nodes"]} & sessions()
