@@ -228,3 +228,25 @@ def test_node_b_lost_from_the_head_and_found_again_then_the_supervisor_frozen(tw
     kill = cli_json_in(ROOT, "kill", rep["id"])
     assert kill["result"] == "KILLED" and kill["remaining"] == []
     assert not {n["session"] for n in rep["nodes"]} & sessions()
+
+
+def test_without_a_supervisor_status_scrubs_every_node_once_the_job_ended_for_good(two_hosts, tmp_path):  # noqa: F811
+    """`supervise: false`: both nodes exit 1, a failure the job's restart_on does not name, with restarts left (so
+    no launcher scrubs by itself). No supervise.json anywhere; the first `status` that judges the job ended for good
+    has the secret scrubbed from every node's run dir, not only the head's."""
+    for host in ("nodea", "nodeb"):
+        assert run_cli("deploy", host, cwd=ROOT).code == 0
+    job = tmp_path / "nosup.yaml"
+    job.write_text(yaml.safe_dump({
+        "name": "mnnosup", "host": ["nodea", "nodeb"], "env": {"HF_TOKEN": SECRET}, "kill_grace_s": 3,
+        "command": "exit 1", "watch": {"supervise": False, "restart_on": ["OOM"], "max_restarts": 1},
+    }))  # fmt: skip
+    rep = cli_json_in(ROOT, "launch", str(job))
+    runs = [Path(n["run_dir"]) for n in rep["nodes"]]
+    assert not [r for r in runs if (r / "supervise.json").exists()]
+    wait_until(lambda: all((r / "exit_code").exists() for r in runs), 60)
+    assert all(SECRET in (r / "job.env").read_text(errors="replace") for r in runs)  # at rest until judged
+    st = wait_until(lambda: (lambda s: s if s["state"] == "CRASHED" else None)(status_json(rep["id"], ROOT)), 60)
+    assert st["decided_by"] == "here" and [n["state"] for n in st["nodes"]] == ["CRASHED", "CRASHED"]
+    for run in runs:
+        assert SECRET not in (run / "job.env").read_text(errors="replace"), f"the secret stayed in {run}"

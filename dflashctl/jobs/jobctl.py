@@ -426,10 +426,11 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     events = [r for r in snap.get("metrics", {}).get("records", []) if isinstance(r, dict) and "event" in r]
     pane = snap["session"]
     alive = pane.get("exists") and not pane.get("pane_dead")
-    nodes = None
+    nodes, others = None, []
     if job.members:  # every node, one call each, judged together (the head's call above gave the metrics)
         w = make_watcher(job, accept_new)
         r = w.poll()
+        others = w.others
         nodes = [{"host": n.job.host_name, "state": st} for n, st in zip(w.nodes, w.node_states, strict=True)]
     else:
         r = verdicts.look(job, snap)
@@ -438,6 +439,10 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     if notify.needs_scrub(job, r.state, snap):  # ended for good with no supervisor: no secret stays at rest
         with contextlib.suppress(DflashError), open_runner(job.host, accept_new) as runner:
             session.call_agent(runner, {"action": "scrub", "run_dir": job.run_dir, "gpus": False})
+    for rec, node in zip(job.member_records()[1:], others, strict=False):  # and every other node's
+        if notify.needs_scrub(job, r.state, {**snap, "secrets_at_rest": node.secrets_at_rest}):
+            with contextlib.suppress(DflashError), open_runner(rec.host, accept_new) as runner:
+                session.call_agent(runner, {"action": "scrub", "run_dir": rec.run_dir, "gpus": False})
     fig = snap.get("figures") if isinstance(snap.get("figures"), dict) else {}
     if isinstance(fig.get("step"), int):  # one look reads the metrics in part: the file's newest, as `report`'s
         r.step, r.loss = fig["step"], fig.get("last_loss")

@@ -71,6 +71,7 @@ class Watcher:
     said: deque = field(default_factory=lambda: deque(maxlen=5))  # the newest decisions, for the live view
     notes: list[str] = field(default_factory=list)
     sent: list[str] = field(default_factory=list)  # notices the supervisor could not send, sent by this watch
+    secrets_at_rest: bool = False  # the last snapshot found the job's secrets still in its run dir
 
     def __post_init__(self) -> None:
         self.restarts = self.job.restarts
@@ -139,6 +140,7 @@ class Watcher:
             self.notes.append(f"unreachable: {type(e).__name__}: {str(e)[:120]}")
             return self.judge.failed_look(False, str(e))
         self.pending_events = []
+        self.secrets_at_rest = bool(snap.get("secrets_at_rest"))
         remote_restarts = snap.get("restarts")
         if isinstance(remote_restarts, int) and remote_restarts > self.restarts and self.state is None:
             self.restarts = remote_restarts  # restarted before this watch began: nothing seen restarted here
