@@ -14,7 +14,11 @@ failed attempt once, never after a kill, never past `max_restarts`. When it give
 state, the restart budget spent, a stop request), or when its run dir is gone.
 
 What it is given (`supervise.json`, written at launch): the job's session, tag, tmux socket, restart arguments and
-its watch policy. Stdlib only, like all of the agent.
+its watch policy; for a job over several hosts (it runs on the head) its `members`: how to reach each other node's
+run dir from here by ssh (agent/members.py). It then probes them every sample, judges each with a Judge of its own
+and combines them with judge/nodes.py; restarts act on every node (the head first), and at the end every node it
+reaches is scrubbed and its dead pane closed. A node it cannot reach is said in `verdict.json` (`unreached`), and it
+restarts nothing while one is: a watch on the laptop decides. Stdlib only, like all of the agent.
 
 A test may shift this process's wall clock (DFLASHCTL_TEST_WALL_SHIFT_FILE, read by `_test_wall_clock`): a real
 clock step needs privileges a test machine cannot spend. Only the shown stamps may move with it.
