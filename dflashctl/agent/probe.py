@@ -24,6 +24,7 @@ container's host by the same command. Actions:
 - `tail`: the last lines of a file, read from its end (bounded however long its lines are).
 - `gc`: remove the run dirs of jobs that ended long enough ago, never a live one's (`collect.py`).
 - `end_execs`: end the processes `exec` started for a job (`execs.py`, for `kill --all`).
+- `end_member`: a member node of a job over several hosts ended for good: scrub, close its dead pane (`members.py`).
 
 On a Slurm host (`"scheduler": "slurm"` in the request) the job's "pane" is its newest submission (agent/slurm.py):
 `launch` writes the same run dir and runs `sbatch` instead of tmux, `restart` cancels the old submission, sees it end
@@ -114,6 +115,10 @@ def main() -> int:
         from .common import scrub_ended
 
         answer = scrub_ended(req)
+    elif action == "end_member":  # a node of a job over several hosts, ended for good (its head's supervisor)
+        from .members import end_member
+
+        answer = end_member(req)
     elif action == "notices_settled":
         from .outbox import settle_for_laptop
 

@@ -14,7 +14,11 @@ failed attempt once, never after a kill, never past `max_restarts`. When it give
 state, the restart budget spent, a stop request), or when its run dir is gone.
 
 What it is given (`supervise.json`, written at launch): the job's session, tag, tmux socket, restart arguments and
-its watch policy. Stdlib only, like all of the agent.
+its watch policy; for a job over several hosts (it runs on the head) its `members`: how to reach each other node's
+run dir from here by ssh (agent/members.py). It then probes them every sample, judges each with a Judge of its own
+and combines them with judge/nodes.py; restarts act on every node (the head first), and at the end every node it
+reaches is scrubbed and its dead pane closed. A node it cannot reach is said in `verdict.json` (`unreached`), and it
+restarts nothing while one is: a watch on the laptop decides. Stdlib only, like all of the agent.
 
 A test may shift this process's wall clock (DFLASHCTL_TEST_WALL_SHIFT_FILE, read by `_test_wall_clock`): a real
 clock step needs privileges a test machine cannot spend. Only the shown stamps may move with it.
@@ -30,7 +34,7 @@ import signal
 import sys
 import time
 
-from . import outbox, probe
+from . import members, outbox, probe
 from .common import append_jsonl, read_int, read_json, scrub_secrets, start_time, write_atomic
 from .procs import close_when_dead
 from .supervision import BEAT, SPEC, STATE, VERDICT, reserve_final, write_final
@@ -45,6 +49,17 @@ def _judge():
     except ImportError:
         from ..judge import facts, policy, report
     return facts, policy, report
+
+
+def _nodes_judge():
+    """judge/nodes.py (the node combine) and the lost-peer pattern, from the same place as `_judge`."""
+    try:
+        from .judge import nodes
+        from .judge.assess import PEER_LOST
+    except ImportError:
+        from ..judge import nodes
+        from ..judge.assess import PEER_LOST
+    return nodes, PEER_LOST
 
 
 class Supervisor:
@@ -71,6 +86,13 @@ class Supervisor:
         self.stopping = False
         self.beats = 0
         self.gave_up: str | None = None
+        # a job over several hosts: this supervisor runs on the head and probes the other nodes (agent/members.py)
+        thresholds = facts.Thresholds.of(watch)
+        self.nodes = members.Nodes(members.members_of(spec), lambda m: report.Judge(
+            m.job_id, m.host, thresholds, False, float(spec.get("grace_s") or 40.0), m.gpus,
+            max_restarts=self.policy.max_restarts), self.restarts) if spec.get("members") else None  # fmt: skip
+        self.head_host = str(spec.get("host") or "head")
+        self.unreached_said: tuple = ()
 
     @property
     def h(self):
@@ -78,6 +100,8 @@ class Supervisor:
 
     def reset(self) -> None:
         self.judge.reset()
+        if self.nodes is not None:
+            self.nodes.reset(self.restarts)
         self.failed_at = None
 
     def request(self) -> dict:
@@ -116,6 +140,8 @@ class Supervisor:
             self.restarts = remote
             self.reset()
         r = self.judge.take(snap, time.monotonic())
+        if self.nodes is not None:
+            self.combine_nodes(r)
         self.write_verdict(r)
         if r.state != self.state:
             self.event({"decision": "state", "state": r.state, "previous": self.state, "reason": r.reason,
@@ -123,10 +149,27 @@ class Supervisor:
             self.state = r.state
         return r
 
+    def combine_nodes(self, r) -> None:
+        """Every other node probed from here (one ssh call each, all at once) and judged by its own Judge; the job's
+        verdict is judge/nodes.combine's, on this machine's monotonic clock. A node not reached is said (in the
+        verdict's `unreached`, and once as an event): then a watch on the laptop decides."""
+        nodes_mod, peer_lost = _nodes_judge()
+        now = time.monotonic()
+        reports = self.nodes.look(now)
+        self.beat()  # alive after the ssh calls too (one may take up to members.PROBE_TIMEOUT_S)
+        self.nodes.combine(r, self.judge, self.head_host, reports, nodes_mod, peer_lost, now)
+        unreached = tuple(self.nodes.unreached)
+        if unreached != self.unreached_said:
+            self.unreached_said = unreached
+            self.event({"decision": "warning", "warning": "cannot reach " + "; ".join(unreached) +
+                        ": a watch on the laptop decides" if unreached else "every node is reached again"})
+
     def write_verdict(self, r, gave_up: str | None = None) -> None:
+        multi = {"nodes": self.nodes.states, "unreached": self.nodes.unreached} if self.nodes is not None else {}
         body = {"time": r.time, "state": r.state, "reason": r.reason, "evidence": r.evidence[:12],
                 "advice": r.advice, "step": r.step, "restarts": self.restarts, "attempt_start": self.h.started_at,
-                "by": "supervisor", "pid": os.getpid(), **({"gave_up": gave_up} if gave_up else {})}  # fmt: skip
+                "by": "supervisor", "pid": os.getpid(), **({"gave_up": gave_up} if gave_up else {}),
+                **multi}  # fmt: skip
         with contextlib.suppress(OSError):
             write_atomic(os.path.join(self.run, VERDICT), json.dumps(body, separators=(",", ":")).encode())
 
@@ -152,6 +195,12 @@ class Supervisor:
                                     "grace_s": float(self.spec.get("grace_s") or 40.0), "python": sys.executable,
                                     "args": list(self.spec.get("args") or []), "min_free_gib": need, **self.where},
                                    self.agent)  # fmt: skip
+        if ans.get("restarted") and self.nodes is not None:  # then every other node, from its own checkpoint
+            refused = self.restart_members(need)
+            if refused:
+                self.restarts = int(ans["restarts"])
+                self.judge.restarts = self.restarts
+                return self.give_up(r, f"restarted on {self.head_host} but not on {refused}")
         if ans.get("restarted") or ans.get("raced"):
             self.restarts = int(ans["restarts"])
             self.judge.restarts = self.restarts
@@ -162,6 +211,27 @@ class Supervisor:
             self.state = "STARTING"
             return None
         return self.give_up(r, str(ans.get("why")))
+
+    def restart_members(self, need) -> str:
+        """The restart action on every other node (its run dir's lock, its own count), once the head's is done:
+        the head's new torchrun waits at the rendezvous for them. '' when each restarted (or another decider had
+        restarted it); else which refused, and why."""
+        req = {"action": "restart", "attempt": self.restarts, "max_restarts": self.policy.max_restarts,
+               "grace_s": float(self.spec.get("grace_s") or 40.0), "args": list(self.spec.get("args") or []),
+               "min_free_gib": need, "gpus": False}  # fmt: skip
+        refused = []
+        for m, ans, why in self.nodes.act(req, float(req["grace_s"]) + 150):
+            if ans is None or not (ans.get("restarted") or ans.get("raced")):
+                refused.append(f"{m.host}: {why or (ans or {}).get('why')}")
+        return "; ".join(refused)
+
+    def end_members(self) -> None:
+        """The job ended for good: on every other node it reaches, the secrets leave the run dir and the tmux
+        session is closed once its pane is dead (agent/members.end_member, run there)."""
+        wait = float(self.spec.get("grace_s") or 40.0) + 30  # a node's own end after its peer's
+        for m, ans, why in self.nodes.act({"action": "end_member", "gpus": False, "wait_s": wait}, wait + 60):
+            said = {k: (ans or {}).get(k) for k in ("scrubbed", "session_closed", "why")}
+            self.event({"decision": "node_end", "node": m.host, **({"why": why} if why else said)})
 
     def run_forever(self) -> str:
         while not self.stopping:
@@ -175,6 +245,11 @@ class Supervisor:
             elif not failing:
                 self.failed_at = None
             move = self.policy_mod.next_move(r, self.restarts, self.policy, self.failed_at, now)
+            unreached = self.nodes.unreached if self.nodes is not None else []
+            if unreached and move.kind == self.policy_mod.GIVE_UP:  # not its word alone: a watch decides
+                return f"{r.state}, with {len(unreached)} node(s) not reached from the head: a watch decides"
+            if unreached and move.kind == self.policy_mod.RESTART:  # it cannot restart what it cannot reach
+                move = self.policy_mod.Move(self.policy_mod.WAIT)
             if move.kind == self.policy_mod.RESTART:
                 why = self.restart(r)
                 if why:
@@ -278,6 +353,8 @@ def main() -> int:
             # exit status is in the run dir (on a full disk it is not: then the pane's is the only record of it)
             if not sup.scheduled and sup.h.exit_code is not None and spec.get("session"):
                 close_when_dead(str(spec["session"]))
+            if sup.nodes is not None:  # and the other nodes', where it reaches them
+                sup.end_members()
     except Exception as e:  # said where every asker sees it: the local side then judges by itself
         ended = f"failed: {type(e).__name__}: {e}"[:300]
         raise

@@ -279,8 +279,12 @@ def launch_nodes(
         report.nodes = [{"host": h.name, "run_dir": f"{wd}/runs/{job_id}", "session": sessions[pl.rank],
                          "pane_pid": None, "gpus": list(pl.gpus), "node_rank": pl.rank}
                         for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
+        # the head's supervisor probes and restarts the other nodes: how it reaches each, in its supervise.json
+        members = [session.member_spec(job_id, pl, h, n, hosts[0], f"{wd}/runs/{job_id}")
+                   for h, wd, pl, n in zip(hosts, workdirs, places, job.nodes, strict=True)][1:] \
+            if job.watch.supervise else None  # fmt: skip
         files = [session.run_files(job, job_id, h.python, trainer_cfg, version, redact=dry_run, node=pl,
-                                   run_dir=f"{wd}/runs/{job_id}")
+                                   run_dir=f"{wd}/runs/{job_id}", members=members if pl.rank == 0 else None)
                  for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
         reqs = [{"action": "launch", "workdir": wd, "job_id": job_id, "name": job.name, "session": sessions[pl.rank],
                  "gpus": list(pl.gpus), "force": force, "release": version, "python": h.python, "tmux_socket": socket,
@@ -422,10 +426,11 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     events = [r for r in snap.get("metrics", {}).get("records", []) if isinstance(r, dict) and "event" in r]
     pane = snap["session"]
     alive = pane.get("exists") and not pane.get("pane_dead")
-    nodes = None
+    nodes, others = None, []
     if job.members:  # every node, one call each, judged together (the head's call above gave the metrics)
         w = make_watcher(job, accept_new)
         r = w.poll()
+        others = w.others
         nodes = [{"host": n.job.host_name, "state": st} for n, st in zip(w.nodes, w.node_states, strict=True)]
     else:
         r = verdicts.look(job, snap)
@@ -434,6 +439,10 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     if notify.needs_scrub(job, r.state, snap):  # ended for good with no supervisor: no secret stays at rest
         with contextlib.suppress(DflashError), open_runner(job.host, accept_new) as runner:
             session.call_agent(runner, {"action": "scrub", "run_dir": job.run_dir, "gpus": False})
+    for rec, node in zip(job.member_records()[1:], others, strict=False):  # and every other node's
+        if notify.needs_scrub(job, r.state, {**snap, "secrets_at_rest": node.secrets_at_rest}):
+            with contextlib.suppress(DflashError), open_runner(rec.host, accept_new) as runner:
+                session.call_agent(runner, {"action": "scrub", "run_dir": rec.run_dir, "gpus": False})
     fig = snap.get("figures") if isinstance(snap.get("figures"), dict) else {}
     if isinstance(fig.get("step"), int):  # one look reads the metrics in part: the file's newest, as `report`'s
         r.step, r.loss = fig["step"], fig.get("last_loss")

@@ -18,7 +18,7 @@ from dflashctl.jobs import verdict as verdicts
 from dflashctl.judge import nodes
 from dflashctl.judge.assess import PEER_LOST
 from dflashctl.judge.nodes import CONSEQUENCES, PEER_GRACE_S  # noqa: F401 - as callers of watch know them
-from dflashctl.judge.report import Judge, Report
+from dflashctl.judge.report import HERE, SUPERVISOR, Judge, Report
 from dflashctl.model.jobfile import WatchConfig
 from dflashctl.model.record import JobRecord
 from dflashctl.remote import session
@@ -71,6 +71,7 @@ class Watcher:
     said: deque = field(default_factory=lambda: deque(maxlen=5))  # the newest decisions, for the live view
     notes: list[str] = field(default_factory=list)
     sent: list[str] = field(default_factory=list)  # notices the supervisor could not send, sent by this watch
+    secrets_at_rest: bool = False  # the last snapshot found the job's secrets still in its run dir
 
     def __post_init__(self) -> None:
         self.restarts = self.job.restarts
@@ -139,6 +140,7 @@ class Watcher:
             self.notes.append(f"unreachable: {type(e).__name__}: {str(e)[:120]}")
             return self.judge.failed_look(False, str(e))
         self.pending_events = []
+        self.secrets_at_rest = bool(snap.get("secrets_at_rest"))
         remote_restarts = snap.get("restarts")
         if isinstance(remote_restarts, int) and remote_restarts > self.restarts and self.state is None:
             self.restarts = remote_restarts  # restarted before this watch began: nothing seen restarted here
@@ -214,7 +216,26 @@ class NodesWatcher(Watcher):
         head = reports[0]
         head.state, head.reason, head.evidence, head.advice, head.step = v.state, v.reason, v.evidence, v.advice, \
             v.step if v.step is not None else head.step  # fmt: skip
+        self.read_head_supervisor(head)
         return self.judge.note_state(head)
+
+    def read_head_supervisor(self, r: Report) -> None:
+        """The head's supervisor probes every node itself: its word is the job's (as a single host's is) while it
+        answers and reaches every node. A node it cannot reach is said, and this look decides (`decided_by: here`),
+        by the same policy; its evidence line is made again over the combined verdict."""
+        sup = self.judge.supervisor
+        said = sup.get("verdict") if isinstance(sup, dict) and isinstance(sup.get("verdict"), dict) else None
+        if said is None or r.decided_by != SUPERVISOR or said.get("restarts") != self.judge.restarts:
+            return
+        unreached = [str(u) for u in said.get("unreached") or [] if isinstance(u, str)]
+        if unreached and not r.gave_up:
+            r.decided_by = HERE
+            r.decided_why = f"the job's supervisor cannot reach {'; '.join(unreached)}: decided here"[:400]
+            r.evidence.append(r.decided_why)
+        elif said.get("state") == r.state:
+            r.evidence.append("the job's supervisor agrees")
+        elif isinstance(said.get("state"), str):
+            r.evidence.append(f"the job's supervisor said {said['state']} at its last sample: {said.get('reason')}")
 
     def restart_remote(self, attempt: int, state: str = "") -> control.RestartOutcome:
         outcome = control.restart_all(self.job, lambda h: open_runner(h, self.accept_new), attempt,

@@ -107,6 +107,26 @@ class NodeSpec(BaseModel):
     host: str = Field(..., description="a host name from dflashctl.yaml / hosts.yaml")
     gpus: list[StrictInt] | StrictInt | None = Field(None, description="this node's GPUs (default: the job's `gpus`)")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for this node only")
+    reach: str | None = Field(None, description="how the head's supervisor reaches this node by ssh: a destination "
+                              "as the head sees it (host, user@host, an alias of the head's ssh config); default: "
+                              "this node's HostName, port and user as resolved here; `none`: never from the head")
+    reach_ssh_config: str | None = Field(None, description="an ssh config file on the head for that ssh (`ssh -F`)")
+
+    @field_validator("reach")
+    @classmethod
+    def _reach(cls, value: str | None) -> str | None:
+        from dflashctl.config import _destination_ok
+
+        if value is not None and value != "none" and not _destination_ok(value):
+            raise ValueError("expected an ssh destination `host` or `user@host` with no shell characters, or `none`")
+        return value
+
+    @field_validator("reach_ssh_config")
+    @classmethod
+    def _reach_config(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith("/") or any(c in value for c in "\0\n")):
+            raise ValueError("expected an absolute path on the head")
+        return value
 
     @field_validator("host")
     @classmethod

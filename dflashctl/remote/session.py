@@ -236,7 +236,7 @@ exit "$rc"
 def run_files(
     job: JobConfig, job_id: str, python: str, trainer_cfg: dict | None, release: str, redact: bool = False,
     node: NodePlace | None = None, cluster: SlurmHost | None = None, project: str | None = None,
-    run_dir: str | None = None,
+    run_dir: str | None = None, members: list[dict] | None = None,
 ) -> dict[str, str]:  # fmt: skip
     """The files of a run dir, as written at launch; restarts reuse them (the job file is snapshotted here). A Slurm
     job has `sbatch.sh` where a tmux job has `run.sh` and `tmux.conf`; both have job.env, written for `run_dir`: the
@@ -264,8 +264,8 @@ def run_files(
         files["tmux.conf"] = TMUX_CONF
     if run_dir is not None:
         files[ENV_FILE] = render_env_file(run_env(job, job_id, run_dir, node, scheduled), job, redact)
-    if node is None and job.watch.supervise:
-        files["supervise.json"] = json.dumps(supervise_spec(job, job_id, gpus, scheduled), indent=1)
+    if (node is None or node.rank == 0) and job.watch.supervise:  # a job over several hosts: on the head
+        files["supervise.json"] = json.dumps(supervise_spec(job, job_id, gpus, scheduled, members), indent=1)
     if trainer_cfg is not None:
         if node is not None:  # no shared file system assumed: every node keeps checkpoints to resume from
             ckpt = dict(trainer_cfg.get("checkpoint") or {})
@@ -285,16 +285,46 @@ def project_key(root) -> str:
     return hashlib.sha256(f"{socket.gethostname()}\0{os.path.abspath(root)}".encode()).hexdigest()[:16]
 
 
-def supervise_spec(job: JobConfig, job_id: str, gpus: list[int], scheduled: bool = False) -> dict:
+def supervise_spec(job: JobConfig, job_id: str, gpus: list[int], scheduled: bool = False,
+                   members: list[dict] | None = None) -> dict:  # fmt: skip
     """What the job's supervisor (agent/supervise.py) needs: where the job runs, how to restart it, its policy. A
     Slurm job's supervisor runs on the login node (the batch script's processes end with the allocation: they could
-    not resubmit it)."""
-    return {"session": node_session(job_id, None), "job_id": node_tag(job_id, 0), "tmux_socket": tmux_socket(),
+    not resubmit it). A job over several hosts: the head's, with `members` (member_spec) it probes and restarts."""
+    many = {"members": members, "host": job.nodes[0].host} if members else {}
+    return {"session": node_session(job_id, None), "job_id": node_tag(job_id, 0), "tmux_socket": tmux_socket(), **many,
             **({"scheduler": "slurm"} if scheduled else {}),
             "grace_s": job.kill_grace_s, "args": ["--resume"] if job.trainer is not None else [],
             "is_trainer": job.trainer is not None, "gpus": gpus,
             "watch": job.watch.model_dump(mode="json", exclude={"notify"}),
             "notify": job.watch.notify.model_dump(mode="json")}  # fmt: skip (0600: the supervisor pages the user)
+
+
+# the head's ssh to a member: never a prompt (BatchMode), never a host key taken on trust, a dead link seen in 30 s
+HEAD_SSH = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", "ServerAliveInterval=15",
+            "-o", "ServerAliveCountMax=2"]  # fmt: skip
+
+
+def member_spec(job_id: str, place: NodePlace, host: HostConfig, node, head: HostConfig, run_dir: str) -> dict:
+    """How the head's supervisor reaches node `place` (`node`: its job-file entry, NodeSpec): its run dir, session,
+    tag, Python, container prefix, and `reach`, the argv that runs a command there from the head (null: it cannot,
+    with `why_not`). By default the node's HostName, port and user as this machine resolves them: the head's own
+    ssh config, keys and known_hosts must allow it; `reach:` names the destination as the head sees it."""
+    spec = {"node": place.rank, "host": host.name, "run_dir": run_dir, "session": node_session(job_id, place),
+            "job_id": node_tag(job_id, place.rank), "python": host.python, "tmux_socket": tmux_socket(),
+            "prefix": container_prefix(host), "gpus": list(place.gpus)}  # fmt: skip
+    ssh = [*HEAD_SSH, "-o", f"ConnectTimeout={max(1, round(host.connect_timeout))}",
+           *(["-F", node.reach_ssh_config] if node.reach_ssh_config else [])]  # fmt: skip
+    if node.reach == "none":
+        return {**spec, "reach": None, "why_not": "`reach: none` in the job file: not probed from the head"}
+    if node.reach:
+        return {**spec, "reach": [*ssh, "--", node.reach]}
+    if host.is_local:
+        ok = head.is_local  # the same machine as the head; a remote head cannot know where `local` is
+        return {**spec, "reach": [] if ok else None, "why_not": "a `local` node is not reachable from a remote head"}
+    from dflashctl.remote.ssh import resolve_ssh_target
+
+    t = resolve_ssh_target(host)
+    return {**spec, "reach": [*ssh, "-p", str(t.port), "-l", t.user, "--", t.hostname]}
 
 
 def call_agent(
