@@ -140,7 +140,7 @@ def close_session(session: str) -> None:
     _run([*TMUX, "kill-session", "-t", f"={session}"])
 
 
-def close_when_dead(session: str, wait_s: float = 15.0) -> bool:
+def close_when_dead(session: str, wait_s: float = 30.0) -> bool:
     """Close a job's session once its pane is dead. The launcher writes `exit_code` a moment before it exits, so a
     caller that saw the exit status waits here (bounded) for the pane to die: closing a live pane would cut the
     launcher's last clean-up. True when the session is gone."""
