@@ -130,4 +130,12 @@ class Heartbeat:
                     pass
 
     def stop(self) -> None:
+        """The last beat carries the last step and phase (a run shorter than one interval, or a loaded host, would
+        otherwise leave an older one); written after the thread ended, so no two writers share the temp file."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=max(5.0, 2 * self.interval))
+        try:
+            self.beat()
+        except OSError:
+            pass  # a full disk or a removed run dir: the last periodic beat stays
