@@ -6,7 +6,8 @@ applies the supervisor's word and returns a `Report`: the verdict, the figures, 
 the one JSON schema of their `--json` (docs/cli-json.md): one name per figure.
 
 Time: "how long since" is measured on the asker's own monotonic clock wherever the asker has looked before (a
-clock stepped by hours changes no age); a first look has only the remote's wall stamps, clamped as fold.py does.
+clock stepped by hours changes no age); a first look takes the ages the remote measured on its own monotonic clock
+(fold.py; its wall stamps, clamped, only where it sent none).
 The supervisor's liveness is its heartbeat: a counter it rewrites every sample, judged stale by the asker's own
 looks (unchanged for longer than STALE_INTERVALS of its intervals) or by the remote's own monotonic age of it.
 Stdlib only: shipped inside the agent for the supervisor (Python 3.8).
