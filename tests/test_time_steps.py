@@ -203,3 +203,24 @@ def test_a_monotonic_stamp_after_now_is_no_evidence(tmp_path):
     (run / "progress.json").write_text(json.dumps(hist))
     got = agent_snapshot.update_progress(str(run), now + 10, history_snap(run, now), [], -1, mono + 10.0)
     assert got["activity_age_s"] >= 10.0, got
+
+
+def test_a_clock_stepped_back_under_a_young_attempt_loses_none_of_its_steps(tmp_path):
+    """The clock steps back 1 h ten minutes into an attempt: the trainer's next step record is stamped before the
+    attempt's (wall) start. The history reads on from where it stopped, so the step is this attempt's: it is seen,
+    and its age is the monotonic one (the old code skipped it as an earlier attempt's: no new step, STALLED)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train.log").write_text("tick\n")
+    now, mono = time.time(), time.monotonic()
+    metrics = run / "metrics.jsonl"
+    metrics.write_text(json.dumps({"step": 4, "time": now - 700.0}) + "\n"  # an earlier attempt's
+                       + json.dumps({"step": 5, "time": now - 10.0}) + "\n")  # fmt: skip
+    look = {"session": {"exists": True, "created": now - 600.0}, "procs": [], "log": {"size": 5}}
+    first = agent_snapshot.update_progress(str(run), now, look, [], -1, mono)
+    assert first["step"] == 5
+    back = now - 3600.0 + 30.0  # 30 s later, the wall clock 1 h behind
+    with metrics.open("a") as f:
+        f.write(json.dumps({"step": 6, "time": back - 5.0}) + "\n")
+    later = agent_snapshot.update_progress(str(run), back, look, [], -1, mono + 30.0)
+    assert later["step"] == 6 and later["step_age_s"] <= 30.0, later

@@ -395,14 +395,18 @@ def _believable(prev: dict, attempt, attempt_start: float, now: float) -> dict:
 
 def step_of(run_dir: str, prev: dict, cur: dict, read: dict | None = None, attempt_start: float = 0.0) -> None:
     """The newest step record of metrics.jsonl, read on from where the history last stopped; `read` is this probe's
-    own read of the file when it started at that same offset (a long watch: the file is not read twice a poll). A
-    record from before the attempt started is an earlier attempt's: a restarted job has not stepped until its own."""
+    own read of the file when it started at that same offset (a long watch: the file is not read twice a poll). On
+    the attempt's first read, a record from before the attempt started is an earlier attempt's: a restarted job has
+    not stepped until its own. Later reads go on from where this attempt's history stopped, so every record there is
+    this attempt's whatever its stamp says (a clock stepped back under a young attempt dates its new steps before
+    the attempt's start)."""
+    first = "metrics_offset" not in prev
     got = read or read_metrics(os.path.join(run_dir, "metrics.jsonl"), int(prev.get("metrics_offset") or 0), 1 << 20)
     cur["metrics_offset"] = got["offset"]
     for rec in got["records"]:
         step = rec.get("step")
         t = rec.get("time")
-        if isinstance(t, (int, float)) and t < attempt_start - 1:
+        if first and isinstance(t, (int, float)) and t < attempt_start - 1:
             continue
         if "event" not in rec and type(step) is int:
             cur["step_value"], cur["step_time"] = step, rec.get("time")
