@@ -19,7 +19,11 @@ from tests.test_launch import cli_json, status_json, wait_until, write_project
 from tests.test_one_decider import swap_supervisor, verdict
 from tests.test_safety import job_file, run_dir_of, starts
 
-TICKING = "while true; do echo tick; sleep 0.3; done"  # a healthy command job: its log grows
+# a healthy job that steps like a trainer: a step record in metrics.jsonl and a heartbeat (written whole) each 0.3 s
+STEPPING = ('i=0; while true; do i=$((i+1)); t=$(date +%s.%N); r="$DFLASHCTL_RUN_DIR"; '
+            'echo "{\\"step\\": $i, \\"time\\": $t, \\"loss\\": 1.0}" >> "$r/metrics.jsonl"; '
+            'echo "{\\"time\\": $t, \\"step\\": $i, \\"phase\\": \\"train\\"}" > "$r/hb.tmp"; '
+            'mv "$r/hb.tmp" "$r/heartbeat"; echo tick; sleep 0.3; done')
 
 
 @pytest.fixture(scope="module")
@@ -51,16 +55,16 @@ def proj(client, tmp_path, shift_file):
 @pytest.mark.parametrize("step_s", [7200, -3600])
 def test_status_and_watch_once_right_after_a_clock_step_say_running(proj, shift_file, step_s):
     """The remote's wall clock steps 2 h forward (or 1 h back) under a healthy job, and `status` and `watch --once`
-    look at once, before the supervisor's next sample (its interval is 30 s): both say RUNNING, and nothing is
-    restarted. The old code's one-shot look subtracted the log's wall mtime from the stepped now: "no sign of
-    progress for 7200 s", STALLED.
+    look at once, before the supervisor's next sample (its interval is 30 s): both say RUNNING with the step's and
+    the heartbeat's true ages, and nothing is restarted. The old code's one-shot look subtracted the newest step's
+    wall stamp from the stepped now: "no new step for 7200 s", STALLED.
 
     The wall clock is faked (DFLASHCTL_TEST_WALL_SHIFT_FILE: the agent's tests-only hook, read by the probe and the
     supervisor alike; monotonic time is untouched), because a real clock step cannot be made here without
     disturbing every other process on the machine."""
     extra = ("watch: {interval_s: 30, backoff_s: 0, max_restarts: 1, restart_on: [STALLED, CRASHED], "
              "stall_after_s: 20}\n")
-    job_id = cli_json("launch", job_file(proj, "steady", TICKING, extra))["id"]
+    job_id = cli_json("launch", job_file(proj, "steady", STEPPING, extra))["id"]
     run = run_dir_of(job_id)
     sup = swap_supervisor(run, shift_file)
     try:
@@ -68,7 +72,8 @@ def test_status_and_watch_once_right_after_a_clock_step_say_running(proj, shift_
         assert status_json(job_id)["state"] == "RUNNING"  # a look before the step: the history has this attempt
         shift_file.write_text(str(step_s))
         st = status_json(job_id)
-        assert st["state"] == "RUNNING", st
+        assert st["state"] == "RUNNING" and st["step"], st
+        assert st["heartbeat_age_s"] is not None and st["heartbeat_age_s"] < 60, st  # not 7200
         once = run_cli("watch", job_id, "--once", "--json")
         assert once.code == 0, once.stdout + once.stderr
         assert json.loads(once.stdout.splitlines()[-1])["state"] == "RUNNING"
@@ -144,9 +149,9 @@ def test_the_startup_budget_and_a_command_jobs_quiet_are_monotonic_ages():
     assert Judge("j", "h", th).take(s).state == "STALLED"  # the wall's difference: 7230 s, past the budget
 
 
-@pytest.mark.parametrize("bad", [-5.0, "7", True, None, float("nan")])
+@pytest.mark.parametrize("bad", [-5.0, "7", True, None, float("nan"), float("inf"), [1.0]])
 def test_a_malformed_age_is_no_age(bad):
-    """A negative, string, bool or NaN age is ignored: the wall stamps judge, clamped as before."""
+    """A negative, string, bool, list, NaN or infinite age is ignored: the wall stamps judge, clamped as before."""
     r = Judge("j", "h", facts.Thresholds(stall_after_s=60.0)).take(snap(2002.0 + 7200, step_age_s=bad))
     assert r.state == "STALLED", r
 

@@ -25,9 +25,9 @@ def number(value) -> float | None:
 
 
 def age_of(prog: dict, key: str) -> float | None:
-    """An age the remote measured on its monotonic clock, or None (absent, malformed, negative)."""
+    """An age the remote measured on its monotonic clock, or None (absent, malformed, negative, not finite)."""
     a = number(prog.get(key))
-    return a if a is not None and a >= 0 else None
+    return a if a is not None and 0 <= a < float("inf") else None
 
 
 def provable(t, h: History) -> float | None:
