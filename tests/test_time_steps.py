@@ -149,6 +149,25 @@ def test_the_startup_budget_and_a_command_jobs_quiet_are_monotonic_ages():
     assert Judge("j", "h", th).take(s).state == "STALLED"  # the wall's difference: 7230 s, past the budget
 
 
+@pytest.mark.parametrize("trainer", [True, False])
+def test_a_long_watch_of_a_frozen_job_stalls_on_the_remotes_ages(trainer):
+    """A long watch (one Judge, its own monotonic clock) of a job that stopped moving: the remote's monotonic ages
+    grow with every poll, and the watch says STALLED once they pass the limit, whatever the wall clock does between
+    polls (here it steps 2 h forward halfway); the ages are not taken for fresh changes at every poll."""
+    th = facts.Thresholds(stall_after_s=60.0, heartbeat_max_age_s=1e9)
+    j = Judge("j", "h", th, is_trainer=trainer)
+    states = []
+    for i in range(8):  # a poll each 10 s on both clocks; the quiet began 3.3 s before the first
+        wall = 2010.0 + 10 * i + (7200 if i >= 4 else 0)
+        s = snap(wall, step_age_s=3.3 + 10 * i, heartbeat_age_s=3.3 + 10 * i, attempt_age_s=1010.0 + 10 * i,
+                 activity_age_s=3.3 + 10 * i, activity="log grew", activity_at=2006.7)  # fmt: skip
+        if not trainer:
+            s["progress"].pop("step")
+            s["metrics"] = {"records": []}
+        states.append(j.take(s, 100.0 + 10 * i).state)
+    assert states == ["RUNNING"] * 6 + ["STALLED"] * 2, states
+
+
 @pytest.mark.parametrize("bad", [-5.0, "7", True, None, float("nan"), float("inf"), [1.0]])
 def test_a_malformed_age_is_no_age(bad):
     """A negative, string, bool, list, NaN or infinite age is ignored: the wall stamps judge, clamped as before."""
