@@ -17,6 +17,7 @@ from dflashctl.judge.report import Judge
 from tests.conftest import run_cli, start_sshd
 from tests.test_launch import cli_json, status_json, wait_until, write_project
 from tests.test_one_decider import swap_supervisor, verdict
+from tests.test_records import ls
 from tests.test_safety import job_file, run_dir_of, starts
 
 # a healthy job that steps like a trainer: a step record in metrics.jsonl and a heartbeat (written whole) each 0.3 s
@@ -54,10 +55,10 @@ def proj(client, tmp_path, shift_file):
 
 @pytest.mark.parametrize("step_s", [7200, -3600])
 def test_status_and_watch_once_right_after_a_clock_step_say_running(proj, shift_file, step_s):
-    """The remote's wall clock steps 2 h forward (or 1 h back) under a healthy job, and `status` and `watch --once`
-    look at once, before the supervisor's next sample (its interval is 30 s): both say RUNNING with the step's and
-    the heartbeat's true ages, and nothing is restarted. The old code's one-shot look subtracted the newest step's
-    wall stamp from the stepped now: "no new step for 7200 s", STALLED.
+    """The remote's wall clock steps 2 h forward (or 1 h back) under a healthy job, and `status`, `watch --once` and
+    `ls --refresh` look at once, before the supervisor's next sample (its interval is 30 s): all say RUNNING, with
+    the step's and the heartbeat's true ages, and nothing is restarted. The old code's one-shot look subtracted the
+    heartbeat's and the newest step's wall stamps from the stepped now: STALLED, the heartbeat 7200 s old.
 
     The wall clock is faked (DFLASHCTL_TEST_WALL_SHIFT_FILE: the agent's tests-only hook, read by the probe and the
     supervisor alike; monotonic time is untouched), because a real clock step cannot be made here without
@@ -77,7 +78,7 @@ def test_status_and_watch_once_right_after_a_clock_step_say_running(proj, shift_
         once = run_cli("watch", job_id, "--once", "--json")
         assert once.code == 0, once.stdout + once.stderr
         assert json.loads(once.stdout.splitlines()[-1])["state"] == "RUNNING"
-        assert status_json(job_id)["state"] == "RUNNING"
+        assert ls("--refresh")[job_id]["state"] == "RUNNING"
         assert not (run / "restarts").exists() and starts(run) == 1
     finally:
         assert run_cli("kill", job_id).code == 0
