@@ -169,6 +169,16 @@ def test_a_long_watch_of_a_frozen_job_stalls_on_the_remotes_ages(trainer):
     assert states == ["RUNNING"] * 6 + ["STALLED"] * 2, states
 
 
+def test_a_kill_in_progress_is_not_presumed_dead_by_a_stepped_clock():
+    """`dflashctl kill` asked 5 s ago (the remote's monotonic age of its request) and the wall clock then stepped 2 h
+    forward: STOPPING, not KILL_FAILED ("requested 7200 s ago, no result"); without that age the wall judges."""
+    s = snap(2000.0 + 7200, stop_age_s=5.0)
+    s["stop_request"] = {"time": 1995.0}
+    assert Judge("j", "h", facts.Thresholds()).take(s).state == "STOPPING"
+    s["progress"].pop("stop_age_s")
+    assert Judge("j", "h", facts.Thresholds()).take(s).state == "KILL_FAILED"
+
+
 @pytest.mark.parametrize("bad", [-5.0, "7", True, None, float("nan"), float("inf"), [1.0]])
 def test_a_malformed_age_is_no_age(bad):
     """A negative, string, bool, list, NaN or infinite age is ignored: the wall stamps judge, clamped as before."""
@@ -249,3 +259,18 @@ def test_a_clock_stepped_back_under_a_young_attempt_loses_none_of_its_steps(tmp_
         f.write(json.dumps({"step": 6, "time": back - 5.0}) + "\n")
     later = agent_snapshot.update_progress(str(run), back, look, [], -1, mono + 30.0)
     assert later["step"] == 6 and later["step_age_s"] <= 30.0, later
+
+
+def test_the_history_dates_a_stop_request_and_an_exit_on_the_monotonic_clock(tmp_path):
+    """A stop request and an exit status first seen after a 2 h forward step: their ages are bounded by the time
+    since the previous look on the monotonic clock (10 s), not the 2 h their wall stamps claim."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train.log").write_text("tick\n")
+    now, mono = time.time(), time.monotonic()
+    agent_snapshot.update_progress(str(run), now, history_snap(run, now), [], -1, mono)
+    look = {**history_snap(run, now), "stop_request": {"time": now + 1.0}, "exit_code": 143, "exit_time": now + 2.0}
+    got = agent_snapshot.update_progress(str(run), now + 7210, look, [], -1, mono + 10.0)
+    assert got["stop_age_s"] <= 10.0 and got["exit_age_s"] <= 10.0, got
+    again = agent_snapshot.update_progress(str(run), now + 7215, look, [], -1, mono + 15.0)
+    assert again["stop_age_s"] == pytest.approx(got["stop_age_s"] + 5.0)  # one request: dated once

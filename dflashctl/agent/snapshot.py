@@ -152,7 +152,7 @@ CPU_MOVED_S = 0.2  # CPU seconds a poll must see the job use to count as progres
 CPU_SAMPLE_S = 0.3  # a first look's CPU sample
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
-SIGNS = ("heartbeat", "log_size", "cpu_s", "gpu", "step", "exit")  # the history's entries, each a sign's last change
+SIGNS = ("heartbeat", "log_size", "cpu_s", "gpu", "step", "exit", "stop")  # each a sign's last change, or first
 
 
 def wall_clock_hook() -> None:
@@ -237,15 +237,15 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
                     mono: float | None = None) -> dict:  # fmt: skip
     """When each sign of progress last changed, kept in RUN/progress.json and updated by every probe (the supervisor,
     status, watch, a second watcher, a cron job): the heartbeat's content, the log's size, the job's CPU time, its
-    GPUs' activity, the newest step and the exit status. Each change is kept twice: on the wall clock (shown) and
-    on this machine's monotonic clock with the boot id (measured): a clock stepped by hours moves no age a probe
-    reports (`*_age_s`, monotonic now minus the stamp). A change first seen now happened after the previous look
-    and no later than now: a claimed time (mtime, a record's `time`) is believed only inside that window, on both
-    clocks, so neither a future stamp, a stepped clock nor a first-time reader can make an old sign look fresh or
-    a fresh one old. A stamp of another boot is converted from its wall stamp, clamped, once. A first look measures
-    what one look can (the CPU used over a short sample, mtimes up to now, the launcher's age from /proc). A history
-    that cannot be written is said (`history_error`), and the one-look measures stand. One attempt (launcher pid
-    and start) per history."""
+    GPUs' activity, the newest step, the exit status and a stop request. Each change is kept twice: on the wall
+    clock (shown) and on this machine's monotonic clock with the boot id (measured): a clock stepped by hours moves
+    no age a probe reports (`*_age_s`, monotonic now minus the stamp). A change first seen now happened after the
+    previous look and no later than now: a claimed time (mtime, a record's `time`) is believed only inside that
+    window, on both clocks, so neither a future stamp, a stepped clock nor a first-time reader can make an old sign
+    look fresh or a fresh one old. A stamp of another boot is converted from its wall stamp, clamped, once. A first
+    look measures what one look can (the CPU used over a short sample, mtimes up to now, the launcher's age from
+    /proc). A history that cannot be written is said (`history_error`), and the one-look measures stand. One attempt
+    (launcher pid and start) per history."""
     mono = time.monotonic() if mono is None else mono
     boot = boot_id()
     path = os.path.join(run_dir, PROGRESS)
@@ -289,8 +289,12 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
         attempt_mono = min(attempt_mono, mono)
         if seen_mono is not None:
             seen_mono = max(seen_mono, attempt_mono)
+        # the signs the previous look noted whenever present: one of them absent then appeared since (an older
+        # agent's history did not note them all: there, a sign first seen may be as old as the attempt)
+        tracked = clock.get("notes") if isinstance(clock, dict) and isinstance(clock.get("notes"), list) else []
         cur = dict(prev, attempt=attempt, attempt_start=attempt_start, seen_at=now,
-                   clock={"boot": boot, "seen": round(mono, 3), "attempt": round(attempt_mono, 3)})  # fmt: skip
+                   clock={"boot": boot, "seen": round(mono, 3), "attempt": round(attempt_mono, 3),
+                          "notes": list(SIGNS)})  # fmt: skip
 
         def placed(changed_at: float, bound: float | None) -> dict:
             """A change's two stamps: the wall one as claimed (clamped), the monotonic one no earlier than `bound`
@@ -304,7 +308,7 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
             changed = moved(old["value"]) if moved and isinstance(old, dict) else (
                 not isinstance(old, dict) or old.get("value") != value)
             if changed:
-                since, bound = (attempt_start, None) if old is None else (lo, seen_mono)
+                since, bound = (attempt_start, None) if old is None and key not in tracked else (lo, seen_mono)
                 cur[key] = {"value": value, **placed(_clamp(claimed, since, now), bound)}
 
         if isinstance(hb, dict):
@@ -331,6 +335,9 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
             cur["step"] = {"value": cur.get("step_value"), **placed(_clamp(cur.get("step_time"), since, now), bound)}
         if isinstance(snap.get("exit_code"), int):
             note("exit", snap["exit_code"], snap.get("exit_time"))
+        if isinstance(snap.get("stop_request"), dict):  # `dflashctl kill`'s request: how long its kill has taken
+            asked = snap["stop_request"].get("time")
+            note("stop", asked, asked)
         for key in SIGNS:  # a stamp kept from another boot, or before the attempt: from its wall stamp, clamped
             entry = cur.get(key)
             if isinstance(entry, dict) and isinstance(entry.get("changed_at"), (int, float)):
@@ -367,6 +374,7 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
         "activity_age_s": known[last] if last else round(max(0.0, mono - attempt_mono), 2),
         "step_age_s": age("step"),
         "exit_age_s": age("exit"),
+        "stop_age_s": age("stop"),
         **({"history_error": error} if error else {}),
     }
 

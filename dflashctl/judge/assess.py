@@ -304,7 +304,8 @@ def _stopped(h: History) -> Verdict:
               f"session closed: {res.get('session_closed')}"]  # fmt: skip
         return _verdict("KILL_FAILED", "`dflashctl kill` could not verify that the job is gone", ev, h)
     asked = h.stop_request.get("time") if h.stop_request else None
-    if isinstance(asked, (int, float)) and h.now - asked > h.kill_grace_s + STOP_RESULT_GRACE_S:
-        ev = [f"stop requested {h.now - asked:.0f} s ago, no result recorded"]
+    ago = h.stop_age_s if h.stop_age_s is not None else (h.now - asked if isinstance(asked, (int, float)) else None)
+    if ago is not None and ago > h.kill_grace_s + STOP_RESULT_GRACE_S:  # the remote's monotonic age first
+        ev = [f"stop requested {ago:.0f} s ago, no result recorded"]
         return _verdict("KILL_FAILED", "a kill was requested but never finished", ev, h)
     return _verdict("STOPPING", "a stop was requested (`dflashctl kill`)", [f"stop request at {asked}"], h)

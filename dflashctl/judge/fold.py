@@ -87,6 +87,7 @@ def fold(h: History, snap: dict, job: Job, tail: deque, log_offset: int = 0, met
     h.exit_code = snap.get("exit_code") if isinstance(snap.get("exit_code"), int) else None
     h.exit_time = provable(snap.get("exit_time"), h)
     h.attempt_age_s, h.exit_age_s = age_of(prog, "attempt_age_s"), age_of(prog, "exit_age_s")
+    h.stop_age_s = age_of(prog, "stop_age_s")
     stop, result = snap.get("stop_request"), snap.get("stop_result")
     h.stop_request = stop if isinstance(stop, dict) else None
     h.stop_result = result if isinstance(result, dict) else None
