@@ -45,7 +45,7 @@ from .common import RESTARTS, STOP_REQUEST, STOP_RESULT, WRAPPER_PID, start_time
 from .files import history, pull_files, read_chunk, read_heartbeat, read_metrics, read_new, tail_lines  # noqa: F401
 from .gpus import APP_FIELDS, GPU_FIELDS, gpu_holders, parse_apps_csv, parse_gpu_csv, read_gpus  # noqa: F401
 from .procs import TMUX, has_job_tag, job_processes, launcher_of, proc_table  # noqa: F401
-from .snapshot import snapshot, update_progress  # noqa: F401
+from .snapshot import snapshot, update_progress, wall_clock_hook  # noqa: F401
 from .starting import (  # noqa: F401
     AGENT_FILE,
     MIN_FREE_GIB,
@@ -76,6 +76,7 @@ def main() -> int:
         req = {}
     if req.get("tmux_socket"):
         TMUX[2] = req["tmux_socket"]
+    wall_clock_hook()  # tests only: a faked wall clock (DFLASHCTL_TEST_WALL_SHIFT_FILE), as the supervisor's
     if len(sys.argv) > 3:  # GPU readings taken on the container's host by the same command
         req["gpu_csv"], req["apps_csv"] = sys.argv[2], sys.argv[3]
     action = req.get("action", "snapshot")

@@ -1,5 +1,9 @@
 """One look at a job (`snapshot`, what every poll asks), and the run dir's progress history it keeps: when each sign of
-progress last changed, on this clock; the host's memory and GPU-driver reports. Part of the remote agent."""
+progress last changed, on this machine's monotonic clock (its wall stamps are only shown); the host's memory and
+GPU-driver reports. Part of the remote agent.
+
+A test may shift this process's wall clock (DFLASHCTL_TEST_WALL_SHIFT_FILE, `wall_clock_hook`): a real clock step
+needs privileges a test machine cannot spend. Only the shown stamps may move with it."""
 
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from .common import (
     locked,
     read_int,
     read_json,
+    start_time,
     write_atomic,
 )
 from .files import checkpoint_dirs, read_heartbeat, read_metrics, read_new, run_figures
@@ -39,7 +44,7 @@ def append_gpu_sample(run_dir: str, gpu: dict, indices: list[int]) -> None:
 
 
 def snapshot(req: dict) -> dict:
-    now = time.time()
+    now, mono = time.time(), time.monotonic()
     run_dir = req.get("run_dir")
     snap: dict = {"time": now, "run_dir": run_dir, "run_dir_exists": bool(run_dir and os.path.isdir(run_dir))}
     # the restart count first: a restart between this read and the reads below leaves an older count beside the new
@@ -95,7 +100,7 @@ def snapshot(req: dict) -> dict:
     if run_dir and snap["run_dir_exists"]:
         snap["supervisor"] = supervision.state(run_dir)
         snap["progress"] = update_progress(run_dir, now, snap, list(req.get("job_gpus") or []),
-                                           int(req.get("metrics_offset", 0)))  # fmt: skip
+                                           int(req.get("metrics_offset", 0)), mono)  # fmt: skip
         snap["host_oom"] = host_oom(run_dir, snap)
     if req.get("figures") and run_dir and snap["run_dir_exists"]:  # `status`: the run's numbers, as `report` has them
         snap["figures"] = run_figures(run_dir)
@@ -146,6 +151,60 @@ PROGRESS = "progress.json"
 CPU_MOVED_S = 0.2  # CPU seconds a poll must see the job use to count as progress
 CPU_SAMPLE_S = 0.3  # a first look's CPU sample
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+SIGNS = ("heartbeat", "log_size", "cpu_s", "gpu", "step", "exit", "stop")  # each a sign's last change, or first
+
+
+def wall_clock_hook() -> None:
+    """Tests only: shift this process's wall clock by the seconds written in the file DFLASHCTL_TEST_WALL_SHIFT_FILE
+    names (read at every call, so a test can step it while the process runs). Monotonic time is never touched."""
+    path = os.environ.get("DFLASHCTL_TEST_WALL_SHIFT_FILE")
+    if not path or getattr(time.time, "shifted", False):
+        return
+    real = time.time
+
+    def shifted() -> float:
+        try:
+            with open(path) as f:
+                return real() + float(f.read().strip() or 0)
+        except (OSError, ValueError):
+            return real()
+
+    shifted.shifted = True  # type: ignore[attr-defined]
+    time.time = shifted
+
+
+def boot_id() -> str | None:
+    """This boot's id: a monotonic stamp is comparable with this machine's monotonic now only within one boot."""
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def launcher_mono(wrapper, mono_now: float) -> float | None:
+    """When the attempt's launcher started, on the monotonic clock: its start time in /proc (clock ticks since boot)
+    against /proc/uptime, both free of the wall clock; only while it runs (the pid and start time still name it, so
+    it is this boot's). Uptime counts a suspend that monotonic time does not: an attempt reads older, never younger."""
+    if not isinstance(wrapper, dict) or not isinstance(wrapper.get("pid"), int) or not isinstance(
+            wrapper.get("start"), int) or start_time(wrapper["pid"]) != wrapper["start"]:  # fmt: skip
+        return None
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    age = uptime - wrapper["start"] / CLK_TCK
+    return mono_now - age if age >= 0 else None
+
+
+def _mono_of(entry, boot: str | None, mono_now: float, key: str = "mono") -> float | None:
+    """A monotonic stamp kept in the history, if it can be compared with now: taken in this boot, not after now."""
+    if not isinstance(entry, dict) or entry.get("boot") != boot:
+        return None
+    m = entry.get(key)
+    return float(m) if isinstance(m, (int, float)) and not isinstance(m, bool) and m <= mono_now + 1 else None
 
 
 def _clamp(t, lo: float, hi: float) -> float:
@@ -174,15 +233,21 @@ def _cpu_moving(procs: list[dict], launcher, wait_s: float = CPU_SAMPLE_S) -> bo
     return total() > before + 0.02
 
 
-def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], metrics_from: int = -1) -> dict:
-    """When each sign of progress last changed, on this clock, kept in RUN/progress.json and updated by every probe
-    (the supervisor, status, watch, a second watcher, a cron job): the heartbeat's content, the log's size, the job's
-    CPU time, its GPUs' activity and the newest step. A change first seen now happened after the previous look and
-    no later than now: a claimed time (mtime, a record's `time`, a stamp read back from the file) is believed only
-    inside that window, so neither a future stamp nor a first-time reader can make an old sign look fresh. A first
-    look measures what one look can (the CPU used over a short sample, mtimes up to now). A history that cannot be
-    written is said (`history_error`), and the one-look measures stand. One attempt (launcher pid and start) per
-    history."""
+def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], metrics_from: int = -1,
+                    mono: float | None = None) -> dict:  # fmt: skip
+    """When each sign of progress last changed, kept in RUN/progress.json and updated by every probe (the supervisor,
+    status, watch, a second watcher, a cron job): the heartbeat's content, the log's size, the job's CPU time, its
+    GPUs' activity, the newest step, the exit status and a stop request. Each change is kept twice: on the wall
+    clock (shown) and on this machine's monotonic clock with the boot id (measured): a clock stepped by hours moves
+    no age a probe reports (`*_age_s`, monotonic now minus the stamp). A change first seen now happened after the
+    previous look and no later than now: a claimed time (mtime, a record's `time`) is believed only inside that
+    window, on both clocks, so neither a future stamp, a stepped clock nor a first-time reader can make an old sign
+    look fresh or a fresh one old. A stamp of another boot is converted from its wall stamp, clamped, once. A first
+    look measures what one look can (the CPU used over a short sample, mtimes up to now, the launcher's age from
+    /proc). A history that cannot be written is said (`history_error`), and the one-look measures stand. One attempt
+    (launcher pid and start) per history."""
+    mono = time.monotonic() if mono is None else mono
+    boot = boot_id()
     path = os.path.join(run_dir, PROGRESS)
     wrapper = read_json(os.path.join(run_dir, WRAPPER_PID))
     attempt = [wrapper.get("pid"), wrapper.get("start")] if isinstance(wrapper, dict) else None
@@ -214,15 +279,37 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
         prev = _believable(prev, attempt, attempt_start, now) if isinstance(prev, dict) else {}
         seen = prev.get("seen_at")
         lo = float(seen) if isinstance(seen, (int, float)) else attempt_start
-        cur = dict(prev, attempt=attempt, attempt_start=attempt_start, seen_at=now)
+        clock = prev.get("clock")
+        seen_mono = _mono_of(clock, boot, mono, "seen")
+        attempt_mono = launcher_mono(wrapper, mono)
+        if attempt_mono is None:
+            attempt_mono = _mono_of(clock, boot, mono, "attempt")
+        if attempt_mono is None:  # converted once from the wall clock, clamped: a stepped clock moves it no more
+            attempt_mono = mono - max(0.0, now - attempt_start)
+        attempt_mono = min(attempt_mono, mono)
+        if seen_mono is not None:
+            seen_mono = max(seen_mono, attempt_mono)
+        # the signs the previous look noted whenever present: one of them absent then appeared since (an older
+        # agent's history did not note them all: there, a sign first seen may be as old as the attempt)
+        tracked = clock.get("notes") if isinstance(clock, dict) and isinstance(clock.get("notes"), list) else []
+        cur = dict(prev, attempt=attempt, attempt_start=attempt_start, seen_at=now,
+                   clock={"boot": boot, "seen": round(mono, 3), "attempt": round(attempt_mono, 3),
+                          "notes": list(SIGNS)})  # fmt: skip
+
+        def placed(changed_at: float, bound: float | None) -> dict:
+            """A change's two stamps: the wall one as claimed (clamped), the monotonic one no earlier than `bound`
+            (the previous look, or the attempt's start): the wall's age is believed only up to that."""
+            lower = attempt_mono if bound is None else bound
+            age = min(max(0.0, now - changed_at), max(0.0, mono - lower))
+            return {"changed_at": changed_at, "mono": round(mono - age, 3), "boot": boot}
 
         def note(key: str, value, claimed, moved=None) -> None:
             old = prev.get(key)
             changed = moved(old["value"]) if moved and isinstance(old, dict) else (
                 not isinstance(old, dict) or old.get("value") != value)
             if changed:
-                since = attempt_start if old is None else lo
-                cur[key] = {"value": value, "changed_at": _clamp(claimed, since, now)}
+                since, bound = (attempt_start, None) if old is None and key not in tracked else (lo, seen_mono)
+                cur[key] = {"value": value, **placed(_clamp(claimed, since, now), bound)}
 
         if isinstance(hb, dict):
             claim = hb.get("mtime") if not hb.get("future") else hb.get("time")
@@ -234,47 +321,75 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
         note("cpu_s", cpu, now, moved=lambda old: cpu > old + CPU_MOVED_S or cpu < old)
         if not isinstance(prev.get("cpu_s"), dict):  # a first look: CPU used so far proves no time; a sample does
             moving = _cpu_moving(snap.get("procs", []), launcher) if cpu > CPU_MOVED_S else False
-            cur["cpu_s"] = {"value": cpu, "changed_at": now if moving else attempt_start}
+            cur["cpu_s"] = {"value": cpu, **placed(now if moving else attempt_start, None)}
         if snap.get("gpu") is not None:  # `status` reads no GPUs: the history keeps what others saw
-            old_mem = (prev.get("gpu") or {}).get("value")
+            old_gpu = prev.get("gpu") if isinstance(prev.get("gpu"), dict) else {}
+            old_mem = old_gpu.get("value")
             busy = any(5 < u < 99 for u in utils) or bool(utils and max(utils) >= 99 and old_mem not in (None, mem))
-            cur["gpu"] = {"value": mem, "changed_at": now if busy else (prev.get("gpu") or {}).get("changed_at")}
+            cur["gpu"] = {"value": mem, **placed(now, None)} if busy else {**old_gpu, "value": mem}
+            cur["gpu"].setdefault("changed_at", None)
         step_of(run_dir, prev, cur, snap.get("metrics") if metrics_from == prev.get("metrics_offset", 0) else None,
                 attempt_start)  # fmt: skip
         if cur.get("step_value") != prev.get("step_value"):
-            cur["step"] = {"value": cur.get("step_value"), "changed_at": _clamp(cur.get("step_time"),
-                           attempt_start if "step" not in prev else lo, now)}  # fmt: skip
+            since, bound = (attempt_start, None) if "step" not in prev else (lo, seen_mono)
+            cur["step"] = {"value": cur.get("step_value"), **placed(_clamp(cur.get("step_time"), since, now), bound)}
+        if isinstance(snap.get("exit_code"), int):
+            note("exit", snap["exit_code"], snap.get("exit_time"))
+        if isinstance(snap.get("stop_request"), dict):  # `dflashctl kill`'s request: how long its kill has taken
+            asked = snap["stop_request"].get("time")
+            note("stop", asked, asked)
+        for key in SIGNS:  # a stamp kept from another boot, or before the attempt: from its wall stamp, clamped
+            entry = cur.get(key)
+            if isinstance(entry, dict) and isinstance(entry.get("changed_at"), (int, float)):
+                m = _mono_of(entry, boot, mono)
+                if m is None:
+                    cur[key] = {**entry, **placed(float(entry["changed_at"]), None)}
+                elif m < attempt_mono:
+                    cur[key] = {**entry, "mono": round(attempt_mono, 3)}
         if error is None:
             try:
                 write_atomic(path, json.dumps(cur, separators=(",", ":")).encode())
             except OSError as e:
                 error = f"{type(e).__name__}: {e.strerror or e}"
-    signs = {name: (cur.get(key) or {}).get("changed_at")
-             for name, key in (("log grew", "log_size"), ("CPU time", "cpu_s"), ("GPU busy", "gpu"))}
-    known = {k: v for k, v in signs.items() if isinstance(v, (int, float))}
-    last = max(known, key=known.get) if known else None
+
+    def age(key: str) -> float | None:
+        m = _mono_of(cur.get(key), boot, mono)
+        return round(max(0.0, mono - m), 2) if m is not None else None
+
+    signs = {name: age(key) for name, key in (("log grew", "log_size"), ("CPU time", "cpu_s"), ("GPU busy", "gpu"))}
+    known = {k: v for k, v in signs.items() if v is not None}
+    last = min(known, key=known.get) if known else None
+    last_key = {"log grew": "log_size", "CPU time": "cpu_s", "GPU busy": "gpu"}.get(last or "")
     return {
         "attempt_start": cur.get("attempt_start"),
         "heartbeat_changed_at": (cur.get("heartbeat") or {}).get("changed_at"),
-        "activity_at": known[last] if last else cur.get("attempt_start"),
+        "activity_at": (cur.get(last_key) or {}).get("changed_at") if last_key else cur.get("attempt_start"),
         "activity": last or "",
         "step": (cur.get("step") or {}).get("value"),
         "step_changed_at": (cur.get("step") or {}).get("changed_at"),
         "nonfinite_steps": cur.get("nonfinite_steps", 0),
+        # ages on this machine's monotonic clock: what a reader measures with (the stamps above are only shown)
+        "attempt_age_s": round(max(0.0, mono - attempt_mono), 2),
+        "heartbeat_age_s": age("heartbeat"),
+        "activity_age_s": known[last] if last else round(max(0.0, mono - attempt_mono), 2),
+        "step_age_s": age("step"),
+        "exit_age_s": age("exit"),
+        "stop_age_s": age("stop"),
         **({"history_error": error} if error else {}),
     }
 
 
 def _believable(prev: dict, attempt, attempt_start: float, now: float) -> dict:
-    """The stored history of this attempt, with every stamp it cannot prove taken back to the attempt's start: a
-    stamp after now (a skewed or forged file) or before the attempt proves nothing about when a sign moved."""
+    """The stored history of this attempt, with every wall stamp it cannot prove taken back to the attempt's start:
+    a stamp after now (a skewed or forged file, a clock stepped back) or before the attempt proves nothing about
+    when a sign moved. The monotonic stamps beside them are judged apart (`_mono_of`): a wall step leaves them."""
     if prev.get("attempt") != attempt:
         return {}
     out = dict(prev)
     seen = prev.get("seen_at")
     if not isinstance(seen, (int, float)) or isinstance(seen, bool) or not attempt_start - 1 <= seen <= now + 1:
         out.pop("seen_at", None)
-    for key in ("heartbeat", "log_size", "cpu_s", "gpu", "step"):
+    for key in SIGNS:
         entry = prev.get(key)
         if not isinstance(entry, dict):
             out.pop(key, None)
@@ -288,14 +403,18 @@ def _believable(prev: dict, attempt, attempt_start: float, now: float) -> dict:
 
 def step_of(run_dir: str, prev: dict, cur: dict, read: dict | None = None, attempt_start: float = 0.0) -> None:
     """The newest step record of metrics.jsonl, read on from where the history last stopped; `read` is this probe's
-    own read of the file when it started at that same offset (a long watch: the file is not read twice a poll). A
-    record from before the attempt started is an earlier attempt's: a restarted job has not stepped until its own."""
+    own read of the file when it started at that same offset (a long watch: the file is not read twice a poll). On
+    the attempt's first read, a record from before the attempt started is an earlier attempt's: a restarted job has
+    not stepped until its own. Later reads go on from where this attempt's history stopped, so every record there is
+    this attempt's whatever its stamp says (a clock stepped back under a young attempt dates its new steps before
+    the attempt's start)."""
+    first = "metrics_offset" not in prev
     got = read or read_metrics(os.path.join(run_dir, "metrics.jsonl"), int(prev.get("metrics_offset") or 0), 1 << 20)
     cur["metrics_offset"] = got["offset"]
     for rec in got["records"]:
         step = rec.get("step")
         t = rec.get("time")
-        if isinstance(t, (int, float)) and t < attempt_start - 1:
+        if first and isinstance(t, (int, float)) and t < attempt_start - 1:
             continue
         if "event" not in rec and type(step) is int:
             cur["step_value"], cur["step_time"] = step, rec.get("time")

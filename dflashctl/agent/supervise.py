@@ -37,6 +37,7 @@ import time
 from . import members, outbox, probe
 from .common import append_jsonl, read_int, read_json, scrub_secrets, start_time, write_atomic
 from .procs import close_when_dead
+from .snapshot import wall_clock_hook as _test_wall_clock
 from .supervision import BEAT, SPEC, STATE, VERDICT, reserve_final, write_final
 
 MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 60.0
@@ -282,24 +283,6 @@ class Supervisor:
             self.seen = now
             return True
         return False
-
-
-def _test_wall_clock() -> None:
-    """Tests only: shift this process's wall clock by the seconds written in the file the variable names (read at
-    every call, so a test can step it while the supervisor runs). Monotonic time is never touched."""
-    path = os.environ.get("DFLASHCTL_TEST_WALL_SHIFT_FILE")
-    if not path:
-        return
-    real = time.time
-
-    def shifted() -> float:
-        try:
-            with open(path) as f:
-                return real() + float(f.read().strip() or 0)
-        except (OSError, ValueError):
-            return real()
-
-    time.time = shifted
 
 
 def lock_run_dir(run_dir: str) -> int | None:

@@ -453,10 +453,18 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
         last_event=events[-1] if events else None,
         uptime_s=round(time.time() - job.launched_at, 1) if alive else None,
         processes=len(snap.get("procs", [])),
-        heartbeat_age_s=(snap.get("heartbeat") or {}).get("age_s"),
+        heartbeat_age_s=_heartbeat_age(snap),
         # the run's numbers over its whole metrics.jsonl, defined once (agent/files.figures) for status and report
         **{k: fig.get(k) for k in ("mean_tokens_per_s", "first_loss", "elapsed_s")},
     )  # fmt: skip
+
+
+def _heartbeat_age(snap: dict) -> float | None:
+    """How long the trainer's heartbeat has not changed: the remote's monotonic age of it, else its mtime's age."""
+    age = (snap.get("progress") or {}).get("heartbeat_age_s")
+    if isinstance(age, (int, float)) and not isinstance(age, bool):
+        return age
+    return (snap.get("heartbeat") or {}).get("age_s")
 
 
 STATUS_EXTRAS = ("run_dir", "picked", "nodes", "alive", "session", "run_dir_exists", "exit_code", "last_event",

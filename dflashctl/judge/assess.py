@@ -109,7 +109,7 @@ def _ended(h: History, lines: list[str]) -> Verdict:
     found = _crash_record(h, found)
     if found and found.early and h.last_step is not None:  # it trained first: an ordinary crash
         found = Finding("CRASHED", found.reason.split(":")[1].split(";")[0].strip(), found.evidence, found.rank)
-    early = h.last_step is None and (h.is_trainer or (h.now - h.started_at) < EARLY_S)
+    early = h.last_step is None and (h.is_trainer or attempt_age(h) < EARLY_S)
     if found and found.state == "CRASHED" and early and START_ERRORS.match(found.evidence[0]):
         reason = f"failed before its first step: {found.evidence[0].split(':')[0]} (exit {code}); a restart repeats it"
         return _verdict("CONFIG_ERROR", reason, found.evidence, h)
@@ -182,6 +182,11 @@ def assess(h: History, th: Thresholds) -> Verdict:
     return _alive(h, th)
 
 
+def attempt_age(h: History) -> float:
+    """How long the attempt has run: the remote's monotonic age of it, else its wall stamps' difference."""
+    return h.attempt_age_s if h.attempt_age_s is not None else h.now - h.started_at
+
+
 def _alive(h: History, th: Thresholds) -> Verdict:
     """A live job with no failure in sight: STARTING, RUNNING or STALLED, from its progress."""
     if h.heartbeat_age_s is not None and h.heartbeat_age_s > th.heartbeat_max_age_s:
@@ -197,7 +202,7 @@ def _alive(h: History, th: Thresholds) -> Verdict:
         seen = f"{h.activity} {quiet:.0f} s ago" if h.activity else "just started"
         return _verdict("RUNNING", f"alive, {seen} (no metrics.jsonl)", [f"last progress: {seen}"], h)
     if h.last_step is None:
-        waited = h.now - h.started_at
+        waited = attempt_age(h)
         if waited > th.startup_budget_s:
             ev = [f"{waited:.0f} s since start, budget {th.startup_budget_s:.0f} s", f"phase {h.phase}"]
             return _verdict("STALLED", "no first step within the startup budget", ev, h)
@@ -272,9 +277,10 @@ def _settling(h: History) -> Verdict | None:
     if h.exit_code is None or state not in SLURM_ACTIVE:
         return None
     ended = h.exit_time if h.exit_time is not None else h.now
-    if h.now - ended > SLURM_SETTLE_S:
+    ago = h.exit_age_s if h.exit_age_s is not None else max(0.0, h.now - ended)  # the remote's monotonic age first
+    if ago > SLURM_SETTLE_S:
         return None
-    ev = [f"exit_code {h.exit_code} written {max(0.0, h.now - ended):.0f} s ago",
+    ev = [f"exit_code {h.exit_code} written {ago:.0f} s ago",
           f"slurm job {(h.scheduler or {}).get('id')} still {state}"]  # fmt: skip
     return _verdict("RUNNING", f"the command ended (exit {h.exit_code}); waiting for Slurm's word on the job", ev, h)
 
@@ -298,7 +304,8 @@ def _stopped(h: History) -> Verdict:
               f"session closed: {res.get('session_closed')}"]  # fmt: skip
         return _verdict("KILL_FAILED", "`dflashctl kill` could not verify that the job is gone", ev, h)
     asked = h.stop_request.get("time") if h.stop_request else None
-    if isinstance(asked, (int, float)) and h.now - asked > h.kill_grace_s + STOP_RESULT_GRACE_S:
-        ev = [f"stop requested {h.now - asked:.0f} s ago, no result recorded"]
+    ago = h.stop_age_s if h.stop_age_s is not None else (h.now - asked if isinstance(asked, (int, float)) else None)
+    if ago is not None and ago > h.kill_grace_s + STOP_RESULT_GRACE_S:  # the remote's monotonic age first
+        ev = [f"stop requested {ago:.0f} s ago, no result recorded"]
         return _verdict("KILL_FAILED", "a kill was requested but never finished", ev, h)
     return _verdict("STOPPING", "a stop was requested (`dflashctl kill`)", [f"stop request at {asked}"], h)

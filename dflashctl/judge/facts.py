@@ -182,6 +182,9 @@ class History:
     nonfinite_steps: int = 0  # consecutive non-finite steps the trainer skipped
     scheduler: dict | None = None  # a Slurm job's state as the scheduler said it: id, state, reason, nodes, exit
     exit_time: float | None = None  # when exit_code was written, remote clock
+    attempt_age_s: float | None = None  # how long the attempt has run, remote monotonic clock (None: wall stamps)
+    exit_age_s: float | None = None  # since exit_code was first seen, remote monotonic clock (None: exit_time's)
+    stop_age_s: float | None = None  # since the stop request was first seen, likewise (None: its `time`'s)
     history_error: str | None = None  # the run dir's progress history could not be written: one look judges
 
 

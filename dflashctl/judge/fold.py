@@ -4,6 +4,11 @@ The same fold serves every asker: a long `watch`, a one-shot `status`, `ls`, and
 remote. Every value that comes from the job's files is checked for its type (a malformed one is skipped and
 counted), and every time read back is believed only where the reader can prove it: never after the snapshot's
 `now`, never before the attempt started (a stamp outside is no evidence of anything).
+
+Ages come first from the remote's own monotonic clock: the progress history reports how long ago each sign changed
+(`*_age_s`, measured there), and those ages are placed in the snapshot's frame (`now - age`), so that a wall clock
+stepped by hours moves no age, from the first look on. Wall stamps judge only where no such age came (an older
+agent, a stamp from another boot), clamped as above; they stay for display.
 """
 
 from __future__ import annotations
@@ -17,6 +22,12 @@ from .facts import History
 def number(value) -> float | None:
     """A metrics value as a number, or None (a string `loss`, a bool, a list: the record is malformed)."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def age_of(prog: dict, key: str) -> float | None:
+    """An age the remote measured on its monotonic clock, or None (absent, malformed, negative, not finite)."""
+    a = number(prog.get(key))
+    return a if a is not None and 0 <= a < float("inf") else None
 
 
 def provable(t, h: History) -> float | None:
@@ -75,6 +86,8 @@ def fold(h: History, snap: dict, job: Job, tail: deque, log_offset: int = 0, met
     h.run_dir_exists = bool(snap.get("run_dir_exists"))
     h.exit_code = snap.get("exit_code") if isinstance(snap.get("exit_code"), int) else None
     h.exit_time = provable(snap.get("exit_time"), h)
+    h.attempt_age_s, h.exit_age_s = age_of(prog, "attempt_age_s"), age_of(prog, "exit_age_s")
+    h.stop_age_s = age_of(prog, "stop_age_s")
     stop, result = snap.get("stop_request"), snap.get("stop_result")
     h.stop_request = stop if isinstance(stop, dict) else None
     h.stop_result = result if isinstance(result, dict) else None
@@ -143,27 +156,30 @@ def _fold_records(h: History, records: list, out: Folded) -> None:
 
 def _fold_progress(h: History, snap: dict, prog: dict) -> None:
     """Stall and staleness come from the run dir's progress history (kept by the supervisor and every probe): when
-    the heartbeat's content, the log, the CPU time, the GPUs and the newest step last changed, on the remote's clock.
-    A stamp the reader cannot prove is no evidence; a history that could not be written is said, and the probe's
-    own one-look measures stand in for it."""
+    the heartbeat's content, the log, the CPU time, the GPUs and the newest step last changed, as ages on the
+    remote's monotonic clock (else its wall stamps). A stamp the reader cannot prove is no evidence; a history that
+    could not be written is said, and the probe's own one-look measures stand in for it."""
     hb = snap.get("heartbeat")
     h.heartbeat_age_s = None
     if isinstance(hb, dict):
         if hb.get("malformed"):
             h.malformed += 1
         h.phase = hb.get("phase") if isinstance(hb.get("phase"), str) else h.phase
-        changed = provable(prog.get("heartbeat_changed_at"), h)
+        age = age_of(prog, "heartbeat_age_s")
+        changed = h.now - age if age is not None else provable(prog.get("heartbeat_changed_at"), h)
         if "heartbeat_changed_at" in prog and changed is None and h.started_at:
             changed = h.started_at  # a stamp after now: the content is known no fresher than the attempt
         stale = h.started_at and isinstance(hb.get("time"), (int, float)) and hb["time"] < h.started_at - 1
         if changed is not None and not stale and not (h.pane_dead or h.exit_code is not None):
             h.heartbeat_age_s = round(max(0.0, h.now - changed), 2)  # a finished job's heartbeat ages by design
-    at = provable(prog.get("activity_at"), h)
+    age = age_of(prog, "activity_age_s")
+    at = h.now - age if age is not None else provable(prog.get("activity_at"), h)
     h.activity_at = at if at is not None else (h.activity_at or h.started_at or h.now)
     h.activity = str(prog.get("activity") or "")
     step = prog.get("step")
     if isinstance(step, int) and not isinstance(step, bool) and (h.last_step is None or step >= h.last_step):
-        h.step_changed_at = provable(prog.get("step_changed_at"), h)
+        age = age_of(prog, "step_age_s")
+        h.step_changed_at = h.now - age if age is not None else provable(prog.get("step_changed_at"), h)
         if h.step_changed_at is None and h.started_at:
             h.step_changed_at = h.started_at
         if h.last_step is None:  # a reader that started past the records (offsets): the history knows

@@ -6,7 +6,8 @@ applies the supervisor's word and returns a `Report`: the verdict, the figures, 
 the one JSON schema of their `--json` (docs/cli-json.md): one name per figure.
 
 Time: "how long since" is measured on the asker's own monotonic clock wherever the asker has looked before (a
-clock stepped by hours changes no age); a first look has only the remote's wall stamps, clamped as fold.py does.
+clock stepped by hours changes no age); a first look takes the ages the remote measured on its own monotonic clock
+(fold.py; its wall stamps, clamped, only where it sent none).
 The supervisor's liveness is its heartbeat: a counter it rewrites every sample, judged stale by the asker's own
 looks (unchanged for longer than STALE_INTERVALS of its intervals) or by the remote's own monotonic age of it.
 Stdlib only: shipped inside the agent for the supervisor (Python 3.8).
@@ -19,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from .assess import assess
 from .facts import FAILURES, TERMINAL, History, Thresholds, Verdict
-from .fold import Folded, Job, fold, number
+from .fold import Folded, Job, age_of, fold, number
 
 STALE_INTERVALS = 3.0  # a heartbeat unchanged for this many supervisor intervals (and STALE_SLACK_S) is stale
 STALE_SLACK_S = 10.0
@@ -157,18 +158,21 @@ class Judge:
 
     def _own_clock(self, snap: dict, now: float) -> None:
         """Ages measured on this asker's monotonic clock, written back into the history in the snapshot's frame
-        (`h.now - age`), so that assess's arithmetic is the asker's elapsed time whatever the wall clock did."""
+        (`h.now - age`), so that assess's arithmetic is the asker's elapsed time whatever the wall clock did. An age
+        the remote measured on its own monotonic clock (fold.py) needs none of this: it is kept as it came."""
         h = self.h
+        prog = snap.get("progress") if isinstance(snap.get("progress"), dict) else {}
         wall = h.now - h.step_changed_at if h.step_changed_at is not None else None
+        measured = age_of(prog, "step_age_s") is not None and prog.get("step") == h.last_step
         age = self._step.age(h.last_step, wall, now, self.last_look) if h.last_step is not None else None
-        if age is not None:
+        if age is not None and not measured:
             h.step_changed_at = h.now - age
         hb = snap.get("heartbeat") if isinstance(snap.get("heartbeat"), dict) else {}
-        if h.heartbeat_age_s is not None:  # its content, as the progress history compares it
+        if h.heartbeat_age_s is not None and age_of(prog, "heartbeat_age_s") is None:  # as the history compares it
             key = (hb.get("mtime"), hb.get("time"), hb.get("step"), hb.get("phase"))
             age = self._hb.age(key, h.heartbeat_age_s, now, self.last_look)
             h.heartbeat_age_s = round(age, 2) if age is not None else h.heartbeat_age_s
-        if h.activity_at is not None:
+        if h.activity_at is not None and age_of(prog, "activity_age_s") is None:
             age = self._activity.age(h.activity_at, h.now - h.activity_at, now, self.last_look)
             if age is not None:
                 h.activity_at = h.now - age
