@@ -117,7 +117,8 @@ def test_a_clock_stepped_back_an_hour_during_the_backoff_delays_the_restart_by_n
         wait_until(lambda: (run / "restarts").exists() and (run / "restarts").read_text().strip() == "1", 90)
         assert [e["by"] for e in events(run) if e.get("decision") == "restart"] == ["supervisor"]
         wait_until(lambda: sup.poll() is not None, 60)  # the second attempt crashes too: the budget is spent
-        assert verdict(run).get("gave_up") and "max_restarts" in verdict(run)["gave_up"]
+        said = (verdict(run), supervisor(run), events(run)[-4:])  # what it said, should it fail
+        assert verdict(run).get("gave_up") and "max_restarts" in verdict(run)["gave_up"], said
     finally:
         if sup.poll() is None:
             sup.kill()
