@@ -156,7 +156,9 @@ def test_a_job_that_ends_for_good_leaves_no_session_and_no_secret_on_either_node
     ended = wait_until(lambda: read_json(head / "supervisor.json").get("ended"), 120)
     assert ended.startswith("CRASHED: CRASHED is not in the job's restart_on"), ended
     verdict = read_json(head / "verdict.json")
-    assert verdict["gave_up"] and [n["state"] for n in verdict["nodes"]] == ["CRASHED", "CRASHED"], verdict
+    # the head's crash decides at once: node b may still be in its last second (a loaded machine) or ended too
+    states = [n["state"] for n in verdict["nodes"]]
+    assert verdict["gave_up"] and states[0] == "CRASHED" and states[1] in ("CRASHED", "RUNNING"), verdict
     ends = [e for e in events(head) if e.get("decision") == "node_end"]
     assert [(e["node"], e["scrubbed"], e["session_closed"]) for e in ends] == [("nodeb", ["HF_TOKEN"], True)], ends
     assert not {n["session"] for n in rep["nodes"]} & sessions(), "a tmux session of the job is left"
