@@ -87,6 +87,11 @@ def run(
         failing = r.state in w.cfg.restart_on and not r.stop_requested
         failed_at = (now if failed_at is None else failed_at) if failing else None
         move = policy.next_move(r, w.restarts, verdicts.policy(w.cfg), failed_at, now)
+        if move.kind == policy.GIVE_UP and move.refused and r.decided_by != HERE and not r.gave_up:
+            # the supervisor decides, and has not given up: a restart of it may be under way (a job over several
+            # hosts is restarted node by node), so its own word comes next; this watch ends on that word, not its own
+            wait(opts.interval_s, w)
+            continue
         if move.kind == policy.GIVE_UP:
             if move.refused and r.decided_by == HERE:
                 say(f"not restarted: {move.why}")
