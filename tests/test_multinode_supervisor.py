@@ -43,6 +43,12 @@ def read_json(path: Path) -> dict:
     return body if isinstance(body, dict) else {}
 
 
+def deploy_both() -> None:
+    """This tree deployed to both loopback nodes, as every test here needs."""
+    for host in ("nodea", "nodeb"):
+        assert run_cli("deploy", host, cwd=ROOT).code == 0
+
+
 def head_ssh_config(tmp_path: Path, sshd, client) -> Path:
     """An ssh config file on the head (this machine) that reaches the suite's sshd: what a cluster's nodes share."""
     cfg = tmp_path / "head-ssh-config"
@@ -56,8 +62,7 @@ def test_a_node_the_head_cannot_reach_is_said_and_the_laptop_decides(two_hosts, 
     """By default the head reaches node b at its HostName, port and user as the laptop resolves them, with the head's
     own keys and known_hosts: here the head's user has neither (BatchMode, StrictHostKeyChecking=yes: no prompt, no
     key taken on trust). The supervisor says so in verdict.json, and `status` decides here, naming the node."""
-    for host in ("nodea", "nodeb"):
-        assert run_cli("deploy", host, cwd=ROOT).code == 0
+    deploy_both()
     job = tmp_path / "cmd.yaml"
     job.write_text(yaml.safe_dump({"name": "mnunr", "host": ["nodea", "nodeb"], "kill_grace_s": 3,
                                    "command": "sleep 300", "watch": {"interval_s": 1}}))  # fmt: skip
@@ -85,8 +90,7 @@ def test_the_heads_supervisor_sees_node_b_crash_restarts_both_and_cleans_up_ever
     """No laptop watch at all: node b's rank crashes at step 5; the head's supervisor, probing node b by ssh from
     the head, names node b as CRASHED, restarts both nodes once (restart_on CRASHED, max_restarts 1), sees the job
     FINISHED on both, then closes both tmux sessions and scrubs the secret from both run dirs."""
-    for host in ("nodea", "nodeb"):
-        assert run_cli("deploy", host, cwd=ROOT).code == 0
+    deploy_both()
     cfg = head_ssh_config(tmp_path, sshd, client)
     job = tmp_path / "mn.yaml"
     job.write_text(yaml.safe_dump({
@@ -141,8 +145,7 @@ def test_a_job_that_ends_for_good_leaves_no_session_and_no_secret_on_either_node
     """Both nodes exit 1 (CRASHED, which the job's restart_on does not restart, though restarts are left: so no
     node's launcher scrubs by itself). The head's supervisor gives up, then on node b (by ssh from the head) and
     here scrubs the secret and closes the dead pane's session."""
-    for host in ("nodea", "nodeb"):
-        assert run_cli("deploy", host, cwd=ROOT).code == 0
+    deploy_both()
     cfg = head_ssh_config(tmp_path, sshd, client)
     job = tmp_path / "end.yaml"
     job.write_text(yaml.safe_dump({
@@ -188,8 +191,7 @@ def test_node_b_lost_from_the_head_and_found_again_then_the_supervisor_frozen(tw
     """Mid-run the head loses its way to node b (its ssh config file is moved away: ssh exits 255): the verdict says
     node b is not reached and `status` decides here; the file back, the supervisor's word is the job's again. Then the
     head's supervisor is frozen (SIGSTOP): its heartbeat stops, and `status` decides here again, saying why."""
-    for host in ("nodea", "nodeb"):
-        assert run_cli("deploy", host, cwd=ROOT).code == 0
+    deploy_both()
     cfg = head_ssh_config(tmp_path, sshd, client)
     job = tmp_path / "lost.yaml"
     job.write_text(yaml.safe_dump({
@@ -236,8 +238,7 @@ def test_without_a_supervisor_status_scrubs_every_node_once_the_job_ended_for_go
     """`supervise: false`: both nodes exit 1, a failure the job's restart_on does not name, with restarts left (so
     no launcher scrubs by itself). No supervise.json anywhere; the first `status` that judges the job ended for good
     has the secret scrubbed from every node's run dir, not only the head's."""
-    for host in ("nodea", "nodeb"):
-        assert run_cli("deploy", host, cwd=ROOT).code == 0
+    deploy_both()
     job = tmp_path / "nosup.yaml"
     job.write_text(yaml.safe_dump({
         "name": "mnnosup", "host": ["nodea", "nodeb"], "env": {"HF_TOKEN": SECRET}, "kill_grace_s": 3,

@@ -59,6 +59,13 @@ def swap_supervisor(run: Path, shift_file: Path) -> subprocess.Popen:
     return proc
 
 
+def shifted_supervisor(run: Path, tmp_path: Path) -> tuple[Path, subprocess.Popen]:
+    """The job's supervisor swapped for one whose wall clock reads the returned shift file (0 to begin with)."""
+    shift = tmp_path / "shift"
+    shift.write_text("0")
+    return shift, swap_supervisor(run, shift)
+
+
 def test_a_clock_stepped_forward_two_hours_under_a_healthy_job_changes_no_verdict(proj, tmp_path):
     """The remote's wall clock steps 2 h forward under a healthy job: its supervisor does not call it STALLED and
     does not restart it; it stays RUNNING for the supervisor, `status` and `watch --once`.
@@ -70,9 +77,7 @@ def test_a_clock_stepped_forward_two_hours_under_a_healthy_job_changes_no_verdic
              "stall_after_s: 20}\n")
     job_id = cli_json("launch", job_file(proj, "steady", TICKING, extra))["id"]
     run = run_dir_of(job_id)
-    shift = tmp_path / "shift"
-    shift.write_text("0")
-    sup = swap_supervisor(run, shift)
+    shift, sup = shifted_supervisor(run, tmp_path)
     try:
         wait_until(lambda: verdict(run).get("state") == "RUNNING", 30)
         shift.write_text("7200")
@@ -106,9 +111,7 @@ def test_a_clock_stepped_back_an_hour_during_the_backoff_delays_the_restart_by_n
     extra = "watch: {interval_s: 0.5, backoff_s: 6, max_restarts: 1, restart_on: [CRASHED]}\n"
     job_id = cli_json("launch", job_file(proj, "backoff", cmd, extra))["id"]
     run = run_dir_of(job_id)
-    shift = tmp_path / "shift"
-    shift.write_text("0")
-    sup = swap_supervisor(run, shift)
+    shift, sup = shifted_supervisor(run, tmp_path)
     try:
         go.write_text("")
         wait_until(lambda: verdict(run).get("state") == "CRASHED", 30)
