@@ -802,15 +802,9 @@ def classify_log(text: str | list[str], gpu_total_gib: float | None = None, disk
     return None
 
 
-def normal_end(lines: list[str]) -> str | None:
-    """The line that says the log ended normally (the trainer's finish line, run.sh's `exit 0`, HF Trainer's
-    `train_runtime`, Lightning's stop at max_steps / max_epochs), or None."""
-    at = normal_end_at(lines)
-    return None if at is None else lines[at]
-
-
 def normal_end_at(lines: list[str]) -> int | None:
-    """The index of the newest normal-end line, or None."""
+    """The index of the newest line that says the log ended normally (the trainer's finish line, run.sh's `exit 0`,
+    HF Trainer's `train_runtime`, Lightning's stop at max_steps / max_epochs), or None."""
     return next((i for i in range(len(lines) - 1, -1, -1) if any(w in lines[i] for w in FINISHED_WORDS)
                  and FINISHED_LINE.search(strip_prefix(lines[i])[1].strip())), None)  # fmt: skip
 
