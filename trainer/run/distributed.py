@@ -76,5 +76,9 @@ def barrier(world: World) -> None:
 
 
 def shutdown(world: World) -> None:
+    """Leave the process group together: a barrier first, so no rank tears down its gloo pairs (or exits) while a
+    peer's last collective is still in flight on a worker thread, which aborts that peer at exit (SIGABRT,
+    "terminate called without an active exception"); then every group, subgroups of a mesh too, is destroyed."""
     if world.distributed and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
