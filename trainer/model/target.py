@@ -144,14 +144,14 @@ class Target:
 
     @torch.no_grad()
     def forward_cached(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, cache
+        self, input_ids: torch.Tensor, positions: torch.Tensor, width: int, cache
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Decoding many rows at once: [B, q] tokens at their own positions [B, q], attending to what `cache`
+        """Decoding many rows at once: [B, q] tokens at their own positions [B, q] (`width`: one past the largest,
+        from the host: reading it off the device would make the host wait), attending to what `cache`
         (trainer.model.kv_cache.PositionCache) holds below them -> (the chosen layers' outputs [B, q, n*hidden],
         the final normed hidden states [B, q, hidden]: the LM head is left to the caller, who needs a few rows)."""
         from trainer.model.kv_cache import causal_by_position
 
-        width = int(positions.max()) + 1  # host sync: the positions are the host's own numbers anyway
         cache.prepare(positions, width)
         mask = causal_by_position(positions, width, self.embed.weight.dtype)
         captured: dict[int, torch.Tensor] = {}

@@ -148,11 +148,11 @@ def decode_chunk(
     ids = torch.zeros(len(prompts), P, dtype=torch.long)
     for b, p in enumerate(prompts):
         ids[b, : p.numel()] = p
+    ends = torch.tensor(lens, device=dev) - 1  # host-to-device copies first: each waits for the GPU to be idle
     positions = torch.arange(P, device=dev).expand(len(prompts), P)
-    layers, final = target.forward_cached(ids.to(dev), positions, cache)  # the prompts, right-padded
+    layers, final = target.forward_cached(ids.to(dev), positions, P, cache)  # the prompts, right-padded
     context = layers.new_zeros(len(prompts), width, layers.shape[-1])  # [B, W, n*C] the drafter's context
     context[:, :P] = layers
-    ends = torch.tensor(lens, device=dev) - 1
     # the first token after the prompt comes from the target alone: drafting starts from a token the target chose
     first = target.lm_head(final[torch.arange(len(prompts), device=dev), ends]).argmax(-1).tolist()
     seqs = [p.tolist() + [t] for p, t in zip(prompts, first, strict=True)]
@@ -168,11 +168,14 @@ def decode_chunk(
             cache.keep(keep)
             context = context.index_select(0, keep)
             rows = going_rows
-        drafts = draft_blocks(parts, drafter, context, [seqs[b] for b in rows])  # [B, bs-1]
+        # the step's host-to-device copies come first, while the GPU is idle (a copy from pageable memory waits for
+        # what is queued before it: after the drafter, the host would stall instead of queueing the target)
         last = torch.tensor([seqs[b][-1] for b in rows], device=dev)
         start = torch.tensor([len(seqs[b]) - 1 for b in rows], device=dev)
+        drafts = draft_blocks(parts, drafter, context, [seqs[b] for b in rows])  # [B, bs-1]
         positions = start[:, None] + torch.arange(bs, device=dev)  # [B, bs]: the last token, then the drafts
-        layers, final = target.forward_cached(torch.cat([last[:, None], drafts], 1), positions, cache)
+        width_now = max(len(seqs[b]) for b in rows) - 1 + bs
+        layers, final = target.forward_cached(torch.cat([last[:, None], drafts], 1), positions, width_now, cache)
         context.scatter_(1, positions[:, :, None].expand_as(layers), layers)  # rejected ones: overwritten later
         preds = target.lm_head(final).argmax(-1)  # [B, bs]: the target's token after each position
         for b, d, t in zip(rows, drafts.tolist(), preds.tolist(), strict=True):  # .tolist(): the step's one sync
