@@ -164,6 +164,8 @@ class Target:
         finally:
             for h in hooks:
                 h.remove()
+        if not cache.keys:  # a transformers release that swapped in a cache of its own: every later step would be wrong
+            raise RuntimeError(f"{type(self.model).__name__} did not write its keys and values into the given cache")
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1), out.last_hidden_state
 
     def _cache_kwarg(self) -> str:
