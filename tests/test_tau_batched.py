@@ -193,3 +193,47 @@ def test_a_batch_size_below_one_is_one_line_exit_2(capsys, tiny_dir, drafter_dir
                            str(prompts), "--batch-size", value, "--device", "cpu"])  # fmt: skip
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--batch-size" in err
+
+
+# --- a sharded target: every rank decodes the same prompts in lockstep ------------------------------------------
+
+WORKER = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from trainer.config import from_dict, parse_parallel
+from trainer.model.parallel import make_layout
+from trainer.run.distributed import init_world, shutdown
+from trainer.run.eval import speculative_decode_batch
+from trainer.run.loop import build
+
+world = init_world("cpu")
+g = torch.Generator().manual_seed(0)
+prompts = [torch.randint(0, 200, (n,), generator=g) for n in (5, 30, 12)]
+for mode in ("replicate", "tensor", "fsdp"):
+    parallel = {"tensor": 2} if mode == "tensor" else mode
+    cfg = from_dict({**json_cfg, "target": {**json_cfg["target"], "parallel": parallel}})
+    parts = build(cfg, device=world.device, layout=make_layout(*parse_parallel(parallel), world), for_training=False)
+    torch.save(speculative_decode_batch(parts, parts.drafter, prompts, 20, 2), f"{sys.argv[1]}/{mode}-{world.rank}.pt")
+shutdown(world)
+"""
+
+
+def test_a_sharded_target_decodes_the_same_batches_on_every_rank(tmp_path):
+    """Tensor-parallel (DTensor, local KV heads in the cache) and FSDP2 targets, two ranks on gloo: every rank's
+    batched answer equals the replicated target's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "worker.py"
+    script.write_text(f"json_cfg = {json.dumps(CONFIG)}\n" + WORKER)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(tmp_path), str(root)], cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = torch.load(tmp_path / "replicate-0.pt")
+    assert any(len(g) for _, g in want)
+    for name in ("replicate-1", "tensor-0", "tensor-1", "fsdp-0", "fsdp-1"):
+        assert torch.load(tmp_path / f"{name}.pt") == want, name

@@ -23,6 +23,8 @@ from trainer.model.mask import bucket_for, dense_score_gib
 from trainer.model.target import end_token_ids
 from trainer.run.loop import Parts, autocast
 
+FLEX_ROWS = 64  # the drafter's rows under flex come in multiples of this: one compiled shape per bucket
+
 
 def eval_anchors(block_size: int) -> int:
     """The fewest blocks whose query length is a multiple of 128 (flex's block): only the first is real."""
@@ -80,8 +82,9 @@ def draft_blocks(parts: Parts, drafter: torch.nn.Module, context: torch.Tensor, 
     step = draft_rows(backend, heads, S, A, bs, len(seqs))
     for lo in range(0, len(seqs), step):
         rows = torch.arange(lo, min(lo + step, len(seqs)), device=dev)
-        if getattr(backend, "name", "") != "dense":  # flex compiles per shape: few batch sizes, few graphs
-            rows = torch.cat([rows, rows[-1:].expand((1 << (rows.numel() - 1).bit_length()) - rows.numel())])
+        if getattr(backend, "name", "") != "dense":  # flex compiles per shape: rows padded to a multiple of 64 (a
+            # repeated row), so the in-run eval compiles one graph per bucket as rows leave, as it did at batch 1
+            rows = torch.cat([rows, rows[-1:].expand(-rows.numel() % FLEX_ROWS)])
         anchors, valid, block_ids, block_pos = block_inputs(last[rows], anchor[rows], A, bs, parts.mask_token_id)
         mask = backend.build_mask(anchors, valid, S, bs, heads)
         with autocast(parts):
