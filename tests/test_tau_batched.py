@@ -135,6 +135,14 @@ def test_an_empty_prompt_and_no_prompts(parts):
     ]
 
 
+def test_the_in_run_evals_batch_is_bounded_by_its_memory_budget(parts):
+    """Per position: keys and values of every layer (2 x 6 layers x 2 KV heads x 16) plus the drafter's context
+    (2 layers x 64), float32: 2,048 bytes; 100 positions a row."""
+    assert len(parts.target.layer_ids) == 2
+    assert spec.rows_within(parts, 100, 3 * 204_800 / 2**30) == 3
+    assert spec.rows_within(parts, 100, 1e-9) == 1  # never none
+
+
 # --- bench_tau --batch-size ---------------------------------------------------------------------------------------
 
 

@@ -87,8 +87,10 @@ def draft_blocks(parts: Parts, drafter: torch.nn.Module, context: torch.Tensor, 
             rows = torch.cat([rows, rows[-1:].expand(-rows.numel() % FLEX_ROWS)])
         anchors, valid, block_ids, block_pos = block_inputs(last[rows], anchor[rows], A, bs, parts.mask_token_id)
         mask = backend.build_mask(anchors, valid, S, bs, heads)
+        ctx = context[rows, :S]  # [b, S, n*C]; the bucket may pass the buffer's end: padded (never read)
+        ctx = torch.nn.functional.pad(ctx, (0, 0, 0, S - ctx.shape[1]))
         with autocast(parts):
-            hidden = drafter(context[rows, :S], parts.target.embed(block_ids), block_pos, mask, backend)  # [b, Q, C]
+            hidden = drafter(ctx, parts.target.embed(block_ids), block_pos, mask, backend)  # [b, Q, C]
         head = parts.target.lm_head
         out.append(head(hidden[:, 1:bs].to(head.weight.dtype)).argmax(-1)[: min(step, len(seqs) - lo)])
     return torch.cat(out)  # [B, bs-1]
@@ -142,11 +144,11 @@ def decode_chunk(
     """One batch of non-empty prompts. The target keeps a cache (slot = position) and runs only each row's new block
     a step, right-padded: row i's tokens sit at its own positions, so nothing another row holds reaches it."""
     bs, dev, target = parts.cfg.drafter.block_size, parts.device, parts.target
-    limit, buckets = parts.cfg.data.seq_buckets[-1], parts.cfg.data.seq_buckets
+    limit = parts.cfg.data.seq_buckets[-1]
     eos = eos_ids(parts)
     lens = [p.numel() for p in prompts]
     P = max(lens)
-    width = max(P, bucket_for(min(P + max_new_tokens + bs, limit), buckets))  # past every position a row writes
+    width = max(P, min(P + max_new_tokens + bs, limit))  # past every position a row writes
     cache = PositionCache(width)
     ids = torch.zeros(len(prompts), P, dtype=torch.long)
     for b, p in enumerate(prompts):
@@ -201,10 +203,27 @@ def speculative_decode(
     return speculative_decode_batch(parts, drafter, [prompt], max_new_tokens, 1)[0]
 
 
+EVAL_CACHE_GIB = 4.0  # the in-run eval's cache and drafter context at most: it runs beside training's memory
+
+
+def rows_within(parts: Parts, tokens: int, gib: float) -> int:
+    """How many rows of `tokens` positions the target's cache and the drafter's context hold within `gib`."""
+    c, target = parts.target.config, parts.target
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * kv_heads * head_dim + len(target.layer_ids) * c.hidden_size
+    return max(1, int(gib * 2**30 / (per_token * target.embed.weight.element_size() * tokens)))
+
+
 def measure_tau(
     parts: Parts, drafter: torch.nn.Module, prompts: list[torch.Tensor], max_new_tokens: int,
-    batch_size: int = DECODE_BATCH,
+    batch_size: int | None = None,
 ) -> TauResult:  # fmt: skip
+    """tau over `prompts`, decoded `batch_size` at a time (default: DECODE_BATCH, fewer where the cache of the
+    longest would pass EVAL_CACHE_GIB)."""
+    if batch_size is None:
+        longest = max((p.numel() for p in prompts), default=0) + max_new_tokens + parts.cfg.drafter.block_size
+        batch_size = min(DECODE_BATCH, rows_within(parts, longest, EVAL_CACHE_GIB))
     was_training = drafter.training
     drafter.eval()
     try:
