@@ -196,16 +196,21 @@ TAU_CONFIG = {
 }
 
 
+def greedy_oracle(parts, _drafter, _context, seqs: list[list[int]]) -> torch.Tensor:
+    """A drafter that proposes the target's own greedy continuation of every row (spec.draft_blocks' contract)."""
+    rows = []
+    for seq in seqs:
+        out = torch.tensor(seq)
+        for _ in range(parts.cfg.drafter.block_size - 1):
+            out = torch.cat([out, parts.target.logits(out[None])[0, -1].argmax()[None]])
+        rows.append(out[len(seq) :])
+    return torch.stack(rows)
+
+
 def test_a_drafter_that_copies_the_target_reaches_tau_equal_block_size(monkeypatch):
     parts = build(from_dict({**TAU_CONFIG, "steps": 1}), for_training=False)
 
-    def oracle(parts_, _drafter, seq):  # the target's own greedy continuation: every draft is accepted
-        out = seq.clone()
-        for _ in range(parts_.cfg.drafter.block_size - 1):
-            out = torch.cat([out, parts_.target.logits(out[None])[0, -1].argmax()[None]])
-        return out[seq.numel() :].tolist()
-
-    monkeypatch.setattr(spec, "draft_block", oracle)
+    monkeypatch.setattr(spec, "draft_blocks", greedy_oracle)  # the target's own continuation: all accepted
     # 1 token from the target alone, then five whole blocks of 8: no step capped by max_new_tokens
     r = spec.measure_tau(parts, parts.drafter, [torch.tensor([3, 1, 4, 1])], max_new_tokens=41)
     assert r.steps == 5 and r.tau == 8.0 and r.tau_prompt_mean == 8.0
@@ -260,18 +265,12 @@ def test_tau_keeps_whole_prompts_and_stops_at_an_eos_inside_a_block(monkeypatch)
 
     parts = build(from_dict({**TAU_CONFIG, "steps": 1}), for_training=False)
 
-    def oracle(parts_, _drafter, seq):
-        out = seq.clone()
-        for _ in range(parts_.cfg.drafter.block_size - 1):
-            out = torch.cat([out, parts_.target.logits(out[None])[0, -1].argmax()[None]])
-        return out[seq.numel() :].tolist()
-
     prompt = torch.tensor([3, 1, 4, 1, 5])
     greedy = prompt.clone()
     for _ in range(30):
         greedy = torch.cat([greedy, parts.target.logits(greedy[None])[0, -1].argmax()[None]])
     plain = greedy[prompt.numel() :].tolist()
-    monkeypatch.setattr(spec, "draft_block", oracle)
+    monkeypatch.setattr(spec, "draft_blocks", greedy_oracle)
     stop = plain[6]  # a token the target produces inside the first drafted block
     monkeypatch.setattr(spec, "eos_ids", lambda _parts: {stop})
     out, gained = spec.speculative_decode(parts, parts.drafter, prompt, max_new_tokens=40)

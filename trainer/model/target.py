@@ -143,6 +143,38 @@ class Target:
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # [B, S, n * hidden]
 
     @torch.no_grad()
+    def forward_cached(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, width: int, cache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decoding many rows at once: [B, q] tokens at their own positions [B, q] (`width`: one past the largest,
+        from the host: reading it off the device would make the host wait), attending to what `cache`
+        (trainer.model.kv_cache.PositionCache) holds below them -> (the chosen layers' outputs [B, q, n*hidden],
+        the final normed hidden states [B, q, hidden]: the LM head is left to the caller, who needs a few rows)."""
+        from trainer.model.kv_cache import causal_by_position
+
+        cache.prepare(positions, width)
+        mask = causal_by_position(positions, width, self.embed.weight.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        hooks = [self.layers[i].register_forward_hook(
+                 lambda _m, _a, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+                 for i in self.layer_ids]  # fmt: skip
+        try:
+            out = self.model.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                   **{self._cache_kwarg(): cache})  # fmt: skip
+        finally:
+            for h in hooks:
+                h.remove()
+        if not cache.keys:  # a transformers release that swapped in a cache of its own: every later step would be wrong
+            raise RuntimeError(f"{type(self.model).__name__} did not write its keys and values into the given cache")
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1), out.last_hidden_state
+
+    def _cache_kwarg(self) -> str:
+        """transformers 5 names the cache `cache`; 4.x `past_key_values` (5 still takes it, with a warning)."""
+        import inspect
+
+        return "cache" if "cache" in inspect.signature(self.model.model.forward).parameters else "past_key_values"
+
+    @torch.no_grad()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full forward for verification during evaluation: [B, S] -> [B, S, vocab]."""
         return self.model(input_ids=input_ids, use_cache=False).logits

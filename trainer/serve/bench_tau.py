@@ -1,13 +1,15 @@
 """`python -m trainer.bench_tau`: the acceptance length of any drafter in the public DFlash format, on your prompts.
 
     python -m trainer.bench_tau --target TARGET_DIR --drafter DRAFTER_DIR --prompts gsm8k.jsonl [--prompts mt.jsonl]
-        [--max-new-tokens 2048] [--thinking off] [--limit N] [--json] [--out per_prompt.jsonl]
+        [--max-new-tokens 2048] [--thinking off] [--limit N] [--batch-size 64] [--json] [--out per_prompt.jsonl]
 
 The target decodes greedily with the drafter proposing each block (trainer.eval's loop: the output equals plain
 greedy decoding), through the target's chat template; MT-Bench records answer each turn in order with the generated
-answers kept in the history. tau is reported as the published evaluators do (the mean of per-prompt means) and pooled
-(all tokens gained over all drafting steps), both named. Works for a drafter of this trainer or a published one.
-Nothing is downloaded: the target and the prompt files are local.
+answers kept in the history. `--batch-size` prompts are decoded at once (grouped by length; every conversation's
+first turn, then every second turn, ...), each with its own acceptance: the tokens and the tau are those of decoding
+one prompt at a time (`--batch-size 1`), only faster. tau is reported as the published evaluators do (the mean of
+per-prompt means) and pooled (all tokens gained over all drafting steps), both named. Works for a drafter of this
+trainer or a published one. Nothing is downloaded: the target and the prompt files are local.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class SetResult:
     seconds: float
 
 
+DEFAULT_BATCH = 64  # prompts decoded at once (trainer.eval.speculative_decode_batch): the answer is the same at any
 DEFAULT_MAX_PROMPT = 4096  # the published evaluators' prompts are far shorter; one huge prompt must not set the pace
 
 
@@ -93,24 +96,44 @@ def build_parts(target: str, drafter: str, limit: int, device: str, dtype: str, 
     return build(cfg, f"{drafter}/config.json", for_training=False)
 
 
-def decode_conversation(parts, tok, conv: Conversation, max_new_tokens: int, thinking: bool, limit: int,
-                        cap: int | None = None):  # fmt: skip
-    """(tokens gained per drafting step over every turn, turns answered), or None when a turn's prompt does not fit."""
+def decode_conversations(parts, tok, convs: list[Conversation], max_new_tokens: int, thinking: bool, limit: int,
+                         cap: int | None = None, batch_size: int = 64,
+                         progress=None) -> list[tuple[list[int], int] | None]:  # fmt: skip
+    """Per conversation: (tokens gained per drafting step over every turn, turns answered), or None when a turn's
+    prompt does not fit. Turn k of every conversation is decoded in one batched pass, after turn k-1 of all: each
+    turn's prompt holds the answers generated before it."""
     import torch
 
-    from trainer.run.eval import speculative_decode
+    from trainer.run.eval import speculative_decode_batch
 
-    msgs, gained = list(conv.history), []
+    msgs = [list(c.history) for c in convs]
+    gained: list[list[int] | None] = [[] for _ in convs]
     bs = parts.cfg.drafter.block_size
-    for turn in conv.turns:
-        msgs.append({"role": "user", "content": turn})
-        ids = render(tok, msgs, thinking)
-        if len(ids) + max_new_tokens + bs > limit or (cap is not None and len(ids) > cap):
-            return None
-        out, steps = speculative_decode(parts, parts.drafter, torch.tensor(ids), max_new_tokens)
-        gained += steps
-        msgs.append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)})
-    return gained, len(conv.turns)
+    for k in range(max((len(c.turns) for c in convs), default=0)):
+        rows, prompts = [], []
+        for i, conv in enumerate(convs):
+            if gained[i] is None or k >= len(conv.turns):
+                continue
+            msgs[i].append({"role": "user", "content": conv.turns[k]})
+            ids = render(tok, msgs[i], thinking)
+            if len(ids) + max_new_tokens + bs > limit or (cap is not None and len(ids) > cap):
+                gained[i] = None  # skipped whole, never cut: its earlier turns do not count either
+                continue
+            rows.append(i)
+            prompts.append(torch.tensor(ids))
+        decoded = speculative_decode_batch(parts, parts.drafter, prompts, max_new_tokens, batch_size)
+        for i, (out, steps) in zip(rows, decoded, strict=True):
+            gained[i] += steps
+            msgs[i].append({"role": "assistant", "content": tok.decode(out, skip_special_tokens=True)})
+        if progress:
+            progress(len(rows))
+    return [(g, len(c.turns)) if g is not None else None for g, c in zip(gained, convs, strict=True)]
+
+
+def decode_conversation(parts, tok, conv: Conversation, max_new_tokens: int, thinking: bool, limit: int,
+                        cap: int | None = None):  # fmt: skip
+    """One conversation alone (decode_conversations' batch of one)."""
+    return decode_conversations(parts, tok, [conv], max_new_tokens, thinking, limit, cap, 1)[0]
 
 
 def bench_set(parts, tok, name: str, convs: list[Conversation], args, limit: int, out_file) -> SetResult:
@@ -118,13 +141,16 @@ def bench_set(parts, tok, name: str, convs: list[Conversation], args, limit: int
 
     t0 = time.perf_counter()
     per_prompt, tokens, steps, skipped = [], 0, 0, 0
-    for i, conv in enumerate(tqdm(convs, desc=name, unit="prompt", file=sys.stderr, disable=args.quiet)):
-        decoded = decode_conversation(parts, tok, conv, args.max_new_tokens, args.thinking == "on", limit,
-                                      getattr(args, "prompt_cap", None))  # fmt: skip
-        if decoded is None:
+    turns = sum(len(c.turns) for c in convs)
+    with tqdm(total=turns, desc=name, unit="turn", file=sys.stderr, disable=args.quiet) as bar:
+        decoded = decode_conversations(parts, tok, convs, args.max_new_tokens, args.thinking == "on", limit,
+                                       getattr(args, "prompt_cap", None), getattr(args, "batch_size", 64),
+                                       bar.update)  # fmt: skip
+    for i, one in enumerate(decoded):
+        if one is None:
             skipped += 1
             continue
-        gained, turns = decoded
+        gained, turns = one
         tokens, steps = tokens + sum(gained), steps + len(gained)
         if gained:
             per_prompt.append(sum(gained) / len(gained))
@@ -148,15 +174,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompt-tokens", type=int, default=None,
                     help="a longer prompt is skipped and counted, never decoded (default: the target's context less "
                     f"--max-new-tokens, at most {DEFAULT_MAX_PROMPT})")
+    ap.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
+                    help=f"prompts decoded at once, grouped by length (default {DEFAULT_BATCH}; 1: one at a time, the "
+                    "same tau)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     ap.add_argument("--out", default=None, help="also write one line per prompt to this JSONL")
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1) or (
+    if args.max_new_tokens < 1 or args.batch_size < 1 or (args.limit is not None and args.limit < 1) or (
             args.max_prompt_tokens is not None and args.max_prompt_tokens < 1):  # fmt: skip
-        print("config error: --max-new-tokens, --limit and --max-prompt-tokens must be at least 1", file=sys.stderr)
+        print("config error: --max-new-tokens, --batch-size, --limit and --max-prompt-tokens must be at least 1",
+              file=sys.stderr)  # fmt: skip
         return EXIT_CONFIG
     try:
         from trainer.data.dataset import load_tokenizer
