@@ -4,12 +4,10 @@ resumes, a kill that leaves nothing on either, and a launch refused unless every
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,10 +32,7 @@ TRAINER = {
 
 
 @pytest.fixture
-def two_hosts(client, tmp_path, tmp_path_factory, monkeypatch) -> Iterator[Path]:
-    """Two hosts over the loopback sshd. One two-node test at a time across the suite's workers (an flock beside
-    their shared base temp dir): each runs two torchrun agents, two trainers and a supervisor, and two such tests at
-    once on a 2-core machine already busy with other work starved each other past their timeouts."""
+def two_hosts(client, tmp_path, monkeypatch) -> Path:
     remote = tmp_path / "remote"
     (tmp_path / "hosts.yaml").write_text(
         "hosts:\n"
@@ -46,9 +41,7 @@ def two_hosts(client, tmp_path, tmp_path_factory, monkeypatch) -> Iterator[Path]
     )
     monkeypatch.setenv("DFLASHCTL_HOSTS", str(tmp_path / "hosts.yaml"))
     monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
-    with open(tmp_path_factory.getbasetemp().parent / "two-node-tests.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, after the test
-        yield remote
+    return remote
 
 
 def steps_of(run_dir: str) -> list[dict]:

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
         MetricsWriter(run_dir, True).event("fatal", always=True, kind=kind, message=message, rank=int(rank), **fields)
 
-    world = None
+    world, finished = None, False
     try:
         if run_dir:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
         use_host_kernel_cache(world.device)  # before the build starts the compile workers
         result = train(cfg, args.config, run_dir, args.resume, lambda s: print(s, flush=True), world)
+        finished = True
         if world.is_main:
             done = len(result.losses)
             last = f", final loss {result.losses[-1]:.4f}" if result.losses else ""
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         if world is not None:
             from trainer.run.distributed import shutdown
 
-            shutdown(world)
+            shutdown(world, together=finished)
 
 
 if __name__ == "__main__":

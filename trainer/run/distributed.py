@@ -75,10 +75,13 @@ def barrier(world: World) -> None:
         dist.barrier()
 
 
-def shutdown(world: World) -> None:
-    """Leave the process group together: a barrier first, so no rank tears down its gloo pairs (or exits) while a
-    peer's last collective is still in flight on a worker thread, which aborts that peer at exit (SIGABRT,
-    "terminate called without an active exception"); then every group, subgroups of a mesh too, is destroyed."""
+def shutdown(world: World, together: bool = True) -> None:
+    """Leave the process group. After a run every rank finished (`together`), the ranks first meet at a barrier, so no
+    rank tears down its gloo pairs (or exits) while a peer's last collective is still in flight on a worker thread,
+    which aborts that peer at exit (SIGABRT, "terminate called without an active exception"). After a failure there is
+    no barrier: the failing rank's peers may be blocked in a collective it will never join, and a barrier would hold it
+    there with them; destroying the group is what ends their wait. Every group, a mesh's subgroups too, is destroyed."""
     if world.distributed and dist.is_initialized():
-        dist.barrier()
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
