@@ -137,8 +137,9 @@ def test_a_frozen_supervisor_is_not_answering_and_the_watch_restarts_the_crash(p
     run = run_dir_of(job_id)
     me = wait_until(lambda: (run / "supervisor.json").exists() and beat(run) > 0 and supervisor(run), 30)
     os.kill(me["pid"], signal.SIGSTOP)
+    err = open(tmp_path / "watch.err", "w")  # noqa: SIM115 - nobody reads it while the test runs: no pipe to fill
     watch = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+                             stderr=err, text=True)  # fmt: skip
     try:
         go.write_text("")
         records = []
@@ -153,7 +154,10 @@ def test_a_frozen_supervisor_is_not_answering_and_the_watch_restarts_the_crash(p
         assert [e["by"] for e in events(run) if e.get("decision") == "restart"] == ["watch"]
     finally:
         watch.send_signal(signal.SIGINT)
-        watch.wait(120)  # Ctrl-C ends it; a machine busy with other work may take its time to schedule it
+        # Ctrl-C ends it; what it printed meanwhile is read, or its last write (and its exit's flush) would wait on
+        # a full pipe for good: the one loaded failure of this test was that, a watch "ignoring" Ctrl-C for 120 s
+        watch.communicate(timeout=120)
+        err.close()
         os.kill(me["pid"], signal.SIGKILL)  # the frozen supervisor this test stopped
         run_cli("kill", job_id, "--grace", "1")
 
