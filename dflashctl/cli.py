@@ -710,6 +710,9 @@ def watch(
     accept_new: bool = AcceptNewOpt,
 ) -> None:
     """Follow a job: a verdict per poll (state, reason, evidence), restarts and notifications by its policy."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C (or kill -INT) ends it, even if started ignoring
     from dflashctl.config import find_project_root
     from dflashctl.jobs import jobctl
     from dflashctl.jobs import watch as watching
