@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,7 +120,8 @@ def test_kill_is_complete_and_precise(client, tmp_path):
     try:
         job_id = cli_json("launch", "jobs/torchrun.yaml")["id"]
         log = wait_until(lambda: (r := run_cli("logs", job_id, "-n", "50").stdout).count("stubborn") == 2 and r, 120)
-        sids = {int(line.split()[3]) for line in log.splitlines() if line.startswith("worker ")}
+        # two workers write to one log: a line of one may run into the other's ("... pid 7495worker 0 sid ...")
+        sids = {int(sid) for sid in re.findall(r"worker \d+ sid (\d+) pid", log)}
         assert len(sids) == 2, log  # each worker in its own session, as torchrun starts them
         killed = cli_json("kill", job_id)
         pids = [p["pid"] for p in killed["found"]]
