@@ -6,6 +6,8 @@ neither later layers nor the LM head run, and no other layer's output is kept.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -122,25 +124,33 @@ class Target:
 
     def _hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         captured: dict[int, torch.Tensor] = {}
+        try:
+            with self._capturing(captured, stop=True):
+                self.model.model(input_ids=input_ids, use_cache=False)
+        except _StopForward:
+            pass
+        return torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # [B, S, n * hidden]
+
+    @contextlib.contextmanager
+    def _capturing(self, captured: dict[int, torch.Tensor], stop: bool):
+        """Forward hooks that keep each chosen layer's output in `captured` while the block runs; with `stop`, the
+        last chosen layer ends the forward (_StopForward), so later layers and the LM head never run."""
         last = max(self.layer_ids)
 
         def hook(index: int):
             def fn(_module, _args, output):
                 captured[index] = output[0] if isinstance(output, tuple) else output
-                if index == last:
+                if stop and index == last:
                     raise _StopForward
 
             return fn
 
         handles = [self.layers[i].register_forward_hook(hook(i)) for i in self.layer_ids]
         try:
-            self.model.model(input_ids=input_ids, use_cache=False)
-        except _StopForward:
-            pass
+            yield captured
         finally:
             for h in handles:
                 h.remove()
-        return torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # [B, S, n * hidden]
 
     @torch.no_grad()
     def forward_cached(
@@ -155,21 +165,17 @@ class Target:
         cache.prepare(positions, width)
         mask = causal_by_position(positions, width, self.embed.weight.dtype)
         captured: dict[int, torch.Tensor] = {}
-        hooks = [self.layers[i].register_forward_hook(
-                 lambda _m, _a, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
-                 for i in self.layer_ids]  # fmt: skip
-        try:
+        with self._capturing(captured, stop=False):
             out = self.model.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                                   **{self._cache_kwarg(): cache})  # fmt: skip
-        finally:
-            for h in hooks:
-                h.remove()
+                                   **{self._cache_kwarg: cache})  # fmt: skip
         if not cache.keys:  # a transformers release that swapped in a cache of its own: every later step would be wrong
             raise RuntimeError(f"{type(self.model).__name__} did not write its keys and values into the given cache")
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1), out.last_hidden_state
 
+    @functools.cached_property
     def _cache_kwarg(self) -> str:
-        """transformers 5 names the cache `cache`; 4.x `past_key_values` (5 still takes it, with a warning)."""
+        """transformers 5 names the cache `cache`; 4.x `past_key_values` (5 still takes it, with a warning). Read once
+        per target, not every decoding step."""
         import inspect
 
         return "cache" if "cache" in inspect.signature(self.model.model.forward).parameters else "past_key_values"

@@ -122,6 +122,7 @@ def draft_rows(backend, heads: int, seq_len: int, anchors: int, block_size: int,
 DECODE_BATCH = 64  # prompts decoded at once by default: the cache of a 0.5B target at 1K tokens is ~0.8 GB
 
 
+@torch.no_grad()
 def speculative_decode_batch(
     parts: Parts, drafter: torch.nn.Module, prompts: list[torch.Tensor], max_new_tokens: int,
     batch_size: int = DECODE_BATCH,

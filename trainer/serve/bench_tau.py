@@ -38,7 +38,7 @@ class SetResult:
     seconds: float
 
 
-DEFAULT_BATCH = 64  # prompts decoded at once (trainer.eval.speculative_decode_batch): the answer is the same at any
+DEFAULT_BATCH = 64  # prompts decoded at once (trainer.eval.speculative_decode_batch): the same answer at any size
 DEFAULT_MAX_PROMPT = 4096  # the published evaluators' prompts are far shorter; one huge prompt must not set the pace
 
 
@@ -97,7 +97,7 @@ def build_parts(target: str, drafter: str, limit: int, device: str, dtype: str, 
 
 
 def decode_conversations(parts, tok, convs: list[Conversation], max_new_tokens: int, thinking: bool, limit: int,
-                         cap: int | None = None, batch_size: int = 64,
+                         cap: int | None = None, batch_size: int = DEFAULT_BATCH,
                          progress=None) -> list[tuple[list[int], int] | None]:  # fmt: skip
     """Per conversation: (tokens gained per drafting step over every turn, turns answered), or None when a turn's
     prompt does not fit. Turn k of every conversation is decoded in one batched pass, after turn k-1 of all: each
@@ -144,7 +144,7 @@ def bench_set(parts, tok, name: str, convs: list[Conversation], args, limit: int
     turns = sum(len(c.turns) for c in convs)
     with tqdm(total=turns, desc=name, unit="turn", file=sys.stderr, disable=args.quiet) as bar:
         decoded = decode_conversations(parts, tok, convs, args.max_new_tokens, args.thinking == "on", limit,
-                                       getattr(args, "prompt_cap", None), getattr(args, "batch_size", 64),
+                                       getattr(args, "prompt_cap", None), getattr(args, "batch_size", DEFAULT_BATCH),
                                        bar.update)  # fmt: skip
     for i, one in enumerate(decoded):
         if one is None:
