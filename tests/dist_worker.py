@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import load_config  # noqa: E402
 from trainer.run.distributed import init_world, shutdown  # noqa: E402
+from trainer.run.process_exit import end_process  # noqa: E402
 from trainer.run.training import train  # noqa: E402
 
 if __name__ == "__main__":
@@ -21,3 +22,4 @@ if __name__ == "__main__":
     state = {k: v.detach().clone() for k, v in result.parts.drafter.state_dict().items()}
     torch.save(state, run_dir / f"params-rank{world.rank}.pt")
     shutdown(world)
+    end_process(0)

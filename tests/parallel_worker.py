@@ -14,6 +14,7 @@ from trainer.config import from_dict, parse_parallel  # noqa: E402
 from trainer.model.parallel import make_layout  # noqa: E402
 from trainer.run.distributed import init_world, shutdown  # noqa: E402
 from trainer.run.loop import build  # noqa: E402
+from trainer.run.process_exit import end_process  # noqa: E402
 from trainer.run.training import train  # noqa: E402
 
 BASE = {
@@ -44,3 +45,4 @@ if __name__ == "__main__":
         torch.save({"hidden": hidden, "logits": logits, "losses": result.losses, "layout": layout.describe()},
                    out / f"{mode}-rank{world.rank}.pt")  # fmt: skip
     shutdown(world)
+    end_process(0)

@@ -212,6 +212,7 @@ sys.path.insert(0, sys.argv[2])
 from trainer.config import from_dict, parse_parallel
 from trainer.model.parallel import make_layout
 from trainer.run.distributed import init_world, shutdown
+from trainer.run.process_exit import end_process
 from trainer.run.eval import speculative_decode_batch
 from trainer.run.loop import build
 
@@ -224,6 +225,7 @@ for mode in ("replicate", "tensor", "fsdp"):
     parts = build(cfg, device=world.device, layout=make_layout(*parse_parallel(parallel), world), for_training=False)
     torch.save(speculative_decode_batch(parts, parts.drafter, prompts, 20, 2), f"{sys.argv[1]}/{mode}-{world.rank}.pt")
 shutdown(world)
+end_process(0)
 """
 
 

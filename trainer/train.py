@@ -92,4 +92,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from trainer.run.process_exit import end_process
+
+    end_process(main())
