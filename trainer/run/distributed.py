@@ -77,10 +77,11 @@ def barrier(world: World) -> None:
 
 def shutdown(world: World, together: bool = True) -> None:
     """Leave the process group. After a run every rank finished (`together`), the ranks first meet at a barrier, so no
-    rank tears down its gloo pairs (or exits) while a peer's last collective is still in flight on a worker thread,
-    which aborts that peer at exit (SIGABRT, "terminate called without an active exception"). After a failure there is
-    no barrier: the failing rank's peers may be blocked in a collective it will never join, and a barrier would hold it
-    there with them; destroying the group is what ends their wait. Every group, a mesh's subgroups too, is destroyed."""
+    rank closes its gloo pairs (or exits) while a peer still reads its last collective from them. After a failure there
+    is no barrier: the failing rank's peers may be blocked in a collective it will never join, and a barrier would hold
+    it there with them; destroying the group is what ends their wait. Every group, a mesh's subgroups too, is destroyed.
+    The process should then end with `process_exit.end_process`: a group outlives this while anything refers to it, and
+    its threads can abort the interpreter's teardown."""
     if world.distributed and dist.is_initialized():
         if together:
             dist.barrier()
