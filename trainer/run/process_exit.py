@@ -5,7 +5,7 @@ collective that holds a Python-owned tensor: at the end of a run, the closing ba
 before it. Freeing that tensor takes the GIL of an interpreter that is going away, the thread is unwound through a
 noexcept destructor, and the process aborts: SIGABRT, "terminate called without an active exception". A run that
 finished then exits as a crash. `destroy_process_group` does not prevent it: a group lives on while anything refers to
-it. On a loaded machine 1 two-rank run in about 45 ended so (docs/reliability.md has the core's backtrace).
+it. On a loaded machine 2 two-rank runs in 115 ended so (docs/reliability.md says what the core showed).
 
 Stdlib only: the entry point calls this after a config error too, before torch is imported.
 """
