@@ -212,9 +212,9 @@ sys.path.insert(0, sys.argv[2])
 from trainer.config import from_dict, parse_parallel
 from trainer.model.parallel import make_layout
 from trainer.run.distributed import init_world, shutdown
-from trainer.run.process_exit import end_process
 from trainer.run.eval import speculative_decode_batch
 from trainer.run.loop import build
+from trainer.run.process_exit import end_process
 
 world = init_world("cpu")
 g = torch.Generator().manual_seed(0)

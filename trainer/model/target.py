@@ -123,18 +123,19 @@ class Target:
         return self._hidden_states(input_ids)
 
     def _hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        captured: dict[int, torch.Tensor] = {}
         try:
-            with self._capturing(captured, stop=True):
+            with self._capturing(stop=True) as captured:
                 self.model.model(input_ids=input_ids, use_cache=False)
         except _StopForward:
             pass
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1)  # [B, S, n * hidden]
 
     @contextlib.contextmanager
-    def _capturing(self, captured: dict[int, torch.Tensor], stop: bool):
-        """Forward hooks that keep each chosen layer's output in `captured` while the block runs; with `stop`, the
-        last chosen layer ends the forward (_StopForward), so later layers and the LM head never run."""
+    def _capturing(self, stop: bool):
+        """Forward hooks that keep each chosen layer's output in the dict this yields (layer index -> output) while the
+        block runs; with `stop`, the last chosen layer ends the forward (_StopForward), so later layers and the LM head
+        never run."""
+        captured: dict[int, torch.Tensor] = {}
         last = max(self.layer_ids)
 
         def hook(index: int):
@@ -164,8 +165,7 @@ class Target:
 
         cache.prepare(positions, width)
         mask = causal_by_position(positions, width, self.embed.weight.dtype)
-        captured: dict[int, torch.Tensor] = {}
-        with self._capturing(captured, stop=False):
+        with self._capturing(stop=False) as captured:
             out = self.model.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
                                    **{self._cache_kwarg: cache})  # fmt: skip
         if not cache.keys:  # a transformers release that swapped in a cache of its own: every later step would be wrong
