@@ -213,10 +213,9 @@ def test_a_crash_is_resubmitted_with_resume_by_one_of_two_watchers(site, cluster
     watched = [e for _, recs in results for r in recs for e in r["events"] if e["decision"] == "restart"]
     restarts = watched + verdicts([], run)[1]  # the supervisor may have been first: then the watches saw it done
     # a restart made by a decider (the supervisor or one watch) follows the crash; a watch that saw it made
-    # elsewhere says what it had seen last (RUNNING, when the supervisor restarted between two of its polls)
+    # elsewhere repeats the decider's recorded cause, even when its polls never saw the crash
     made = [e for e in restarts if not str(e.get("by", "")).startswith("elsewhere")]
-    assert made and all(e["after"] == "CRASHED" and e["attempt"] == 1 for e in made), restarts
-    assert all(e["attempt"] == 1 for e in restarts), restarts
+    assert made and all(e["after"] == "CRASHED" and e["attempt"] == 1 for e in restarts), restarts
     assert len([e for e in watched if e.get("by") == "watch"]) <= 1  # the others saw it done (or the supervisor did)
     assert (run / "restarts").read_text().strip() == "1"
     starts = [ln for ln in (run / "train.log").read_text().splitlines() if "] " in ln and " start slurm job " in ln]

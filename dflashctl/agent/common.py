@@ -14,6 +14,7 @@ import time
 
 AGENT_FILE = "agent.pyz"  # the agent's copy in a run dir: the tmux pane runs it as the job's launcher
 STOP_REQUEST, STOP_RESULT, RESTARTS, WRAPPER_PID = "stop_request", "stop_result", "restarts", "wrapper.pid"
+RESTART_CAUSE = "restart_cause.json"  # why the last restart was done, by whom: for a watcher that never saw it
 
 
 class LockTimeout(TimeoutError):

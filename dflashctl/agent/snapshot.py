@@ -15,6 +15,7 @@ import time
 
 from . import supervision
 from .common import (
+    RESTART_CAUSE,
     RESTARTS,
     STOP_REQUEST,
     STOP_RESULT,
@@ -51,6 +52,8 @@ def snapshot(req: dict) -> dict:
     # attempt's files (harmless: a restart for an attempt already restarted is refused), never the new count beside
     # the old attempt's dead pane or exit status (which a watcher took for the new attempt's failure)
     snap["restarts"] = (read_int(os.path.join(run_dir, RESTARTS)) or 0) if run_dir else 0
+    cause = read_json(os.path.join(run_dir, RESTART_CAUSE), 64 << 10) if run_dir and snap["restarts"] else None
+    snap["restart_cause"] = cause if isinstance(cause, dict) else None  # written before the count: never older
     lines = int(req.get("capture_lines", 40))
     scheduled = req.get("scheduler") == "slurm" and bool(run_dir)
     # a Slurm job's "pane" is its submission: alive, ended (with its exit status) or unknown to the scheduler
@@ -113,7 +116,8 @@ def snapshot(req: dict) -> dict:
     return redacted(run_dir, snap)
 
 
-JOB_TEXT = ("session", "procs", "metrics", "heartbeat", "stop_request", "stop_result", "figures", "host_oom")
+JOB_TEXT = ("session", "procs", "metrics", "heartbeat", "stop_request", "stop_result", "figures", "host_oom",
+            "restart_cause")
 
 
 def redacted(run_dir: str | None, snap: dict) -> dict:

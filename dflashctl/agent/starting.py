@@ -13,6 +13,7 @@ import time
 
 from .common import (
     AGENT_FILE,
+    RESTART_CAUSE,
     RESTARTS,
     STOP_REQUEST,
     STOP_RESULT,
@@ -345,6 +346,19 @@ def verify_agent_copy(run: str, agent: bytes | None = None) -> bool:
     return True
 
 
+def record_cause(run: str, attempt: int, cause: object) -> None:
+    """Why restart `attempt` was done (the failed state, its reason and evidence, who decided), written before the
+    count moves: a watcher that sees the count but never polled the failure repeats this instead of guessing."""
+    cause = cause if isinstance(cause, dict) else {}
+    evidence = cause.get("evidence")
+    body = {"attempt": attempt, "time": round(time.time(), 3),
+            "after": str(cause["after"])[:40] if isinstance(cause.get("after"), str) else None,
+            "reason": str(cause.get("reason") or "")[:400], "by": str(cause.get("by") or "")[:80] or None,
+            "evidence": [str(e)[:400] for e in evidence[:5]] if isinstance(evidence, list) else []}  # fmt: skip
+    with contextlib.suppress(OSError):  # a full disk loses the cause, never the restart
+        write_atomic(os.path.join(run, RESTART_CAUSE), json.dumps(body, separators=(",", ":")).encode())
+
+
 def restart(req: dict, agent: bytes | None = None) -> dict:
     """One restart of a job, decided and done under the run dir's lock (which `reap` also takes): never after a stop
     request, at most once per failed attempt however many watchers saw it, never beyond `max_restarts`. A Slurm
@@ -381,11 +395,13 @@ def restart(req: dict, agent: bytes | None = None) -> dict:
             job, err = slurm.submit(run, list(req.get("args", [])))
             if job is None:
                 return {"restarted": False, "why": f"sbatch refused the resubmission: {err}", "restarts": count}
+            record_cause(run, count + 1, req.get("cause"))
             write_atomic(os.path.join(run, RESTARTS), f"{count + 1}\n".encode())
             from .supervision import spawn
 
             spawn(run)  # a supervisor that died meanwhile comes back with the resubmission (one per run dir)
             return {"restarted": True, "restarts": count + 1, "pane_pid": None, "slurm_job": job, "stopped": stopped}
+        record_cause(run, count + 1, req.get("cause"))
         write_atomic(os.path.join(run, RESTARTS), f"{count + 1}\n".encode())
         replaced = verify_agent_copy(run, agent)  # the pane runs it next: never a copy this agent did not check
         pane_pid = start_session(run, req["session"], req["python"], list(req.get("args", [])))

@@ -194,7 +194,9 @@ class Supervisor:
                                     "job_id": self.spec.get("job_id"), "attempt": self.restarts,
                                     "max_restarts": self.policy.max_restarts,
                                     "grace_s": float(self.spec.get("grace_s") or 40.0), "python": sys.executable,
-                                    "args": list(self.spec.get("args") or []), "min_free_gib": need, **self.where},
+                                    "args": list(self.spec.get("args") or []), "min_free_gib": need,
+                                    "cause": {"after": r.state, "reason": r.reason, "evidence": r.evidence[:5],
+                                              "by": "supervisor"}, **self.where},
                                    self.agent)  # fmt: skip
         if ans.get("restarted") and self.nodes is not None:  # then every other node, from its own checkpoint
             refused = self.restart_members(need)
@@ -207,6 +209,7 @@ class Supervisor:
             self.judge.restarts = self.restarts
             if ans.get("restarted"):
                 self.event({"decision": "restart", "after": r.state, "attempt": self.restarts, "reason": r.reason,
+                            "evidence": r.evidence[:5],
                             **({"agent_replaced": True} if ans.get("agent_replaced") else {})})  # fmt: skip
             self.reset()
             self.state = "STARTING"

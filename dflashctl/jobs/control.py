@@ -79,15 +79,17 @@ class RestartOutcome:
     raced: bool = False  # another decider restarted this attempt first (typed by the remote: never read from `why`)
 
 
-def restart(runner: Runner, job: JobRecord, attempt: int, min_free_gib: float | None = None) -> RestartOutcome:
+def restart(runner: Runner, job: JobRecord, attempt: int, min_free_gib: float | None = None,
+            cause: dict | None = None) -> RestartOutcome:  # fmt: skip
     """Restart the attempt numbered `attempt` (0 for the first launch) with --resume for the trainer, unless the
     remote says no (stop requested, someone else restarted it, budget spent, less than `min_free_gib` free at the
-    run dir: a job that filled its disk is not restarted into the same full disk)."""
+    run dir: a job that filled its disk is not restarted into the same full disk). `cause` (the failed state, its
+    reason and evidence) is kept in the run dir for whoever sees the restart without having seen the failure."""
     req = {"action": "restart", "run_dir": job.run_dir, "session": job.session, "job_id": job.tag,
            "tmux_socket": job.tmux_socket, "attempt": attempt, "max_restarts": job.watch.max_restarts,
            "grace_s": job.kill_grace_s, "python": runner.host.python,
            "args": ["--resume"] if job.is_trainer else [], "gpus": False, "min_free_gib": min_free_gib,
-           **session.scheduler_of(job)}  # fmt: skip
+           "cause": {**(cause or {}), "by": "watch"}, **session.scheduler_of(job)}  # fmt: skip
     ans = session.call_agent(runner, req, timeout=job.kill_grace_s + 150)
     return RestartOutcome(bool(ans.get("restarted")), int(ans.get("restarts", attempt)), ans.get("why", ""),
                           ans.get("pane_pid"), ans.get("slurm_job"), ans.get("raced") is True)  # fmt: skip
@@ -126,13 +128,13 @@ def stop_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], grace_
 
 
 def restart_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], attempt: int,
-                min_free_gib: float | None = None) -> RestartOutcome:  # fmt: skip
+                min_free_gib: float | None = None, cause: dict | None = None) -> RestartOutcome:  # fmt: skip
     """Restart every node of a job (each stopped, then started with --resume, under its run dir's lock), head
     first. The outcome is the head's; a node that refuses is named."""
     outcomes = []
     for rec in job.member_records():
         with open_runner(rec.host) as runner:
-            outcomes.append(restart(runner, rec, attempt, min_free_gib))
+            outcomes.append(restart(runner, rec, attempt, min_free_gib, cause))
     head = outcomes[0]
     refused = [f"{rec.host_name}: {o.why}" for rec, o in zip(job.member_records(), outcomes, strict=True)
                if not o.restarted]  # fmt: skip

@@ -146,8 +146,7 @@ class Watcher:
             self.restarts = remote_restarts  # restarted before this watch began: nothing seen restarted here
         elif isinstance(remote_restarts, int) and remote_restarts > self.restarts:  # restarted elsewhere meanwhile
             self.restarts = remote_restarts
-            self.log_event({"decision": "restart", "attempt": remote_restarts, "after": self.state,
-                            "by": "elsewhere (the job's supervisor or another watcher)", "reason": "seen restarted"})
+            self.log_event(seen_restarted(remote_restarts, snap.get("restart_cause")))
             self.reset_after_restart()
         report = self.judge.take(snap, time.monotonic())
         self.gpus = self.judge.gpus
@@ -157,8 +156,8 @@ class Watcher:
         """A restart after DISK_FULL needs room for a checkpoint (at least MIN_FREE_GIB)."""
         return restart_room_gib(state, self.history.checkpoint_gib)
 
-    def restart_remote(self, attempt: int, state: str = "") -> control.RestartOutcome:
-        return control.restart(self._connect(), self.job, attempt, self.min_free_gib(state))
+    def restart_remote(self, attempt: int, state: str = "", cause: dict | None = None) -> control.RestartOutcome:
+        return control.restart(self._connect(), self.job, attempt, self.min_free_gib(state), cause)
 
     def warnings(self) -> list[str]:
         """Trouble ahead, said before it is a failure: less free space at the run dir than two checkpoints."""
@@ -184,6 +183,24 @@ class Watcher:
     def reset_after_restart(self) -> None:
         self.judge.restarts = self.restarts
         self.judge.reset()
+
+
+ELSEWHERE = "elsewhere (the job's supervisor or another watcher)"
+
+
+def seen_restarted(attempt: int, cause: object) -> dict:
+    """The event for a restart this watch did not do: the decider's own cause (the failed state, reason and
+    evidence it recorded in the run dir) when it is this attempt's, so a failure that came and went between two polls
+    is still named; else the restart alone, its cause unknown here (never this watch's last state, which was not the
+    failure)."""
+    if isinstance(cause, dict) and cause.get("attempt") == attempt and isinstance(cause.get("after"), str):
+        evidence = cause.get("evidence")
+        return {"decision": "restart", "attempt": attempt, "after": cause["after"],
+                "by": f"elsewhere ({cause['by']})" if isinstance(cause.get("by"), str) else ELSEWHERE,
+                "reason": str(cause.get("reason") or ""),
+                "evidence": [str(e) for e in evidence[:5]] if isinstance(evidence, list) else []}  # fmt: skip
+    return {"decision": "restart", "attempt": attempt, "after": None, "by": ELSEWHERE,
+            "reason": "seen restarted; its cause was not recorded"}
 
 
 @dataclass
@@ -237,9 +254,9 @@ class NodesWatcher(Watcher):
         elif isinstance(said.get("state"), str):
             r.evidence.append(f"the job's supervisor said {said['state']} at its last sample: {said.get('reason')}")
 
-    def restart_remote(self, attempt: int, state: str = "") -> control.RestartOutcome:
+    def restart_remote(self, attempt: int, state: str = "", cause: dict | None = None) -> control.RestartOutcome:
         outcome = control.restart_all(self.job, lambda h: open_runner(h, self.accept_new), attempt,
-                                      self.min_free_gib(state))  # fmt: skip
+                                      self.min_free_gib(state), cause)  # fmt: skip
         if outcome.restarted:
             for o in self.others:
                 o.restarts = outcome.restarts

@@ -21,6 +21,7 @@ from dflashctl.jobs import verdict as verdicts
 from dflashctl.jobs.notify import Message, post, redact
 from dflashctl.jobs.poller import (  # noqa: F401 - the poller's names, as callers of watch know them
     CONSEQUENCES,
+    ELSEWHERE,
     PEER_GRACE_S,
     NodesWatcher,
     PollRecord,
@@ -133,7 +134,7 @@ def restart(w: Watcher, r: Report, say: Callable[[str], None]) -> bool:
     """One remote restart decided under the run dir's lock (control.restart). False when the remote refused it (a
     stop request, the budget spent, the disk still full); True when the job is running again, restarted by us or,
     raced, by another decider."""
-    outcome = w.restart_remote(w.restarts, r.state)
+    outcome = w.restart_remote(w.restarts, r.state, {"after": r.state, "reason": r.reason, "evidence": r.evidence[:5]})
     if not outcome.restarted and not outcome.raced:
         say(f"not restarted: {outcome.why}")
         w.log_event({"decision": "no_restart", "after": r.state, "why": outcome.why})
@@ -142,10 +143,11 @@ def restart(w: Watcher, r: Report, say: Callable[[str], None]) -> bool:
     w.job = w.job.model_copy(update={"restarts": w.restarts, "pane_pid": outcome.pane_pid or w.job.pane_pid})
     registry.update(w.job.id, pane_pid=w.job.pane_pid, restarts=w.restarts, state="STARTING",
                     **({"slurm_job": outcome.slurm_job} if outcome.slurm_job else {}))  # fmt: skip
-    by = "watch" if outcome.restarted else "elsewhere (the job's supervisor or another watcher)"
+    by = "watch" if outcome.restarted else ELSEWHERE
     if outcome.raced:
         say(outcome.why)
-    w.log_event({"decision": "restart", "after": r.state, "attempt": w.restarts, "reason": r.reason, "by": by})
+    w.log_event({"decision": "restart", "after": r.state, "attempt": w.restarts, "reason": r.reason, "by": by,
+                 "evidence": r.evidence[:5]})  # fmt: skip
     w.reset_after_restart()
     w.state = "STARTING"
     if outcome.restarted and w.cfg.notify.webhook:

@@ -144,7 +144,8 @@ def series(job: str, hist: dict) -> RunSeries:
         if t is None:
             continue
         if d.get("decision") == "restart":
-            s.markers.append(Marker(t - t0, None, f"restart {d.get('attempt', '')} after {d.get('after')}", "restart"))
+            label = f"restart {d.get('attempt', '')} after {d.get('after') or '?'}"
+            s.markers.append(Marker(t - t0, None, label, "restart"))
         elif d.get("decision") == "state" and d.get("state") not in QUIET_STATES:
             s.markers.append(Marker(t - t0, None, str(d.get("state"))[:24], "verdict"))
     for sample in samples:

@@ -41,8 +41,13 @@ def line(poll) -> str:
 def describe(event: dict) -> str:
     """A watch decision in words: `restart 2 after CRASHED`, `not restarted after DISK_FULL: the disk is full`."""
     what = event.get("decision")
-    if what == "restart":
-        return f"restarted (restart {event.get('attempt')}) after {event.get('after')}"
+    if what == "restart":  # one done elsewhere says by whom, and its first evidence: this watch may not have seen it
+        after = f" after {event['after']}" if isinstance(event.get("after"), str) else ""
+        text = f"restarted (restart {event.get('attempt')}){after}"
+        by, evidence = str(event.get("by") or ""), event.get("evidence")
+        if by.startswith("elsewhere"):
+            text += f" {by}" + (f": {evidence[0]}" if isinstance(evidence, list) and evidence else "")
+        return text
     if what == "no_restart":
         return f"not restarted after {event.get('after')}: {event.get('why')}"
     if what == "warning":
