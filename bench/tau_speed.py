@@ -101,6 +101,7 @@ def main() -> int:
                      "tokens_per_s": round(tokens / seconds, 1), "tau_pooled": round(tokens / steps, 4),
                      "sets": [{k: s[k] for k in ("prompt_set", "prompts", "tau_pooled", "tau_prompt_mean", "seconds")}
                               for s in sets]})  # fmt: skip
+        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # each batch size as it ends: a cut run keeps it
     print(json.dumps({"target": target, "drafter": drafter, "max_new_tokens": args.max_new_tokens, "runs": runs}))
     return 0
 
