@@ -190,16 +190,16 @@ class Supervisor:
     def restart(self, r) -> str | None:
         """One remote restart. None: go on watching; else why the watch ends."""
         need = probe.restart_room_gib(r.state, self.h.checkpoint_gib)
+        cause = {"after": r.state, "reason": r.reason, "evidence": r.evidence[:5], "by": "supervisor"}
         ans = probe.restart_action({"run_dir": self.run, "session": self.spec.get("session"),
                                     "job_id": self.spec.get("job_id"), "attempt": self.restarts,
                                     "max_restarts": self.policy.max_restarts,
                                     "grace_s": float(self.spec.get("grace_s") or 40.0), "python": sys.executable,
                                     "args": list(self.spec.get("args") or []), "min_free_gib": need,
-                                    "cause": {"after": r.state, "reason": r.reason, "evidence": r.evidence[:5],
-                                              "by": "supervisor"}, **self.where},
+                                    "cause": cause, **self.where},
                                    self.agent)  # fmt: skip
         if ans.get("restarted") and self.nodes is not None:  # then every other node, from its own checkpoint
-            refused = self.restart_members(need)
+            refused = self.restart_members(need, cause)
             if refused:
                 self.restarts = int(ans["restarts"])
                 self.judge.restarts = self.restarts
@@ -216,13 +216,13 @@ class Supervisor:
             return None
         return self.give_up(r, str(ans.get("why")))
 
-    def restart_members(self, need) -> str:
+    def restart_members(self, need, cause: dict) -> str:
         """The restart action on every other node (its run dir's lock, its own count), once the head's is done:
         the head's new torchrun waits at the rendezvous for them. '' when each restarted (or another decider had
         restarted it); else which refused, and why."""
         req = {"action": "restart", "attempt": self.restarts, "max_restarts": self.policy.max_restarts,
                "grace_s": float(self.spec.get("grace_s") or 40.0), "args": list(self.spec.get("args") or []),
-               "min_free_gib": need, "gpus": False}  # fmt: skip
+               "min_free_gib": need, "gpus": False, "cause": cause}  # fmt: skip
         refused = []
         for m, ans, why in self.nodes.act(req, float(req["grace_s"]) + 150):
             if ans is None or not (ans.get("restarted") or ans.get("raced")):
