@@ -224,3 +224,31 @@ def test_every_commands_json_uses_the_one_schemas_names(proj):
     assert st["id"] == once["id"] == killed["id"] == rep["jobs"][0]["id"] == job_id
     for figure in ("step", "loss", "tokens_per_s", "restarts", "decided_by"):
         assert figure in st and figure in once, figure
+
+
+def test_a_look_during_a_restart_is_starting_never_lost(proj):
+    """A restart holds the run dir's lock from stopping the old attempt to starting the next. A look inside that
+    window found the old pane gone and no exit status and said LOST, a terminal state: a watch polling while the
+    supervisor restarted ended with exit 16 (seen in a loaded suite run). Here the window is held open: the lock
+    taken as a restart takes it (a real flock), the job's tmux session killed. `status` and `watch --once` say
+    STARTING with the lock as evidence; once it is let go, the same look says LOST."""
+    import fcntl
+
+    job_id = cli_json("launch", job_file(proj, "between", TICKING, "watch: {supervise: false}\n"))["id"]
+    run = run_dir_of(job_id)
+    wait_until(lambda: status_json(job_id)["state"] == "RUNNING", 60)
+    session = json.loads((run / "job.json").read_text())["session"]
+    tmux = ["tmux", "-L", os.environ["DFLASHCTL_TMUX_SOCKET"]]
+    fd = os.open(run / ".restart.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        subprocess.run([*tmux, "kill-session", "-t", f"={session}"], check=True)
+        during = status_json(job_id)
+        once = run_cli("watch", job_id, "--once", "--json")
+    finally:
+        os.close(fd)
+    assert during["state"] == "STARTING" and during["reason"] == "a restart is in progress", during
+    assert any("restart lock is held" in e for e in during["evidence"]), during
+    assert once.code == 0 and json.loads(once.stdout)["state"] == "STARTING", once
+    after = status_json(job_id)
+    assert after["state"] == "LOST" and "tmux session missing" in after["evidence"], after

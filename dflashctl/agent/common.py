@@ -14,6 +14,7 @@ import time
 
 AGENT_FILE = "agent.pyz"  # the agent's copy in a run dir: the tmux pane runs it as the job's launcher
 STOP_REQUEST, STOP_RESULT, RESTARTS, WRAPPER_PID = "stop_request", "stop_result", "restarts", "wrapper.pid"
+RESTART_LOCK = ".restart.lock"  # held by a restart for its whole length, and by `kill` while it asks for the stop
 RESTART_CAUSE = "restart_cause.json"  # why the last restart was done, by whom: for a watcher that never saw it
 
 
@@ -37,6 +38,24 @@ def locked(path: str, timeout: float = 120.0, held_by: str = "another dflashctl"
                     raise LockTimeout(f"{path} is held by {held_by}") from None
                 time.sleep(0.05)
         yield
+    finally:
+        os.close(fd)
+
+
+def lock_held(path: str) -> bool:
+    """Whether some process holds `path`'s lock now: a shared try, let go at once (a lock dies with its holder, so a
+    restart killed halfway is not "in progress" for ever, as a marker file would be). No file: no holder."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
     finally:
         os.close(fd)
 

@@ -16,12 +16,14 @@ import time
 from . import supervision
 from .common import (
     RESTART_CAUSE,
+    RESTART_LOCK,
     RESTARTS,
     STOP_REQUEST,
     STOP_RESULT,
     WRAPPER_PID,
     append_jsonl,
     job_redactor,
+    lock_held,
     locked,
     read_int,
     read_json,
@@ -52,6 +54,7 @@ def snapshot(req: dict) -> dict:
     # attempt's files (harmless: a restart for an attempt already restarted is refused), never the new count beside
     # the old attempt's dead pane or exit status (which a watcher took for the new attempt's failure)
     snap["restarts"] = (read_int(os.path.join(run_dir, RESTARTS)) or 0) if run_dir else 0
+    restarting = bool(run_dir) and lock_held(os.path.join(run_dir, RESTART_LOCK))
     cause = read_json(os.path.join(run_dir, RESTART_CAUSE), 64 << 10) if run_dir and snap["restarts"] else None
     snap["restart_cause"] = cause if isinstance(cause, dict) else None  # written before the count: never older
     lines = int(req.get("capture_lines", 40))
@@ -113,6 +116,9 @@ def snapshot(req: dict) -> dict:
         from .outbox import claim_for_laptop
 
         snap["notices"] = claim_for_laptop(run_dir)
+    if run_dir:  # a restart during this look (the old pane gone, the new not yet there) is no LOST: said here
+        again = read_int(os.path.join(run_dir, RESTARTS)) or 0
+        snap["restarting"] = restarting or lock_held(os.path.join(run_dir, RESTART_LOCK)) or again != snap["restarts"]
     return redacted(run_dir, snap)
 
 

@@ -14,6 +14,7 @@ import time
 from .common import (
     AGENT_FILE,
     RESTART_CAUSE,
+    RESTART_LOCK,
     RESTARTS,
     STOP_REQUEST,
     STOP_RESULT,
@@ -347,8 +348,10 @@ def verify_agent_copy(run: str, agent: bytes | None = None) -> bool:
 
 
 def record_cause(run: str, attempt: int, cause: object) -> None:
-    """Why restart `attempt` was done (the failed state, its reason and evidence, who decided), written before the
-    count moves: a watcher that sees the count but never polled the failure repeats this instead of guessing."""
+    """Why restart `attempt` is done (the failed state, its reason and evidence, who decided), written before the
+    count moves: a watcher that sees the count but never polled the failure repeats this instead of guessing. A
+    restart that fails after it leaves a cause for an attempt that never began, which no count ever matches until
+    a later restart of that number writes its own."""
     cause = cause if isinstance(cause, dict) else {}
     evidence = cause.get("evidence")
     body = {"attempt": attempt, "time": round(time.time(), 3),
@@ -371,11 +374,12 @@ def restart(req: dict, agent: bytes | None = None) -> dict:
     if not any(os.path.isfile(os.path.join(run, f)) for f in (AGENT_FILE, "launcher.py")):
         return {"restarted": False, "why": "launched by an older dflashctl (no launcher in its run dir): relaunch it"}
     grace = float(req.get("grace_s", 40))
-    with locked(os.path.join(run, ".restart.lock"), timeout=grace + 60):
+    with locked(os.path.join(run, RESTART_LOCK), timeout=grace + 60):  # a probe meanwhile says STARTING
         count = read_int(os.path.join(run, RESTARTS)) or 0
         refused = _restart_refused(req, run, count)
         if refused:
             return refused
+        record_cause(run, count + 1, req.get("cause"))  # before the old attempt is stopped: the window stays short
         if scheduled:
             old = slurm.current_job(run)
             q = slurm.cancel(old, grace + 30, run) if old else {}
@@ -395,13 +399,11 @@ def restart(req: dict, agent: bytes | None = None) -> dict:
             job, err = slurm.submit(run, list(req.get("args", [])))
             if job is None:
                 return {"restarted": False, "why": f"sbatch refused the resubmission: {err}", "restarts": count}
-            record_cause(run, count + 1, req.get("cause"))
             write_atomic(os.path.join(run, RESTARTS), f"{count + 1}\n".encode())
             from .supervision import spawn
 
             spawn(run)  # a supervisor that died meanwhile comes back with the resubmission (one per run dir)
             return {"restarted": True, "restarts": count + 1, "pane_pid": None, "slurm_job": job, "stopped": stopped}
-        record_cause(run, count + 1, req.get("cause"))
         write_atomic(os.path.join(run, RESTARTS), f"{count + 1}\n".encode())
         replaced = verify_agent_copy(run, agent)  # the pane runs it next: never a copy this agent did not check
         pane_pid = start_session(run, req["session"], req["python"], list(req.get("args", [])))

@@ -10,7 +10,7 @@ import signal
 import time
 
 from . import supervision
-from .common import STOP_REQUEST, STOP_RESULT, locked, read_int, scrub_secrets, start_time, write_atomic
+from .common import RESTART_LOCK, STOP_REQUEST, STOP_RESULT, locked, read_int, scrub_secrets, start_time, write_atomic
 from .gpus import read_gpus
 from .procs import TMUX, _run, job_processes, launcher_of, proc_table, same_process, slurm_agent, tmux_session
 
@@ -129,7 +129,7 @@ def reap(req: dict) -> dict:
     asked = has_dir and os.path.exists(os.path.join(run_dir, STOP_REQUEST))
     ended_before = read_int(os.path.join(run_dir, "exit_code")) if has_dir and not asked else None
     if has_dir:
-        with locked(os.path.join(run_dir, ".restart.lock")):
+        with locked(os.path.join(run_dir, RESTART_LOCK)):
             if not os.path.exists(os.path.join(run_dir, STOP_REQUEST)):
                 body = {"time": time.time(), "by": req.get("by", "dflashctl kill")}
                 write_atomic(os.path.join(run_dir, STOP_REQUEST), json.dumps(body).encode())

@@ -156,6 +156,9 @@ def assess(h: History, th: Thresholds) -> Verdict:
             v.evidence.append("`dflashctl kill` came after the job had ended: its verdict is kept")
             return v
         return _stopped(h)
+    if h.restarting:  # the old attempt stopped, the new one not yet started: neither LOST nor the old one's end
+        return _verdict("STARTING", "a restart is in progress", ["the run dir's restart lock is held: the old "
+                        "attempt is being stopped and the next one started"], h)  # fmt: skip
     if h.scheduler is not None:
         scheduled = _scheduled(h) or _settling(h)
         if scheduled is not None:

@@ -166,6 +166,7 @@ class History:
     probe_error: str | None = None  # the host answered, the probe failed: its stderr
     stop_request: dict | None = None  # `dflashctl kill` asked for a stop (in the run dir: every watcher sees it)
     stop_result: dict | None = None  # what that kill verified: KILLED, or KILL_FAILED with the survivors
+    restarting: bool = False  # a restart held the run dir's lock during the look: its panes and files are between two
     kill_grace_s: float = 40.0
     activity_at: float | None = None  # remote time of the last sign of progress of a job without metrics
     activity: str = ""  # what that sign was (log grew, CPU time, GPU busy)

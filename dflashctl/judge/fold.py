@@ -91,6 +91,7 @@ def fold(h: History, snap: dict, job: Job, tail: deque, log_offset: int = 0, met
     stop, result = snap.get("stop_request"), snap.get("stop_result")
     h.stop_request = stop if isinstance(stop, dict) else None
     h.stop_result = result if isinstance(result, dict) else None
+    h.restarting = snap.get("restarting") is True
     log = snap.get("log") or {}
     out.log_offset = log.get("offset", log_offset) if isinstance(log.get("offset"), int) else log_offset
     if log.get("text"):
