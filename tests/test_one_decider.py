@@ -230,8 +230,9 @@ def test_a_look_during_a_restart_is_starting_never_lost(proj):
     """A restart holds the run dir's lock from stopping the old attempt to starting the next. A look inside that
     window found the old pane gone and no exit status and said LOST, a terminal state: a watch polling while the
     supervisor restarted ended with exit 16 (seen in a loaded suite run). Here the window is held open: the lock
-    taken as a restart takes it (a real flock), the job's tmux session killed. `status` and `watch --once` say
-    STARTING with the lock as evidence; once it is let go, the same look says LOST."""
+    taken as a restart takes it (a real flock), its cause written as a restart writes it, the job's tmux session
+    killed. `status` and `watch --once` say STARTING with the lock and the cause as evidence; once it is let go, the
+    same look says LOST."""
     import fcntl
 
     job_id = cli_json("launch", job_file(proj, "between", TICKING, "watch: {supervise: false}\n"))["id"]
@@ -242,6 +243,8 @@ def test_a_look_during_a_restart_is_starting_never_lost(proj):
     fd = os.open(run / ".restart.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        (run / "restart_cause.json").write_text(json.dumps({"attempt": 1, "after": "STALLED", "by": "supervisor",
+                                                            "reason": "heartbeat 9 s old", "evidence": ["frozen"]}))
         subprocess.run([*tmux, "kill-session", "-t", f"={session}"], check=True)
         during = status_json(job_id)
         once = run_cli("watch", job_id, "--once", "--json")
@@ -249,6 +252,7 @@ def test_a_look_during_a_restart_is_starting_never_lost(proj):
         os.close(fd)
     assert during["state"] == "STARTING" and during["reason"] == "a restart is in progress", during
     assert any("restart lock is held" in e for e in during["evidence"]), during
+    assert "restarting after STALLED (supervisor): heartbeat 9 s old" in during["evidence"], during
     assert once.code == 0 and json.loads(once.stdout)["state"] == "STARTING", once
     after = status_json(job_id)
     assert after["state"] == "LOST" and "tmux session missing" in after["evidence"], after

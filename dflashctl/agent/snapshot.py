@@ -55,8 +55,9 @@ def snapshot(req: dict) -> dict:
     # the old attempt's dead pane or exit status (which a watcher took for the new attempt's failure)
     snap["restarts"] = (read_int(os.path.join(run_dir, RESTARTS)) or 0) if run_dir else 0
     restarting = bool(run_dir) and lock_held(os.path.join(run_dir, RESTART_LOCK))
-    cause = read_json(os.path.join(run_dir, RESTART_CAUSE), 64 << 10) if run_dir and snap["restarts"] else None
-    snap["restart_cause"] = cause if isinstance(cause, dict) else None  # written before the count: never older
+    cause = read_json(os.path.join(run_dir, RESTART_CAUSE), 64 << 10) if run_dir else None
+    # written before the old attempt is stopped: the last restart's cause, or the one in progress (attempt count + 1)
+    snap["restart_cause"] = cause if isinstance(cause, dict) else None
     lines = int(req.get("capture_lines", 40))
     scheduled = req.get("scheduler") == "slurm" and bool(run_dir)
     # a Slurm job's "pane" is its submission: alive, ended (with its exit status) or unknown to the scheduler

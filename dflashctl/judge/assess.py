@@ -142,6 +142,18 @@ def _slow(h: History, th: Thresholds) -> str | None:
     return None
 
 
+def _restarting_evidence(h: History) -> list[str]:
+    """What a look inside a restart can say: the lock, and the cause its decider recorded (the failure it ends)."""
+    said = ["the run dir's restart lock is held: the old attempt is being stopped and the next one started"]
+    cause = h.restarting_after or {}
+    if isinstance(cause.get("after"), str):
+        by = f" ({cause['by']})" if isinstance(cause.get("by"), str) else ""
+        said.append(f"restarting after {cause['after']}{by}: {cause.get('reason') or ''}"[:400])
+        evidence = cause.get("evidence")
+        said += [str(e)[:400] for e in evidence[:3]] if isinstance(evidence, list) else []
+    return said
+
+
 def assess(h: History, th: Thresholds) -> Verdict:
     """The job's state now. Failure evidence in the logs outranks progress numbers; progress alone proves RUNNING."""
     if not h.reachable:
@@ -157,8 +169,7 @@ def assess(h: History, th: Thresholds) -> Verdict:
             return v
         return _stopped(h)
     if h.restarting:  # the old attempt stopped, the new one not yet started: neither LOST nor the old one's end
-        return _verdict("STARTING", "a restart is in progress", ["the run dir's restart lock is held: the old "
-                        "attempt is being stopped and the next one started"], h)  # fmt: skip
+        return _verdict("STARTING", "a restart is in progress", _restarting_evidence(h), h)
     if h.scheduler is not None:
         scheduled = _scheduled(h) or _settling(h)
         if scheduled is not None:

@@ -92,6 +92,9 @@ def fold(h: History, snap: dict, job: Job, tail: deque, log_offset: int = 0, met
     h.stop_request = stop if isinstance(stop, dict) else None
     h.stop_result = result if isinstance(result, dict) else None
     h.restarting = snap.get("restarting") is True
+    cause = snap.get("restart_cause")
+    ours = isinstance(cause, dict) and out.restarts is not None and cause.get("attempt") == out.restarts + 1
+    h.restarting_after = cause if h.restarting and ours else None
     log = snap.get("log") or {}
     out.log_offset = log.get("offset", log_offset) if isinstance(log.get("offset"), int) else log_offset
     if log.get("text"):
