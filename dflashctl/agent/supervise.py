@@ -190,7 +190,7 @@ class Supervisor:
     def restart(self, r) -> str | None:
         """One remote restart. None: go on watching; else why the watch ends."""
         need = probe.restart_room_gib(r.state, self.h.checkpoint_gib)
-        cause = {"after": r.state, "reason": r.reason, "evidence": r.evidence[:5], "by": "supervisor"}
+        cause = {**r.restart_cause(), "by": "supervisor"}
         ans = probe.restart_action({"run_dir": self.run, "session": self.spec.get("session"),
                                     "job_id": self.spec.get("job_id"), "attempt": self.restarts,
                                     "max_restarts": self.policy.max_restarts,
@@ -208,8 +208,7 @@ class Supervisor:
             self.restarts = int(ans["restarts"])
             self.judge.restarts = self.restarts
             if ans.get("restarted"):
-                self.event({"decision": "restart", "after": r.state, "attempt": self.restarts, "reason": r.reason,
-                            "evidence": r.evidence[:5],
+                self.event({"decision": "restart", "attempt": self.restarts, **r.restart_cause(),
                             **({"agent_replaced": True} if ans.get("agent_replaced") else {})})  # fmt: skip
             self.reset()
             self.state = "STARTING"

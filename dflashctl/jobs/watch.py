@@ -134,7 +134,7 @@ def restart(w: Watcher, r: Report, say: Callable[[str], None]) -> bool:
     """One remote restart decided under the run dir's lock (control.restart). False when the remote refused it (a
     stop request, the budget spent, the disk still full); True when the job is running again, restarted by us or,
     raced, by another decider."""
-    outcome = w.restart_remote(w.restarts, r.state, {"after": r.state, "reason": r.reason, "evidence": r.evidence[:5]})
+    outcome = w.restart_remote(w.restarts, r.state, r.restart_cause())
     if not outcome.restarted and not outcome.raced:
         say(f"not restarted: {outcome.why}")
         w.log_event({"decision": "no_restart", "after": r.state, "why": outcome.why})
@@ -146,8 +146,7 @@ def restart(w: Watcher, r: Report, say: Callable[[str], None]) -> bool:
     by = "watch" if outcome.restarted else ELSEWHERE
     if outcome.raced:
         say(outcome.why)
-    w.log_event({"decision": "restart", "after": r.state, "attempt": w.restarts, "reason": r.reason, "by": by,
-                 "evidence": r.evidence[:5]})  # fmt: skip
+    w.log_event({"decision": "restart", "attempt": w.restarts, "by": by, **r.restart_cause()})
     w.reset_after_restart()
     w.state = "STARTING"
     if outcome.restarted and w.cfg.notify.webhook:

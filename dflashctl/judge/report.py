@@ -61,6 +61,10 @@ class Report:
     gave_up: bool = False  # the supervisor gave up on this attempt (recorded in the run dir): nobody restarts it
     supervisor: dict | None = None  # alive, answering, ended, heartbeat_age_s; null for a job without one
 
+    def restart_cause(self) -> dict:
+        """Why a restart after this look is done, as its decider records it and its event says it."""
+        return {"after": self.state, "reason": self.reason, "evidence": self.evidence[:5]}
+
     def to_dict(self) -> dict:
         return asdict(self)
 
