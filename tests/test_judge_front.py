@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from dflashctl.jobs.poller import ELSEWHERE, seen_restarted
 from dflashctl.judge import facts
+from dflashctl.judge.cause import bounded, recorded
 from dflashctl.judge.policy import GIVE_UP, RESTART, WAIT, Policy, next_move
 from dflashctl.judge.report import HERE, SUPERVISOR, Judge, Report
 
@@ -87,3 +89,36 @@ def test_a_heartbeat_that_stands_still_on_the_readers_own_clock_is_not_answering
     assert r.decided_by == SUPERVISOR  # it answers again
     assert j.take(snap(2004.0, 9, beat=4, alive=False), mono_now=18.0).decided_by == HERE
     assert Judge("j", "h", facts.Thresholds()).take(snap(2000.0, 5)).decided_by == HERE  # no supervisor at all
+
+
+GARBLED = [{"attempt": True, "after": "CRASHED"}, {"attempt": 1.0, "after": "CRASHED"},
+           {"attempt": "1", "after": "CRASHED"}, {"attempt": 1, "after": ["CRASHED"]}, {"attempt": 1, "after": ""},
+           {"attempt": 2, "after": "CRASHED"}, "CRASHED", [], None]  # fmt: skip
+
+
+@pytest.mark.parametrize("cause", GARBLED)
+def test_a_restart_cause_the_job_garbled_is_unknown_to_every_reader(cause):
+    """The job can write its run dir's restart_cause.json as well as the decider can. A cause that is not restart 1's
+    in its one shape is said as unknown by both readers: the watch that finds the restart done (its event), and a look
+    inside the restart (its evidence). Never a state nobody decided on (JSON's true is not attempt 1)."""
+    event = seen_restarted(1, cause)
+    assert event["after"] is None and event["by"] == ELSEWHERE, event
+    look = {**snap(2000.0, 5), "restarts": 0, "restarting": True, "restart_cause": cause}
+    r = Judge("j", "h", facts.Thresholds()).take(look, mono_now=0.0)
+    assert r.state == "STARTING" and len(r.evidence) == 1 and "restart lock is held" in r.evidence[0], r.evidence
+
+
+def test_a_restart_cause_is_bounded_on_the_way_in_and_out():
+    """What the decider writes (bounded) reads back whole; what the job wrote huge reads back bounded, by both
+    readers."""
+    huge = {"attempt": 1, "after": "CRASHED" * 100, "reason": "r" * 10_000, "by": 7, "evidence": ["e" * 1000] * 50}
+    written = bounded(huge, 1)
+    assert recorded(written, 1) == written and recorded(written, 2) is None
+    event = seen_restarted(1, huge)
+    assert len(event["after"]) == 40 and len(event["reason"]) == 400 and event["by"] == ELSEWHERE
+    assert len(event["evidence"]) == 5 and {len(e) for e in event["evidence"]} == {400}
+    look = {**snap(2000.0, 5), "restarts": 0, "restarting": True, "restart_cause": huge}
+    r = Judge("j", "h", facts.Thresholds()).take(look, mono_now=0.0)
+    assert r.state == "STARTING" and len(r.evidence) == 5 and max(map(len, r.evidence)) <= 400, r.evidence
+    said = seen_restarted(1, {"attempt": 1, "after": "STALLED", "by": "supervisor", "reason": "no step"})
+    assert said["after"] == "STALLED" and said["by"] == "elsewhere (supervisor)" and said["evidence"] == []

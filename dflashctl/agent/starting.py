@@ -352,12 +352,11 @@ def record_cause(run: str, attempt: int, cause: object) -> None:
     count moves: a watcher that sees the count but never polled the failure repeats this instead of guessing. A
     restart that fails after it leaves a cause for an attempt that never began, which no count ever matches until
     a later restart of that number writes its own."""
-    cause = cause if isinstance(cause, dict) else {}
-    evidence = cause.get("evidence")
-    body = {"attempt": attempt, "time": round(time.time(), 3),
-            "after": str(cause["after"])[:40] if isinstance(cause.get("after"), str) else None,
-            "reason": str(cause.get("reason") or "")[:400], "by": str(cause.get("by") or "")[:80] or None,
-            "evidence": [str(e)[:400] for e in evidence[:5]] if isinstance(evidence, list) else []}  # fmt: skip
+    try:  # the judge ships inside the zipapp's package; from the source tree it is dflashctl's
+        from .judge.cause import bounded
+    except ImportError:
+        from ..judge.cause import bounded
+    body = {**bounded(cause, attempt), "time": round(time.time(), 3)}
     with contextlib.suppress(OSError):  # a full disk loses the cause, never the restart
         write_atomic(os.path.join(run, RESTART_CAUSE), json.dumps(body, separators=(",", ":")).encode())
 

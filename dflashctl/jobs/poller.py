@@ -17,6 +17,7 @@ from dflashctl.jobs import control, notify, registry
 from dflashctl.jobs import verdict as verdicts
 from dflashctl.judge import nodes
 from dflashctl.judge.assess import PEER_LOST
+from dflashctl.judge.cause import recorded
 from dflashctl.judge.nodes import CONSEQUENCES, PEER_GRACE_S  # noqa: F401 - as callers of watch know them
 from dflashctl.judge.report import HERE, SUPERVISOR, Judge, Report
 from dflashctl.model.jobfile import WatchConfig
@@ -156,8 +157,9 @@ class Watcher:
         """A restart after DISK_FULL needs room for a checkpoint (at least MIN_FREE_GIB)."""
         return restart_room_gib(state, self.history.checkpoint_gib)
 
-    def restart_remote(self, attempt: int, state: str = "", cause: dict | None = None) -> control.RestartOutcome:
-        return control.restart(self._connect(), self.job, attempt, self.min_free_gib(state), cause)
+    def restart_remote(self, attempt: int, cause: dict) -> control.RestartOutcome:
+        """Restart `attempt` after the failure `cause` names (Report.restart_cause)."""
+        return control.restart(self._connect(), self.job, attempt, self.min_free_gib(cause["after"]), cause)
 
     def warnings(self) -> list[str]:
         """Trouble ahead, said before it is a failure: less free space at the run dir than two checkpoints."""
@@ -193,12 +195,11 @@ def seen_restarted(attempt: int, cause: object) -> dict:
     evidence it recorded in the run dir) when it is this attempt's, so a failure that came and went between two polls
     is still named; else the restart alone, its cause unknown here (never this watch's last state, which was not the
     failure)."""
-    if isinstance(cause, dict) and cause.get("attempt") == attempt and isinstance(cause.get("after"), str):
-        evidence = cause.get("evidence")
-        return {"decision": "restart", "attempt": attempt, "after": cause["after"],
-                "by": f"elsewhere ({cause['by']})" if isinstance(cause.get("by"), str) else ELSEWHERE,
-                "reason": str(cause.get("reason") or ""),
-                "evidence": [str(e) for e in evidence[:5]] if isinstance(evidence, list) else []}  # fmt: skip
+    known = recorded(cause, attempt)
+    if known is not None:
+        by = f"elsewhere ({known['by']})" if known["by"] else ELSEWHERE
+        return {"decision": "restart", "attempt": attempt, "after": known["after"], "by": by,
+                "reason": known["reason"], "evidence": known["evidence"]}  # fmt: skip
     return {"decision": "restart", "attempt": attempt, "after": None, "by": ELSEWHERE,
             "reason": "seen restarted; its cause was not recorded"}
 
@@ -254,9 +255,9 @@ class NodesWatcher(Watcher):
         elif isinstance(said.get("state"), str):
             r.evidence.append(f"the job's supervisor said {said['state']} at its last sample: {said.get('reason')}")
 
-    def restart_remote(self, attempt: int, state: str = "", cause: dict | None = None) -> control.RestartOutcome:
+    def restart_remote(self, attempt: int, cause: dict) -> control.RestartOutcome:
         outcome = control.restart_all(self.job, lambda h: open_runner(h, self.accept_new), attempt,
-                                      self.min_free_gib(state), cause)  # fmt: skip
+                                      self.min_free_gib(cause["after"]), cause)  # fmt: skip
         if outcome.restarted:
             for o in self.others:
                 o.restarts = outcome.restarts

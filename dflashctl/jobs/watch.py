@@ -134,7 +134,7 @@ def restart(w: Watcher, r: Report, say: Callable[[str], None]) -> bool:
     """One remote restart decided under the run dir's lock (control.restart). False when the remote refused it (a
     stop request, the budget spent, the disk still full); True when the job is running again, restarted by us or,
     raced, by another decider."""
-    outcome = w.restart_remote(w.restarts, r.state, r.restart_cause())
+    outcome = w.restart_remote(w.restarts, r.restart_cause())
     if not outcome.restarted and not outcome.raced:
         say(f"not restarted: {outcome.why}")
         w.log_event({"decision": "no_restart", "after": r.state, "why": outcome.why})

@@ -145,12 +145,10 @@ def _slow(h: History, th: Thresholds) -> str | None:
 def _restarting_evidence(h: History) -> list[str]:
     """What a look inside a restart can say: the lock, and the cause its decider recorded (the failure it ends)."""
     said = ["the run dir's restart lock is held: the old attempt is being stopped and the next one started"]
-    cause = h.restarting_after or {}
-    if isinstance(cause.get("after"), str):
-        by = f" ({cause['by']})" if isinstance(cause.get("by"), str) else ""
-        said.append(f"restarting after {cause['after']}{by}: {cause.get('reason') or ''}"[:400])
-        evidence = cause.get("evidence")
-        said += [str(e)[:400] for e in evidence[:3]] if isinstance(evidence, list) else []
+    cause = h.restarting_after  # bounded by judge/cause.py
+    if cause is not None:
+        by = f" ({cause['by']})" if cause["by"] else ""
+        said += [f"restarting after {cause['after']}{by}: {cause['reason']}"[:400], *cause["evidence"][:3]]
     return said
 
 

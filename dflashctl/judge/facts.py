@@ -167,7 +167,7 @@ class History:
     stop_request: dict | None = None  # `dflashctl kill` asked for a stop (in the run dir: every watcher sees it)
     stop_result: dict | None = None  # what that kill verified: KILLED, or KILL_FAILED with the survivors
     restarting: bool = False  # a restart held the run dir's lock during the look: its panes and files are between two
-    restarting_after: dict | None = None  # that restart's recorded cause: after, reason, evidence, by
+    restarting_after: dict | None = None  # that restart's recorded cause (judge/cause.py): after, reason, evidence, by
     kill_grace_s: float = 40.0
     activity_at: float | None = None  # remote time of the last sign of progress of a job without metrics
     activity: str = ""  # what that sign was (log grew, CPU time, GPU busy)

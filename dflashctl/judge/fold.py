@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from .cause import recorded
 from .facts import History
 
 
@@ -92,9 +93,8 @@ def fold(h: History, snap: dict, job: Job, tail: deque, log_offset: int = 0, met
     h.stop_request = stop if isinstance(stop, dict) else None
     h.stop_result = result if isinstance(result, dict) else None
     h.restarting = snap.get("restarting") is True
-    cause = snap.get("restart_cause")
-    ours = isinstance(cause, dict) and out.restarts is not None and cause.get("attempt") == out.restarts + 1
-    h.restarting_after = cause if h.restarting and ours else None
+    h.restarting_after = (recorded(snap.get("restart_cause"), out.restarts + 1)
+                          if h.restarting and out.restarts is not None else None)  # fmt: skip
     log = snap.get("log") or {}
     out.log_offset = log.get("offset", log_offset) if isinstance(log.get("offset"), int) else log_offset
     if log.get("text"):

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from .assess import assess
+from .cause import EVIDENCE_LINES
 from .facts import FAILURES, TERMINAL, History, Thresholds, Verdict
 from .fold import Folded, Job, age_of, fold, number
 
@@ -63,7 +64,7 @@ class Report:
 
     def restart_cause(self) -> dict:
         """Why a restart after this look is done, as its decider records it and its event says it."""
-        return {"after": self.state, "reason": self.reason, "evidence": self.evidence[:5]}
+        return {"after": self.state, "reason": self.reason, "evidence": self.evidence[:EVIDENCE_LINES]}
 
     def to_dict(self) -> dict:
         return asdict(self)
