@@ -208,7 +208,7 @@ class Supervisor:
             self.restarts = int(ans["restarts"])
             self.judge.restarts = self.restarts
             if ans.get("restarted"):
-                self.event({"decision": "restart", "attempt": self.restarts, **r.restart_cause(),
+                self.event({"decision": "restart", "attempt": self.restarts, **cause,
                             **({"agent_replaced": True} if ans.get("agent_replaced") else {})})  # fmt: skip
             self.reset()
             self.state = "STARTING"
