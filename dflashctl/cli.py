@@ -243,7 +243,9 @@ def kill(
 
         raise ConfigError("kill", "--all", "name the job whose exec'd processes to end")
     if with_execs:  # first: the job's own kill may find it already ended
-        ended = jobctl.end_execs(job, str(find_project_root()), accept_new=accept_new)
+        from dflashctl.jobs import execute
+
+        ended = execute.end_execs(job, str(find_project_root()), accept_new=accept_new)
         err.print(f"exec'd processes of {ended['id']}: SIGTERM {ended['term']}, SIGKILL {ended['kill']}"
                   + (f", still there {ended['left']}" if ended["left"] else ""), markup=False)  # fmt: skip
     report = jobctl.kill(job, str(find_project_root()), grace, accept_new, confirm)
@@ -511,11 +513,11 @@ def exec_(
     `dflashctl exec --host box -- df -h`. A piped stdin is passed through. Exits with the command's status (128+N
     when a signal ended it). A restart or kill of the job leaves the command alone (`kill --all` takes it too)."""
     from dflashctl.config import find_project_root
-    from dflashctl.jobs import jobctl
+    from dflashctl.jobs import execute
     from dflashctl.show.render import print_json
 
     stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer
-    res = jobctl.exec_command(target, list(command or []), find_project_root(), on_host, accept_new, timeout, stdin)
+    res = execute.exec_command(target, list(command or []), find_project_root(), on_host, accept_new, timeout, stdin)
     if as_json:
         print_json(res)
     else:
@@ -536,9 +538,9 @@ def shell(
     import shlex
 
     from dflashctl.config import find_project_root
-    from dflashctl.jobs import jobctl
+    from dflashctl.jobs import execute
 
-    argv = jobctl.shell_argv(target, find_project_root(), on_host)
+    argv = execute.shell_argv(target, find_project_root(), on_host)
     if dry_run:
         print(shlex.join(argv))
         return
@@ -771,9 +773,9 @@ def attach(
     import shlex
 
     from dflashctl.config import find_project_root
-    from dflashctl.jobs import jobctl
+    from dflashctl.jobs import execute, jobctl
 
-    argv = jobctl.attach_argv(jobctl.find_job(job, str(find_project_root())), write)
+    argv = execute.attach_argv(jobctl.find_job(job, str(find_project_root())), write)
     if dry_run:
         print(shlex.join(argv))
         return

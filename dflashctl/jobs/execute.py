@@ -1,0 +1,151 @@
+"""exec, shell and attach: run something in a job's exact code and environment, or open its pane.
+
+They find the job as every command does (jobctl.find_job) and talk to its host through one runner; `kill --all`
+ends what `exec` started, found by the exec's own tag.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+from pathlib import Path
+
+from dflashctl.config import HostConfig, resolve_host
+from dflashctl.errors import ConfigError
+from dflashctl.jobs.jobctl import check_number, find_job
+from dflashctl.jobs.registry import JobRecord
+from dflashctl.remote import session
+from dflashctl.remote.connect import open_runner
+from dflashctl.remote.sync import read_remote_state
+
+
+def _where(spec: str, root: Path, is_host: bool) -> tuple[HostConfig, str | None, str | None, str]:
+    """(host, remote working dir, env file, tag) for `exec`/`shell`: a job's release, its job.env and the job's tag,
+    or a host's deployed code (None: found on the remote) with neither."""
+    if is_host:
+        return resolve_host(spec, root), None, None, ""
+    job = find_job(spec, str(root))
+    workdir = os.path.dirname(os.path.dirname(job.run_dir))
+    return job.host, f"{workdir}/releases/{job.release}", f"{job.run_dir}/{session.ENV_FILE}", job.tag
+
+
+# $1 the directory, $2 the job's env file (or ""), $3 the timeout (or ""), $4 the exec's own tag (or ""), then the
+# command. The job's DFLASHCTL_JOB_ID is replaced by the exec's own tag (kept in DFLASHCTL_EXEC_OF), so that a stop
+# or restart of the job, which finds its processes by that tag, leaves a debugging command alone (`kill --all` asks
+# for them too). The command runs as a child, not exec'd: a signal's death reaches us as 128+N, not ssh's 255.
+# `timeout` puts the command in a process group of its own and signals the whole group when it fires.
+EXEC_SCRIPT = session.LOAD_ENV + """
+cd -P -- "$1" || exit 126  # -P: the release itself, should a deploy switch `code` meanwhile
+if [ -n "$2" ] && ! load_env "$2"; then
+  echo "dflashctl exec: the job's environment $2 cannot be read (a job launched before job.env existed?)" >&2; exit 126
+fi
+t="$3"; tag="$4"; shift 4
+[ -n "$tag" ] && export DFLASHCTL_EXEC_OF="${DFLASHCTL_JOB_ID-}" DFLASHCTL_JOB_ID="$tag"
+if [ -n "$t" ]; then timeout -k 5 "$t" "$@"; else "$@"; fi
+exit $?
+"""
+KILL_AFTER_S = 5  # the `timeout -k`: SIGKILL this long after the SIGTERM, for a command that ignores it
+
+
+def end_execs(spec: str | None, project: str, grace_s: float = 5.0, accept_new: bool = False) -> dict:
+    """`kill --all`: end what `exec` started for the job (found by DFLASHCTL_EXEC_OF, its own tag), which a kill or
+    restart of the job alone leaves running. {id, term, kill, left}."""
+    job = find_job(spec, project)
+    with open_runner(job.host, accept_new) as runner:
+        ans = session.call_agent(runner, {"action": "end_execs", "job_id": job.tag, "grace_s": grace_s, "gpus": False},
+                                 timeout=grace_s + 60)  # fmt: skip
+    if ans.get("refused"):
+        raise ConfigError("kill", "--all", ans["refused"])
+    return {"id": job.id, **ans}
+
+
+def exec_argv(command: list[str]) -> list[str]:
+    """One string is a shell command line (`exec JOB -- 'a; b'`, as `ssh host 'a; b'` and `sky exec` run it);
+    several words are an argument list, run as given."""
+    return ["bash", "-c", command[0]] if len(command) == 1 else list(command)
+
+
+def exec_command(spec: str, command: list[str], root: Path, is_host: bool = False, accept_new: bool = False,
+                 timeout: float | None = None, stdin=None) -> dict:  # fmt: skip
+    """Run one command on a job's host (in its container) in the job's release with the job's very environment
+    (job.env), or on a host in its deployed code: {exit, stdout, stderr}. `timeout` (> 0 s) ends the command's
+    whole process group on the remote; `stdin` (a stream) is passed through."""
+    from dflashctl.remote.transport import UserStdin
+
+    if not command:
+        raise ConfigError("exec", "COMMAND", "nothing to run: give a command after --")
+    check_number("--timeout", timeout, positive=True)
+    host, cwd, env, tag = _where(spec, root, is_host)
+    own_tag = f"{tag}.exec.{secrets.token_hex(4)}" if tag else ""
+    with open_runner(host, accept_new) as runner:
+        if is_host:
+            abs_wd, _, _ = read_remote_state(runner, host.workdir)
+            cwd = f"{abs_wd}/code"
+        argv = ["bash", "--noprofile", "--norc", "-c", EXEC_SCRIPT, "dflashctl-exec", cwd or "", env or "",
+                repr(float(timeout)) if timeout else "", own_tag, *exec_argv(command)]  # fmt: skip
+        local_limit = timeout + KILL_AFTER_S + 30 if timeout else None  # the remote's own timeout fires first
+        res = runner.run(argv, timeout=local_limit, stdin=UserStdin(stdin) if stdin is not None else None)
+    return {"host": host.name, "cwd": cwd, "exit": res.returncode, "tag": own_tag or None,
+            "stdout": res.stdout.decode(errors="replace"), "stderr": res.stderr.decode(errors="replace")}  # fmt: skip
+
+
+# $1 the directory (a leading ~/ is the remote's $HOME), $2 the job's env file (or ""). The interactive shell's rc
+# file reads the user's ~/.bashrc, then the job's environment, then enters the directory: the values travel as
+# arguments and are quoted by printf %q on the remote, never pasted into a script.
+SHELL_SCRIPT = session.LOAD_ENV + """
+d="$1"; case "$d" in "~") d="$HOME";; "~/"*) d="$HOME/${d#"~/"}";; esac
+if [ -n "$2" ] && ! [ -r "$2" ]; then echo "dflashctl shell: the job's environment $2 cannot be read" >&2; exit 126; fi
+exec bash --rcfile <(
+  echo '[ -f ~/.bashrc ] && . ~/.bashrc'
+  declare -f load_env
+  [ -n "$2" ] && printf 'load_env %q\\n' "$2"
+  printf 'cd -- %q || echo "dflashctl shell: cannot enter that directory" >&2\\n' "$d"
+) -i
+"""
+
+
+def shell_argv(spec: str, root: Path, is_host: bool = False) -> list[str]:
+    """An interactive shell on the job's host (inside its container), in the job's release with its environment
+    (job.env, read after the user's ~/.bashrc), or on a host in its deployed code: the system's ssh, as `attach`
+    uses. Every path is an argument of `bash -c`, quoted once for the ssh layer."""
+    from dflashctl.remote.transport import container_prefix
+
+    host, cwd, env, _ = _where(spec, root, is_host)
+    cwd = cwd or f"{host.workdir.rstrip('/')}/code"
+    inner = ["bash", "--noprofile", "--norc", "-c", SHELL_SCRIPT, "dflashctl-shell", cwd, env or ""]
+    prefix = container_prefix(host)
+    if prefix[:2] == ["docker", "exec"]:
+        prefix = ["docker", "exec", "-it", *prefix[3:]]
+    if host.is_local:
+        return [*prefix, *inner]
+    from dflashctl.remote.ssh import client_options
+
+    ssh = ["ssh", "-t", *client_options(host), *(["-p", str(host.port)] if host.port else []),
+           *(["-l", host.user] if host.user else []), *(["-i", host.identity_file] if host.identity_file else [])]
+    return [*ssh, host.ssh or "", shlex.join([*prefix, *inner])]
+
+
+def attach_argv(job: JobRecord, write: bool = False) -> list[str]:
+    """The command that opens the job's pane: `ssh -t HOST [pct exec CT --] tmux -L SOCK attach -r -t =SESSION`.
+    The system's ssh is used, so the user's own config, agent and known_hosts apply. A Slurm job has no pane: its
+    train.log is followed (`tail -F`), or with `write` its step is attached with `sattach`."""
+    from dflashctl.remote.transport import container_prefix
+
+    tmux = ["tmux", "-L", job.tmux_socket, "attach", "-t", f"={job.session}", *([] if write else ["-r"])]
+    if job.scheduler == "slurm":  # no pane: follow the log read-only, or (--write) sattach to the newest step 0
+        log = shlex.quote(f"{job.run_dir}/train.log")
+        tmux = ["bash", "-c", f'exec sattach "$(cat {shlex.quote(job.run_dir)}/slurm_job).0"' if write
+                else f"exec tail -n 100 -F {log}"]  # fmt: skip
+    host = job.host
+    prefix = container_prefix(host)
+    if prefix[:2] == ["docker", "exec"]:
+        prefix = ["docker", "exec", "-it", *prefix[3:]]
+    if host.is_local:
+        return [*prefix, *tmux]
+    from dflashctl.remote.ssh import client_options  # the config and known_hosts every other command reads
+
+    ssh = ["ssh", "-t", *client_options(host), *(["-p", str(host.port)] if host.port else []),
+           *(["-l", host.user] if host.user else []),
+           *(["-i", host.identity_file] if host.identity_file else [])]  # fmt: skip
+    return [*ssh, host.ssh or "", shlex.join([*prefix, *tmux])]
