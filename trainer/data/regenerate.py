@@ -6,8 +6,10 @@ history as already rewritten (the loss covers every assistant turn, so none may 
 {"prompt", "response"} record gets a new response; an {"input_ids", "loss_mask"} record new tokens after its prompt.
 
 Work is batched by turn round (every conversation's first assistant turn, then every second one, ...) with similar
-lengths sharing a batch. Finished turns are appended to OUTPUT.partial as they come, so an interrupted run started
-again with the same arguments continues where it stopped; OUTPUT appears, whole, only at the end.
+lengths sharing a batch. Greedy decoding runs on `static_decode` (a static KV cache and CUDA graphs of the decode
+step, each row stopping at its own end token); sampling runs on `model.generate`. Finished turns are appended to
+OUTPUT.partial as they come, so an interrupted run started again with the same arguments continues where it stopped;
+OUTPUT appears, whole, only at the end.
 """
 
 from __future__ import annotations
@@ -182,10 +184,20 @@ def target_identity(path: str | None) -> str | None:
     return h.hexdigest()
 
 
-def _generate_all(args, cfg, tok, items: list, progress: Progress, output: Path, thinking: bool) -> None:
-    """Every turn not yet in the partial file, round by round, then OUTPUT written whole."""
+def engine_of(args) -> str:
+    """`static` (greedy on the static decoder) unless sampling asks for `model.generate`."""
+    if args.engine == "auto":
+        return "static" if args.temperature == 0 else "hf"
+    return args.engine
+
+
+def _generate_all(args, cfg, tok, items: list, progress: Progress, output: Path, thinking: bool) -> dict:
+    """Every turn not yet in the partial file, round by round, then OUTPUT written whole; the decoding's counts."""
+    import time
+
     from tqdm import tqdm
 
+    from trainer.data.static_decode import StaticDecoder
     from trainer.model.target import build_model, end_token_ids, resolve_device
 
     model = build_model(cfg.target, resolve_device(cfg.device), args.config).eval()
@@ -196,15 +208,26 @@ def _generate_all(args, cfg, tok, items: list, progress: Progress, output: Path,
         items[r].new[t] = new
     total = sum(len(it.turns) for it in items)
     bar = tqdm(total=total, initial=len(progress.done), unit="turn", file=sys.stderr, disable=args.quiet)
+    engine, decoder, tokens, seconds, decoded = engine_of(args), None, 0, 0.0, 0
     for round_ in range(max(len(it.turns) for it in items)):  # turn k of every record needs turn k-1 rewritten
         todo = [(r, it.turns[round_]) for r, it in enumerate(items)
                 if round_ < len(it.turns) and it.turns[round_] not in it.new]  # fmt: skip
         prompts = {rt: prompt_ids(items[rt[0]], rt[1], tok, thinking) for rt in todo}
         todo.sort(key=lambda rt: len(prompts[rt]))  # similar lengths share a batch
+        longest = max((len(p) for p in prompts.values()), default=0)
+        if engine == "static" and todo and (decoder is None or longest + args.max_new_tokens > decoder.capacity):
+            decoder = None  # the old cache goes before the new one is allocated
+            decoder = StaticDecoder(model, min(args.batch_size, len(todo)), longest, args.max_new_tokens, ends, pad)
         for start in range(0, len(todo), args.batch_size):
             chunk = todo[start : start + args.batch_size]
-            outs = generate(model, [prompts[rt] for rt in chunk], args.max_new_tokens, args.temperature, args.top_p,
-                            pad, ends)  # fmt: skip
+            t0 = time.perf_counter()
+            if decoder is not None:
+                outs = decoder.generate([prompts[rt] for rt in chunk])
+            else:
+                outs = generate(model, [prompts[rt] for rt in chunk], args.max_new_tokens, args.temperature,
+                                args.top_p, pad, ends)  # fmt: skip
+            seconds += time.perf_counter() - t0  # the lists above are on the host: the GPU work is done
+            tokens, decoded = tokens + sum(len(o) for o in outs), decoded + len(chunk)
             rows = []
             for (r, t), out in zip(chunk, outs, strict=True):
                 new = out if items[r].kind == "ids" else tok.decode(out, skip_special_tokens=True)
@@ -221,6 +244,8 @@ def _generate_all(args, cfg, tok, items: list, progress: Progress, output: Path,
         os.fsync(f.fileno())
     os.replace(tmp, output)
     progress.finish()
+    return {"engine": engine, "batch_size": args.batch_size, "turns": decoded, "tokens": tokens,
+            "decode_s": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1) if seconds else None}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,11 +259,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--engine", choices=["auto", "static", "hf"], default="auto",
+                    help="static: greedy on a static KV cache with CUDA graphs (auto when --temperature 0); hf: "
+                    "model.generate (sampling)")  # fmt: skip
+    ap.add_argument("--stats", default=None, help="also write the decoding's counts (tokens, seconds) as JSON here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1 or args.batch_size < 1:
         print("config error: --max-new-tokens and --batch-size must be at least 1", file=sys.stderr)
+        return EXIT_CONFIG
+    if args.engine == "static" and args.temperature > 0:
+        print("config error: --engine static decodes greedily: use --temperature 0 or --engine hf", file=sys.stderr)
         return EXIT_CONFIG
     output, thinking = Path(args.output), args.thinking == "on"
     try:
@@ -259,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
 
         key = {"input_sha256": hashlib.sha256(raw).hexdigest(), "max_new_tokens": args.max_new_tokens,
                "thinking": args.thinking, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-               "batch_size": args.batch_size, "target": cfg.target.path or cfg.target.random_preset,
+               "batch_size": args.batch_size, "engine": engine_of(args),
+               "target": cfg.target.path or cfg.target.random_preset,
                "target_files": target_identity(cfg.target.path), "dtype": cfg.target.dtype,
                "device": resolve_device(cfg.device).type}  # every setting that changes what is generated  # fmt: skip
         progress = Progress(output, key)
@@ -270,9 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {args.input}: cannot read: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        _generate_all(args, cfg, tok, items, progress, output, thinking)
+        stats = _generate_all(args, cfg, tok, items, progress, output, thinking)
     finally:
         progress.release()
+    if args.stats:
+        Path(args.stats).write_text(json.dumps(stats) + "\n")
     print(f"wrote {len(items)} records ({sum(len(it.turns) for it in items)} turns) to {output}")
     return 0
 
