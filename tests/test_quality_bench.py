@@ -122,19 +122,23 @@ def test_specforge_features_are_the_target_layers_side_by_side(made, tmp_path):
     data.write_text((out / "prompts" / "train.jsonl").read_text())
     feat = tmp_path / "feat"
     argv = ["dump", "--target", str(out / "target"), "--data", str(data), "--layers", "1", "--max-len", "64",
-            "--out", str(feat)]  # fmt: skip
+            "--batch", "3", "--out", str(feat)]  # fmt: skip
     assert specforge_side.main(argv) == 0
     files = sorted(feat.glob("data_*.ckpt"))
-    assert files
-    sample = torch.load(files[0])
-    assert set(sample) == {"input_ids", "loss_mask", "hidden_states"}
+    assert len(files) > 3
     model = AutoModelForCausalLM.from_pretrained(out / "target")
     (layer,) = default_layer_ids(model.config.num_hidden_layers, 1)
-    with torch.no_grad():
-        hs = model(input_ids=sample["input_ids"][None], output_hidden_states=True).hidden_states
-    assert sample["hidden_states"].shape == (sample["input_ids"].numel(), model.config.hidden_size)
-    torch.testing.assert_close(sample["hidden_states"].float(), hs[layer + 1][0], atol=2e-2, rtol=2e-2)
-    assert sample["loss_mask"].sum() >= 2 and sample["loss_mask"][0] == 0
+    lengths = set()
+    for f in files[:6]:  # batched with padding, each row equals its forward alone
+        sample = torch.load(f)
+        assert set(sample) == {"input_ids", "loss_mask", "hidden_states"}
+        lengths.add(sample["input_ids"].numel())
+        with torch.no_grad():
+            hs = model(input_ids=sample["input_ids"][None], output_hidden_states=True).hidden_states
+        assert sample["hidden_states"].shape == (sample["input_ids"].numel(), model.config.hidden_size)
+        torch.testing.assert_close(sample["hidden_states"].float(), hs[layer + 1][0], atol=2e-2, rtol=2e-2)
+        assert sample["loss_mask"].sum() >= 2 and sample["loss_mask"][0] == 0
+    assert len(lengths) > 1, "the test needs rows of different lengths in a batch"
 
 
 def test_specforge_config_matches_our_drafter_and_a_saved_drafter_converts(made, tmp_path):

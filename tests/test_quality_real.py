@@ -99,25 +99,39 @@ def _run(work: Path, name: str, seed: int, ms: float, taus: dict[int, list[float
 def test_the_record_pairs_seed_means_by_prompt_and_compares_at_equal_gpu_seconds(tmp_path):
     work = tmp_path
     (work / "target.json").write_text(json.dumps({"name": "t", "heldout_loss": 1.0}))
-    (work / "lookup.json").write_text(json.dumps({"tau_prompt_mean": 1.5, "tau_pooled": 1.4}))
+    (work / "lookup.json").write_text(json.dumps({"tau_prompt_mean": 1.5, "tau_pooled": 1.4, "prompts": 3}))
+    (work / "lookup-prompts.jsonl").write_text("".join(json.dumps({"index": i, "tau": x}) + "\n"
+                                                       for i, x in enumerate([1.0, 2.0, 1.5])))  # fmt: skip
     _run(work, "ours-s0", 0, 50.0, {100: [2.0, 2.0, 2.0], 200: [3.0, 3.0, 3.0]})
     _run(work, "ours-s1", 1, 50.0, {100: [2.0, 2.0, 2.0], 200: [3.0, 2.0, 3.0]})
     _run(work, "specforge-s0", 0, 100.0, {100: [1.5, 1.5, 1.5], 200: [2.5, 2.5, 2.5]})
     _run(work, "ours-i2-s0", 0, 50.0, {100: [1.0, 1.0, 1.0], 200: [1.0, 1.0, 1.0]})  # a variant, kept apart
+    _run(work, "ours-full-s0", 0, 50.0, {200: [3.0, 3.0, 3.0], 400: [4.0, 4.0, 4.0]})  # more steps than the rest
     out = work / "r.json"
     assert collect_real.main([str(work), "--out", str(out), "--plot", str(work / "p.png")]) == 0
     rec = json.loads(out.read_text())
     s = rec["summary"]
-    assert s["final_step"] == 200 and s["ours"]["seeds"] == 2 and s["ours-i2"]["seeds"] == 1
+    assert s["final_step"] == {"ours": 200, "ours-full": 400, "ours-i2": 200, "specforge": 200}
+    assert s["ours"]["seeds"] == 2 and s["ours-i2"]["seeds"] == 1
     assert abs(s["ours"]["tau_mean"] - (3.0 + 8 / 3) / 2) < 1e-3
-    p = s["paired_final_ours_minus_specforge"]
+    p = s["paired_ours_minus_specforge"]
     # per prompt, ours' seed mean (3, 2.5, 3) against SpecForge's 2.5: one tie, two wins
-    assert p["prompts"] == 3 and p["prompts_ours_higher"] == 2 and p["prompts_specforge_higher"] == 0
-    assert abs(p["mean"] - 1 / 3) < 1e-3
-    # our 200 steps took 10 s; at 100 ms a step, SpecForge had reached step 100 by then, where its tau was 1.5
+    assert p["step"] == 200 and p["prompts"] == 3 and p["prompts_ours_higher"] == 2
+    assert p["prompts_specforge_higher"] == 0 and abs(p["mean"] - 1 / 3) < 1e-3
+    # ours-full ends at 400 steps, SpecForge at 200: paired where both were measured
+    assert s["paired_ours-full_minus_specforge"]["step"] == 200
+    # against prompt lookup, prompt by prompt: ours-full's 4.0 beats (1.0, 2.0, 1.5) everywhere
+    lk = s["paired_ours-full_minus_lookup"]
+    assert lk["prompts_ours-full_higher"] == 3 and abs(lk["mean"] - 2.5) < 1e-3
+    assert abs(s["ours-full"]["minus_lookup_pooled"] - 2.6) < 1e-3
+    # our 200 steps took 10 s; at 100 ms a step SpecForge stood at step 100 then (pooled 1.5); SpecForge's final
+    # 20 s lies past ours' curve (10 s), so ours' value there comes from the run that reaches it: ours-full at 20 s
     eq = s["equal_gpu_s_ours"]
-    assert eq["gpu_s"] == 10.0 and eq["specforge_tau"] == 1.5
-    assert {r["trainer"] for r in rec["runs"]} == {"ours", "ours-i2", "specforge", "lookup"}
+    assert eq["final_gpu_s"] == 10.0 and eq["specforge_tau_pooled_at_final"] == 1.5
+    assert eq["tau_pooled_at_specforge_final"] is None and eq["specforge_final_gpu_s"] == 20.0
+    assert rec["ours_tau_pooled_at_sf_gpu_s"] == 4.0 and rec["ours_tau_pooled_at_sf_gpu_s_from"] == "ours-full"
+    assert {r["trainer"] for r in rec["runs"]} == {"ours", "ours-full", "ours-i2", "specforge", "lookup"}
+    assert all({"trainer", "seed", "step", "gpu_s", "tau", "tau_pooled"} <= set(r) for r in rec["runs"])
     assert (work / "p.png").stat().st_size > 1000
 
 

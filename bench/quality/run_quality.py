@@ -44,19 +44,24 @@ SCALES = {
             "layers": 3, "block": 16, "anchors": 64, "buckets": [512, 1024], "batch": 8, "steps": 1200,
             "lr": 6e-4, "betas": [0.9, 0.999], "eval_every": 300, "eval_prompts": 16, "eval_tokens": 128,
             "tau_prompts": 40, "tau_tokens": 128, "attention": "flex", "device": "cuda", "dtype": "bfloat16"},
-    # a real pretrained target (real_target.py: a GGUF converted, ShareGPT prompts, HumanEval + MT-bench held out);
-    # `--set gguf=FILE --set prompts=DIR` name the files `real_target.py gather` wrote
-    "real": {"target": None, "prompts_train": 4000, "regen_tokens": 256, "regen_batch": 500,
-             "layers": 3, "block": 16, "anchors": 64, "buckets": [512, 1024], "batch": 8, "steps": 1200,
-             "lr": 6e-4, "betas": [0.9, 0.999], "eval_every": 300, "eval_prompts": 16, "eval_tokens": 128,
-             "tau_prompts": 80, "tau_tokens": 128, "attention": "flex", "device": "cuda", "dtype": "bfloat16"},
+    # a real pretrained target (real_target.py: a GGUF converted, ShareGPT and code-request prompts, HumanEval +
+    # MT-bench held out); `--set gguf=FILE --set prompts=DIR` name the files `real_target.py gather` wrote. `data`
+    # picks what ours trains on: "sub" (the first `sf_samples` answers, SpecForge's dumped set: equal work) or "full"
+    "real": {"target": None, "prompts_train": None, "regen_tokens": 256, "regen_batch": 1024, "regen_baseline": 1000,
+             "regen_baseline_batch": 500, "layers": 3, "block": 16, "anchors": 64, "buckets": [512, 1024],
+             "batch": 16, "steps": 1500, "data": "sub", "sf_samples": 12000, "dump_batch": 32, "lr": 6e-4,
+             "betas": [0.9, 0.999], "eval_every": 750, "eval_at_end": False, "eval_prompts": 16, "eval_tokens": 128,
+             "tau_prompts": 244,
+             "tau_tokens": 256, "tau_batch": 256, "lookup_shards": 8, "attention": "flex", "device": "cuda",
+             "dtype": "bfloat16"},
     "tiny": {"target": ["--size", "tiny", "--steps", "3", "--batch", "4", "--seq", "64", "--max-mb", "3",
                         "--heldout-percent", "5", "--eval-tokens", "2000", "--train-prompts", "40",
                         "--heldout-prompts", "6"],
-             "prompts_train": 40, "regen_tokens": 16, "regen_batch": 16, "layers": 1, "block": 4, "anchors": 32,
-             "buckets": [512], "batch": 2, "steps": 6, "lr": 6e-4, "betas": [0.9, 0.999], "eval_every": 3,
-             "eval_prompts": 2, "eval_tokens": 8, "tau_prompts": 3, "tau_tokens": 8, "attention": "dense",
-             "device": "cpu", "dtype": "float32"},
+             "prompts_train": 40, "regen_tokens": 16, "regen_batch": 16, "regen_baseline": 0, "layers": 1,
+             "block": 4, "anchors": 32, "buckets": [512], "batch": 2, "steps": 6, "data": "full", "sf_samples": 12,
+             "dump_batch": 4, "lr": 6e-4, "betas": [0.9, 0.999], "eval_every": 3, "eval_prompts": 2,
+             "eval_tokens": 8, "tau_prompts": 3, "tau_tokens": 8, "tau_batch": 4, "lookup_shards": 2,
+             "attention": "dense", "device": "cpu", "dtype": "float32"},
 }  # fmt: skip
 
 
@@ -108,7 +113,7 @@ def bench_tau(work: Path, drafter: Path, s: dict, tag: str = "") -> dict:
     sh([sys.executable, "-m", "trainer.bench_tau", "--target", str(work / "target"), "--drafter", str(drafter),
         "--prompts", str(work / "prompts" / "heldout.jsonl"), "--limit", str(s["tau_prompts"]),
         "--max-new-tokens", str(s["tau_tokens"]), "--device", s["device"], "--json", "--quiet",
-        "--out", str(work / f"{name}.jsonl")], log)  # fmt: skip
+        "--batch-size", str(s.get("tau_batch", 64)), "--out", str(work / f"{name}.jsonl")], log)  # fmt: skip
     text = log.read_text().rstrip().splitlines()
     result = json.loads(next(line for line in reversed(text) if line.startswith("{")))
     out.write_text(json.dumps(result, indent=1))
@@ -130,17 +135,23 @@ def phase_target(work: Path, s: dict, log: Path) -> dict:
     return {**json.loads((work / "target.json").read_text()), "wall_s": secs}
 
 
+def training_data(work: Path, s: dict) -> Path:
+    """What ours trains on: every regenerated answer, or (`data: sub`) the subset SpecForge's features were dumped
+    from, so that the two trainers do the same work."""
+    return work / ("regen-sub.jsonl" if s.get("data") == "sub" else "regen.jsonl")
+
+
 def our_config(work: Path, s: dict) -> dict:
     return {
         "target": {"path": str(work / "target"), "dtype": s["dtype"]},
         "drafter": {"num_layers": s["layers"], "block_size": s["block"], "init_std": s.get("init_std")},
         "attention": {"backend": s["attention"]},
-        "data": {"path": str(work / "regen.jsonl"), "anchors_per_seq": s["anchors"], "seq_buckets": s["buckets"],
+        "data": {"path": str(training_data(work, s)), "anchors_per_seq": s["anchors"], "seq_buckets": s["buckets"],
                  "batch_size": s["batch"], "holdout": 0},
         "optim": {"lr": s["lr"], "betas": s["betas"], "warmup_ratio": 0.04, "grad_clip": 1.0, "gamma": 7.0},
         "steps": s["steps"], "log_every": 10, "seed": s.get("seed", 0), "device": s["device"],
         "checkpoint": {"every": s["eval_every"], "keep": max(1, s["steps"] // s["eval_every"])},
-        "eval": {"every": 0, "at_end": True, "prompts": s["eval_prompts"],
+        "eval": {"every": 0, "at_end": bool(s.get("eval_at_end", True)), "prompts": s["eval_prompts"],
                  "max_new_tokens": s["eval_tokens"], "prompt_file": str(work / "prompts" / "heldout.jsonl")},
         "metrics": {"gpu_history": False},
     }  # fmt: skip
@@ -171,22 +182,42 @@ def target_forward_ms(work: Path, s: dict) -> dict:
     return out
 
 
+def regenerate(work: Path, s: dict, prompts: list[str], name: str, engine: str, batch: int, log: Path) -> dict:
+    """`trainer.regenerate` on `prompts` (one JSON line each): its counts (tokens, decode seconds) and wall time."""
+    (work / "prompts" / f"{name}-in.jsonl").write_text("\n".join(prompts) + "\n")
+    stats = work / f"{name}-stats.json"
+    wall = sh([sys.executable, "-m", "trainer.regenerate", "--config", str(work / "ours.yaml"),
+               "--input", str(work / "prompts" / f"{name}-in.jsonl"), "--output", str(work / f"{name}.jsonl"),
+               "--max-new-tokens", str(s["regen_tokens"]), "--batch-size", str(batch), "--engine", engine,
+               "--stats", str(stats), "--quiet"], log)  # fmt: skip
+    return {**json.loads(stats.read_text()), "wall_s": wall, "prompts": len(prompts)}
+
+
 def phase_data(work: Path, s: dict, log: Path) -> dict:
-    """The target's own greedy answers to the training prompts (what both trainers train on)."""
+    """The target's own greedy answers to the training prompts (what both trainers train on), by the static engine;
+    first, on the first `regen_baseline` prompts, by `model.generate` (the engine it replaces) for its speed."""
     import yaml
 
     (work / "ours.yaml").write_text(yaml.safe_dump(our_config(work, s), sort_keys=False))
     prompts = (work / "prompts" / "train.jsonl").read_text().splitlines()[: s["prompts_train"]]
     (work / "prompts" / "train-used.jsonl").write_text("\n".join(prompts) + "\n")
-    times = {"regenerate_s": sh([sys.executable, "-m", "trainer.regenerate", "--config", str(work / "ours.yaml"),
-                                 "--input", str(work / "prompts" / "train-used.jsonl"),
-                                 "--output", str(work / "regen.jsonl"), "--max-new-tokens", str(s["regen_tokens"]),
-                                 "--batch-size", str(s["regen_batch"]), "--quiet"], log)}  # fmt: skip
+    engines = {}
+    if s.get("regen_baseline"):
+        engines["hf"] = regenerate(work, s, prompts[: s["regen_baseline"]], "regen-baseline", "hf",
+                                   s.get("regen_baseline_batch", s["regen_batch"]), log)  # fmt: skip
+    engines["static"] = regenerate(work, s, prompts, "regen", "static", s["regen_batch"], log)
     answers = [json.loads(x)["response"] for x in (work / "regen.jsonl").read_text().splitlines() if x.strip()]
     chars = sorted(len(a) for a in answers)
-    return {"times": times, "records": len(prompts), "empty_answers": sum(not a.strip() for a in answers),
+    return {"times": {"regenerate_s": engines["static"]["wall_s"]}, "engines": engines, "records": len(prompts),
+            "empty_answers": sum(not a.strip() for a in answers),
             "answer_chars_median": chars[len(chars) // 2] if chars else 0, "sample_answers": answers[:3],
-            "answer_check": answer_check(work, answers)}  # fmt: skip
+            "regen_sha256": sha256_file(work / "regen.jsonl"), "answer_check": answer_check(work, answers)}  # fmt: skip
+
+
+def sha256_file(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def answer_check(work: Path, answers: list[str]) -> dict:
@@ -198,18 +229,26 @@ def answer_check(work: Path, answers: list[str]) -> dict:
 
 
 def phase_features(work: Path, s: dict, log: Path) -> dict:
-    """The target's hidden states on the regenerated data, in SpecForge's offline format (our trainer needs none)."""
+    """The target's hidden states, in SpecForge's offline format, for the first `sf_samples` answers (its files take
+    ~2 MB an answer: all of them would not fit the disk); those answers are also written alone, as regen-sub.jsonl,
+    for the runs of ours that do the same work."""
     shutil.rmtree(work / "features", ignore_errors=True)
+    lines = [x for x in (work / "regen.jsonl").read_text().splitlines() if x.strip()][: s["sf_samples"]]
+    (work / "regen-sub.jsonl").write_text("\n".join(lines) + "\n")
     secs = sh([sys.executable, str(HERE / "specforge_side.py"), "dump", "--target", str(work / "target"),
-               "--data", str(work / "regen.jsonl"), "--layers", str(s["layers"]),
-               "--max-len", str(max(s["buckets"])), "--out", str(work / "features")], log)  # fmt: skip
-    return {"dump_s": secs, "files": len(list((work / "features").glob("*.ckpt")))}
+               "--data", str(work / "regen-sub.jsonl"), "--layers", str(s["layers"]),
+               "--max-len", str(max(s["buckets"])), "--batch", str(s.get("dump_batch", 32)),
+               "--out", str(work / "features")], log)  # fmt: skip
+    return {"dump_s": secs, "answers": len(lines), "files": len(list((work / "features").glob("*.ckpt"))),
+            "bytes": sum(f.stat().st_size for f in (work / "features").glob("*.ckpt")),
+            "regen_sub_sha256": sha256_file(work / "regen-sub.jsonl")}  # fmt: skip
 
 
 def curve_point(work: Path, drafter: Path, step: int, s: dict) -> dict:
     """One checkpoint's tau on the curve's yardstick (the same `bench_tau`, prompts and length for both trainers)."""
     r = bench_tau(work, drafter, s)["sets"][0]
-    return {"step": step, "tau": r["tau_prompt_mean"], "tau_pooled": r["tau_pooled"], "draft_steps": r["draft_steps"]}
+    return {"step": step, "tau": r["tau_prompt_mean"], "tau_pooled": r["tau_pooled"], "draft_steps": r["draft_steps"],
+            "prompts": r["prompts"], "decode_s": r["seconds"]}  # fmt: skip
 
 
 def ours_name(s: dict) -> str:
@@ -275,11 +314,25 @@ def save_partial(work: Path, phase: str, result: dict) -> None:
 
 
 def phase_lookup(work: Path, s: dict, log: Path) -> dict:
-    secs = sh([sys.executable, str(HERE / "prompt_lookup.py"), "--target", str(work / "target"), "--prompts",
-               str(work / "prompts" / "heldout.jsonl"), "--limit", str(s["tau_prompts"]), "--max-new-tokens",
-               str(s["tau_tokens"]), "--json"], log)  # fmt: skip
-    lookup = json.loads(next(x for x in reversed(log.read_text().splitlines()) if x.startswith('{"method"')))
-    return {**lookup, "wall_s": secs}
+    """Prompt lookup on the held-out prompts, `lookup_shards` processes side by side (each decodes one prompt at a
+    time: the GPU waits on the host, so several share it well); per-prompt rows in lookup-prompts.jsonl."""
+    n = s.get("lookup_shards", 1)
+    cmd = [sys.executable, str(HERE / "prompt_lookup.py"), "--target", str(work / "target"), "--prompts",
+           str(work / "prompts" / "heldout.jsonl"), "--limit", str(s["tau_prompts"]), "--max-new-tokens",
+           str(s["tau_tokens"]), "--json"]  # fmt: skip
+    t0 = time.time()
+    with ThreadPoolExecutor(n) as pool:
+        list(pool.map(lambda k: sh([*cmd, "--shard", f"{k}/{n}", "--out", str(work / f"lookup-{k}.jsonl")],
+                                   work / f"lookup-{k}.log"), range(n)))  # fmt: skip
+    rows = sorted((json.loads(x) for k in range(n) for x in (work / f"lookup-{k}.jsonl").read_text().splitlines()
+                   if x.strip()), key=lambda r: r["index"])  # fmt: skip
+    (work / "lookup-prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    measured = [r for r in rows if r["tau"] is not None]
+    tokens, steps = sum(r["tokens"] for r in measured), sum(r["draft_steps"] for r in measured)
+    return {"method": "prompt_lookup", "prompts": len(measured), "shards": n, "max_new_tokens": s["tau_tokens"],
+            "tau_prompt_mean": round(sum(r["tau"] for r in measured) / max(len(measured), 1), 4),
+            "tau_pooled": round(tokens / max(steps, 1), 4), "tokens": tokens, "draft_steps": steps,
+            "wall_s": round(time.time() - t0, 1)}  # fmt: skip
 
 
 def specforge_name(s: dict) -> str:
@@ -320,7 +373,7 @@ def phase_specforge(work: Path, s: dict, log: Path) -> dict:
     sh([sys.executable, str(HERE / "specforge_side.py"), "config", "--target", str(work / "target"), "--features",
         str(work / "features"), "--layers", str(s["layers"]), "--block", str(s["block"]), "--steps", str(s["steps"]),
         "--batch", str(s["batch"]), "--lr", str(s["lr"]), "--anchors", str(s["anchors"]),
-        "--max-len", str(max(s["buckets"])), "--log-interval", "10", "--save-interval", str(s["steps"] // 4),
+        "--max-len", str(max(s["buckets"])), "--log-interval", "10", "--save-interval", str(s["eval_every"]),
         "--seed", str(s.get("seed", 0)), "--out", str(run)], log)  # fmt: skip
     sf_log = work / f"{name}-train.log"
     with PeakGpuMemory() as mem:

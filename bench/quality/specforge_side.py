@@ -24,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def dump(args) -> int:
-    """One feature file per sample, hidden states of the target layers our drafter reads (the same rule as theirs)."""
+    """One feature file per sample, hidden states of the target layers our drafter reads (the same rule as theirs).
+    Samples are run `--batch` at a time, right-padded among similar lengths: causal attention keeps a row's real
+    positions from seeing its padding, so each row's states are those of its forward alone (within bf16 rounding)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -38,18 +40,22 @@ def dump(args) -> int:
     layer_ids = default_layer_ids(model.config.num_hidden_layers, args.layers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    kept = 0
-    for i, (ids, mask) in enumerate(read_jsonl(args.data, tok)):
-        ids, mask = ids[: args.max_len], mask[: args.max_len]
-        if int(mask.sum()) < 2:
-            continue
+    samples = [(i, ids[: args.max_len], mask[: args.max_len]) for i, (ids, mask) in
+               enumerate(read_jsonl(args.data, tok)) if int(mask[: args.max_len].sum()) >= 2]  # fmt: skip
+    samples.sort(key=lambda s: s[1].numel())  # similar lengths share a batch
+    for lo in range(0, len(samples), args.batch):
+        chunk = samples[lo : lo + args.batch]
+        width = max(ids.numel() for _, ids, _ in chunk)
+        ids_BL = torch.zeros(len(chunk), width, dtype=torch.long)
+        for b, (_, ids, _) in enumerate(chunk):
+            ids_BL[b, : ids.numel()] = ids
         with torch.no_grad():
-            hs = model(input_ids=ids[None].to(device), output_hidden_states=True).hidden_states
-        feat = torch.cat([hs[k + 1][0] for k in layer_ids], dim=-1).to(torch.bfloat16).cpu()
-        torch.save({"input_ids": ids.clone(), "loss_mask": mask.clone(), "hidden_states": feat},
-                   out / f"data_{i:08d}.ckpt")  # fmt: skip
-        kept += 1
-    print(json.dumps({"features": kept, "layer_ids": layer_ids, "out": str(out)}))
+            hs = model(input_ids=ids_BL.to(device), output_hidden_states=True).hidden_states
+        feat_BLF = torch.cat([hs[k + 1] for k in layer_ids], dim=-1).to(torch.bfloat16).cpu()  # [B, L, n*C]
+        for b, (i, ids, mask) in enumerate(chunk):
+            torch.save({"input_ids": ids.clone(), "loss_mask": mask.clone(),
+                        "hidden_states": feat_BLF[b, : ids.numel()].clone()}, out / f"data_{i:08d}.ckpt")  # fmt: skip
+    print(json.dumps({"features": len(samples), "layer_ids": layer_ids, "out": str(out)}))
     return 0
 
 
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--data", required=True)
     d.add_argument("--layers", type=int, required=True, help="drafter layers (sets the target layers read)")
     d.add_argument("--max-len", type=int, default=1024)
+    d.add_argument("--batch", type=int, default=32, help="samples per target forward")
     d.add_argument("--out", required=True)
     c = sub.add_parser("config")
     c.add_argument("--target", required=True)

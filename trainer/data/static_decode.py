@@ -134,7 +134,7 @@ class StaticDecoder:
 
     # --- a batch ------------------------------------------------------------------------------------------------------
 
-    def _prefill(self, ids_BP: torch.Tensor, start_B: torch.Tensor, chunk: int = 32) -> torch.Tensor:
+    def _prefill(self, ids_BP: torch.Tensor, start_B: torch.Tensor, chunk: int = 64) -> torch.Tensor:
         """Every prompt's keys and values into slots [0, P); the first new token of each row."""
         B, P = ids_BP.shape
         s, first = self.s, []

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 62's pass on one GPU host, every step side by side where the GPU has room, each result written as it comes:
+#   1. the target converted from its pinned GGUF (real_target.py convert, through run_quality.py --phase target)
+#   2. its greedy answers to every training prompt (ShareGPT + code requests) by the static engine, after the same
+#      prompts' first REGEN_BASELINE by model.generate for the speed it replaces
+#   3. then at once: prompt lookup on the 244 held-out prompts; ours on every answer (FULL_STEPS) and a variant of
+#      ours (VARIANT); SpecForge's features for the first SF_SAMPLES answers, then SpecForge and ours on exactly
+#      those answers, SEEDS each, STEPS steps; every checkpoint's tau on the 244 prompts by the same bench_tau
+#   4. collect_real.py: bench/results/quality-real.json's record and the tau-against-GPU-seconds plot
+#   SRC=DIR WHEELS=DIR bash bench/quality/run_pass.sh      (SRC: what `real_target.py gather` wrote)
+# Wheels (SpecForge's, and gguf for the conversion) are installed from $WHEELS; nothing is fetched. Run it from its
+# own copy of the repository (a call that refreshes the working tree must not change the code under a running pass).
+set -uo pipefail
+WORK=${WORK:-/tmp/q62}; WHEELS=${WHEELS:-.whl}; SEEDS=${SEEDS:-0 1}
+STEPS=${STEPS:-1500}; SAVE=${SAVE:-750}; FULL_STEPS=${FULL_STEPS:-2500}; FULL_SAVE=${FULL_SAVE:-1250}
+VARIANT=${VARIANT:--full-b4 --set 'buckets=[256,512,768,1024]' --set data=full --set steps=1250 --set eval_every=625}
+: "${SRC:?SRC names the folder real_target.py gather wrote}"
+mkdir -p "$WORK"
+mark() { echo "$(date +%s) $*" >> "$WORK/stages.log"; }
+q() { python3 bench/quality/run_quality.py --work "$WORK" --scale real --set "gguf=$SRC/target.gguf" \
+        --set "prompts=$SRC" ${EXTRA:-} "$@"; }
+ours() {  # ours TAG SETS...: one run of ours, skipped when its result is there
+  local tag=$1; shift
+  [ -f "$WORK/ours$tag.json" ] || eval "q --phase ours $* --set tag=$tag"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$WORK/gpu.txt" 2>&1
+mark start
+[ -d /tmp/sfsite ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/sfsite \
+  "$WHEELS"/*.whl
+[ -f "$WORK/target.json" ] || PYTHONPATH=/tmp/sfsite q --phase target; mark target
+[ -f "$WORK/target.json" ] || { mark "target failed"; exit 1; }
+[ -f "$WORK/data.json" ] || q --phase data; mark data
+[ -f "$WORK/data.json" ] || { mark "data failed"; exit 1; }
+pids=()
+( ours -full-s0 --set data=full --set steps="$FULL_STEPS" --set eval_every="$FULL_SAVE" --set seed=0
+  mark ours-full ) > "$WORK/ours-full.out" 2>&1 & pids+=($!)
+( [ -f "$WORK/lookup.json" ] || q --phase lookup; mark lookup ) > "$WORK/lookup.out" 2>&1 & pids+=($!)
+( read -r vtag vsets <<<"$VARIANT"; ours "$vtag-s0" "$vsets" --set seed=0; mark variant ) \
+  > "$WORK/variant.out" 2>&1 & pids+=($!)
+for s in $SEEDS; do
+  ( ours "-s$s" --set data=sub --set steps="$STEPS" --set eval_every="$SAVE" --set seed="$s"; mark "ours-s$s" ) \
+    > "$WORK/ours-s$s.out" 2>&1 & pids+=($!)
+done
+( [ -f "$WORK/features.json" ] || q --phase features; mark features
+  for s in $SEEDS; do
+    ( [ -f "$WORK/specforge-s$s.json" ] || PYTHONPATH=/tmp/sfsite q --phase specforge --set steps="$STEPS" \
+        --set eval_every="$SAVE" --set seed="$s" --set tag="-s$s"; mark "specforge-s$s" ) &
+  done; wait ) > "$WORK/specforge.out" 2>&1 & pids+=($!)
+for p in "${pids[@]}"; do wait "$p"; done
+python3 bench/quality/collect_real.py "$WORK" --out "$WORK/quality-real.json" --plot "$WORK/quality-real.png" \
+  --machine "one $(cut -d, -f1 "$WORK/gpu.txt")" > "$WORK/collect.out" 2>&1
+mark done
