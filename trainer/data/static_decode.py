@@ -13,6 +13,7 @@ SwiGLU MLP, RMSNorm, the model's own rotary embedding module). Greedy only: samp
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -115,22 +116,38 @@ class StaticDecoder:
             self._step(span)
             return
         graph = self._graph.get(span)
-        if graph is None:  # capture: warm up on a side stream, then record one step; the state is restored after
-            saved = [b.clone() for b in (self.tok, self.t, self.done, self.out)]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
+        if graph is None:
+            try:
+                graph = self._capture(span)
+            except RuntimeError as e:  # a model whose step cannot be captured still decodes, eagerly
+                print(f"static_decode: CUDA graph capture failed, decoding eagerly: {str(e).splitlines()[0]}",
+                      file=sys.stderr)  # fmt: skip
+                self.graphs = False
+                torch.cuda.synchronize()
                 self._step(span)
-            torch.cuda.current_stream().wait_stream(side)
-            for b, v in zip((self.tok, self.t, self.done, self.out), saved, strict=True):
-                b.copy_(v)
-            graph = torch.cuda.CUDAGraph()
+                return
+        graph.replay()
+
+    def _capture(self, span: int) -> torch.cuda.CUDAGraph:
+        """Warm up on a side stream, then record one step; the step's state is restored after each."""
+        state = (self.tok, self.t, self.done, self.out)
+        saved = [b.clone() for b in state]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step(span)
+        torch.cuda.current_stream().wait_stream(side)
+        for b, v in zip(state, saved, strict=True):
+            b.copy_(v)
+        graph = torch.cuda.CUDAGraph()
+        try:
             with torch.cuda.graph(graph):
                 self._step(span)
-            for b, v in zip((self.tok, self.t, self.done, self.out), saved, strict=True):
+        finally:
+            for b, v in zip(state, saved, strict=True):
                 b.copy_(v)
-            self._graph[span] = graph
-        graph.replay()
+        self._graph[span] = graph
+        return graph
 
     # --- a batch ------------------------------------------------------------------------------------------------------
 
