@@ -208,10 +208,19 @@ def phase_data(work: Path, s: dict, log: Path) -> dict:
     engines["static"] = regenerate(work, s, prompts, "regen", "static", s["regen_batch"], log)
     answers = [json.loads(x)["response"] for x in (work / "regen.jsonl").read_text().splitlines() if x.strip()]
     chars = sorted(len(a) for a in answers)
+    write_subset(work, s)
     return {"times": {"regenerate_s": engines["static"]["wall_s"]}, "engines": engines, "records": len(prompts),
             "empty_answers": sum(not a.strip() for a in answers),
             "answer_chars_median": chars[len(chars) // 2] if chars else 0, "sample_answers": answers[:3],
             "regen_sha256": sha256_file(work / "regen.jsonl"), "answer_check": answer_check(work, answers)}  # fmt: skip
+
+
+def write_subset(work: Path, s: dict) -> list[str]:
+    """regen-sub.jsonl: the first `sf_samples` answers, what SpecForge's features are dumped from and what the runs
+    of ours that do the same work train on (written with the answers, so that those runs need not wait)."""
+    lines = [x for x in (work / "regen.jsonl").read_text().splitlines() if x.strip()][: s["sf_samples"]]
+    (work / "regen-sub.jsonl").write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def sha256_file(path: Path) -> str:
@@ -233,8 +242,7 @@ def phase_features(work: Path, s: dict, log: Path) -> dict:
     ~2 MB an answer: all of them would not fit the disk); those answers are also written alone, as regen-sub.jsonl,
     for the runs of ours that do the same work."""
     shutil.rmtree(work / "features", ignore_errors=True)
-    lines = [x for x in (work / "regen.jsonl").read_text().splitlines() if x.strip()][: s["sf_samples"]]
-    (work / "regen-sub.jsonl").write_text("\n".join(lines) + "\n")
+    lines = write_subset(work, s)
     secs = sh([sys.executable, str(HERE / "specforge_side.py"), "dump", "--target", str(work / "target"),
                "--data", str(work / "regen-sub.jsonl"), "--layers", str(s["layers"]),
                "--max-len", str(max(s["buckets"])), "--batch", str(s.get("dump_batch", 32)),
