@@ -12,8 +12,8 @@
 # own copy of the repository (a call that refreshes the working tree must not change the code under a running pass).
 set -uo pipefail
 WORK=${WORK:-/tmp/q62}; WHEELS=${WHEELS:-.whl}; SEEDS=${SEEDS:-0 1}
-STEPS=${STEPS:-1500}; SAVE=${SAVE:-750}; FULL_STEPS=${FULL_STEPS:-2500}; FULL_SAVE=${FULL_SAVE:-1250}
-VARIANT=${VARIANT:--full-b4 --set 'buckets=[256,512,768,1024]' --set data=full --set steps=1250 --set eval_every=625}
+STEPS=${STEPS:-1000}; SAVE=${SAVE:-500}; FULL_STEPS=${FULL_STEPS:-2000}; FULL_SAVE=${FULL_SAVE:-1000}
+VARIANT=${VARIANT:--full-b4 --set 'buckets=[256,512,768,1024]' --set data=full --set steps=1000 --set eval_every=500}
 : "${SRC:?SRC names the folder real_target.py gather wrote}"
 mkdir -p "$WORK"
 mark() { echo "$(date +%s) $*" >> "$WORK/stages.log"; }

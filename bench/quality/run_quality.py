@@ -47,10 +47,10 @@ SCALES = {
     # a real pretrained target (real_target.py: a GGUF converted, ShareGPT and code-request prompts, HumanEval +
     # MT-bench held out); `--set gguf=FILE --set prompts=DIR` name the files `real_target.py gather` wrote. `data`
     # picks what ours trains on: "sub" (the first `sf_samples` answers, SpecForge's dumped set: equal work) or "full"
-    "real": {"target": None, "prompts_train": None, "regen_tokens": 256, "regen_batch": 1024, "regen_baseline": 1000,
+    "real": {"target": None, "prompts_train": None, "regen_tokens": 256, "regen_batch": 1024, "regen_baseline": 500,
              "regen_baseline_batch": 500, "layers": 3, "block": 16, "anchors": 64, "buckets": [512, 1024],
-             "batch": 16, "steps": 1500, "data": "sub", "sf_samples": 12000, "dump_batch": 32, "lr": 6e-4,
-             "betas": [0.9, 0.999], "eval_every": 750, "eval_at_end": False, "eval_prompts": 16, "eval_tokens": 128,
+             "batch": 16, "steps": 1000, "data": "sub", "sf_samples": 8000, "dump_batch": 32, "lr": 6e-4,
+             "betas": [0.9, 0.999], "eval_every": 500, "eval_at_end": False, "eval_prompts": 16, "eval_tokens": 128,
              "tau_prompts": 244,
              "tau_tokens": 256, "tau_batch": 256, "lookup_shards": 8, "attention": "flex", "device": "cuda",
              "dtype": "bfloat16"},
