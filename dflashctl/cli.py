@@ -584,8 +584,10 @@ def list_jobs(
     name: str | None = typer.Option(None, "--name", metavar="GLOB", help="Only jobs whose name matches (fnmatch)."),
     refresh: bool = Flag("--refresh", "-r", help="Ask the hosts again about every job not done for good (one "
                          "`status` each) before listing, as `sky queue` does."),
-    forget: str | None = typer.Option(None, "--forget", metavar="ID", help="Drop the record of an ended job (its "
-                                      "run dir is left as it is); lists nothing."),
+    forget: str | None = typer.Option(None, "--forget", metavar="JOB", help="Drop the record of an ended job, by "
+                                      "name or id (its run dir is left as it is); lists nothing. The host is asked "
+                                      "first: a job that may still run or restart is refused."),
+    force: bool = Flag("--force", help="With --forget: forget the record even if the job may still run."),
     as_json: bool = JsonOpt,
     wide: bool = Flag("--wide", help="Every column, however wide the terminal."),
     accept_new: bool = AcceptNewOpt,
@@ -598,7 +600,7 @@ def list_jobs(
 
     root = find_project_root()
     if forget is not None:
-        gone = records.forget(forget)
+        gone = records.forget(forget, str(root), force, accept_new)
         if as_json:
             print_json({"forgotten": gone.id, "state": gone.state})
         else:

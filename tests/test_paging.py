@@ -10,58 +10,24 @@ import json
 import signal
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from dflashctl.agent.common import start_time
 from tests.conftest import free_port, run_cli
-from tests.test_launch import cli_json, wait_until, write_project
+from tests.test_launch import cli_json, status_json, wait_until, write_project
 from tests.test_safety import job_file, run_dir_of
+from tests.webhook import HOOK_SECRET, Listener
 
 TOKEN = "hf_Pg7tokenVALUE42"
 PEM_LINES = ["-----BEGIN PRIVATE KEY-----", "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC", "q1w2e3r4t5y6u7i8o9p0ZXCVBNMasdf",
              "-----END PRIVATE KEY-----"]  # fmt: skip
-HOOK_SECRET = "T0B1xSeCrEtHookPath"
 # what must never appear: the token, every line of the key but its armour (the armour is no secret, yet masked too)
 SECRETS = [TOKEN, PEM_LINES[1], PEM_LINES[2], HOOK_SECRET]
 # prints the token and the key, then fails at once with the token in its error
 CRASH = (f"printf '%s\\n' \"token=$HF_TOKEN\" \"$PEM_KEY\"; {sys.executable} -c "
          "'import os; raise RuntimeError(\"bad token=\" + os.environ[\"HF_TOKEN\"])'")
-
-
-class Listener:
-    """A webhook on loopback: every POST's path and body, kept."""
-
-    def __init__(self, port: int = 0) -> None:
-        self.hits: list[tuple[str, dict]] = []
-        hits = self.hits
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802
-                data = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                hits.append((self.path, json.loads(data)))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.srv = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.port = self.srv.server_address[1]
-        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
-
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/hooks/{HOOK_SECRET}"
-
-    def states(self) -> list[str]:
-        return [body["state"] for _, body in self.hits]
-
-    def close(self) -> None:
-        self.srv.shutdown()
-        self.srv.server_close()
 
 
 @pytest.fixture
@@ -75,7 +41,7 @@ def crash_job(proj: Path, name: str, url: str) -> str:
     pem = "\\n".join(PEM_LINES)
     extra = (f'env: {{HF_TOKEN: {TOKEN}, PEM_KEY: "{pem}\\n"}}\n'
              "watch: {interval_s: 0.5, backoff_s: 0, max_restarts: 1, restart_on: [CRASHED], stall_after_s: 600,\n"
-             f"        notify: {{webhook: '{url}', format: json, retries: 0, timeout_s: 5}}}}\n")  # fmt: skip
+             f"        notify: {{webhook: '{url}', format: json, retries: 2, timeout_s: 5}}}}\n")  # fmt: skip
     return job_file(proj, name, CRASH, extra)
 
 
@@ -100,9 +66,10 @@ def files_holding(root: Path) -> dict[str, list[str]]:
 
 def test_the_supervisor_pages_once_with_no_watch_and_no_secret_goes_anywhere(proj, client):
     """HEADLINE: the laptop's watch is SIGKILLed; the job crashes at once, is restarted once by its supervisor and
-    crashes again; the listener gets exactly one CRASHED notice (and one RESTARTED), naming the job, restarts left
-    and the command to look, with no secret; a later `status` and `watch` send nothing more. The secrets are in no
-    output and no file we wrote, and no line of them is left in run.sh / job.env."""
+    crashes again; the listener gets exactly two notices, one per failure and each with what was done about it
+    (restarted 1 of 1; not restarted, the budget spent), naming the job, its host as the job file names it,
+    restarts left and the command to look, with no secret; a later `status` and `watch` send nothing more. The
+    secrets are in no output and no file we wrote, and no line of them is left in run.sh / job.env."""
     hook = Listener()
     try:
         job_id = cli_json("launch", crash_job(proj, "pager", hook.url()))["id"]
@@ -113,12 +80,16 @@ def test_the_supervisor_pages_once_with_no_watch_and_no_secret_goes_anywhere(pro
         watch.wait()
         run = run_dir_of(job_id)
         wait_until(lambda: supervisor_ended(run), 90)
-        assert hook.states() == ["RESTARTED", "CRASHED"], hook.hits
-        path, crashed = hook.hits[1]
-        assert path == f"/hooks/{HOOK_SECRET}" and crashed["job"] == job_id
+        assert hook.states() == ["CRASHED", "CRASHED"], hook.hits
+        first, crashed = hook.bodies()
+        assert first["action"] == "restarted (1 of 1)" and first["id"] == f"{job_id}/a0-CRASHED"
+        assert crashed["action"] == "not restarted: max_restarts (1) reached"
+        assert crashed["id"] == f"{job_id}/a1-CRASHED"
+        assert hook.posts()[1]["path"] == f"/hooks/{HOOK_SECRET}" and crashed["job"] == job_id
+        assert hook.keys() == [first["id"], crashed["id"]] and crashed["host"] == "box"
         assert crashed["restarts_left"] == 0 and crashed["look"] == f"dflashctl status {job_id}"
         assert any("RuntimeError" in e for e in crashed["evidence"]), crashed
-        assert not leaks(json.dumps([body for _, body in hook.hits])), hook.hits
+        assert not leaks(json.dumps(hook.bodies())), hook.hits
         # every output a user or a script reads
         outputs = {}
         for args in (("status", job_id, "--json"), ("watch", job_id, "--json", "--once"), ("logs", job_id, "-n", "50"),
@@ -129,7 +100,7 @@ def test_the_supervisor_pages_once_with_no_watch_and_no_secret_goes_anywhere(pro
         later = run_cli("watch", job_id, "--once")  # a watch begun after the restarts: none of them seen "after None"
         assert "after None" not in later.stdout + later.stderr, later
         assert {k: leaks(v) for k, v in outputs.items() if leaks(v)} == {}
-        assert hook.states() == ["RESTARTED", "CRASHED"], "a later status/watch sent a notice again"
+        assert hook.states() == ["CRASHED", "CRASHED"], "a later status/watch sent a notice again"
         # every file we wrote: the run dir but the job's own log (it printed them), the local registry
         held = files_holding(run)
         assert set(held) <= {"train.log"}, held
@@ -138,35 +109,39 @@ def test_the_supervisor_pages_once_with_no_watch_and_no_secret_goes_anywhere(pro
         assert all(held == [HOOK_SECRET] and name.startswith("dflashctl/jobs.json") for name, held in registry.items())
         sent = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
                 if e.get("decision") == "notify"]  # fmt: skip
-        assert [(e["state"], e["by"]) for e in sent] == [("RESTARTED", "supervisor"), ("CRASHED", "supervisor")]
+        assert [(e["state"], e["by"], e["status"]) for e in sent] == [("CRASHED", "supervisor", "sent")] * 2
         assert b"HF_TOKEN=***\0" in (run / "job.env").read_bytes()  # the environment's one file at rest
     finally:
         hook.close()
 
 
 def test_a_notice_the_supervisor_cannot_send_waits_and_the_next_status_sends_it_once(proj):
-    """The webhook is down while the job crashes for good (max_restarts 1, so one CRASHED after one RESTARTED): the
-    notices wait in the run dir's outbox; the listener comes up; the next `status` sends each once (said in the run
-    dir's events as sent by the laptop), and a second `status` and a `watch --once` send nothing."""
+    """The webhook is down while the job crashes for good (max_restarts 1: two notices): each waits in the run
+    dir's outbox after the supervisor's one try; the listener comes up; the next `status` sends each once (said in
+    the run dir's events as sent by the laptop) and says none waits; a second `status` and a `watch --once` send
+    nothing."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/hooks/{HOOK_SECRET}"
     job_id = cli_json("launch", crash_job(proj, "unheard", url))["id"]
     run = run_dir_of(job_id)
     wait_until(lambda: supervisor_ended(run), 90)
-    waiting = sorted(p.name for p in (run / "outbox").iterdir())
-    assert len(waiting) == 2 and all(n.endswith(".pending") for n in waiting), waiting
+    box = {p.name: json.loads(p.read_text()) for p in (run / "outbox").glob("*.json")}
+    assert sorted(box) == ["a0-CRASHED.json", "a1-CRASHED.json"], box
+    assert all(n["status"] == "pending" and 1 <= n["posts"] < n["max_posts"] for n in box.values()), box
     hook = Listener(port)
     try:
-        run_cli("status", job_id)
-        assert sorted(hook.states()) == ["CRASHED", "RESTARTED"], hook.hits
+        st = status_json(job_id)
+        assert hook.states() == ["CRASHED", "CRASHED"], hook.hits
+        assert st["notices"]["waiting"] == 0 and st["notices"]["sent"] == 2, st["notices"]
         run_cli("status", job_id)
         run_cli("watch", job_id, "--once")
-        assert len(hook.hits) == 2
-        assert not leaks(json.dumps([body for _, body in hook.hits]))
-        assert sorted(p.name.split(".")[-1] for p in (run / "outbox").iterdir()) == ["sent", "sent"]
+        assert len(hook.posts()) == 2
+        assert not leaks(json.dumps(hook.bodies()))
+        box = {p.name: json.loads(p.read_text()) for p in (run / "outbox").glob("*.json")}
+        assert [n["status"] for n in box.values()] == ["sent", "sent"]
         events = [json.loads(ln) for ln in (run / "events.jsonl").read_text().splitlines()]
-        assert sorted(e["state"] for e in events if e.get("decision") == "notify" and e["by"] == "local") == [
-            "CRASHED", "RESTARTED"]  # fmt: skip
+        assert sorted(e["id"] for e in events if e.get("decision") == "notify" and e["by"] == "local") == [
+            "a0-CRASHED", "a1-CRASHED"]  # fmt: skip
     finally:
         hook.close()
 

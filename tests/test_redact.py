@@ -1,17 +1,16 @@
 """Secrets masked whole and line by line (judge/redact.py), found again from fingerprints once scrubbed; a run dir's
-secrets read from its files and scrubbed from every one of them (agent/common.py); the outbox's claim taken once
-however many senders race for it (agent/outbox.py). Real files, real processes."""
+secrets read from its files and scrubbed from every one of them (agent/common.py), in every form a program prints
+them. Real files."""
 
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shlex
 import stat
 from pathlib import Path
 
-from dflashctl.agent import common, outbox
+from dflashctl.agent import common
 from dflashctl.judge.redact import MASK, Redactor, pieces, url_secrets
 
 PEM = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEF\nq1w2e3r4t5y6u7i8o9p0\n-----END PRIVATE KEY-----\n"
@@ -97,46 +96,28 @@ def test_scrub_leaves_no_line_of_a_multi_line_secret_in_run_sh_or_job_env(tmp_pa
     assert common.scrub_secrets(str(run)) == []  # twice: nothing left to scrub, nothing broken
 
 
-def _send_all(run: str, out) -> None:
-    """One sender: claims what is pending and settles each as sent (a post that succeeded)."""
-    got = outbox.claim(run, outbox.me())
-    for claimed, _ in got:
-        outbox.settle(run, claimed, "notified", True, "test")
-    out.put([c for c, _ in got])
+def test_a_secret_is_masked_in_every_form_a_program_prints_it():
+    """Percent-encoded (quote, quote_plus: a password in a database URL as SQLAlchemy prints it), JSON-escaped, and
+    base64 (whole, and inside a longer base64 text such as an Authorization header); from fingerprints too."""
+    import base64
+    from urllib.parse import quote, quote_plus
 
-
-def test_senders_racing_for_the_outbox_send_each_notice_once(tmp_path):
-    """Four processes claim and send at once: each notice is sent by exactly one of them (said once in events.jsonl);
-    a claim whose sender died before settling goes back to pending for the next one."""
-    run = tmp_path / "run"
-    run.mkdir()
-    ids = [outbox.put(str(run), {"job": "j", "state": f"S{i}"}) for i in range(30)]
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_send_all, args=(str(run), q)) for _ in range(4)]
-    for p in procs:
-        p.start()
-    got = [q.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join()
-    assert sorted(c.split(".")[0] for batch in got for c in batch) == sorted(ids)  # each claimed once
-    sent = [json.loads(ln)["id"] for ln in (run / "events.jsonl").read_text().splitlines()]
-    assert sorted(sent) == sorted(ids)
-    assert sorted(os.listdir(run / "outbox")) == sorted(f"{i}.sent" for i in ids)
-    # a sender that died holding a claim: its claim is released, once, to the next sender
-    nid = outbox.put(str(run), {"job": "j", "state": "CRASHED"})
-    child = ctx.Process(target=outbox.claim, args=(str(run), "p1_0"))  # pid 1 never started at tick 0
-    child.start()
-    child.join()
-    assert (run / "outbox" / f"{nid}.p1_0.claim").exists()
-    assert [c for c, _ in outbox.claim(str(run), outbox.me())] == [f"{nid}.{outbox.me()}.claim"]
-
-
-def test_a_garbage_notice_is_set_aside_and_the_others_are_sent(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    good = outbox.put(str(run), {"job": "j", "state": "CRASHED"})
-    (run / "outbox" / "00000000000000000001-bad.pending").write_text("{not json")
-    assert [m["id"] for _, m in outbox.claim(str(run), outbox.me())] == [good]
-    assert (run / "outbox" / "00000000000000000001-bad.bad").exists()
-    assert outbox.claim(str(run), outbox.me()) == []
+    secret = 'p@ss/w0rd+"x y'
+    r = Redactor([secret])
+    printed = [
+        f"postgresql://app:{quote_plus(secret)}@db:5432/x",
+        f"url=https://h/?k={quote(secret, safe='')}",
+        f"path /{quote(secret)}",
+        json.dumps({"password": secret}),
+        base64.b64encode(secret.encode()).decode(),
+        "Authorization: Basic " + base64.b64encode(f"app:{secret}".encode()).decode(),
+        "Basic " + base64.b64encode(f"a:{secret}".encode()).decode(),
+        "Basic " + base64.b64encode(f"ab:{secret}".encode()).decode(),
+    ]
+    hashed = Redactor((), **{k: v for k, v in r.fingerprints(b"0123456789abcdef").items()})
+    for text in printed:
+        for who in (r, hashed):
+            out = who(text)
+            assert MASK in out, (text, out)
+            assert secret not in out and quote_plus(secret) not in out and quote(secret, safe="") not in out
+            assert base64.b64encode(secret.encode()).decode()[:-4] not in out

@@ -124,8 +124,8 @@ def test_clean_run_finishes_with_exit_0_and_notifies_without_leaking_the_secret(
         assert code == 0 and records[-1]["state"] == "FINISHED" and records[-1]["step"] == 20
         assert all(r["remote_commands"] == 1 for r in records[1:])  # one remote command per poll
         assert SECRET not in err and all(SECRET not in json.dumps(r) for r in records)
-        assert "FINISHED: the job's supervisor pages http://127.0.0.1/***" in err  # it sends, not the watch
-        wait_until(lambda: any("is FINISHED" in m["body"]["text"] for m in hook.received), 60)
+        assert f"FINISHED: the job's supervisor pages http://127.0.0.1:{hook.server_address[1]}/***" in err
+        wait_until(lambda: any(f"{job_id} on box: FINISHED" in m["body"]["text"] for m in hook.received), 60)
         assert all(m["path"] == f"/hooks/{SECRET}" for m in hook.received)
         once = run_cli("watch", job_id, "--once", "--json", cwd=ROOT)
         assert once.code == 0 and json.loads(once.stdout)["state"] == "FINISHED"

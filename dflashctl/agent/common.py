@@ -6,10 +6,12 @@ Part of the remote agent (stdlib only, Python 3.8+): see dflashctl/agent/__init_
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import re
+import stat
 import time
 
 AGENT_FILE = "agent.pyz"  # the agent's copy in a run dir: the tmux pane runs it as the job's launcher
@@ -86,8 +88,11 @@ def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
 
 
 def append_jsonl(path: str, records: list[dict]) -> None:
-    """One JSON object a line, appended in one write (0600 on creation; never through a symlink in its place)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    """One JSON object a line, appended in one write (0600 on creation; never through a symlink in its place, never
+    into a FIFO or anything else the job put there: that raises SetAside, an OSError)."""
+    fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    if fd is None:  # a dangling path component: nothing to append to
+        raise FileNotFoundError(path)
     with os.fdopen(fd, "a") as f:
         f.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
 
@@ -104,20 +109,149 @@ def start_time(pid: int) -> int | None:
         return None
 
 
-def read_json(path: str, limit: int = 1 << 20):
-    """The JSON in the first `limit` bytes of `path`, or None (missing, unreadable, not JSON)."""
+# ---------------------------------------------------------------------------------------------- untrusted files
+# The job can write every file of its run dir: it may put a FIFO, a symlink, a directory, a huge file or nested JSON
+# where one of ours should be. Every read of a run dir's file goes through `read_regular`: opened without following
+# a link and without blocking (a FIFO would block an open for reading until a writer came), checked to be a regular
+# file, bounded in size; JSON is bounded in nesting too. What is set aside is named (SET_ASIDE), never fatal.
+
+MAX_JSON_DEPTH = 32  # none of our files nests deeper; a deeper one is the job's, set aside
+SET_ASIDE: list[str] = []  # what was set aside since the last `drain_set_aside` (a look names it in its evidence)
+SET_ASIDE_MAX = 20
+
+
+class SetAside(OSError):
+    """A file that is there but cannot be one of ours (not a regular file, a link, too large, not JSON...)."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):  # fmt: skip
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY) -> int | None:
+    """An fd of `path` when it is a regular file, opened without following a link or blocking; None when there is
+    nothing there. Raises SetAside for anything else there."""
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read(limit))
-    except (OSError, ValueError):
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise SetAside("a symbolic link") from None
+        if e.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO with no reader (opened to write), a directory
+            raise SetAside("a FIFO" if e.errno == errno.ENXIO else "a directory") from None
+        if e.errno == errno.ENOTDIR:
+            return None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise SetAside(f"{_kind(mode)}, not a regular file")
+    return fd
+
+
+def read_regular(path: str, limit: int, offset: int = 0) -> bytes | None:
+    """At most `limit` bytes of the regular file `path` from `offset`; None when absent. Raises SetAside or OSError."""
+    fd = open_regular(path)
+    if fd is None:
+        return None
+    try:
+        if offset:
+            os.lseek(fd, offset, os.SEEK_SET)
+        chunks, left = [], limit
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def set_aside(path: str, why: str) -> None:
+    """Say once that a run dir's file was set aside, and why (the look's evidence names it)."""
+    line = f"{os.path.basename(path)}: {why}"
+    if line not in SET_ASIDE and len(SET_ASIDE) < SET_ASIDE_MAX:
+        SET_ASIDE.append(line)
+
+
+def drain_set_aside() -> list[str]:
+    said = list(SET_ASIDE)
+    del SET_ASIDE[: len(said)]
+    return said
+
+
+def too_deep(value, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether JSON data nests deeper than `limit` (checked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+def read_json(path: str, limit: int = 1 << 20):
+    """The JSON in `path`, or None: absent, or set aside (not a regular file, over `limit` bytes, not JSON, nested
+    deeper than MAX_JSON_DEPTH), said through `set_aside`."""
+    try:
+        data = read_regular(path, limit + 1)
+    except SetAside as e:
+        set_aside(path, str(e))
+        return None
+    except OSError as e:
+        set_aside(path, e.strerror or type(e).__name__)
+        return None
+    if data is None:
+        return None
+    if len(data) > limit:
+        set_aside(path, f"over {limit} bytes")
+        return None
+    if data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH:  # cheap: few brackets cannot nest deep
+        try:
+            value = json.loads(data)
+        except (ValueError, RecursionError):
+            set_aside(path, "not JSON")
+            return None
+        if too_deep(value):
+            set_aside(path, f"nested deeper than {MAX_JSON_DEPTH}")
+            return None
+        return value
+    try:
+        return json.loads(data)
+    except ValueError:
+        set_aside(path, "not JSON")
+        return None
+
+
+def mapping(data, key: str):
+    """`data[key]` when `data` is a JSON object, else {} (a file the job rewrote may hold anything)."""
+    return data.get(key, {}) if isinstance(data, dict) else {}
 
 
 def read_int(path: str) -> int | None:
     try:
-        with open(path) as f:
-            return int(f.read(64).strip())
-    except (OSError, ValueError):
+        data = read_regular(path, 64)
+    except SetAside as e:
+        set_aside(path, str(e))
+        return None
+    except OSError:
+        return None
+    try:
+        return int(data.strip()) if data is not None else None
+    except ValueError:
         return None
 
 
@@ -157,10 +291,10 @@ def _exports(text: str, names: list[str]) -> list[tuple[str, int, int, str]]:
 
 def _read_text(path: str) -> str | None:
     try:
-        with open(path, "rb") as f:
-            return f.read(1 << 22).decode("utf-8", "surrogateescape")
-    except OSError:
+        data = read_regular(path, 1 << 22)
+    except (OSError, SetAside):
         return None
+    return data.decode("utf-8", "surrogateescape") if data is not None else None
 
 
 def _env_records(path: str) -> list[tuple[str, str]] | None:
@@ -183,7 +317,7 @@ def secret_values(run_dir: str) -> list[str]:
         text = _read_text(os.path.join(run_dir, name))
         values += [v for _, _, _, v in _exports(text, names)] if text else []
     spec = read_json(os.path.join(run_dir, "supervise.json"))
-    hook = ((spec.get("notify") or {}) if isinstance(spec, dict) else {}).get("webhook")
+    hook = mapping(mapping(spec, "notify"), "webhook")
     if isinstance(hook, str) and hook != redact_module().redact_url(hook):  # not yet scrubbed
         values += redact_module().url_secrets(hook)
     return [v for v in values if v and v != "***"]
@@ -242,7 +376,7 @@ def scrub_secrets(run_dir: str) -> list[str]:
             data = "".join(f"{k}={v}\0" for k, v in clean)
             write_atomic(os.path.join(run_dir, ENV_FILE), data.encode("utf-8", "surrogateescape"))
     spec = read_json(os.path.join(run_dir, "supervise.json"))
-    hook = ((spec.get("notify") or {}) if isinstance(spec, dict) else {}).get("webhook")
+    hook = mapping(mapping(spec, "notify"), "webhook")
     if isinstance(hook, str) and hook != redact.redact_url(hook):  # the supervisor has sent what it could
         spec["notify"]["webhook"] = redact.redact_url(hook)
         write_atomic(os.path.join(run_dir, "supervise.json"), json.dumps(spec, indent=1).encode())
@@ -256,7 +390,8 @@ def scrub_if_unsupervised_end(run_dir: str, status: int) -> list[str]:
     if os.path.isfile(os.path.join(run_dir, "supervise.json")):
         return []
     meta = read_json(os.path.join(run_dir, "job.json"))
-    watch = ((meta.get("job") or {}).get("watch") or {}) if isinstance(meta, dict) else {}
+    watch = mapping(mapping(meta, "job"), "watch")
+    watch = watch if isinstance(watch, dict) else {}
     most = watch.get("max_restarts") if isinstance(watch.get("max_restarts"), int) else 0
     done = read_int(os.path.join(run_dir, RESTARTS)) or 0
     if status == 0 or not watch.get("restart_on") or done >= most:

@@ -3,26 +3,34 @@ what `report` draws, and what `pull` may bring back. Part of the remote agent (s
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import time
 
-from .common import RESTARTS, read_int, read_json
+from .common import RESTARTS, SetAside, open_regular, read_int, read_json, read_regular, set_aside
 
 HEARTBEAT_FUTURE_S = 5.0  # a heartbeat mtime further ahead than this on our own clock is not believed
 
 
 def read_new(path: str, offset: int, limit: int) -> dict:
-    """Bytes of `path` from `offset` (at most `limit`; the newest part when there is more)."""
+    """Bytes of `path` from `offset` (at most `limit`; the newest part when there is more). A regular file only
+    (the job writes this dir: a FIFO, a link or a directory there is set aside, never blocked on or followed)."""
+    missing = {"exists": False, "offset": offset, "size": 0, "text": "", "skipped": 0}
     try:
-        size = os.path.getsize(path)
-    except OSError:
-        return {"exists": False, "offset": offset, "size": 0, "text": "", "skipped": 0}
-    if size < offset:  # truncated or replaced: start again
-        offset = 0
-    start = max(offset, size - limit)
-    with open(path, "rb") as f:
+        fd = open_regular(path)
+    except OSError as e:
+        set_aside(path, str(e) if isinstance(e, SetAside) else e.strerror or type(e).__name__)
+        return missing
+    if fd is None:
+        return missing
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        offset = max(0, offset)
+        if size < offset:  # truncated or replaced: start again
+            offset = 0
+        start = max(offset, size - limit)
         f.seek(start)
         data = f.read(size - start)
     return {"exists": True, "offset": start + len(data), "size": size, "text": data.decode(errors="replace"),
@@ -73,14 +81,17 @@ def read_heartbeat(run_dir: str, now: float) -> dict | None:
 
 
 def tail_lines(path: str, lines: int, limit: int) -> dict:
-    """The last `lines` lines of a file, reading at most `limit` bytes from its end."""
+    """The last `lines` lines of a regular file, reading at most `limit` bytes from its end."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        fd = open_regular(path)
+        if fd is None:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory")
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
             f.seek(max(0, size - limit))
             data = f.read(limit)
     except OSError as e:
-        return {"exists": False, "error": e.strerror or str(e), "text": ""}
+        return {"exists": False, "error": str(e) if isinstance(e, SetAside) else e.strerror or str(e), "text": ""}
     chunk = data.splitlines()[-lines:] if lines > 0 else []
     return {"exists": True, "size": size, "truncated": size > limit, "text": b"\n".join(chunk).decode(errors="replace")}
 
@@ -222,6 +233,7 @@ def read_chunk(req: dict) -> bytes:
     real = os.path.realpath(os.path.join(run, req["path"]))
     if not real.startswith(run + os.sep):
         return b""
-    with open(real, "rb") as f:
-        f.seek(int(req["offset"]))
-        return f.read(int(req["length"]))
+    try:
+        return read_regular(real, int(req["length"]), int(req["offset"])) or b""
+    except OSError:
+        return b""

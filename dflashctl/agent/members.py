@@ -108,77 +108,39 @@ def end_member(req: dict) -> dict:
     return {**scrub, "session_closed": closed}
 
 
-class Nodes:
-    """What the head's supervisor knows of the other nodes: a Judge each (judged like a `command:` job: their
-    processes, logs and exit codes; only the head writes metrics and the heartbeat), and when each was first seen
-    failing, on the head's monotonic clock (judge/nodes.combine keeps it)."""
+def look_all(members: list[Member], requests: list[dict]) -> list[tuple[dict | None, bool, str]]:
+    """One snapshot of every member, all at once (`requests`: what each is asked, in node order): (snapshot or
+    None, reachable, why not) each. The decider (judge/decider.py) takes them."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    def __init__(self, members: list[Member], make_judge, restarts: int = 0) -> None:
-        self.members = members
-        self.make_judge = make_judge  # (member) -> a Judge
-        self.judges = [make_judge(m) for m in members]
-        for j in self.judges:
-            j.restarts = restarts
-        self.bad_since: dict = {}
-        self.states: list[dict] = []  # each node's word at the last look: host, state, reason
-        self.unreached: list[str] = []  # members the head could not reach at the last look
+    def one(i: int):
+        m = members[i]
+        req = {"run_dir": m.run_dir, "session": m.session, "job_id": m.job_id, **requests[i]}
+        try:
+            return m.call(req, PROBE_TIMEOUT_S), True, ""
+        except Unreached as e:
+            return None, False, str(e)
+        except ProbeFailed as e:
+            return None, True, str(e)
 
-    def reset(self, restarts: int) -> None:
-        for j in self.judges:
-            j.restarts = restarts
-            j.reset()
-        self.bad_since.clear()
+    if not members:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(members))) as pool:
+        return list(pool.map(one, range(len(members))))
 
-    def look(self, now: float) -> list:
-        """One snapshot of every member, all at once, each taken by its own Judge: their Reports, in node order."""
-        from concurrent.futures import ThreadPoolExecutor
 
-        def one(i: int):
-            m, j = self.members[i], self.judges[i]
-            req = {"run_dir": m.run_dir, "session": m.session, "job_id": m.job_id, "log_offset": j.log_offset,
-                   "metrics_offset": j.metrics_offset, "capture_lines": 40, "job_gpus": m.gpus}  # fmt: skip
-            try:
-                snap = m.call(req, PROBE_TIMEOUT_S)
-            except Unreached as e:
-                return j.failed_look(False, str(e)), str(e)
-            except ProbeFailed as e:
-                return j.failed_look(True, str(e)), None
-            snap.pop("supervisor", None)
-            return j.take(snap, now), None
+def act_all(members: list[Member], req: dict, timeout: float) -> list:
+    """One action on every member, all at once: (member, answer or None, why not) each, in node order."""
+    from concurrent.futures import ThreadPoolExecutor
 
-        if not self.members:
-            return []
-        with ThreadPoolExecutor(max_workers=min(16, len(self.members))) as pool:
-            got = list(pool.map(one, range(len(self.members))))
-        # noqa below: zip(strict=) is Python 3.10+, the agent runs on 3.8; the lengths are equal by construction
-        self.unreached = [f"{m.host}: {why}" for m, (_, why) in zip(self.members, got) if why]  # noqa: B905
-        return [r for r, _ in got]
+    def one(m: Member):
+        try:
+            return m, m.call({**req, "run_dir": m.run_dir, "session": m.session, "job_id": m.job_id,
+                              "python": m.python}, timeout), None  # fmt: skip
+        except (Unreached, ProbeFailed) as e:
+            return m, None, str(e)
 
-    def combine(self, head, head_judge, head_host: str, reports: list, nodes_mod, peer_lost, now: float):
-        """The job's verdict (judge/nodes.combine) written into the head's report; each node's word kept."""
-        judges = [head_judge, *self.judges]
-        names = [head_host, *(m.host for m in self.members)]
-        every = [head, *reports]
-        parts = [nodes_mod.Node(n, r.verdict, any(peer_lost.search(ln) for ln in j.tail), j.h.exit_time)
-                 for n, r, j in zip(names, every, judges)]  # noqa: B905 (3.8: no strict=; equal lengths)
-        v = nodes_mod.combine(parts, self.bad_since, now)
-        self.states = [{"host": n, "state": r.state, "reason": r.reason[:200]} for n, r in zip(names, every)]  # noqa: B905
-        head.state, head.reason, head.evidence, head.advice = v.state, v.reason, v.evidence, v.advice
-        head.step = v.step if v.step is not None else head.step
-        return head
-
-    def act(self, req: dict, timeout: float) -> list:
-        """One action on every member, all at once: (member, answer or None, why not) each, in node order."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        def one(m: Member):
-            try:
-                return m, m.call({**req, "run_dir": m.run_dir, "session": m.session, "job_id": m.job_id,
-                                  "python": m.python}, timeout), None  # fmt: skip
-            except (Unreached, ProbeFailed) as e:
-                return m, None, str(e)
-
-        if not self.members:
-            return []
-        with ThreadPoolExecutor(max_workers=min(16, len(self.members))) as pool:
-            return list(pool.map(one, self.members))
+    if not members:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(members))) as pool:
+        return list(pool.map(one, members))

@@ -25,6 +25,8 @@ container's host by the same command. Actions:
 - `gc`: remove the run dirs of jobs that ended long enough ago, never a live one's (`collect.py`).
 - `end_execs`: end the processes `exec` started for a job (`execs.py`, for `kill --all`).
 - `end_member`: a member node of a job over several hosts ended for good: scrub, close its dead pane (`members.py`).
+- `notices`, `notices_settled`, `notice_log`: the run dir's outbox as the laptop uses it: put its notices and claim
+  what waits, say how each send went, list every notice's deliveries (`outbox.py`).
 
 On a Slurm host (`"scheduler": "slurm"` in the request) the job's "pane" is its newest submission (agent/slurm.py):
 `launch` writes the same run dir and runs `sbatch` instead of tmux, `restart` cancels the old submission, sees it end
@@ -120,10 +122,24 @@ def main() -> int:
         from .members import end_member
 
         answer = end_member(req)
-    elif action == "notices_settled":
-        from .outbox import settle_for_laptop
+    elif action == "notices_settled":  # how the laptop's sends of claimed notices went
+        from .outbox import laptop_settle
 
-        answer = settle_for_laptop(req)
+        answer = laptop_settle(req)
+    elif action == "notices":  # the laptop's notices put (a kill's), what waits claimed for it to send
+        from .common import job_redactor
+        from .outbox import laptop_claim
+
+        run_dir = req.get("run_dir")
+        ok = isinstance(run_dir, str) and os.path.isdir(run_dir)
+        answer = job_redactor(run_dir).deep(laptop_claim(run_dir, req)) if ok else {"notices": [], "gone": True}
+    elif action == "notice_log":  # `dflashctl notices`: every notice and its deliveries
+        from .common import job_redactor
+        from .outbox import listing
+
+        run_dir = req.get("run_dir")
+        ok = isinstance(run_dir, str) and os.path.isdir(run_dir)
+        answer = {"notices": job_redactor(run_dir).deep(listing(run_dir)) if ok else [], "run_dir_exists": ok}
     elif action == "tail":
         answer = tail_lines(req["path"], int(req.get("lines", 50)), int(req.get("limit", 1 << 20)))
     else:

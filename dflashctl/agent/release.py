@@ -25,7 +25,7 @@ import tarfile
 import threading
 import time
 
-from .common import locked, write_all
+from .common import locked, read_int, read_json, write_all
 
 MANIFEST_NAME = ".dflashctl-manifest.json"
 KEEP_RELEASES = 3  # besides the current one and those live jobs use
@@ -276,16 +276,11 @@ def in_use(wd: str) -> set[str]:
     runs = os.path.join(wd, "runs")
     for name in os.listdir(runs) if os.path.isdir(runs) else []:
         run = os.path.join(runs, name)
-        try:
-            with open(os.path.join(run, "job.json")) as f:
-                release = json.load(f).get("release")
-        except (OSError, ValueError, AttributeError):
+        meta = read_json(os.path.join(run, "job.json"))
+        if not isinstance(meta, dict):
             continue
-        try:
-            with open(os.path.join(run, "exit_code")) as f:
-                finished = f.read().strip() == "0"
-        except OSError:
-            finished = False
+        release = meta.get("release")
+        finished = read_int(os.path.join(run, "exit_code")) == 0
         if isinstance(release, str) and not finished and not os.path.exists(os.path.join(run, "stop_result")):
             used.add(release)
     return used

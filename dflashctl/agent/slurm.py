@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import time
 
-from .common import read_json, write_atomic
+from .common import open_regular, read_json, read_regular, write_atomic
 
 JOB_FILE, EXCLUDE_FILE, SCRIPT = "slurm_job", "slurm_exclude", "sbatch.sh"
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -44,10 +44,10 @@ def missing_tools(names: tuple[str, ...] = ("sbatch", "scontrol", "scancel")) ->
 def current_job(run_dir: str) -> str | None:
     """The id of the run dir's newest submission, or None (never submitted, or the file is not an id)."""
     try:
-        with open(os.path.join(run_dir, JOB_FILE)) as f:
-            text = f.read().strip()
+        data = read_regular(os.path.join(run_dir, JOB_FILE), 256)
     except OSError:
         return None
+    text = data.decode(errors="replace").strip() if data is not None else ""
     return text if JOB_ID.fullmatch(text) else None
 
 
@@ -174,9 +174,11 @@ def session_info(run_dir: str, lines: int) -> dict:
                                                                     "time_limit", "source")}}  # fmt: skip
     if lines > 0:  # what Slurm itself wrote (time limit, cancellation, node failure): the batch output
         try:
-            with open(os.path.join(run_dir, f"slurm-{job}.out"), "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 16384))
+            fd = open_regular(os.path.join(run_dir, f"slurm-{job}.out"))
+            if fd is None:
+                raise FileNotFoundError(job)
+            with os.fdopen(fd, "rb") as f:
+                f.seek(max(0, os.fstat(fd).st_size - 16384))
                 text = f.read().decode(errors="replace")
             info["lines"] = text.rstrip("\n").splitlines()[-lines:]
         except OSError:

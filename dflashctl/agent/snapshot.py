@@ -22,6 +22,7 @@ from .common import (
     STOP_RESULT,
     WRAPPER_PID,
     append_jsonl,
+    drain_set_aside,
     job_redactor,
     lock_held,
     locked,
@@ -113,18 +114,19 @@ def snapshot(req: dict) -> dict:
         snap["figures"] = run_figures(run_dir)
     if req.get("sessions"):
         snap["sessions"] = list_sessions()
-    if req.get("claim_notices") and run_dir and snap["run_dir_exists"]:  # what the supervisor could not send
-        from .outbox import claim_for_laptop
+    if (req.get("claim_notices") or req.get("put_notices")) and run_dir and snap["run_dir_exists"]:
+        from .outbox import laptop_claim  # the laptop's notices put, and what waits (the supervisor could not send)
 
-        snap["notices"] = claim_for_laptop(run_dir)
+        snap["notices"] = laptop_claim(run_dir, req)
     if run_dir:  # a restart during this look (the old pane gone, the new not yet there) is no LOST: said here
         again = read_int(os.path.join(run_dir, RESTARTS)) or 0
         snap["restarting"] = restarting or lock_held(os.path.join(run_dir, RESTART_LOCK)) or again != snap["restarts"]
+    snap["set_aside"] = drain_set_aside()  # the run dir's files that were not ours: named in the look's evidence
     return redacted(run_dir, snap)
 
 
 JOB_TEXT = ("session", "procs", "metrics", "heartbeat", "stop_request", "stop_result", "figures", "host_oom",
-            "restart_cause")
+            "restart_cause", "notices", "supervisor")
 
 
 def redacted(run_dir: str | None, snap: dict) -> dict:

@@ -22,6 +22,7 @@ from .common import (
     locked,
     read_int,
     read_json,
+    read_regular,
     write_atomic,
 )
 from .gpus import gpu_faults, read_gpus
@@ -313,7 +314,7 @@ def _restart_refused(req: dict, run: str, count: int) -> dict | None:
     a stop request, one per failed attempt however many watchers saw it, none beyond `max_restarts`, none into a
     disk that is still full."""
     if os.path.exists(os.path.join(run, STOP_REQUEST)):
-        return {"restarted": False, "why": "a stop was requested (dflashctl kill)"}
+        return {"restarted": False, "why": "a stop was requested (dflashctl kill)", "stopped": True}
     if count != int(req["attempt"]):
         return {"restarted": False, "why": f"already restarted by another watcher (restart {count})",
                 "restarts": count}  # fmt: skip
@@ -338,10 +339,9 @@ def verify_agent_copy(run: str, agent: bytes | None = None) -> bool:
     want = agent if agent is not None else own_archive()
     path = os.path.join(run, AGENT_FILE)
     try:
-        with open(path, "rb") as f:
-            if f.read(len(want) + 1) == want:
-                return False
-    except OSError:
+        if read_regular(path, len(want) + 1) == want:
+            return False
+    except OSError:  # unreadable, or not a regular file (the job's doing): replaced below
         pass
     write_atomic(path, want)
     return True

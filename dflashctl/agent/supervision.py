@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from .common import read_json, start_time
+from .common import open_regular, read_json, read_regular, start_time
 
 SPEC, STATE, VERDICT, BEAT = "supervise.json", "supervisor.json", "verdict.json", "supervisor.beat"
 FINAL, FINAL_SIZE = "supervisor.final", 8192  # its last word, written in place into space taken at its start
@@ -17,9 +17,11 @@ FINAL, FINAL_SIZE = "supervisor.final", 8192  # its last word, written in place 
 
 def reserve_final(run_dir: str) -> None:
     """Take the space of the supervisor's last word now (blank): on a full disk a new file cannot be written, but
-    bytes already allocated can be overwritten. A new supervisor (a new attempt) blanks the previous one's."""
-    path = os.path.join(run_dir, FINAL)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    bytes already allocated can be overwritten. A new supervisor (a new attempt) blanks the previous one's. Anything
+    but a regular file there (the job's doing) raises (SetAside, an OSError)."""
+    fd = open_regular(os.path.join(run_dir, FINAL), os.O_WRONLY | os.O_CREAT)
+    if fd is None:
+        raise FileNotFoundError(run_dir)
     try:
         os.pwrite(fd, b" " * FINAL_SIZE, 0)
     finally:
@@ -33,7 +35,9 @@ def write_final(run_dir: str, body: dict) -> None:
     while len(data) > FINAL_SIZE and body.get("evidence"):
         body["evidence"] = body["evidence"][:-1]
         data = json.dumps(body, separators=(",", ":")).encode()
-    fd = os.open(os.path.join(run_dir, FINAL), os.O_WRONLY | os.O_NOFOLLOW)
+    fd = open_regular(os.path.join(run_dir, FINAL), os.O_WRONLY)
+    if fd is None:
+        raise FileNotFoundError(run_dir)
     try:
         os.pwrite(fd, data[:FINAL_SIZE].ljust(FINAL_SIZE), 0)
         os.fsync(fd)
@@ -43,10 +47,14 @@ def write_final(run_dir: str, body: dict) -> None:
 
 def final(run_dir: str) -> dict | None:
     try:
-        with open(os.path.join(run_dir, FINAL), "rb") as f:
-            text = f.read(FINAL_SIZE + 1).strip()
-        body = json.loads(text) if text else None
-    except (OSError, ValueError):
+        text = (read_regular(os.path.join(run_dir, FINAL), FINAL_SIZE + 1) or b"").strip()
+    except OSError:
+        return None
+    if not text or len(text) > FINAL_SIZE or text.count(b"[") + text.count(b"{") > 8:  # ours nests 2 deep
+        return None
+    try:
+        body = json.loads(text)
+    except ValueError:
         return None
     return body if isinstance(body, dict) else None
 AGENT_FILE = "agent.pyz"

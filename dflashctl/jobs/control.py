@@ -31,6 +31,7 @@ class KillReport:
     session_closed: bool
     ended_before: int | None = None  # the job's exit status, where it had ended before the kill
     verdict: dict | None = None  # then its own verdict, kept: {state, reason, evidence}
+    notices: dict | None = None  # the run dir's outbox after the kill's own notice: waiting, failed, sent
 
     @property
     def clean(self) -> bool:
@@ -77,6 +78,7 @@ class RestartOutcome:
     pane_pid: int | None = None
     slurm_job: str | None = None  # a Slurm job's new submission
     raced: bool = False  # another decider restarted this attempt first (typed by the remote: never read from `why`)
+    stopped: bool = False  # refused because a stop was requested (the kill's own notice says it)
 
 
 def restart(runner: Runner, job: JobRecord, attempt: int, min_free_gib: float | None = None,
@@ -92,7 +94,8 @@ def restart(runner: Runner, job: JobRecord, attempt: int, min_free_gib: float | 
            "cause": {**(cause or {}), "by": "watch"}, **session.scheduler_of(job)}  # fmt: skip
     ans = session.call_agent(runner, req, timeout=job.kill_grace_s + 150)
     return RestartOutcome(bool(ans.get("restarted")), int(ans.get("restarts", attempt)), ans.get("why", ""),
-                          ans.get("pane_pid"), ans.get("slurm_job"), ans.get("raced") is True)  # fmt: skip
+                          ans.get("pane_pid"), ans.get("slurm_job"), ans.get("raced") is True,
+                          ans.get("stopped") is True)  # fmt: skip
 
 
 def each_member(job: JobRecord, open_runner: Callable[[HostConfig], Runner], fn: Callable[[Runner, JobRecord], object]):
@@ -139,5 +142,6 @@ def restart_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], att
     refused = [f"{rec.host_name}: {o.why}" for rec, o in zip(job.member_records(), outcomes, strict=True)
                if not o.restarted]  # fmt: skip
     if refused and head.restarted:
-        return RestartOutcome(False, head.restarts, "; ".join(refused), head.pane_pid, raced=head.raced)
+        return RestartOutcome(False, head.restarts, "; ".join(refused), head.pane_pid, raced=head.raced,
+                              stopped=any(o.stopped for o in outcomes))
     return head

@@ -28,12 +28,11 @@ from dflashctl.errors import (
     UnreachableError,
 )
 from dflashctl.jobs import control, notify, registry
-from dflashctl.jobs import verdict as verdicts
 from dflashctl.jobs.control import KillReport
 from dflashctl.jobs.poller import make_watcher
 from dflashctl.jobs.registry import JobRecord, Member
 from dflashctl.jobs.secrets import redactor
-from dflashctl.judge.report import Report
+from dflashctl.judge.report import HERE, Report
 from dflashctl.model.jobfile import load_job
 from dflashctl.remote import session
 from dflashctl.remote.agent_bundle import shown_argv
@@ -397,13 +396,43 @@ def kill(spec: str | None, project: str, grace_s: float | None = None, accept_ne
         ended = True
     if not ended:
         registry.update(job.id, state=report.result, killed_at=time.time())
+        report.notices = _page_kill(job, report, accept_new)
     registry.append_event(job.id, {"decision": "kill", "result": report.result, "signalled": report.term,
                                    "remaining": report.remaining})  # fmt: skip
     return report
 
 
+def _page_kill(job: JobRecord, report: KillReport, accept_new: bool) -> dict:
+    """A kill of a live job pages, once (its id is the job's end: a watch that saw it makes the same one): KILLED, or
+    KILL_FAILED naming what survived; with what still waits in the outbox, sent within the budget."""
+    if not job.watch.notify.webhook:
+        return {}
+    from dflashctl.judge.facts import ADVICE
+    from dflashctl.judge.notice import Message, notice_id
+
+    survived = [f"pid {p} survived SIGKILL" for p in report.remaining[:5]]
+    survived += [f"pid {g.get('pid')} still holds GPU {g.get('index')}" for g in report.gpu_holders[:5]
+                 if isinstance(g, dict)]  # fmt: skip
+    failed = report.result != "KILLED"
+    msg = Message(job.id, job.host_name, report.result, "stopped by `dflashctl kill`" + (": not everything ended"
+                  if failed else ", verified: nothing of it is left"), survived, ADVICE.get(report.result),
+                  job.restarts, time.time(), failed, 0, f"dflashctl status {job.id}", notice_id(None, report.result),
+                  "killed" if not failed else "kill failed")  # fmt: skip
+    w = make_watcher(job, accept_new, by="kill")
+    try:
+        w.links[0].connect()
+        return w.deliver([msg])
+    except DflashError:
+        return {}
+    finally:
+        for link in w.links:
+            link.drop()
+
+
 def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
-    """One probe and a verdict. Without a spec, the same job `kill` would pick (else the newest of the project)."""
+    """One look and a verdict: the supervisor's own (its verdict.json) while it answers, else the job's Decider's,
+    said so. Without a spec, the same job `kill` would pick (else the newest of the project). Notices the look's
+    decider made, and what waits in the outbox, are sent within notify.SEND_BUDGET_S; how many still wait is said."""
     job = find_job(spec, project)
     picked = picked_how(job, spec)
     if job.state == registry.REMOVED:  # gc removed the run dir: no host can say more than the record
@@ -414,44 +443,42 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
                    "(dflashctl gc)", [], ADVICE["REMOVED"], restarts=job.restarts,
                    max_restarts=job.watch.max_restarts, decided_why="the record: gc removed the run dir")  # fmt: skip
         return _status_record(r, picked=picked, run_dir=job.run_dir, session="gone", run_dir_exists=False)
+    w = make_watcher(job, accept_new, by="status")
+    w.look_extra = {"figures": True, "gpus": False, "capture_lines": 5}
+    w.claim_in_look = False  # one `notices` call after the verdict puts and claims, within the send budget
     try:
-        with open_runner(job.host, accept_new) as runner:
-            snap = session.call_agent(runner, {**session.probe_request(job, capture_lines=5), "gpus": False,
-                                               "figures": True, **notify.claim_request(job)})  # fmt: skip
-            notify.deliver_claimed(runner, job, snap, session.call_agent)  # what the supervisor could not send
-    except UnreachableError as e:  # the same word `watch --once` says: UNREACHABLE, with the last state seen
-        return unreachable_status(job, picked, str(e))
-    events = [r for r in snap.get("metrics", {}).get("records", []) if isinstance(r, dict) and "event" in r]
-    pane = snap["session"]
+        looks = w.looks()
+        if not looks[0].reachable:  # the same word `watch --once` says: UNREACHABLE, with the last state seen
+            return unreachable_status(job, picked, looks[0].error)
+        turn = w.decider.take(looks, time.monotonic())
+        notices = w.deliver(turn.notices) if job.watch.notify.webhook and looks[0].snap is not None else {}
+    finally:
+        for link in w.links:
+            link.drop()
+    r = turn.report
+    snap = looks[0].snap or {}
+    pane = snap.get("session") or {}
     alive = pane.get("exists") and not pane.get("pane_dead")
-    nodes, others = None, []
-    if job.members:  # every node, one call each, judged together (the head's call above gave the metrics)
-        w = make_watcher(job, accept_new)
-        r = w.poll()
-        others = w.others
-        nodes = [{"host": n.job.host_name, "state": st} for n, st in zip(w.nodes, w.node_states, strict=True)]
-    else:
-        r = verdicts.look(job, snap)
+    nodes = [{"host": n["host"], "state": n["state"]} for n in w.decider.node_states] if job.members else None
     if r.state != "UNREACHABLE":  # a silent scheduler concludes nothing: the record keeps its last state
         registry.update(job.id, state=r.state, reason=r.reason)
-    if notify.needs_scrub(job, r.state, snap):  # ended for good with no supervisor: no secret stays at rest
-        with contextlib.suppress(DflashError), open_runner(job.host, accept_new) as runner:
-            session.call_agent(runner, {"action": "scrub", "run_dir": job.run_dir, "gpus": False})
-    for rec, node in zip(job.member_records()[1:], others, strict=False):  # and every other node's
-        if notify.needs_scrub(job, r.state, {**snap, "secrets_at_rest": node.secrets_at_rest}):
+    for rec, link in zip(job.member_records(), w.links, strict=False):  # ended for good, no supervisor: scrubbed
+        at_rest = {**snap, "secrets_at_rest": link.secrets_at_rest}
+        if notify.needs_scrub(job, r.state, at_rest):
             with contextlib.suppress(DflashError), open_runner(rec.host, accept_new) as runner:
                 session.call_agent(runner, {"action": "scrub", "run_dir": rec.run_dir, "gpus": False})
+    events = [m for m in (snap.get("metrics") or {}).get("records", []) if isinstance(m, dict) and "event" in m]
     fig = snap.get("figures") if isinstance(snap.get("figures"), dict) else {}
-    if isinstance(fig.get("step"), int):  # one look reads the metrics in part: the file's newest, as `report`'s
-        r.step, r.loss = fig["step"], fig.get("last_loss")
+    if isinstance(fig.get("step"), int) and r.decided_by == HERE:  # one look reads the metrics in part: the file's
+        r.step, r.loss = fig["step"], fig.get("last_loss")  # newest, as `report`'s
     return _status_record(
         r, picked=picked, run_dir=job.run_dir, nodes=nodes,
         alive=bool(alive), session="alive" if alive else ("dead" if pane.get("exists") else "gone"),
-        run_dir_exists=snap["run_dir_exists"], exit_code=snap.get("exit_code"),
+        run_dir_exists=bool(snap.get("run_dir_exists")), exit_code=snap.get("exit_code"),
         last_event=events[-1] if events else None,
         uptime_s=round(time.time() - job.launched_at, 1) if alive else None,
-        processes=len(snap.get("procs", [])),
-        heartbeat_age_s=_heartbeat_age(snap),
+        processes=len(snap.get("procs") or []),
+        heartbeat_age_s=_heartbeat_age(snap), notices=notices or None,
         # the run's numbers over its whole metrics.jsonl, defined once (agent/files.figures) for status and report
         **{k: fig.get(k) for k in ("mean_tokens_per_s", "first_loss", "elapsed_s")},
     )  # fmt: skip
@@ -467,7 +494,7 @@ def _heartbeat_age(snap: dict) -> float | None:
 
 STATUS_EXTRAS = ("run_dir", "picked", "nodes", "alive", "session", "run_dir_exists", "exit_code", "last_event",
                  "uptime_s", "processes", "heartbeat_age_s", "mean_tokens_per_s", "first_loss", "elapsed_s",
-                 "last_state", "last_seen")  # fmt: skip
+                 "last_state", "last_seen", "notices")  # fmt: skip
 
 
 def _status_record(r: Report, **known) -> dict:

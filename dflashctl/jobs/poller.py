@@ -1,6 +1,9 @@
-"""Polling a job: one probe per poll, taken by the job's Judge (judge/report.py), for one host or every node of a
-job over several (combined by judge/nodes.py); and the poll record `watch --json` prints. `watch` runs the loop
-around it; `status` asks it for a job over several hosts.
+"""Looking at a job from the laptop: one probe per node per poll (all nodes at once), handed to the job's Decider
+(judge/decider.py, the same one the supervisor beside the job drives), and the poll record `watch --json` prints.
+`watch` runs the loop around it (jobs/watch.py); `status` takes one turn of it for a job over several hosts.
+
+This is I/O only: connections, the probe's request, the events carried to the run dir, the notices put into its
+outbox and sent within a budget. What the state is and what to do about it is the Decider's.
 """
 
 from __future__ import annotations
@@ -15,11 +18,9 @@ from dflashctl.agent.probe import restart_room_gib  # a restart needs what a lau
 from dflashctl.errors import ProbeFailedError
 from dflashctl.jobs import control, notify, registry
 from dflashctl.jobs import verdict as verdicts
-from dflashctl.judge import nodes
-from dflashctl.judge.assess import PEER_LOST
-from dflashctl.judge.cause import recorded
+from dflashctl.judge.decider import ELSEWHERE, Decider, Look, Outcome, Turn, seen_restarted  # noqa: F401
 from dflashctl.judge.nodes import CONSEQUENCES, PEER_GRACE_S  # noqa: F401 - as callers of watch know them
-from dflashctl.judge.report import HERE, SUPERVISOR, Judge, Report
+from dflashctl.judge.report import Judge, Report
 from dflashctl.model.jobfile import WatchConfig
 from dflashctl.model.record import JobRecord
 from dflashctl.remote import session
@@ -37,10 +38,11 @@ class PollRecord:
     remote_commands: int = 0
     warnings: list[str] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)  # decisions since the previous record
+    notices: dict = field(default_factory=dict)  # the run dir's outbox: waiting, failed, sent, unconfirmed
 
     def to_dict(self) -> dict:
         return {**self.report.to_dict(), "remote_commands": self.remote_commands, "warnings": self.warnings,
-                "events": self.events}  # fmt: skip
+                "events": self.events, "notices": self.notices}  # fmt: skip
 
 
 def sparkline(values: list[float], width: int = 30) -> str:
@@ -53,33 +55,68 @@ def sparkline(values: list[float], width: int = 30) -> str:
 
 
 @dataclass
+class Link:
+    """One node's connection: opened at the first poll, dropped when the host stops answering."""
+
+    job: JobRecord
+    open: Callable[[], Runner]
+    runner: Runner | None = None
+    remote_commands: int = 0
+    secrets_at_rest: bool = False  # the last snapshot found the job's secrets still in its run dir
+
+    def connect(self) -> Runner:
+        if self.runner is None:
+            self.runner = self.open()
+        return self.runner
+
+    def drop(self) -> None:
+        if self.runner is not None:
+            try:
+                self.runner.close()
+            except Exception:
+                pass
+        self.runner = None
+
+
+@dataclass
 class Watcher:
-    """One host of a watched job: its connection and its Judge (the history, offsets and tail of what it saw)."""
+    """A watched job: one Link per node (head first) and the job's Decider, driven by `watch` (or once, by
+    `status`). `others` are the records of the nodes after the head (a job over several hosts)."""
 
     job: JobRecord
     cfg: WatchConfig
     open: Callable[[], Runner]
-    runner: Runner | None = None
-    judge: Judge = None  # type: ignore[assignment] - made in __post_init__
-    is_trainer: bool | None = None  # None: the job's; False for the other nodes of a job over several hosts
-    gpus: list[dict] = field(default_factory=list)
+    others: list[JobRecord] = field(default_factory=list)
+    accept_new: bool = False
+    by: str = "watch"
+    decider: Decider = None  # type: ignore[assignment] - made in __post_init__
+    links: list[Link] = field(default_factory=list)
     state: str | None = None
-    restarts: int = 0
-    pending_events: list[dict] = field(default_factory=list)
-    remote_commands: int = 0
-    disk_warned: bool = False
+    pending_events: list[dict] = field(default_factory=list)  # carried to the run dir's events.jsonl by the next poll
     unsaid: list[dict] = field(default_factory=list)  # decisions not yet carried by a poll record
     said: deque = field(default_factory=lambda: deque(maxlen=5))  # the newest decisions, for the live view
     notes: list[str] = field(default_factory=list)
-    sent: list[str] = field(default_factory=list)  # notices the supervisor could not send, sent by this watch
-    secrets_at_rest: bool = False  # the last snapshot found the job's secrets still in its run dir
+    sent: list[str] = field(default_factory=list)  # what this watch's sends came to, to be said
+    notices: dict = field(default_factory=dict)  # the outbox's counts at the last poll
+    gpus: list[dict] = field(default_factory=list)
+    remote_commands: int = 0
+    look_extra: dict = field(default_factory=dict)  # what every probe of the head adds (`status`: its figures)
+    claim_in_look: bool = True  # the head's probe claims what waits in the outbox and this watch sends it
 
     def __post_init__(self) -> None:
-        self.restarts = self.job.restarts
-        if self.judge is None:
-            self.judge = verdicts.judge_for(self.job, self.is_trainer)
+        nodes = [self.job, *self.others]
+        opens = [self.open] + [(lambda h=o.host: open_runner(h, self.accept_new)) for o in self.others]
+        self.links = [Link(rec, op) for rec, op in zip(nodes, opens, strict=True)]
+        if self.decider is None:
+            judges = [verdicts.judge_for(self.job)] + [verdicts.judge_for(o, is_trainer=False) for o in self.others]
+            self.decider = Decider(judges, [n.host_name for n in nodes], verdicts.policy(self.cfg), self.by,
+                                   self.job.id, self.job.host_name)  # fmt: skip
 
-    # what the live view reads, kept by the Judge
+    # what the live view and the tests read, kept by the head's Judge
+    @property
+    def judge(self) -> Judge:
+        return self.decider.head
+
     @property
     def history(self):
         return self.judge.h
@@ -104,75 +141,116 @@ class Watcher:
     def since(self) -> float | None:
         return self.judge.since
 
+    @property
+    def restarts(self) -> int:
+        return self.decider.restarts
+
+    @property
+    def node_states(self) -> list[str]:
+        return [n["state"] for n in self.decider.node_states]
+
     def eta_s(self) -> float | None:
         return self.judge.eta_s()
 
-    def _connect(self) -> Runner:
-        if self.runner is None:
-            self.runner = self.open()
-        return self.runner
-
-    def _drop(self) -> None:
-        if self.runner is not None:
-            try:
-                self.runner.close()
-            except Exception:
-                pass
-        self.runner = None
-
-    def poll(self) -> Report:
-        """One remote command; the Judge takes the snapshot (on this process's monotonic clock)."""
-        req = {**session.probe_request(self.job, self.judge.log_offset, self.judge.metrics_offset, capture_lines=40)}
-        if self.pending_events:
-            req["append_events"] = self.pending_events
-        req["job_gpus"] = self.job.gpus
-        if not self.job.is_trainer:  # no trainer records the GPUs of a `command:` job: each poll does
+    def _look(self, i: int) -> Look:
+        """One remote command for node `i` (the head's carries this watch's events and claims what waits to be
+        sent); the notices it claimed are sent here, within the budget, and settled in one more call."""
+        link, rec = self.links[i], self.links[i].job
+        req = {**session.probe_request(rec, capture_lines=40), **self.decider.request(i)}
+        if i == 0:
+            if self.pending_events:
+                req["append_events"] = self.pending_events
+            if self.claim_in_look:
+                req.update(notify.claim_request(self.job))
+            req.update(self.look_extra)
+        if not rec.is_trainer or i > 0:  # no trainer records the GPUs of a `command:` job: each poll does
             req["record_gpu"] = True
         try:
-            runner = self._connect()
+            runner = link.connect()
             before = runner.commands_run
-            snap = session.call_agent(runner, {**req, **notify.claim_request(self.job)})
-            self.sent += notify.deliver_claimed(runner, self.job, snap, session.call_agent)
-            self.remote_commands = runner.commands_run - before
+            snap = session.call_agent(runner, req)
+            if i == 0:
+                lines, after = notify.deliver_claimed(runner, self.job, snap, session.call_agent)
+                self.sent += lines
+                self.notices = after or notify.waiting(snap) or self.notices
+            link.remote_commands = runner.commands_run - before
         except ProbeFailedError as e:  # the host answered: not UNREACHABLE
-            return self.judge.failed_look(True, str(e))
+            return Look(None, True, str(e))
         except Exception as e:  # DflashError, OSError, EOFError and paramiko's own SSHException family alike
-            self._drop()
+            link.drop()
             self.notes.append(f"unreachable: {type(e).__name__}: {str(e)[:120]}")
-            return self.judge.failed_look(False, str(e))
-        self.pending_events = []
-        self.secrets_at_rest = bool(snap.get("secrets_at_rest"))
-        remote_restarts = snap.get("restarts")
-        if isinstance(remote_restarts, int) and remote_restarts > self.restarts and self.state is None:
-            self.restarts = remote_restarts  # restarted before this watch began: nothing seen restarted here
-        elif isinstance(remote_restarts, int) and remote_restarts > self.restarts:  # restarted elsewhere meanwhile
-            self.restarts = remote_restarts
-            self.log_event(seen_restarted(remote_restarts, snap.get("restart_cause")))
-            self.reset_after_restart()
-        report = self.judge.take(snap, time.monotonic())
-        self.gpus = self.judge.gpus
-        return report
+            return Look(None, False, str(e))
+        if i == 0:
+            self.pending_events = []
+        link.secrets_at_rest = bool(snap.get("secrets_at_rest"))
+        return Look(snap)
 
-    def min_free_gib(self, state: str) -> float | None:
-        """A restart after DISK_FULL needs room for a checkpoint (at least MIN_FREE_GIB)."""
-        return restart_room_gib(state, self.history.checkpoint_gib)
+    def looks(self) -> list[Look]:
+        if len(self.links) == 1:
+            return [self._look(0)]
+        with ThreadPoolExecutor(max_workers=len(self.links)) as pool:
+            return list(pool.map(self._look, range(len(self.links))))
 
-    def restart_remote(self, attempt: int, cause: dict) -> control.RestartOutcome:
-        """Restart `attempt` after the failure `cause` names (Report.restart_cause)."""
-        return control.restart(self._connect(), self.job, attempt, self.min_free_gib(cause["after"]), cause)
+    def turn(self) -> Turn:
+        """One poll: every node looked at once, the decider's turn taken, its events recorded and its notices
+        delivered (put into the run dir's outbox and sent within the budget)."""
+        looks = self.looks()
+        self.remote_commands = sum(link.remote_commands for link in self.links)
+        turn = self.decider.take(looks, time.monotonic())
+        many = len(self.links) > 1
+        self.gpus = [{**g, "node": n.job.host_name} if many else g
+                     for n, j in zip(self.links, self.decider.judges, strict=True) for g in j.gpus]  # fmt: skip
+        self.absorb(turn)
+        return turn
+
+    def absorb(self, turn: Turn) -> None:
+        for event in turn.events:
+            self.log_event(event)
+        if turn.notices and looks_answered(turn):
+            self.deliver(turn.notices)
+
+    def deliver(self, notices: list) -> dict:
+        """This decider's notices into the run dir's outbox and what is ready sent now, within the budget: the
+        outbox's counts after (waiting, failed, sent, unconfirmed), {} when the host did not take them."""
+        runner = self.links[0].runner
+        if runner is None or not self.job.watch.notify.webhook:
+            return {}
+        try:
+            ans = session.call_agent(runner, {"action": "notices", "run_dir": self.job.run_dir, "gpus": False,
+                                              **notify.claim_request(self.job, notices)})  # fmt: skip
+            lines, after = notify.deliver_claimed(runner, self.job, {"notices": ans}, session.call_agent)
+        except Exception as e:  # the host stopped answering between the look and the notices
+            self.notes.append(f"notices not put: {type(e).__name__}: {str(e)[:120]}")
+            return {}
+        self.sent += lines
+        self.notices = after or (ans.get("counts") if isinstance(ans.get("counts"), dict) else self.notices)
+        return self.notices
+
+    def poll(self) -> Report:
+        return self.turn().report
+
+    def restart_remote(self, ask: dict) -> Outcome:
+        """The decider's restart request, run under the run dir's lock on every node (the head first)."""
+        cause = ask["cause"]
+        need = restart_room_gib(str(cause.get("after")), self.history.checkpoint_gib)
+        if self.others:
+            out = control.restart_all(self.job, lambda h: open_runner(h, self.accept_new), ask["attempt"], need, cause)
+        else:
+            out = control.restart(self.links[0].connect(), self.job, ask["attempt"], need, cause)
+        if out.restarted:
+            self.job = self.job.model_copy(update={"restarts": out.restarts, "pane_pid": out.pane_pid or
+                                                   self.job.pane_pid})  # fmt: skip
+            registry.update(self.job.id, pane_pid=self.job.pane_pid, restarts=out.restarts, state="STARTING",
+                            **({"slurm_job": out.slurm_job} if out.slurm_job else {}))  # fmt: skip
+        return Outcome(out.restarted, out.restarts, out.raced, out.why, out.stopped)
 
     def warnings(self) -> list[str]:
-        """Trouble ahead, said before it is a failure: less free space at the run dir than two checkpoints."""
-        h = self.history
-        if h.disk_free_gib is not None and h.checkpoint_gib and h.disk_free_gib < 2 * h.checkpoint_gib:
-            return [f"disk low: {h.disk_free_gib:g} GiB free at the run dir, under two checkpoints "
-                    f"({2 * h.checkpoint_gib:g} GiB): the next checkpoints may not fit"]  # fmt: skip
-        return []
+        return [e["warning"] for e in self.said if e.get("decision") == "warning" and "disk low" in e["warning"]]
 
     def record(self, r: Report) -> PollRecord:
         events, self.unsaid = self.unsaid, []
         r.gpus = self.gpus
-        return PollRecord(r, self.remote_commands, self.warnings(), events)
+        return PollRecord(r, self.remote_commands, self.warnings(), events, dict(self.notices))
 
     def log_event(self, event: dict) -> None:
         registry.append_event(self.job.id, event)
@@ -182,98 +260,18 @@ class Watcher:
             self.unsaid.append(stamped)
             self.said.append(stamped)
 
-    def reset_after_restart(self) -> None:
-        self.judge.restarts = self.restarts
-        self.judge.reset()
+
+def looks_answered(turn: Turn) -> bool:
+    return turn.report.state != "UNREACHABLE"
 
 
-ELSEWHERE = "elsewhere (the job's supervisor or another watcher)"
-
-
-def seen_restarted(attempt: int, cause: object) -> dict:
-    """The event for a restart this watch did not do: the decider's own cause (the failed state, reason and
-    evidence it recorded in the run dir) when it is this attempt's, so a failure that came and went between two polls
-    is still named; else the restart alone, its cause unknown here (never this watch's last state, which was not the
-    failure)."""
-    known = recorded(cause, attempt)
-    if known is not None:
-        by = f"elsewhere ({known['by']})" if known["by"] else ELSEWHERE
-        return {"decision": "restart", "attempt": attempt, "after": known["after"], "by": by,
-                "reason": known["reason"], "evidence": known["evidence"]}  # fmt: skip
-    return {"decision": "restart", "attempt": attempt, "after": None, "by": ELSEWHERE,
-            "reason": "seen restarted; its cause was not recorded"}
-
-
-@dataclass
-class NodesWatcher(Watcher):
-    """A job over several hosts. The head (node 0, where rank 0 writes metrics and the heartbeat) is this watcher;
-    every other node has a Watcher of its own, judged like a `command:` job (process, log and exit code). One poll is
-    one remote call per node, all at once; the job's verdict is the worst node's, named: the first to fail when
-    several did (the others' NCCL timeouts are its consequence). An unreachable node is said, and changes nothing
-    else."""
-
-    others: list[Watcher] = field(default_factory=list)
-    bad_since: dict[int, float] = field(default_factory=dict)
-    node_states: list[str] = field(default_factory=list)
-    accept_new: bool = False
-
-    @property
-    def nodes(self) -> list[Watcher]:
-        return [self, *self.others]
-
-    def poll(self) -> Report:
-        with ThreadPoolExecutor(max_workers=len(self.nodes)) as pool:
-            futures = [pool.submit(Watcher.poll, self)] + [pool.submit(o.poll) for o in self.others]
-            reports = [f.result() for f in futures]
-        self.remote_commands = sum(n.remote_commands for n in self.nodes)
-        self.gpus = [{**g, "node": n.job.host_name} for n in self.nodes for g in n.gpus]
-        self.node_states = [r.state for r in reports]
-        parts = [nodes.Node(n.job.host_name, r.verdict, any(PEER_LOST.search(ln) for ln in n.tail),
-                            n.history.exit_time) for n, r in zip(self.nodes, reports, strict=True)]  # fmt: skip
-        v = nodes.combine(parts, self.bad_since, time.monotonic())
-        head = reports[0]
-        head.state, head.reason, head.evidence, head.advice, head.step = v.state, v.reason, v.evidence, v.advice, \
-            v.step if v.step is not None else head.step  # fmt: skip
-        self.read_head_supervisor(head)
-        return self.judge.note_state(head)
-
-    def read_head_supervisor(self, r: Report) -> None:
-        """The head's supervisor probes every node itself: its word is the job's (as a single host's is) while it
-        answers and reaches every node. A node it cannot reach is said, and this look decides (`decided_by: here`),
-        by the same policy; its evidence line is made again over the combined verdict."""
-        sup = self.judge.supervisor
-        said = sup.get("verdict") if isinstance(sup, dict) and isinstance(sup.get("verdict"), dict) else None
-        if said is None or r.decided_by != SUPERVISOR or said.get("restarts") != self.judge.restarts:
-            return
-        unreached = [str(u) for u in said.get("unreached") or [] if isinstance(u, str)]
-        if unreached and not r.gave_up:
-            r.decided_by = HERE
-            r.decided_why = f"the job's supervisor cannot reach {'; '.join(unreached)}: decided here"[:400]
-            r.evidence.append(r.decided_why)
-        elif said.get("state") == r.state:
-            r.evidence.append("the job's supervisor agrees")
-        elif isinstance(said.get("state"), str):
-            r.evidence.append(f"the job's supervisor said {said['state']} at its last sample: {said.get('reason')}")
-
-    def restart_remote(self, attempt: int, cause: dict) -> control.RestartOutcome:
-        outcome = control.restart_all(self.job, lambda h: open_runner(h, self.accept_new), attempt,
-                                      self.min_free_gib(cause["after"]), cause)  # fmt: skip
-        if outcome.restarted:
-            for o in self.others:
-                o.restarts = outcome.restarts
-                o.reset_after_restart()
-        return outcome
-
-
-def make_watcher(job: JobRecord, accept_new: bool = False) -> Watcher:
+def make_watcher(job: JobRecord, accept_new: bool = False, by: str = "watch") -> Watcher:
+    """The watcher of a job: one node, or every node of a job over several hosts (only the head writes metrics and
+    the heartbeat: the others are judged as `command:` jobs are)."""
     if not job.members:
-        return Watcher(job, job.watch, lambda: open_runner(job.host, accept_new))
+        return Watcher(job, job.watch, lambda: open_runner(job.host, accept_new), accept_new=accept_new, by=by)
     recs = job.member_records()
-    others = []
-    for rec in recs[1:]:
-        o = Watcher(rec, job.watch, lambda h=rec.host: open_runner(h, accept_new), is_trainer=False)  # only
-        # the head writes metrics and the heartbeat
-        others.append(o)
-    w = NodesWatcher(recs[0], job.watch, lambda: open_runner(recs[0].host, accept_new), others=others)
-    w.job, w.accept_new = job, accept_new  # the record keeps its members (restarts reach every node)
+    w = Watcher(recs[0], job.watch, lambda: open_runner(recs[0].host, accept_new), others=recs[1:],
+                accept_new=accept_new, by=by)  # fmt: skip
+    w.job = job  # the record keeps its members (restarts reach every node)
     return w

@@ -65,16 +65,41 @@ def filtered(jobs: list[JobRecord], states: list[str] | None, host: str | None, 
             and (name is None or fnmatch.fnmatchcase(j.name, name))]  # fmt: skip
 
 
-def forget(job_id: str) -> JobRecord:
-    """Drop a record (`ls --forget`). A job that may still run is refused: forgetting it would lose the only record
-    that finds it (`kill` it first, or `ls --refresh` to see it ended)."""
-    from dflashctl.jobs import registry
+def forget(spec: str, project: str, force: bool = False, accept_new: bool = False) -> JobRecord:
+    """Drop a record (`ls --forget NAME|ID`): the job as every command finds it. A job that may still run or restart
+    is refused, asked of its host (a live pane or supervisor, a state that is not final, a failure its policy will
+    restart): forgetting it would lose the only record that finds it. `force` forgets it anyway."""
+    from dflashctl.jobs import jobctl, registry
 
-    job = registry.get(job_id)
-    if job is not None and job.state in ("PENDING", "STARTING", "RUNNING", "STALLED", "STOPPING"):
-        raise ConfigError("--forget", None, f"{job_id} was last seen {job.state}: `dflashctl kill {job_id}` first, "
-                          "or `dflashctl ls --refresh` if it has ended")  # fmt: skip
-    return registry.forget(job_id)
+    job = jobctl.find_job(spec, project)
+    if not force and job.state != REMOVED:
+        why = still_running(job, project, accept_new)
+        if why:
+            raise ConfigError("--forget", None, f"{job.id} {why}: `dflashctl kill {job.name}` first (or --force "
+                              "to forget it anyway)")  # fmt: skip
+    return registry.forget(job.id)
+
+
+def still_running(job: JobRecord, project: str, accept_new: bool = False) -> str | None:
+    """Why the job may still run or restart, as its host says now; None when it has ended for good."""
+    from dflashctl.jobs import jobctl
+    from dflashctl.judge.facts import TERMINAL
+
+    st = jobctl.status(job.id, project, accept_new)
+    sup = st.get("supervisor") or {}
+    if st["state"] == "UNREACHABLE":
+        return f"cannot be asked about: {job.host_name} does not answer"
+    if st.get("alive"):
+        return f"is still running ({st['state']})"
+    if sup.get("alive"):
+        return "has a live supervisor (it may restart the job)"
+    if st["state"] not in TERMINAL:
+        return f"is {st['state']}"
+    w = job.watch
+    if st["state"] in w.restart_on and not st["stop_requested"] and not st["gave_up"] and st["restarts"] < \
+            w.max_restarts:  # fmt: skip
+        return f"is {st['state']} with a restart pending ({st['restarts']} of {w.max_restarts} done)"
+    return None
 
 
 def refresh(jobs: list[JobRecord], project: str, accept_new: bool = False) -> dict[str, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dflashctl.judge.facts import Thresholds
 from dflashctl.judge.policy import Policy
-from dflashctl.judge.report import Judge, Report
+from dflashctl.judge.report import Judge
 from dflashctl.model.jobfile import WatchConfig
 from dflashctl.model.record import JobRecord
 
@@ -26,6 +26,3 @@ def judge_for(job: JobRecord, is_trainer: bool | None = None) -> Judge:
                  job.restarts, job.state)  # fmt: skip
 
 
-def look(job: JobRecord, snap: dict) -> Report:
-    """One look (what `status` and `ls` ask): a fresh Judge takes the snapshot."""
-    return judge_for(job).take(snap)

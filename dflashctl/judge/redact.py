@@ -12,24 +12,47 @@ log, not a secret.
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import re
 from collections.abc import Iterable
-from urllib.parse import urlsplit
+from urllib.parse import quote, quote_plus, unquote, urlsplit
 
 MASK = "***"
 MIN_LEN = 4  # a piece shorter than this is not searched for
 _STARTS = re.compile(r"(?<![A-Za-z0-9])|(?=[^A-Za-z0-9])")  # where a fingerprinted piece may start (zero-width)
+_B64_RUN = re.compile(r"[A-Za-z0-9+/]{9,}")  # a run that may hold a secret's base64 anywhere inside it
 
 
 def pieces(value: str) -> list[str]:
     """What of one secret value must never appear: the value whole (without a trailing newline) and each of its
-    lines (stripped), longest first so that the whole goes before its parts."""
+    lines (stripped), each also in every form a program prints it (`printed`), longest first so that the whole goes
+    before its parts."""
     if not isinstance(value, str) or value == MASK:
         return []
     found = {value.strip("\r\n")}
     found |= {line.strip() for line in value.splitlines()}
+    found |= {form for p in list(found) if len(p) >= MIN_LEN for form in printed(p)}
     return sorted((p for p in found if len(p) >= MIN_LEN), key=lambda p: (-len(p), p))
+
+
+def printed(value: str) -> set[str]:
+    """The forms programs print a value in, besides itself: percent-encoded as `quote` and `quote_plus` write it (a
+    password inside a database URL, as SQLAlchemy prints one), JSON-escaped (a value inside a logged JSON string),
+    and base64 (an Authorization: Basic header), whole and as the part of a longer base64 text that depends on the
+    value alone (at each of the three alignments)."""
+    forms = {quote(value, safe=""), quote(value), quote_plus(value), json.dumps(value)[1:-1]}
+    raw = value.encode("utf-8", "surrogateescape")
+    forms.add(base64.b64encode(raw).decode())
+    for shift in range(3):  # inside a longer text: the characters fixed by the value's bytes alone
+        enc = base64.b64encode(b"\0" * shift + raw).decode().rstrip("=")
+        start = -(-shift * 4 // 3)  # the first character no earlier byte touches
+        end = (shift + len(raw)) * 4 // 3  # the last character no later byte touches
+        if end - start >= 8:
+            forms.add(enc[start:end])
+    forms.discard(value)
+    return forms
 
 
 def url_secrets(url: str) -> list[str]:
@@ -47,14 +70,25 @@ def url_secrets(url: str) -> list[str]:
         found.append(parts.query)
         found += [kv.split("=", 1)[1] for kv in parts.query.split("&") if "=" in kv and len(kv.split("=", 1)[1]) >= 8]
     if parts.password:
-        found.append(parts.password)
+        found += [parts.password, unquote(parts.password)]
+    if parts.username:
+        found.append(unquote(parts.username))
     return [p for p in found if len(p) >= MIN_LEN]
 
 
 def redact_url(url: str) -> str:
-    """A webhook URL as every output shows it: `scheme://host/***` (its path is the credential)."""
+    """A webhook URL as every output shows it: `scheme://host:port/***` (its path and any user info are the
+    credential; the port is kept, it tells two local listeners apart)."""
+    if not isinstance(url, str):
+        return f"?://?/{MASK}"
     parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname or '?'}/{MASK}"
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        port = ":?"
+    host = parts.hostname or "?"
+    host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme or '?'}://{host}{port}/{MASK}"
 
 
 def fingerprint(piece: str, salt: bytes) -> str:
@@ -129,6 +163,23 @@ class Redactor:
             if out:
                 out.append(text[start:])
                 text = "".join(out)
+        return self._unhash_base64(text)
+
+    def _unhash_base64(self, text: str) -> str:
+        """A secret's base64 inside a longer base64 text (`Basic dXNlcjpw...`) starts anywhere in it: every offset
+        of the runs of base64 characters longer than a fingerprinted length is tried (rare and short in a log)."""
+        for n in self.lengths:
+            found = []
+            for m in _B64_RUN.finditer(text):
+                run = m.group(0)
+                if len(run) <= n:
+                    continue
+                for i in range(1, len(run) - n + 1):
+                    if fingerprint(run[i : i + n], self.salt) in self.hashed:
+                        found.append((m.start() + i, m.start() + i + n))
+                        break
+            for a, b in reversed(found):
+                text = text[:a] + MASK + text[b:]
         return text
 
     def deep(self, data):

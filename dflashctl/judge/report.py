@@ -20,13 +20,14 @@ from dataclasses import asdict, dataclass, field
 
 from .assess import assess
 from .cause import EVIDENCE_LINES
-from .facts import FAILURES, TERMINAL, History, Thresholds, Verdict
+from .facts import BY_NAME, FAILURES, TERMINAL, History, Thresholds, Verdict
 from .fold import Folded, Job, age_of, fold, number
 
 STALE_INTERVALS = 3.0  # a heartbeat unchanged for this many supervisor intervals (and STALE_SLACK_S) is stale
 STALE_SLACK_S = 10.0
 FRESH_SLACK_S = 5.0  # a live supervisor's differing word is said for two of its intervals and this much
 SUPERVISOR, HERE = "supervisor", "here"
+STATE_NAMES = tuple(BY_NAME)
 
 
 def stale_after_s(interval_s: float) -> float:
@@ -61,6 +62,8 @@ class Report:
     decided_why: str = ""  # why the decider is that one
     gave_up: bool = False  # the supervisor gave up on this attempt (recorded in the run dir): nobody restarts it
     supervisor: dict | None = None  # alive, answering, ended, heartbeat_age_s; null for a job without one
+    throughput: float | None = None  # the newest throughput in `throughput_unit`: tokens_per_s, or a command's log's
+    throughput_unit: str | None = None  # "tokens/s", or as the log prints it: "it/s", "s/it", "samples/s", ...
 
     def restart_cause(self) -> dict:
         """Why a restart after this look is done, as its decider records it and its event says it."""
@@ -114,6 +117,7 @@ class Judge:
         self.gpus: list[dict] = []
         self.supervisor: dict | None = None
         self._beat: _Seen = _Seen()  # the supervisor's heartbeat, as this asker saw it change
+        self._said: dict | None = None  # the supervisor's verdict of this attempt, when its word is the report's
         self.reset()
 
     def reset(self) -> None:
@@ -124,9 +128,10 @@ class Judge:
         self.last_look: float | None = None
         self._step, self._hb, self._activity = _Seen(), _Seen(), _Seen()
 
-    def take(self, snap: dict, mono_now: float | None = None) -> Report:
+    def take(self, snap: dict, mono_now: float | None = None, adopt: bool = True) -> Report:
         """Fold one snapshot, assess, apply the supervisor's word. `mono_now`: the asker's monotonic clock (None: a
-        one-shot asker, with only the remote's stamps)."""
+        one-shot asker, with only the remote's stamps). `adopt`: the supervisor's verdict becomes the report's now
+        (a job over several hosts adopts it after the node combine: `adopt`)."""
         out = fold(self.h, snap, self.job, self.tail, self.log_offset, self.metrics_offset,
                    self.state or self.last_state)  # fmt: skip
         self.log_offset, self.metrics_offset = out.log_offset, out.metrics_offset
@@ -137,7 +142,10 @@ class Judge:
             self._own_clock(snap, mono_now)
         self.supervisor = snap.get("supervisor") if isinstance(snap.get("supervisor"), dict) else None
         report = self._report(assess(self.h, self.th))
-        self._apply_supervisor(report, mono_now)
+        aside = snap.get("set_aside") if isinstance(snap.get("set_aside"), list) else []
+        report.evidence += [f"set aside (the job can write its run dir; this is not a file of ours): {str(a)[:200]}"
+                            for a in aside[:5]]  # fmt: skip
+        self._apply_supervisor(report, mono_now, adopt)
         if mono_now is not None:
             self.last_look = mono_now
         return self.note_state(report)
@@ -183,19 +191,32 @@ class Judge:
                 h.activity_at = h.now - age
 
     def eta_s(self) -> float | None:
-        if not self.total_steps or len(self.step_times) < 2 or self.h.last_step is None:
+        """To the last step at the recent pace: a command job's log's own estimate where its bar or step lines give
+        one (judge/progress.py), else the total steps (the job's, or its log's) over the pace of the steps seen
+        since the step last went back (a restart from a checkpoint)."""
+        log = self.job.log_progress(self.is_trainer)
+        if log.eta_s is not None:
+            return log.eta_s
+        total = self.total_steps or log.total
+        seen = list(self.step_times)
+        if not total or len(seen) < 2 or self.h.last_step is None:
             return None
-        (t0, s0), (t1, s1) = self.step_times[0], self.step_times[-1]
-        if not (t0 and t1 and s1 > s0):
+        start = len(seen) - 1
+        while start > 0 and seen[start - 1][1] <= seen[start][1]:
+            start -= 1
+        (t0, s0), (t1, s1) = seen[start], seen[-1]
+        if not (t0 and t1 and t1 >= t0 and s1 > s0):
             return None
-        return (self.total_steps - s1) * (t1 - t0) / (s1 - s0)
+        return max(0.0, (total - s1) * (t1 - t0) / (s1 - s0))
 
     def _report(self, v: Verdict) -> Report:
         h = self.h
+        log = self.job.log_progress(self.is_trainer)
         return Report(self.id, self.host, v.state, v.reason, list(v.evidence), v.advice, h.now or None, self.since,
                       h.last_step, h.epoch, h.loss, h.tokens_per_s[-1] if h.tokens_per_s else None, self.tau,
                       self.tau_set, self.eta_s(), list(self.gpus), self.restarts, self.max_restarts,
-                      h.stop_request is not None)  # fmt: skip
+                      h.stop_request is not None, throughput=h.tokens_per_s[-1] if h.tokens_per_s else log.rate,
+                      throughput_unit="tokens/s" if h.tokens_per_s else log.unit)  # fmt: skip
 
     def note_state(self, report: Report) -> Report:
         if report.state != self.state:
@@ -204,9 +225,11 @@ class Judge:
         report.since = self.since
         return report
 
-    def _apply_supervisor(self, r: Report, mono_now: float | None) -> None:
-        """Who decides: a live, answering supervisor (it restarts and notifies; a final word it gave on this
-        attempt is everyone's), else this asker, saying why."""
+    def _apply_supervisor(self, r: Report, mono_now: float | None, adopt: bool = True) -> None:
+        """Who decides: a live, answering supervisor (it restarts and notifies), or one that ended with the job; its
+        final word on this attempt is everyone's. Else this asker, saying why. With `adopt`, the supervisor's word
+        (its verdict.json) is the report's (`adopt` later for a job over several hosts, after the node combine)."""
+        self._said = None
         sup = self.supervisor
         if sup is None:
             r.decided_by, r.decided_why = HERE, "the job has no supervisor (supervise: false, or launched without one)"
@@ -220,38 +243,69 @@ class Judge:
             and beat.get("beat") is not None else None  # fmt: skip
         ages = [a for a in (remote_age, own_age) if a is not None]
         age = max(ages) if ages else None
-        answering = bool(sup.get("alive")) and age is not None and age <= stale_after_s(interval)
-        r.supervisor = {"alive": bool(sup.get("alive")), "answering": answering, "ended": sup.get("ended"),
+        alive = sup.get("alive") is True
+        answering = alive and age is not None and age <= stale_after_s(interval)
+        ended = sup.get("ended") if isinstance(sup.get("ended"), str) else None
+        r.supervisor = {"alive": alive, "answering": answering, "ended": ended,
                         "heartbeat_age_s": round(age, 1) if age is not None else None}  # fmt: skip
-        if same and said.get("gave_up"):  # its final word on this attempt: everyone's word
-            if said["state"] != r.state:
-                r.state, r.reason = str(said["state"]), str(said.get("reason") or r.reason)
-                ev = said.get("evidence")
-                r.evidence = [str(e) for e in ev] if isinstance(ev, list) else r.evidence
-                r.advice = said.get("advice") if isinstance(said.get("advice"), str) else r.advice
+        gave_up = said.get("gave_up") if same and isinstance(said.get("gave_up"), str) else None
+        with_job = not alive and ended is not None and not ended.startswith(("failed", "told to stop"))
+        if same and gave_up:  # its final word on this attempt: everyone's word
+            self._said = said
             r.gave_up = True
-            r.decided_by, r.decided_why = SUPERVISOR, f"the job's supervisor gave up: {said.get('gave_up')}"
-            r.evidence.append(r.decided_why)
-            return
-        if answering:
+            r.decided_by, r.decided_why = SUPERVISOR, f"the job's supervisor gave up: {gave_up[:300]}"
+        elif same and answering:
+            self._said = said
             r.decided_by, r.decided_why = SUPERVISOR, "the job's supervisor is alive and answering"
-            if same:
-                ago = max(0.0, self.h.now - (number(said.get("time")) or self.h.now))
-                if said["state"] == r.state:
-                    r.evidence.append(f"the job's supervisor agrees ({ago:.0f} s ago)")
-                elif ago <= 2 * interval + FRESH_SLACK_S:
-                    r.evidence.append(f"the job's supervisor said {said['state']} at its last sample, {ago:.0f} s ago")
+        elif same and with_job and said["state"] in TERMINAL:
+            self._said = said
+            r.decided_by, r.decided_why = SUPERVISOR, f"the job's supervisor ended with the job ({ended[:200]})"
+        elif answering:  # its word is of another attempt (a restart in between): this look's until it speaks again
+            r.decided_by, r.decided_why = SUPERVISOR, "the job's supervisor is alive and answering"
             return
-        r.decided_by = HERE
-        if sup.get("alive"):
-            seen = f"heartbeat unchanged for {age:.0f} s" if age is not None else "no heartbeat"
-            r.decided_why = f"the job's supervisor is not answering ({seen}): decided here"
         else:
-            ended = sup.get("ended")
-            r.decided_why = f"the job's supervisor is gone ({f'it ended: {ended}' if ended else 'not running'})" \
-                ": decided here"  # fmt: skip
-        if r.state not in TERMINAL or r.state in FAILURES:
+            r.decided_by = HERE
+            if alive:
+                seen = f"heartbeat unchanged for {age:.0f} s" if age is not None else "no heartbeat"
+                r.decided_why = f"the job's supervisor is not answering ({seen}): decided here"
+            else:
+                why = f"it ended: {ended[:200]}" if ended else "not running"
+                r.decided_why = f"the job's supervisor is gone ({why}): decided here"
+            if r.state not in TERMINAL or r.state in FAILURES:
+                r.evidence.append(r.decided_why)
+            return
+        if adopt:
+            self.adopt(r)
+
+    def adopt(self, r: Report) -> Report:
+        """The supervisor's word (its verdict.json, of this attempt) made the report's: state, reason, evidence,
+        advice and step, each checked (the job can write that file too); where it says the state this look says, the
+        look's own evidence stays (it is the fresher). For a job over several hosts a supervisor that cannot reach a
+        node does not decide: this asker does, saying so."""
+        said = self._said
+        if said is None or r.decided_by != SUPERVISOR:
+            return r
+        unreached = [str(u)[:200] for u in said.get("unreached") or [] if isinstance(u, str)]
+        if unreached and not r.gave_up:
+            r.decided_by = HERE
+            r.decided_why = f"the job's supervisor cannot reach {'; '.join(unreached)}: decided here"[:400]
             r.evidence.append(r.decided_why)
+            return r
+        state = said["state"][:40]
+        ago = max(0.0, self.h.now - (number(said.get("time")) or self.h.now))
+        if state == r.state:  # the same word: this look's evidence is the fresher
+            r.evidence.append(f"the job's supervisor agrees ({ago:.0f} s ago)")
+            return r
+        if state in STATE_NAMES:
+            ev = said.get("evidence")
+            r.state = state
+            r.reason = str(said.get("reason"))[:400] if isinstance(said.get("reason"), str) else r.reason
+            r.evidence = [str(e)[:400] for e in ev[:12] if isinstance(e, str)] if isinstance(ev, list) else r.evidence
+            r.advice = said["advice"][:400] if isinstance(said.get("advice"), str) else r.advice
+            step = said.get("step")
+            r.step = step if type(step) is int else r.step
+        r.evidence.append(f"{r.decided_why}: its verdict, {ago:.0f} s ago")
+        return r
 
     def _same_attempt(self, said: dict) -> bool:
         """The supervisor's verdict is of the attempt this asker sees: the same restart count, the same start."""

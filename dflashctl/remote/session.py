@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from dflashctl.agent import probe
 from dflashctl.config import SAFE_NAME, HostConfig, SlurmHost
 from dflashctl.errors import ConfigError, ProbeFailedError
+from dflashctl.judge.redact import redact_url
 from dflashctl.model.jobfile import JobConfig, is_secret, node_tag, redact_env, redact_job_snapshot
 from dflashctl.remote.agent_bundle import AGENT, boot_argv, note_noise, split_answer
 from dflashctl.remote.deploy_record import AgentPython, remembered_python
@@ -265,7 +266,10 @@ def run_files(
     if run_dir is not None:
         files[ENV_FILE] = render_env_file(run_env(job, job_id, run_dir, node, scheduled), job, redact)
     if (node is None or node.rank == 0) and job.watch.supervise:  # a job over several hosts: on the head
-        files["supervise.json"] = json.dumps(supervise_spec(job, job_id, gpus, scheduled, members), indent=1)
+        spec = supervise_spec(job, job_id, gpus, scheduled, members)
+        if redact and spec["notify"].get("webhook"):  # a dry run shows it: the webhook's path is the credential
+            spec["notify"]["webhook"] = redact_url(spec["notify"]["webhook"])
+        files["supervise.json"] = json.dumps(spec, indent=1)
     if trainer_cfg is not None:
         if node is not None:  # no shared file system assumed: every node keeps checkpoints to resume from
             ckpt = dict(trainer_cfg.get("checkpoint") or {})
@@ -290,8 +294,9 @@ def supervise_spec(job: JobConfig, job_id: str, gpus: list[int], scheduled: bool
     """What the job's supervisor (agent/supervise.py) needs: where the job runs, how to restart it, its policy. A
     Slurm job's supervisor runs on the login node (the batch script's processes end with the allocation: they could
     not resubmit it). A job over several hosts: the head's, with `members` (member_spec) it probes and restarts."""
-    many = {"members": members, "host": job.nodes[0].host} if members else {}
-    return {"session": node_session(job_id, None), "job_id": node_tag(job_id, 0), "tmux_socket": tmux_socket(), **many,
+    many = {"members": members} if members else {}
+    return {"session": node_session(job_id, None), "job_id": node_tag(job_id, 0), "tmux_socket": tmux_socket(),
+            "host": job.nodes[0].host, **many,
             **({"scheduler": "slurm"} if scheduled else {}),
             "grace_s": job.kill_grace_s, "args": ["--resume"] if job.trainer is not None else [],
             "is_trainer": job.trainer is not None, "gpus": gpus,
