@@ -4,22 +4,35 @@ A training log can be hundreds of MB. The classifier needs little of it: the new
 from the end), its first lines, its last lines (the end, the loss tail), and every line some signature could match,
 with the traceback that follows it. Those are found a block at a time by a few plain byte searches, so memory
 stays bounded whatever the file's size. What cannot be read backwards (a gzip'd log, rotated; a log on stdin, gzip'd
-or not) is read forward once (`read_stream`), keeping the same slices in the same bound, with the same checks.
+or not; a UTF-16 or UTF-32 log, re-encoded as it is read) is read forward once (`read_stream`), keeping the same
+slices in the same bound, with the same checks.
+
+Encodings (judge/decode.py): a BOM selects UTF-8, UTF-16 or UTF-32; runs of NUL bytes are holes, skipped and put
+back as a line of their own that `diagnose` names (a hole at the start, as logrotate's copytruncate leaves, is skipped
+without being read where the file system knows it is sparse); a file that is mostly text is text, a binary one is
+refused.
 """
 
 from __future__ import annotations
 
+import codecs
+import errno
 import gzip
+import io
+import os
 import zlib
 from pathlib import Path
 from typing import BinaryIO
 
+from dflashctl.judge.decode import hole_line, holes_in, line_pieces, looks_binary, sniff_codec
 from dflashctl.judge.logs import ATTEMPT_START, strip_prefix
 
 BLOCK = 8 << 20
 HEAD_BYTES = 256 << 10
 TAIL_BYTES = 1 << 20
+WHOLE_BYTES = HEAD_BYTES + TAIL_BYTES + BLOCK  # an attempt up to this size is read whole
 MAX_KEPT = 40_000  # lines kept from the middle; past that, the oldest are dropped (the newest decide)
+MAX_HOLES = 64  # holes named; past that, the file is named by the first ones
 TRACEBACK_LINES = 400  # at most this many lines of one traceback
 SNIFF = 8192
 # What the middle of a long attempt is searched for (its head and tail are kept whole): the starts of tracebacks (a
@@ -30,6 +43,7 @@ MIDDLE_NEEDLES = (b"Traceback (most recent call last)", b"hit config.", b"called
 ATTEMPT_NEEDLES = (b"[dflashctl] ", b"will restart worker group")
 GZIP_MAGIC = b"\x1f\x8b"
 OVERRUN = 64 * 1024  # how far past a block a traceback found in it is followed
+WIDE_CODECS = ("utf-16", "utf-16-le", "utf-16-be", "utf-32")  # re-encoded to UTF-8 as they are read
 
 
 class LogFileError(Exception):
@@ -48,19 +62,13 @@ def _check(path: Path) -> int:
     return size
 
 
-def _binary(chunk: bytes) -> bool:
-    """NUL bytes, or mostly bytes that are neither text nor UTF-8: an archive, a checkpoint, an image."""
-    if b"\0" in chunk:
-        return True
-    text = chunk.decode("utf-8", errors="replace")
-    bad = text.count("\ufffd") + sum(1 for c in text if ord(c) < 32 and c not in "\n\r\t\f\b\x1b")
-    return bad > 0.1 * max(1, len(text))
+def _nul_only(size: int) -> LogFileError:
+    return LogFileError(f"holds only NUL bytes ({size:,}): a hole, as a log truncated under its writer leaves, and no "
+                        "text")  # fmt: skip
 
 
 def lines_of(data: bytes) -> list[str]:
     """A whole log's lines (bytes in memory), refused as a file would be: empty, or binary at its start or its end."""
-    import io
-
     return read_stream(io.BytesIO(data))
 
 
@@ -77,24 +85,67 @@ class _Peeked:
         return out + (self.rest.read(n - len(out)) if n < 0 or n > len(out) else b"")
 
 
+class _Transcoded:
+    """A UTF-16 or UTF-32 byte stream read as UTF-8 (what cannot be decoded, an odd last byte included, becomes U+FFFD):
+    the rest of the reader sees one encoding."""
+
+    def __init__(self, raw: BinaryIO, codec: str) -> None:
+        self.raw, self.decoder, self.done = raw, codecs.getincrementaldecoder(codec)(errors="replace"), False
+
+    def read(self, n: int = -1) -> bytes:
+        while not self.done:
+            chunk = self.raw.read(n)
+            text = self.decoder.decode(chunk, final=not chunk)
+            self.done = not chunk
+            if text or self.done:
+                return text.encode("utf-8")
+        return b""
+
+
 def read_stream(raw: BinaryIO) -> list[str]:
-    """What `read_log` keeps, from a stream read forward once (stdin, a gzip'd file, gzip'd or not): the newest
-    attempt whole while it is small, else its first HEAD_BYTES, its last TAIL_BYTES, and the middle's needle lines,
-    one block ahead so that a traceback crossing a block is followed. Memory: two blocks and what is kept."""
+    """What `read_log` keeps, from a stream read forward once (stdin, a gzip'd file, gzip'd or not, a UTF-16 log):
+    the newest attempt whole while it is small, else its first HEAD_BYTES, its last TAIL_BYTES, and the middle's
+    needle lines, one block ahead so that a traceback crossing a block is followed. Memory: two blocks and what is
+    kept."""
     first = raw.read(2)
-    f: BinaryIO = gzip.GzipFile(fileobj=_Peeked(first, raw), mode="rb") if first == GZIP_MAGIC else _Peeked(first, raw)
     if first != GZIP_MAGIC:
-        return _forward(f)
+        return _forward(_as_utf8(_Peeked(first, raw)))
     try:
-        return _forward(f)
+        return _forward(_as_utf8(gzip.GzipFile(fileobj=_Peeked(first, raw), mode="rb")))
     except (EOFError, OSError, zlib.error) as e:  # not gzip after all, corrupt, or cut short
         raise LogFileError(f"is not a readable gzip file ({e})") from None
 
 
+def _as_utf8(f: BinaryIO) -> BinaryIO:
+    """The stream as UTF-8 bytes: re-encoded where its first bytes ask for UTF-16 or UTF-32."""
+    head = f.read(SNIFF)
+    codec = sniff_codec(head)
+    peeked = _Peeked(head, f)
+    return _Transcoded(peeked, codec) if codec in WIDE_CODECS else peeked
+
+
+class _Holes:
+    """The NUL runs of the bytes fed to it, in order, those that touch merged: (start, end) offsets."""
+
+    def __init__(self) -> None:
+        self.runs: list[list[int]] = []
+
+    def feed(self, data: bytes, base: int) -> None:
+        for s, e in holes_in(data):
+            if self.runs and self.runs[-1][1] == base + s:
+                self.runs[-1][1] = base + e
+            elif len(self.runs) < MAX_HOLES:
+                self.runs.append([base + s, base + e])
+
+    def put_into(self, kept: dict[int, str]) -> None:
+        for s, e in self.runs:
+            kept.setdefault(s, hole_line(s, e - s))
+
+
 def _forward(f: BinaryIO) -> list[str]:
-    small = HEAD_BYTES + TAIL_BYTES + BLOCK  # an attempt up to this size is kept whole, as read_log does
     kept: dict[int, str] = {}
     middle: list[int] = []
+    holes = _Holes()
     start = 0  # offset of the newest attempt's first line
     whole: list[bytes] | None = []  # the attempt's bytes while it is small
     whole_len = 0
@@ -108,25 +159,28 @@ def _forward(f: BinaryIO) -> list[str]:
         if chunk and cut == 0 and len(data) > 2 * BLOCK:
             cut = len(data)  # one line longer than two blocks: taken as it is
         block, carry = data[:cut], data[cut:]
-        if not sniffed and (block or not chunk):
-            sniffed = True
-            if _binary(block[:SNIFF]):
+        content = block.lstrip(b"\0") if not sniffed else b""
+        if not sniffed and (content or not chunk):
+            sniffed = True  # the first bytes after a leading hole say what the file is
+            if looks_binary(content[:SNIFF]):
                 raise LogFileError("is not a text log (binary content)")
-        text = text or bool(block.strip())
+        text = text or bool(block.strip(b"\0 \t\r\n\x0b\x0c"))
         if pending:
             _search(pending, pending_at, block[:OVERRUN], start, kept, middle)
         if (a := _attempt_start(block)) >= 0:
             start = at + a
             kept.clear()
             middle.clear()
+            holes = _Holes()
             whole, whole_len = [], 0
             block_from = a
         else:
             block_from = 0
+        holes.feed(block[block_from:], at + block_from)
         if whole is not None:
             whole.append(block[block_from:])
             whole_len += len(block) - block_from
-            if whole_len > small:
+            if whole_len > WHOLE_BYTES:
                 whole = None
         pending, pending_at = block, at
         tail = (tail + block)[-TAIL_BYTES:]
@@ -134,18 +188,21 @@ def _forward(f: BinaryIO) -> list[str]:
         if not chunk:
             break
     if not text:
-        raise LogFileError("is empty: there is no log to read")
-    if _binary(tail[-SNIFF:]):
+        raise _nul_only(at) if holes.runs else LogFileError("is empty: there is no log to read")
+    if looks_binary(tail[-SNIFF:]):
         raise LogFileError("is not a text log (binary content)")
     if whole is not None:
-        return b"".join(whole).decode("utf-8", errors="replace").splitlines()
-    tail_at = at - len(tail)
-    if tail_at < start:
-        tail, tail_at = tail[start - tail_at :], start
+        kept = {}
+        _all_lines(b"".join(whole), start, kept)
     else:
-        nl = tail.find(b"\n") + 1
-        tail, tail_at = tail[nl:], tail_at + nl
-    _all_lines(tail, tail_at, kept)
+        tail_at = at - len(tail)
+        if tail_at < start:
+            tail, tail_at = tail[start - tail_at :], start
+        else:
+            nl = tail.find(b"\n") + 1
+            tail, tail_at = tail[nl:], tail_at + nl
+        _all_lines(tail, tail_at, kept)
+    holes.put_into(kept)
     return [kept[k] for k in sorted(kept) if k >= start]
 
 
@@ -175,11 +232,12 @@ def _search(block: bytes, base: int, overrun: bytes, start: int, kept: dict[int,
     _search_middle(block + overrun, lo, len(block), base, kept, middle)
 
 
-def newest_attempt_offset(f, size: int) -> int:
-    """Where the newest attempt's start line begins, scanning back from the end a block at a time; 0 if none."""
+def newest_attempt_offset(f, size: int, floor: int = 0) -> int:
+    """Where the newest attempt's start line begins, scanning back from the end a block at a time; `floor` (where
+    the text begins) if none."""
     end = size
-    while end > 0:
-        start = max(0, end - BLOCK)
+    while end > floor:
+        start = max(floor, end - BLOCK)
         f.seek(start)
         block = f.read(min(end - start + 4096, size - start))  # overlap: a line cut at the block's end is whole
         hit = -1
@@ -190,41 +248,80 @@ def newest_attempt_offset(f, size: int) -> int:
                 ls = block.rfind(b"\n", 0, pos) + 1
                 le = block.find(b"\n", pos)
                 line = block[ls : le if le >= 0 else len(block)].decode("utf-8", errors="replace")
-                if ATTEMPT_START.search(strip_prefix(line)[1]) and (ls > 0 or start == 0):
+                if ATTEMPT_START.search(strip_prefix(line)[1]) and (ls > 0 or start == floor):
                     hit = max(hit, ls)
                     break
                 pos = block.rfind(needle, 0, pos)
         if hit >= 0:
             return start + hit
         end = start
-    return 0
+    return floor
+
+
+def _text_start(f, size: int) -> int:
+    """Where the first byte that is not NUL is: past a leading hole (the file system's sparse hole skipped unread,
+    where it says where its data starts), `size` when there is none."""
+    pos = 0
+    try:
+        pos = os.lseek(f.fileno(), 0, os.SEEK_DATA)
+    except OSError as e:
+        pos = size if e.errno == errno.ENXIO else 0  # ENXIO: no data at all
+    except (AttributeError, ValueError):  # no SEEK_DATA here, or no file descriptor
+        pos = 0
+    f.seek(pos)
+    while pos < size:
+        block = f.read(BLOCK)
+        if not block:
+            return size
+        rest = block.lstrip(b"\0")
+        if rest:
+            return pos + len(block) - len(rest)
+        pos += len(block)
+    return size
 
 
 def read_log(path: str | Path) -> list[str]:
     """The lines of the newest attempt that the classifier can use, in file order; bounded memory. A gzip'd file
-    (found by its magic bytes, whatever its name) is decompressed as it is read."""
+    (found by its magic bytes, whatever its name) is decompressed as it is read, a UTF-16 or UTF-32 one re-encoded;
+    a leading hole is skipped and named."""
     path = Path(path)
     size = _check(path)
     with path.open("rb") as f:
-        if f.read(2) == GZIP_MAGIC:
+        head = f.read(SNIFF)
+        if head[:2] == GZIP_MAGIC or sniff_codec(head) in WIDE_CODECS:
             f.seek(0)
             return read_stream(f)
-        f.seek(0)
+        lead = _text_start(f, size)
+        if lead >= size:
+            raise _nul_only(size)
+        f.seek(lead)
         head = f.read(SNIFF)
-        f.seek(max(0, size - SNIFF))
-        if _binary(head) or _binary(f.read(SNIFF)):
+        f.seek(max(lead, size - SNIFF))
+        if looks_binary(head) or looks_binary(f.read(SNIFF)):
             raise LogFileError("is not a text log (binary content)")
-        start = newest_attempt_offset(f, size)
-        if size - start <= HEAD_BYTES + TAIL_BYTES + BLOCK:
+        start = newest_attempt_offset(f, size, lead)
+        holes = _Holes()
+        if lead:
+            holes.runs.append([0, lead])  # the leading hole, skipped unread
+        kept: dict[int, str] = {}
+        if size - start <= WHOLE_BYTES:
             f.seek(start)
-            return f.read().decode("utf-8", errors="replace").splitlines()
-        return _reduced(f, start, size)
+            data = f.read()
+            holes.feed(data, start)
+            _all_lines(data, start, kept)
+        else:
+            _reduced(f, start, size, kept, holes)
+        holes.put_into(kept)
+        return [kept[k] for k in sorted(kept)]
 
 
-def _reduced(f, start: int, size: int) -> list[str]:
-    kept: dict[int, str] = {}  # byte offset -> line (offsets order the lines and remove overlaps)
+def _reduced(f, start: int, size: int, kept: dict[int, str], holes: _Holes) -> None:
+    """The attempt's head, its middle's needle lines and its tail into `kept` (byte offset -> line: offsets order the
+    lines and remove overlaps), its holes into `holes`."""
     f.seek(start)
-    _all_lines(f.read(HEAD_BYTES), start, kept, drop_last=True)
+    head = f.read(HEAD_BYTES)
+    holes.feed(head, start)
+    _all_lines(head, start, kept, drop_last=True)
     tail_at = size - TAIL_BYTES
     pos = start + HEAD_BYTES
     middle: list[int] = []
@@ -232,13 +329,14 @@ def _reduced(f, start: int, size: int) -> list[str]:
         f.seek(pos)
         block = f.read(min(BLOCK, tail_at - pos) + OVERRUN)  # overrun: a traceback cut at the block's end
         end = min(BLOCK, tail_at - pos)
+        holes.feed(block[:end], pos)
         _search_middle(block, 0, end, pos, kept, middle)
         pos += end
     f.seek(tail_at)
     tail = f.read()
+    holes.feed(tail, tail_at)
     first_nl = tail.find(b"\n") + 1
     _all_lines(tail[first_nl:], tail_at + first_nl, kept)
-    return [kept[k] for k in sorted(kept)]
 
 
 def _search_middle(block: bytes, lo: int, end: int, base: int, kept: dict[int, str], middle: list[int]) -> None:
@@ -258,11 +356,14 @@ def _search_middle(block: bytes, lo: int, end: int, base: int, kept: dict[int, s
 
 def _all_lines(data: bytes, base: int, kept: dict[int, str], drop_last: bool = False) -> None:
     pieces = data.split(b"\n")
-    if drop_last and len(pieces) > 1:
-        pieces = pieces[:-1]
+    if (drop_last or not pieces[-1]) and len(pieces) > 1:
+        pieces = pieces[:-1]  # a line cut at the end of the slice, or the nothing after the last newline
     off = base
     for p in pieces:
-        kept[off] = p.decode("utf-8", errors="replace").rstrip("\r")
+        if b"\0" in p or b"\xef\xbb\xbf" in p:
+            kept.update(line_pieces(p, off))
+        else:
+            kept[off] = p.decode("utf-8", errors="replace").rstrip("\r")
         off += len(p) + 1
 
 
@@ -273,9 +374,10 @@ def _keep_from(block: bytes, at: int, base: int, kept: dict[int, str], middle: l
     for n in range(TRACEBACK_LINES if whole else 1):
         le = block.find(b"\n", ls)
         le = len(block) if le < 0 else le
-        line = block[ls:le].decode("utf-8", errors="replace").rstrip("\r")
-        kept[base + ls] = line
-        middle.append(base + ls)
+        pieces = line_pieces(block[ls:le], base + ls)
+        kept.update(pieces)
+        middle.extend(off for off, _ in pieces)
+        line = pieces[-1][1] if pieces else ""
         ls = le + 1
         body = strip_prefix(line)[1]
         if n and body and not body.startswith((" ", "Traceback", "During handling", "The above exception")):

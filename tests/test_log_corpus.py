@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dflashctl.judge.assess import assess
+from dflashctl.judge.decode import sniff_codec
 from dflashctl.judge.diagnosis import diagnose_lines, diagnose_text
 from dflashctl.judge.facts import EXIT_BY_STATE, RECORD_ONLY, History, Thresholds
 from dflashctl.judge.logs import SIG, SIGNATURES, classify_log, strip_prefix
@@ -26,7 +27,10 @@ LOGS = sorted([*CORPUS.glob("*/*.log"), *CORPUS.glob("*/*.log.gz")])  # rotated 
 
 
 def text_of(path: Path) -> str:
-    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    """A corpus log's whole text: gunzipped, decoded as its BOM says (a PowerShell log is UTF-16), holes removed."""
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    codec = sniff_codec(data[:8192])
+    return data.decode(codec if codec != "utf-8" else "utf-8-sig", errors="replace").replace("\0", "")
 
 
 def test_every_state_has_at_least_two_logs():
@@ -82,10 +86,16 @@ def test_every_signature_is_seen_in_the_corpus():
         ("py4j.protocol.Py4JJavaError: An error", None, "py4j.protocol.Py4JJavaError: An error"),
         ("boto3.exceptions.S3UploadFailedError: x", None, "boto3.exceptions.S3UploadFailedError: x"),
         ("step_1: loss 2.0", None, "step_1: loss 2.0"),
-        ("Epoch 2:  44%|####4     | 8801/20000 [2:41:10<3:25:02,  0.91it/s]Traceback (most recent call last):", None,
-         "Traceback (most recent call last):"),
-        ("  5%|5         | 50/1000 [00:10<03:10]\r 6%|6         | 60/1000 [00:12<03:08]\r{'train_runtime': 1.0}", None,
-         "{'train_runtime': 1.0}"),
+        (
+            "Epoch 2:  44%|####4     | 8801/20000 [2:41:10<3:25:02,  0.91it/s]Traceback (most recent call last):",
+            None,
+            "Traceback (most recent call last):",
+        ),
+        (
+            "  5%|5         | 50/1000 [00:10<03:10]\r 6%|6         | 60/1000 [00:12<03:08]\r{'train_runtime': 1.0}",
+            None,
+            "{'train_runtime': 1.0}",
+        ),
         ('  File "x.py", line 1, in <module>', None, '  File "x.py", line 1, in <module>'),
     ],
 )
@@ -315,8 +325,11 @@ def test_the_watchdogs_abort_is_the_consequence_of_the_timeout_and_alone_a_crash
 
 def test_a_ranks_own_abort_outranks_the_timeouts_it_caused():
     """A rank that threw something else (std::bad_alloc) is the root cause; the others' watchdogs time out after."""
-    lines = ["[rank2]:terminate called after throwing an instance of 'std::bad_alloc'",
-             "[rank2]:  what():  std::bad_alloc", *_lines("NCCL_TIMEOUT", "watchdog-abort-torchrun.log")]
+    lines = [
+        "[rank2]:terminate called after throwing an instance of 'std::bad_alloc'",
+        "[rank2]:  what():  std::bad_alloc",
+        *_lines("NCCL_TIMEOUT", "watchdog-abort-torchrun.log"),
+    ]
     v = diagnose_lines(lines)
     assert v.state == "CRASHED" and "std::bad_alloc" in v.reason and "rank2" in v.reason, v
 
@@ -408,8 +421,13 @@ def test_a_reset_connection_outside_the_collectives_is_not_a_network_failure_bet
     assert diagnose_lines(["step 1 loss 2.0", noise, "step 2 loss 1.9"]).state == "INCOMPLETE"
 
 
-@pytest.mark.parametrize("name, rank, frame", [("cut-mid-traceback-torchrun.log", "rank2", "shards.py\", line 97"),
-                                               ("cut-mid-traceback-srun.log", "rank1", "attention.py\", line 118")])
+@pytest.mark.parametrize(
+    "name, rank, frame",
+    [
+        ("cut-mid-traceback-torchrun.log", "rank2", 'shards.py", line 97'),
+        ("cut-mid-traceback-srun.log", "rank1", 'attention.py", line 118'),
+    ],
+)
 def test_a_log_cut_mid_traceback_names_the_rank_and_the_last_frame(name, rank, frame):  # fmt: skip
     v = diagnose_lines(_lines("INCOMPLETE", name))
     assert v.state == "INCOMPLETE" and "inside a traceback" in v.reason
@@ -462,8 +480,10 @@ def test_an_exception_python_ignored_at_exit_does_not_undo_a_finish():
 
 
 def test_a_divergence_that_lasts_to_the_finish_line_is_not_outlived():
-    lines = [*_lines("DIVERGED", "hf-trainer-nan-tail.log"),
-             "{'train_runtime': 812.1, 'train_samples_per_second': 9.8, 'train_loss': nan, 'epoch': 1.0}"]
+    lines = [
+        *_lines("DIVERGED", "hf-trainer-nan-tail.log"),
+        "{'train_runtime': 812.1, 'train_samples_per_second': 9.8, 'train_loss': nan, 'epoch': 1.0}",
+    ]
     assert diagnose_lines(lines).state == "DIVERGED"
 
 
@@ -475,5 +495,7 @@ def test_a_lost_peer_the_watchdog_aborted_on_is_a_broken_link_and_a_plain_abort_
                "  exitcode  : -6 (pid: 60228)"]  # fmt: skip
     assert diagnose_lines(aborted).state == "NCCL_ERROR"
     # a broken pipe and an abort with no collective layer in sight: the process's own crash, as before
-    assert diagnose_lines(["step 1 loss 2", "BrokenPipeError: [Errno 32] Broken pipe", "Aborted (core dumped)"]).state \
+    assert (
+        diagnose_lines(["step 1 loss 2", "BrokenPipeError: [Errno 32] Broken pipe", "Aborted (core dumped)"]).state
         == "CRASHED"
+    )

@@ -1,10 +1,12 @@
 """Pure: read any training log through its launcher's prefixes and name the failure it shows.
 
-One table (`SIGNATURES`) says which lines mean what: the pattern, the state it points to, its root-cause rank (a cause
-outranks its consequences: a GPU's hardware error over the other ranks' NCCL timeouts, a rank's own exception over
-torchrun's ChildFailedError summary) and what to do. The prefix stripping is one step (`strip_prefix`): `srun
---label`'s `5: `, torchrun's `[rank5]:` / `[default5]:`, glog and ISO timestamps, in any nesting. `classify_log` is
-the one classifier that `diagnose`, `watch`, `status` and the supervisor share. No I/O here: `logfile.py` reads.
+One table (`SIGNATURES`, signatures.py) says which lines mean what: the pattern, the state it points to, its
+root-cause rank and its role (a ROOT failure or the CASCADE that follows one: a GPU's hardware error over the other
+ranks' NCCL timeouts, a rank's own exception over torchrun's ChildFailedError summary, a memory monitor's kill over
+Ray's word that the worker died) and what to do. The prefixes are removed in one step (`strip_prefix`, prefixes.py):
+the launchers' table, timestamps, colours, and a prefix learned from the log itself. `classify_log` is the one
+classifier that `diagnose`, `watch`, `status` and the supervisor share; `RULES` apply the table in root-cause order.
+No I/O here: `logfile.py` reads.
 """
 
 from __future__ import annotations
@@ -13,205 +15,21 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from .facts import ADVICE  # the advice lives in the one state table
-
-# A SIGKILL that no kernel log confirms: the OOM killer is the usual sender, but not the only one
-SIGKILL_ADVICE = ("a process was killed by signal 9 (SIGKILL): confirm the OOM killer on that host (`dmesg -T | grep "
-                  "-i -e oom -e 'killed process'`, `journalctl -k`); if it was, lower host RAM per rank (fewer "
-                  "dataloader workers, smaller prefetch) or use fewer ranks per host. If the kernel log shows no OOM "
-                  "kill, something else sent it (a scheduler's memory limit, a user, a watchdog): find it first.")
-DENSE_ATTENTION_ADVICE = ("attention materialised the full score matrix (eager attention or SDPA's math kernel): use "
-                          "a fused kernel (compiled flex_attention, SDPA flash/memory-efficient with bf16/fp16 inputs "
-                          "and a supported mask) or shorter sequences. Not restarted: it would repeat.")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Signature:
-    """A kind of line: what it points to, how near the root cause it is (lower outranks higher), what to do."""
-
-    name: str
-    state: str
-    pattern: re.Pattern[str]
-    rank: int
-    advice: str | None = None
-    unless: re.Pattern[str] | None = None  # a line that also matches this is not one (noise with the same words)
-
-    @property
-    def what_to_do(self) -> str | None:
-        return self.advice or ADVICE.get(self.state)
-
-
-def _sig(name: str, state: str, rank: int, pattern: str, flags: int = 0, advice: str | None = None,
-         unless: str | None = None) -> Signature:  # fmt: skip
-    return Signature(name, state, re.compile(pattern, flags), rank, advice, re.compile(unless) if unless else None)
-
-
-# Ranks: hardware 10, the trainer's own stops 20-25, memory 30-40, the scheduler's ends 45, start errors 50,
-# a rank's own exception 60, consequences of another rank's failure 80 and over.
-SIGNATURES: tuple[Signature, ...] = (
-    _sig(
-        "gpu_hardware",
-        "GPU_FAULT",
-        10,
-        r"(uncorrectable ECC error|ECC_UNCORRECTABLE|ECCUncorrectable|fallen off "
-        r"the bus|GPU is lost|GPU_IS_LOST|uncorrectable NVLink error|row remapp\w* failure|double bit ECC|"
-        r"Unable to determine the device handle for GPU)",
-        re.I,
-    ),
-    _sig("xid", "GPU_FAULT", 10, r"NVRM: Xid \((?:PCI:)?([0-9a-fA-F:.]+)\): (\d+)"),
-    _sig("dense_guard", "DENSE_FALLBACK", 15, r"DenseFallbackError"),
-    _sig("diverged_stop", "DIVERGED", 20, r"^(?:\S+\.)?DivergedError\b|NonFiniteWeightsError"),
-    _sig(
-        "nan_error",
-        "DIVERGED",
-        21,
-        r"(returned nan values|Loss is (?:NaN|nan|inf)|loss is not finite|"
-        r"non-finite loss|Detected (?:NaN|nan|inf) in|grad norm is (?:nan|inf))",
-        re.I,
-    ),
-    _sig(
-        "enospc",
-        "DISK_FULL",
-        25,
-        r"(No space left on device|\[Errno 28\]|ENOSPC|StorageFull|Disk quota exceeded|"
-        r"\[Errno 122\]|EDQUOT)",
-    ),
-    _sig(
-        "write_failed",
-        "DISK_FULL",
-        26,
-        r"(PytorchStreamWriter failed writing file|file write failed|"
-        r"unexpected pos \d+ vs \d+|Error while serializing)",
-    ),
-    _sig(
-        "cuda_oom",
-        "OOM",
-        30,
-        r"(CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED|CUDA error: out "
-        r"of memory|HIP out of memory)",
-    ),
-    _sig("recompile_limit", "RECOMPILE_LIMIT", 35, r"torch\._dynamo hit config\.(recompile_limit|cache_size_limit)"),
-    _sig("eager_flex", "DENSE_FALLBACK", 36, r"flex_attention called without torch\.compile"),
-    _sig(
-        "sdpa_unfused",
-        "DENSE_FALLBACK",
-        37,
-        r"((?:Flash attention|Memory efficient|Flash Attention|cuDNN "
-        r"attention) kernel not used because|Both fused kernels require|No available kernel\. Aborting)",
-        advice=DENSE_ATTENTION_ADVICE,
-    ),
-    _sig(
-        "dataloader_killed",
-        "HOST_OOM",
-        40,
-        r"DataLoader worker \(pid\(?s?\)? ?[\d, ]+\)? is killed by signal: "
-        r"Killed",
-    ),
-    _sig(
-        "kernel_oom",
-        "HOST_OOM",
-        40,
-        r"(Out of memory: Killed process \d+|oom-kill:|Memory cgroup out of memory|"
-        r"oom_reaper|Detected \d+ oom[_-]kill events?|task \d+: Out Of Memory)",
-    ),
-    _sig(
-        "sigkill",
-        "HOST_OOM",
-        41,
-        r"(exitcode\s*:\s*-9\b|\(exitcode: -9\)|Signal 9 \(SIGKILL\)|Signals\.SIGKILL|"
-        r"^(?:.*:\s*)?(?:line \d+:\s*)?\d+\s+Killed\b|^Killed$|exit(?:ed)? (?:with )?(?:exit )?(?:code|status) 137\b|"
-        r"task \d+: Killed$|return code = -9\b|terminated with code -9\b|exited on signal 9\b|"
-        r"terminated with signal SIGKILL|EXIT STRING: Killed \(signal 9\))",
-    ),
-    _sig("slurm_time_limit", "TIMEOUT", 45, r"CANCELLED AT \S+ DUE TO TIME LIMIT|DUE TO TIME LIMIT \*\*\*"),
-    _sig("slurm_preempted", "PREEMPTED", 45, r"CANCELLED AT \S+ DUE TO PREEMPTION|DUE TO PREEMPTION \*\*\*"),
-    _sig(
-        "slurm_node_fail",
-        "NODE_FAIL",
-        45,
-        r"DUE TO NODE FAILURE|srun: error: Node failure on|"
-        r"NODE_FAIL|slurmstepd: error: \*\*\* .*NODE FAILURE",
-    ),
-    _sig(
-        "slurm_cancelled",
-        "CANCELLED",
-        46,
-        r"\*\*\* (?:JOB|STEP) [\d.]+ (?:ON \S+ )?CANCELLED AT \S+ \*\*\*$|"
-        r"CANCELLED AT \S+ DUE TO JOB REQUEUE|CANCELLED AT \S+ DUE TO (?:DEPENDENCY|SIGNAL)",
-    ),
-    _sig("config_error", "CONFIG_ERROR", 50, r"^config error: "),
-    _sig(
-        "setup_error",
-        "CONFIG_ERROR",
-        51,
-        r"(no kernel image is available for execution|No CUDA GPUs are available|"
-        r"Found no NVIDIA driver|CUDA driver version is insufficient)",
-    ),
-    _sig("cuda_error", "CRASHED", 55, r"(CUDA error: (?!out of memory)[^.\n]+|CUDA_ERROR_\w+|cudaError\w+)"),
-    _sig(
-        "fatal_signal",
-        "CRASHED",
-        56,
-        r"(Segmentation fault|Fatal Python error: \w+|Signal (?:11|6) \(SIG(?:SEGV|ABRT)\)|"
-        r"exitcode\s*:\s*-(?:6|11)\b|terminate called after throwing an instance of '[^']+'|Aborted \(core dumped\)|"
-        r"return code = -(?:6|11)\b|terminated with code -(?:6|11)\b|exited on signal (?:6|11)\b|"
-        r"terminated with signal SIG(?:SEGV|ABRT)|Signals\.SIG(?:SEGV|ABRT))",
-    ),
-    _sig("traceback", "CRASHED", 60, r"^Traceback \(most recent call last\)"),
-    _sig("srun_task_exit", "CRASHED", 70, r"srun: error: (\S+): tasks? ([\d,-]+): Exited with exit code (\d+)"),
-    _sig(
-        "launcher_exit",
-        "CRASHED",
-        71,
-        r"(exits with return code = -?\d+|Child process with PID \d+ terminated with code -?\d+|"
-        r"process rank \d+ with PID \d+ on node \S+ exited on signal \d+|ssh exited with exit code \d+|"
-        r"CalledProcessError: Command .* (?:died with <Signals|returned non-zero exit status)|"
-        r"Process name:\s*\[\[\d+,\d+\],\d+\]|process \d+ terminated with (?:exit code|signal) \w+)",
-    ),
-    _sig(
-        "nccl_network",
-        "NCCL_ERROR",
-        78,
-        r"(ncclSystemError|unhandled system error|ncclRemoteError|remote process exited or there was a network error|"
-        r"Connection reset by peer|"
-        r"NCCL WARN .*(?:Connection (?:reset|closed|refused)|[Ss]ocket\w* ?:|NET/\w+ ?:|Net ?:|Call to \w+ .*failed|"
-        r"IBV_WC_\w+|Got completion from peer|[Nn]etwork is unreachable|No route to host|connection abort))",
-        unless=r"wandb|https?:|urllib3|requests\.|huggingface|Retrying",  # a download retried, not the ranks' links
-    ),
-    _sig(
-        "nccl_timeout",
-        "NCCL_TIMEOUT",
-        80,
-        r"(Watchdog caught collective operation timeout|NCCL watchdog|"
-        r"ProcessGroupNCCL.*[Tt]imeout|Some NCCL operations have failed or timed out|DistBackendError.*[Tt]imeout|"
-        r"ProcessGroupNCCL watchdog hang|watchdog got stuck)",
-    ),
-    _sig(
-        "peer_lost",
-        "NCCL_TIMEOUT",
-        85,
-        r"(Connection (?:reset|closed) by peer|remote process exited|Check the logs "
-        r"of the remote worker|ncclRemoteError|Broken pipe|NCCL communicator was aborted)",
-        re.I,
-    ),
+from .decode import HOLE
+from .facts import ADVICE  # noqa: F401  (re-exported: the advice lives in the one state table)
+from .prefixes import learn_prefix, ray_ranks, strip_prefix
+from .signatures import (  # noqa: F401  (re-exported: `from dflashctl.judge.logs import SIGNATURES, SIG` keeps working)
+    CASCADE_SIGS,
+    END_REASON,
+    FRAMEWORK_NAN,
+    MEMORY_MONITORS,
+    SCHEDULER_ENDS,
+    SIG,
+    SIGKILL_ADVICE,
+    SIGNATURES,
+    Signature,
 )
-SIG = {s.name: s for s in SIGNATURES}
 
-# Prefixes a launcher or a logger puts before a process's own line, stripped in one step (repeatedly: they nest)
-RANK_PREFIXES = (re.compile(r"^\[(?:rank|default)(\d+)\]:\s?"), re.compile(r"^ {0,3}(\d{1,5}): "),
-                 re.compile(r"^\[\d+,(\d+)\]<std(?:out|err)>:\s?"))  # srun --label, torchrun, mpirun --tag-output
-# pdsh's `host: ` (DeepSpeed's multi-node runner): a lower-case host name with a digit or a hyphen in it, or
-# localhost; never a Python exception's name (`torch.OutOfMemoryError: `, `py4j.protocol.Py4JJavaError: `), an
-# identifier (`step_1: `) or a tool's (`srun: `)
-HOST_PREFIX = re.compile(r"^((?=[a-z0-9.-]*[\d-])[a-z][a-z0-9-]*(?:\.[a-z0-9-]+)*|localhost): (?=\S)")
-STAMP_PREFIXES = (
-    re.compile(r"^\[?[EWIFD]\d{4} [\d:.]+(?: +\d+)? \S+\]\s?"),  # glog (torch's C++ and Python logs)
-    re.compile(r"^\[?\d{4}-\d{2}-\d{2}[T _]\d{2}:\d{2}:\d{2}(?:[.,]\d+)?(?:Z|[+-]\d{2}:?\d{2})?\]?(?: [|-])?\s+"),
-    re.compile(r"^\[?\d{2}:\d{2}:\d{2}(?:[.,]\d+)?\]?\s+"),
-    re.compile(r"^[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d{2}:\d{2}:\d{2} \d{4}\s?"),  # mpirun --timestamp-output
-)
-# A tqdm progress bar that the next message was written onto (`Epoch 2: 100%|####| 9/9 [00:01<00:00]Traceback ...`)
-PROGRESS_BAR = re.compile(r"^[^|\r]{0,80}?(?:\d{1,3}%\|[^|]*\|[^\[\]]*|\d+it ?)\[[^\]]*\]\s*(?=\S)")
 FLEX_FRAME = re.compile(r"flex_attention|_guarded_flex|sdpa_dense|math_attention")
 DENSE_FRAME = re.compile(r"(eager_attention_forward|_scaled_dot_product_attention_math|_attn\(|"
                          r"attn_weights = torch\.matmul|scores = torch\.matmul|torch\.matmul\(q(?:uery)?\w*, "
@@ -225,11 +43,20 @@ START_ERRORS = re.compile(r"^(ModuleNotFoundError|ImportError|FileNotFoundError|
 # Exceptions that follow from another failure: a wrapper's summary, a signal sent to the survivors, a peer gone
 CONSEQUENCE = re.compile(r"(ChildFailedError|SignalException|got signal: \d+|KeyboardInterrupt|SystemExit|"
                          r"ProcessExitedException|ProcessRaisedException|process \d+ terminated with signal SIGTERM|"
-                         r"CalledProcessError)")  # fmt: skip
+                         r"CalledProcessError|TrainingFailedError|RayActorError|ActorDiedError|"
+                         r"WorkerGroupError)")  # fmt: skip
+# Ray's wrapper of a worker's exception (`ray.exceptions.RayTaskError(RuntimeError): ray::...`): the worker's frames and
+# its own exception line follow it
+RAY_WRAPPER = re.compile(r"^(?:ray\.exceptions\.)?RayTaskError(?:\([\w.]+\))?: (?:\x1b\[\d+m)?ray::")
+# Windows PowerShell's ErrorRecord around a native command's first stderr line (`python.exe : Traceback ...`)
+POWERSHELL_RECORD = re.compile(r"^(?:At line:\d+ char:\d+$|\+ )")
+RAY_PID = re.compile(r"\bpid=(\d+)|Worker PID: (\d+)")
 # A process ended by SIGABRT: its own crash, unless the collective layer aborted it (below)
-ABORT = re.compile(r"(exitcode\s*:\s*-6\b|SIGABRT|Aborted \(core dumped\)|^Aborted$|Fatal Python error: Aborted|"
-                   r"return code = -6\b|terminated with code -6\b|exited on signal 6\b|"
-                   r"terminate called after throwing)")
+ABORT = re.compile(
+    r"(exitcode\s*:\s*-6\b|SIGABRT|Aborted \(core dumped\)|^Aborted$|Fatal Python error: Aborted|"
+    r"return code = -6\b|terminated with code -6\b|exited on signal 6\b|"
+    r"terminate called after throwing)"
+)
 # ProcessGroupNCCL's watchdog ending its process: the C++ exception it throws, or the what() line under `terminate`
 COLLECTIVE_ABORT = re.compile(r"instance of 'c10::DistBackendError|what\(\):.*(?:[Ww]atchdog|ProcessGroupNCCL|NCCL|"
                               r"collective)")  # fmt: skip
@@ -246,10 +73,13 @@ DIVERGED_LINES = 3  # non-finite loss lines in a row, the newest loss line among
 STEP_LINE = re.compile(r"^\s*(step|iter(ation)?)\s*[:=]?\s*\d+", re.I)
 # The start of an attempt: run.sh's line, and torchrun restarting its worker group
 ATTEMPT_START = re.compile(r"^\[dflashctl\] \S+ start\b|will restart worker group")
-FINISHED_LINE = re.compile(r"^(?:finished: \d+ steps|\[dflashctl\] \S+ exit 0$|\{'train_runtime': )|"
-                           r"`Trainer\.fit` stopped: `max_(?:steps|epochs)=\d+` reached")
+FINISHED_LINE = re.compile(
+    r"^(?:finished: \d+ steps|\[dflashctl\] \S+ exit 0$|\{'train_runtime': )|"
+    r"`Trainer\.fit` stopped: `max_(?:steps|epochs)=\d+` reached"
+)
 FINISHED_WORDS = ("finished: ", " exit 0", "train_runtime", "Trainer.fit")  # a cheap test before the prefixes
 EXIT_LINE = re.compile(r"^\[dflashctl\] \S+ exit (-?\d+)$")
+
 
 @dataclass
 class Finding:
@@ -265,35 +95,6 @@ class Finding:
             self.rank = None  # a host's stream (pdsh) names no rank: its name is in the reason
 
 
-def strip_prefix(line: str) -> tuple[str | None, str]:
-    """(the stream a launcher named, the process's own text): every launcher and timestamp prefix removed, and what a
-    progress bar drew before the text on the same line (`\r` redraws, a bar the message was written onto)."""
-    stream, host = None, None
-    for _ in range(8):
-        for p in RANK_PREFIXES:
-            if m := p.match(line):
-                stream = stream or f"rank{int(m[1])}"
-                line = line[m.end() :]
-                break
-        else:
-            for p in STAMP_PREFIXES:
-                if m := p.match(line):
-                    line = line[m.end() :]
-                    break
-            else:
-                if "\r" in line:
-                    shown = [seg for seg in line.split("\r") if seg.strip()]
-                    line = shown[-1] if shown else ""
-                    continue
-                bar = ("%|" in line or "it [" in line) and len(line) < 4096 and PROGRESS_BAR.match(line)
-                if m := bar or (None if host or stream or ": " not in line[:80] else HOST_PREFIX.match(line)):
-                    host = host or (m[1] if m.re is HOST_PREFIX else None)
-                    line = line[m.end() :]
-                    continue
-                break
-    return stream or host, line
-
-
 @dataclass
 class Log:
     """A log read through its prefixes: the original lines, their text, and the stream of each."""
@@ -301,14 +102,22 @@ class Log:
     raw: list[str]
     plain: list[str]
     streams: list[str | None]
+    names: dict[str, str] = field(default_factory=dict)  # Ray's worker pids -> the rank Ray Train gave them
     _hits: dict[str, list[int]] = field(default_factory=dict, repr=False)
     _tracebacks: list[Traceback] | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, text: str | list[str]) -> Log:
+        """Each line's stream and text, through the table's prefixes and the ones learned from these lines; a hole
+        the reader marked is a stream of its own (it breaks no traceback); Ray's workers are named by their rank."""
         raw = text.splitlines() if isinstance(text, str) else list(text)
-        pairs = [strip_prefix(ln) for ln in raw]
-        return cls(raw, [p[1] for p in pairs], [p[0] for p in pairs])
+        learned = learn_prefix(raw)
+        pairs = [(HOLE, ln) if ln[:1] == HOLE else strip_prefix(ln, learned) for ln in raw]
+        plain, streams = [p[1] for p in pairs], [p[0] for p in pairs]
+        names = ray_ranks(plain, streams) if any(s and s[:3] == "pid" for s in streams) else {}
+        if names:
+            streams = [names.get(s, names.get(s.split("@")[0], s)) if s and s[:3] == "pid" else s for s in streams]
+        return cls(raw, plain, streams, names)
 
     def hits(self, name: str) -> list[int]:
         """The lines a signature matches (computed once per log)."""
@@ -321,11 +130,16 @@ class Log:
     def rank_of(self, indices: list[int]) -> str | None:
         return next((self.streams[i] for i in indices if self.streams[i]), None)
 
+    def rank_only(self, indices: list[int]) -> str | None:
+        """The first rank (`rankN`) these lines came from; a node's, pod's or daemon's name is none."""
+        return next((s for i in indices if (s := self.streams[i]) and s[:4] == "rank"), None)
+
 
 def this_attempt(lines: list[str]) -> list[str]:
     """The lines of the newest attempt: an earlier attempt's failure was judged (and restarted) already."""
-    starts = [i for i, ln in enumerate(lines)
-              if ("[dflashctl]" in ln or "worker group" in ln) and ATTEMPT_START.search(strip_prefix(ln)[1])]
+    maybe = [i for i, ln in enumerate(lines) if "[dflashctl]" in ln or "worker group" in ln]
+    learned = learn_prefix(lines) if maybe else None
+    starts = [i for i in maybe if ATTEMPT_START.search(strip_prefix(lines[i], learned)[1])]
     return lines[starts[-1] :] if starts else lines
 
 
@@ -341,10 +155,10 @@ class Traceback:
 
     @property
     def consequence(self) -> bool:
-        """Raised because something else failed: a wrapper's summary, a signal, a peer gone."""
-        return bool(CONSEQUENCE.search(self.exception) or SIG["peer_lost"].pattern.search(self.exception)
-                    or SIG["nccl_timeout"].pattern.search(self.exception)
-                    or SIG["nccl_network"].pattern.search(self.exception))  # fmt: skip
+        """Raised because something else failed: a wrapper's summary, a signal, a peer gone, a CASCADE line."""
+        exc = self.exception
+        return bool(CONSEQUENCE.search(exc) or SIG["nccl_network"].pattern.search(exc)
+                    or any(s.pattern.search(exc) for s in CASCADE_SIGS))  # fmt: skip
 
 
 def _tracebacks_of(log: Log, stream: str | None) -> list[Traceback]:
@@ -355,7 +169,7 @@ def _tracebacks_of(log: Log, stream: str | None) -> list[Traceback]:
         if not log.plain[idx[k]].startswith("Traceback (most recent call last)"):
             k += 1
             continue
-        frames, code, exc = [], [], None
+        frames, code, exc, wrapped = [], [], None, None
         ignored = k > 0 and log.plain[idx[k - 1]].startswith("Exception ignored in")
         k += 1
         while k < len(idx):
@@ -367,15 +181,19 @@ def _tracebacks_of(log: Log, stream: str | None) -> list[Traceback]:
             elif ln.startswith(" ") or not ln.strip():
                 if ln.strip() and not set(ln.strip()) <= set("^~ "):
                     code.append(ln.strip())
-            elif ln.startswith(("During handling of", "The above exception")):
+            elif ln.startswith(("During handling of", "The above exception")) or POWERSHELL_RECORD.match(ln):
                 pass
+            elif RAY_WRAPPER.match(ln):  # Ray's wrapper: the worker's own frames and exception follow; its pid's rank
+                pid = RAY_PID.search(ln)
+                wrapped = log.names.get(f"pid{''.join(pid.groups(''))}", wrapped) if pid else wrapped
             else:
                 exc = (ln.strip(), idx[k])
                 k += 1
                 break
             k += 1
         if exc or (frames and k >= len(idx)):
-            tb = Traceback(stream or "", exc[0] if exc else "", frames, code, exc[1] if exc else idx[-1],
+            named = stream if stream and stream[:4] == "rank" else wrapped or stream
+            tb = Traceback(named or "", exc[0] if exc else "", frames, code, exc[1] if exc else idx[-1],
                            ignored=ignored)  # fmt: skip
             tb.flex = any(FLEX_FRAME.search(f) for f in frames + code)
             found.append(tb)
@@ -410,12 +228,13 @@ def launcher_exit(log: Log, i: int) -> tuple[str | None, int | None]:
     (its command names the last rank started, not the failed one: no rank), Lightning's `[rank: 1] Child process ...
     terminated with code -9`, Open MPI's `process rank 3 ... exited on signal 9` and its `Process name: [[j,1],3]` /
     `Exit code: 1` pair, pdsh's `pdsh@h: node1: ssh exited with exit code 137` (128 + a signal), accelerate's
-    CalledProcessError and torch.multiprocessing's `process 1 terminated with signal SIGKILL`."""
+    CalledProcessError, torch.multiprocessing's `process 1 terminated with signal SIGKILL` and SkyPilot's `Job 1 failed
+    with return code list: [137, 1]` (137: the nodes SkyPilot cleaned up after the one that failed)."""
     ln = log.plain[i]
     if m := re.search(r"exits with return code = (-?\d+)", ln):
         return log.streams[i], int(m[1])
-    if m := re.search(r"\[rank: (\d+)\] Child process with PID \d+ terminated with code (-?\d+)", ln):
-        return f"rank{m[1]}", int(m[2])
+    if m := re.search(r"(?:\[rank: (\d+)\] )?Child process with PID \d+ terminated with code (-?\d+)", ln):
+        return (f"rank{m[1]}" if m[1] else log.streams[i]), int(m[2])  # Lightning's `[rank: N] ` may be stripped
     if m := re.search(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)", ln):
         return f"rank{m[1]}", -int(m[2])
     if m := re.search(r"(?:pdsh@\S+: )?(\S+): ssh exited with exit code (\d+)", ln):
@@ -426,6 +245,10 @@ def launcher_exit(log: Log, i: int) -> tuple[str | None, int | None]:
     if m := re.search(r"process (\d+) terminated with (?:exit code (\d+)|signal (SIG\w+))", ln):
         signals = {name: n for n, name in SIGNAL_NAMES.items()}
         return f"rank{m[1]}", int(m[2]) if m[2] else -signals.get(m[3], 0) or None
+    if m := re.search(r"failed with return code list:.{0,12}\[([-\d, ]+)\]", ln):  # SkyPilot: one code per node
+        codes = [int(c) for c in m[1].replace(" ", "").split(",") if c]
+        code = next((c for c in codes if c not in (0, 137)), 137 if 137 in codes else None)
+        return None, -9 if code == 137 else code
     if m := re.search(r"Process name:\s*\[\[\d+,\d+\],(\d+)\]", ln):
         code = next((int(c[1]) for nxt in log.plain[i + 1 : i + 4] if (c := re.search(r"Exit code:\s*(-?\d+)", nxt))),
                     None)  # fmt: skip
@@ -539,6 +362,9 @@ def _diverged(log: Log, ctx: Context) -> Finding | None:
         bad = [ln for ln in losses if not all(_finite_text(m[1]) for m in LOSS_VALUE.finditer(ln))]
         return Finding("DIVERGED", "the trainer stopped on a divergence (DivergedError)",
                        [log.plain[stop[-1]], *bad[:1]], log.rank_of(stop))  # fmt: skip
+    checked = log.hits("framework_nan")
+    if checked:
+        return _framework_nan(log, checked)
     values = []  # (line, finite) of the newest loss lines, newest first, through the newest finite one
     for i in range(len(log.plain) - 1, -1, -1):
         if found := list(LOSS_VALUE.finditer(log.plain[i])):
@@ -557,6 +383,25 @@ def _diverged(log: Log, ctx: Context) -> Finding | None:
     ev = [log.plain[first], log.plain[values[-1][0]]]
     ev.append(f"last finite: {log.plain[before]}" if before is not None else "no finite loss in the log")
     return Finding("DIVERGED", f"the loss is non-finite in the last {bad} loss lines", ev)
+
+
+def _rank_at(log: Log, i: int) -> str | None:
+    """The rank line i came from: its prefix's, or that of the traceback it ends (Ray names a worker's by its pid)."""
+    return log.rank_only([i]) or next((tb.stream for tb in tracebacks(log) if tb.at == i and tb.stream[:4] == "rank"),
+                                      None)  # fmt: skip
+
+
+def _framework_nan(log: Log, checked: list[int]) -> Finding:
+    """A framework's own NaN check stopped the job (Megatron, DeepSpeed's loss scaler, Lightning, clip_grad_norm_):
+    the first rank to say so, named by its prefix or by the check's own `Rank N` (Megatron's)."""
+    line = log.plain[checked[0]]
+    who = next((name for rx, name in FRAMEWORK_NAN if rx.search(line)), "a framework's NaN check")
+    said = re.search(r"\bRank (\d+)\b", line)
+    rank = _rank_at(log, checked[0]) or (f"rank{said[1]}" if said else None)
+    where = f" on {rank}" if rank else ""
+    finite = [ln for ln in log.plain[: checked[0]] if LOSS_VALUE.search(ln)][-1:]
+    ev = [line, *(f"last loss line before it: {ln.strip()}" for ln in finite)]
+    return Finding("DIVERGED", f"{who} stopped the job{where}: the loss or a gradient is NaN/inf", ev, rank)
 
 
 def _disk_full(log: Log, ctx: Context) -> Finding | None:
@@ -625,17 +470,38 @@ def _memory(log: Log, ctx: Context) -> Finding | None:
 
 
 def _recompile(log: Log, ctx: Context) -> Finding | None:
-    rec = log.hits("recompile_limit")
-    if not rec:
+    """Dynamo's recompile limit: its warning, or the exception it raises instead (FailOnRecompileLimitHit, with the
+    warning silenced or not; the `fail_on_recompile` stance's RuntimeError), with the function, the last reason and
+    the guard failures that follow it."""
+    raised, rec = log.hits("recompile_raised"), log.hits("recompile_limit")
+    if not raised and not rec:
         return None
-    i = rec[-1]
-    ev = [log.plain[i]] + [ln.strip() for ln in log.plain[i + 1 : i + 4] if "function:" in ln or "last reason" in ln]
-    return Finding("RECOMPILE_LIMIT", "Dynamo hit its recompile limit", ev)
+    if not raised:
+        i = rec[-1]
+        said = [ln.strip() for ln in log.plain[i + 1 : i + 4] if "function:" in ln or "last reason" in ln]
+        ev = [log.plain[i], *said]
+        return Finding("RECOMPILE_LIMIT", "Dynamo hit its recompile limit", ev, log.rank_of(rec))
+    i = raised[0]
+    rank = _rank_at(log, i)
+    stance = "fail_on_recompile'" in log.plain[i]
+    why = (
+        "Dynamo refused to recompile (torch.compile's fail_on_recompile stance): a shape outside the compiled set"
+        if stance
+        else "Dynamo hit its recompile limit and raised FailOnRecompileLimitHit"
+    )
+    after = [ln.strip() for ln in log.plain[i + 1 : i + 6] if ln.strip().startswith(("triggered by", "- ", "function:",
+                                                                                      "last reason"))][:3]  # fmt: skip
+    ev = [log.plain[i], *after, *(log.plain[j] for j in rec[-1:])]
+    return Finding("RECOMPILE_LIMIT", f"{why}{f' on {rank}' if rank else ''}", ev, rank)
 
 
 def _host_oom(log: Log, ctx: Context) -> Finding | None:
     """A rank killed by SIGKILL with no Python error of its own: the kernel's OOM killer, unless the kernel log or the
-    cgroup says otherwise (assess confirms with the cgroup's count)."""
+    cgroup says otherwise (assess confirms with the cgroup's count). A memory monitor's kill (Ray's, Kubernetes',
+    systemd-oomd, earlyoom) is its own confirmation."""
+    monitored = _memory_monitor(log)
+    if monitored:
+        return monitored
     loader = log.hits("dataloader_killed")
     if loader:
         return Finding("HOST_OOM", "a dataloader worker was killed by SIGKILL: likely the kernel's OOM killer (host "
@@ -653,24 +519,62 @@ def _host_oom(log: Log, ctx: Context) -> Finding | None:
     rank = root or log.rank_of(killed)
     where = f" {rank}" if rank else " a process"
     ev = [log.plain[i] for i in kernel[-1:]] + [log.plain[i] for i in killed[-2:]]
+    ev = ev or [log.plain[i] for i in (log.hits("launcher_exit") + log.hits("srun_task_exit"))[:1]]  # a launcher's
     if kernel:
         return Finding("HOST_OOM", f"{where.strip()} was killed by SIGKILL: confirmed by the kernel log", ev, rank)
     return Finding("HOST_OOM", f"{where.strip()} was killed by SIGKILL: likely the kernel's OOM killer (host RAM)", ev,
                    rank, advice=SIGKILL_ADVICE)  # fmt: skip
 
 
-SLURM_SIGS = ("slurm_time_limit", "slurm_preempted", "slurm_node_fail", "slurm_cancelled")
-SLURM_REASON = {"TIMEOUT": "Slurm cancelled the job: out of wall time", "PREEMPTED": "Slurm preempted the job",
-                "NODE_FAIL": "Slurm ended the job: a node failed",
-                "CANCELLED": "the Slurm job was cancelled (scancel, or an administrator)"}  # fmt: skip
+def _memory_monitor(log: Log) -> Finding | None:
+    """A memory monitor killed a process (the root: Ray's TrainingFailedError and the survivors' timeouts follow),
+    unless a rank had failed by itself before it. Ray's message names the pid it killed: its rank, where Ray Train
+    printed one."""
+    monitored = sorted((i, name) for name in MEMORY_MONITORS for i in log.hits(name))
+    if not monitored:
+        return None
+    first, name = monitored[0]
+    is_monitor = [s.pattern for s in SIGNATURES if s.name in MEMORY_MONITORS]
+    if any(not tb.consequence and tb.at < first and not any(p.search(tb.exception) for p in is_monitor)
+           for tb in tracebacks(log)):  # fmt: skip
+        return None
+    target = _killed(log, monitored)
+    detail = [ln for ln in log.plain[first + 1 : first + 3] if ln.startswith(("Memory on the node", "sending SIG"))]
+    ev = [ln.strip() for ln in (log.plain[first], *detail[:1], *(log.plain[i] for i, _ in monitored[1:2]))]
+    who, why = MEMORY_MONITORS[name]
+    rank = target if target and target[:4] == "rank" else None
+    return Finding("HOST_OOM", f"{who} killed {target or 'a process'}: {why} (confirmed by {who})",
+                   list(dict.fromkeys(ev)), rank, advice=SIG[name].advice)  # fmt: skip
 
 
-def _slurm_end(log: Log, ctx: Context) -> Finding | None:
-    """Slurm's own end lines, unless a rank had already failed by itself before them (then that is the cause and
-    the job hung until Slurm ended it); the SIGTERM tracebacks after them are their consequence. A node failure
-    also outranks the timeouts and network errors before its line (the other nodes lost it first); any other end
-    (a step cancelled once a task failed) does not."""
-    ends = sorted((i, name) for name in SLURM_SIGS for i in log.hits(name))
+KILLED_NAMED = (re.compile(r'sending SIG\w+ to process (\d+) uid \d+ "([^"]*)"'),  # earlyoom: "python3" (pid 4411)
+                re.compile(r"Killed (\S+) due to memory"),  # systemd-oomd: the unit's cgroup
+                re.compile(r"^(\S+)\s+\d+/\d+\s+OOMKilled\b"))  # kubectl get pods: the pod  # fmt: skip
+
+
+def _killed(log: Log, monitored: list[tuple[int, str]]) -> str | None:
+    """What a memory monitor killed, as it names it: a rank (the prefix's, or Ray's pid that Ray Train ranked), a pid,
+    a process, a unit, a pod."""
+    at = [i for i, _ in monitored]
+    pids = ["".join(p) for i in at for ln in log.plain[i : i + 2] for p in RAY_PID.findall(ln)]
+    ranked = [log.names[f"pid{p}"] for p in pids if f"pid{p}" in log.names]
+    if log.rank_only(at) or ranked:
+        return log.rank_only(at) or ranked[0]
+    for i in at:
+        for rx in KILLED_NAMED:
+            m = rx.search(log.plain[i])
+            if m:
+                return f'"{m[2]}" (pid {m[1]})' if m.lastindex == 2 else m[1].rsplit("/", 1)[-1]
+    return f"pid {pids[0]}" if pids else None
+
+
+def _scheduler_end(log: Log, ctx: Context) -> Finding | None:
+    """The scheduler's or the cloud's own end lines (Slurm's ends, a spot or preemptible VM reclaimed, a pod evicted),
+    unless a rank had already failed by itself before them (then that is the cause and the job hung until it was
+    ended); the SIGTERM tracebacks after them are their consequence. A node failure also outranks the timeouts and
+    network errors before its line (the other nodes lost it first); any other end (a step cancelled once a task
+    failed) does not."""
+    ends = sorted((i, name) for name in SCHEDULER_ENDS for i in log.hits(name))
     if not ends:
         return None
     first, name = ends[0]
@@ -679,8 +583,16 @@ def _slurm_end(log: Log, ctx: Context) -> Finding | None:
         before += [i for i in log.hits("nccl_timeout") + log.hits("nccl_network") if i < first]
     if before or any(not tb.consequence and tb.at < first for tb in tracebacks(log)):
         return None
-    state = SIG[name].state
-    return Finding(state, SLURM_REASON[state], [log.plain[first], *[log.plain[i] for i, _ in ends[1:2]]])
+    sig = SIG[name]
+    said = _evicted_why(log) if name == "k8s_evicted" else None
+    reason = f"{END_REASON[name]} ({said})" if said else END_REASON[name]
+    return Finding(sig.state, reason, [log.plain[first], *[log.plain[i] for i, _ in ends[1:2]]], advice=sig.advice)
+
+
+def _evicted_why(log: Log) -> str:
+    """Why Kubernetes evicted the pod, in its words: the kubelet's resource, a node shutdown, a preemptor."""
+    said = [SIG["k8s_evicted"].pattern.search(log.plain[i])[1] for i in log.hits("k8s_evicted")]
+    return next((w for w in said if not w.startswith("Reason") and "Evicted" not in w), said[0])
 
 
 def _config(log: Log, ctx: Context) -> Finding | None:
@@ -768,7 +680,7 @@ def _network(log: Log, ctx: Context) -> Finding | None:
         return None
     first = net[0]
     where = f" on {log.streams[first]}" if log.streams[first] else ""
-    what = (SIG["nccl_network"].pattern.search(log.plain[first]) or SIG["peer_lost"].pattern.search(log.plain[first]))
+    what = SIG["nccl_network"].pattern.search(log.plain[first]) or SIG["peer_lost"].pattern.search(log.plain[first])
     what = what[1].strip()
     ev = list(dict.fromkeys([log.plain[first].strip(), log.plain[net[-1]].strip()]))
     ev += [log.plain[i] for i in log.hits("nccl_timeout")[:1]]
@@ -785,7 +697,7 @@ def _nccl(log: Log, ctx: Context) -> Finding | None:
 
 
 # The rules in root-cause order: the first that finds something names the failure
-RULES = (gpu_fault, _dense_guard, _diverged, _disk_full, _memory, _recompile, _slurm_end, _host_oom, _config,
+RULES = (gpu_fault, _dense_guard, _diverged, _disk_full, _memory, _recompile, _scheduler_end, _host_oom, _config,
          _crashed, _network, _nccl)  # fmt: skip
 
 
@@ -805,8 +717,9 @@ def classify_log(text: str | list[str], gpu_total_gib: float | None = None, disk
 def normal_end_at(lines: list[str]) -> int | None:
     """The index of the newest line that says the log ended normally (the trainer's finish line, run.sh's `exit 0`,
     HF Trainer's `train_runtime`, Lightning's stop at max_steps / max_epochs), or None."""
-    return next((i for i in range(len(lines) - 1, -1, -1) if any(w in lines[i] for w in FINISHED_WORDS)
-                 and FINISHED_LINE.search(strip_prefix(lines[i])[1].strip())), None)  # fmt: skip
+    maybe = [i for i in range(len(lines) - 1, -1, -1) if any(w in lines[i] for w in FINISHED_WORDS)]
+    learned = learn_prefix(lines) if maybe else None
+    return next((i for i in maybe if FINISHED_LINE.search(strip_prefix(lines[i], learned)[1].strip())), None)
 
 
 def cut_traceback(lines: list[str]) -> list[str]:
@@ -824,7 +737,9 @@ def cut_traceback(lines: list[str]) -> list[str]:
 
 def exit_line(lines: list[str]) -> int | None:
     """The exit status run.sh wrote at the end of the attempt, if the log has it."""
-    for ln in reversed(lines):
-        if "[dflashctl]" in ln and (m := EXIT_LINE.match(strip_prefix(ln)[1].strip())):
+    maybe = [ln for ln in reversed(lines) if "[dflashctl]" in ln]
+    learned = learn_prefix(lines) if maybe else None
+    for ln in maybe:
+        if m := EXIT_LINE.match(strip_prefix(ln, learned)[1].strip()):
             return int(m[1])
     return None
