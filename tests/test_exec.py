@@ -113,6 +113,36 @@ def test_a_timeout_ends_the_remote_process_group(job):
     assert res.code == 124 and pids_with("4744") == [], res
 
 
+def test_a_timeout_ends_what_the_command_left_in_sessions_of_their_own(job):
+    """A child that called setsid is in a group of its own: `timeout` alone never reaches it, and one holding the
+    output kept the call open (47 s for --timeout 3). Found by the exec's own tag, they end with the call: one that
+    ignores SIGTERM and one that holds no output too. Another exec's command, running beside it, is left alone."""
+    job_id, _ = job
+    other = subprocess.Popen([sys.executable, "-m", "dflashctl", "exec", job_id, "--", "setsid sleep 4753; :"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        wait_until(lambda: pids_with("4753"), timeout=60)
+        res = run_cli("exec", job_id, "--timeout", "2", "--", "setsid sleep 4747 & setsid bash -c "
+                      "'trap \"\" TERM; sleep 4748; :' & setsid sleep 4750 </dev/null >/dev/null 2>&1 & echo started")
+        assert res.code == 124 and res.stdout == "started\n", res
+        assert "sessions of their own" in res.stderr, res.stderr
+        assert pids_with("4747") == pids_with("4748") == pids_with("4750") == [], "outlived the call"
+        assert pids_with("4753") and other.poll() is None, "another exec's command was taken"
+    finally:
+        for p in pids_with("4753"):
+            os.kill(p, signal.SIGKILL)
+        other.wait(60)
+
+
+def test_a_timeout_not_reached_keeps_the_commands_status_and_leaves_nothing(job):
+    """What the command left ends by itself before the deadline: the call returns then, with the command's own
+    status, and its clock (`sleep S`) is gone with it."""
+    job_id, _ = job
+    res = run_cli("exec", job_id, "--timeout", "4751", "--", "setsid sleep 1 & exit 4")
+    assert res.code == 4 and "sessions of their own" not in res.stderr, res
+    assert pids_with("4751.0") == []
+
+
 def test_an_execd_process_survives_a_kill_of_the_job_and_carries_its_own_tag(job):
     job_id, run = job
     proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "exec", job_id, "--", "sleep", "4745"],

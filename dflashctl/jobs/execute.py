@@ -6,15 +6,17 @@ ends what `exec` started, found by the exec's own tag.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shlex
+import time
 from pathlib import Path
 
 from dflashctl.config import HostConfig, resolve_host
-from dflashctl.errors import ConfigError
+from dflashctl.errors import ConfigError, RefusedError
 from dflashctl.jobs.jobctl import check_number, find_job
-from dflashctl.jobs.registry import JobRecord
+from dflashctl.jobs.registry import REMOVED, JobRecord
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner
 from dflashctl.remote.sync import read_remote_state
@@ -22,30 +24,86 @@ from dflashctl.remote.sync import read_remote_state
 
 def _where(spec: str, root: Path, is_host: bool) -> tuple[HostConfig, str | None, str | None, str]:
     """(host, remote working dir, env file, tag) for `exec`/`shell`: a job's release, its job.env and the job's tag,
-    or a host's deployed code (None: found on the remote) with neither."""
+    or a host's deployed code (None: found on the remote) with neither. A job whose run dir `gc` removed is refused
+    here, with who removed it and when: nothing of it is left to run in."""
     if is_host:
         return resolve_host(spec, root), None, None, ""
     job = find_job(spec, str(root))
+    if job.state == REMOVED:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.removed_at)) if job.removed_at else "a time unknown"
+        raise RefusedError(f"{job.id}: its run dir (environment, logs) was removed by {job.removed_by or 'someone'} "
+                           f"at {when} (`dflashctl gc`): launch the job again, or drop the record with "
+                           f"`dflashctl ls --forget {job.id}`")  # fmt: skip
     workdir = os.path.dirname(os.path.dirname(job.run_dir))
     return job.host, f"{workdir}/releases/{job.release}", f"{job.run_dir}/{session.ENV_FILE}", job.tag
 
 
-# $1 the directory, $2 the job's env file (or ""), $3 the timeout (or ""), $4 the exec's own tag (or ""), then the
-# command. The job's DFLASHCTL_JOB_ID is replaced by the exec's own tag (kept in DFLASHCTL_EXEC_OF), so that a stop
+KILL_AFTER_S = 5  # SIGKILL this long after the SIGTERM, for a command (or a descendant) that ignores it
+
+# The job's environment for exec and shell: once the job has ended for good its secrets were scrubbed from the run dir
+# (`NAME=***` in job.env, their fingerprints in .redact.json beside it; so is any variable that held a secret's
+# value): those are unset, never passed on as the literal `***` (an unquoted `$TOKEN` globs into a file listing),
+# and a note on stderr names them.
+LOAD_JOB_ENV = session.LOAD_ENV + r"""
+load_job_env() {
+  local kv scrubbed=""
+  [ -f "${1%/*}/.redact.json" ] || { load_env "$1"; return; }
+  while IFS= read -r -d "" kv; do
+    if [ "${kv#*=}" != "***" ]; then export "$kv" || return 1; continue; fi
+    unset -v "${kv%%=*}" 2>/dev/null; scrubbed="$scrubbed ${kv%%=*}"
+  done < "$1"
+  [ -z "$scrubbed" ] || echo "dflashctl: the job has ended and its secrets were scrubbed from its run dir;" \
+    "unset here:$scrubbed" >&2
+}
+"""
+
+# $1 the directory, $2 the job's env file (or ""), $3 the timeout (or ""), $4 the exec's own tag, then the command.
+# The job's DFLASHCTL_JOB_ID is replaced by the exec's own tag (the job's kept in DFLASHCTL_EXEC_OF), so that a stop
 # or restart of the job, which finds its processes by that tag, leaves a debugging command alone (`kill --all` asks
 # for them too). The command runs as a child, not exec'd: a signal's death reaches us as 128+N, not ssh's 255.
-# `timeout` puts the command in a process group of its own and signals the whole group when it fires.
-EXEC_SCRIPT = session.LOAD_ENV + """
-cd -P -- "$1" || exit 126  # -P: the release itself, should a deploy switch `code` meanwhile
-if [ -n "$2" ] && ! load_env "$2"; then
+# Only the command is given the tag (an assignment before it), never this script, so the script's own helpers (grep,
+# sleep) are never taken for the command's.
+# A timeout: `timeout` signals the command's process group when it fires, but a descendant that called setsid is in
+# a group of its own and would hold the channel open (the call returned after 47 s for `--timeout 3`). So once the
+# command has returned, whatever still carries its tag gets the rest of the time (a `sleep` is the clock:
+# monotonic), then SIGTERM, KILL_AFTER_S more, then SIGKILL; the status is then 124.
+EXEC_SCRIPT = LOAD_JOB_ENV + r"""
+left() {  # the pids that still carry this exec's tag: the command's descendants, in sessions of their own too
+  local f; pids=()
+  for f in $(grep -lsFxz -e "DFLASHCTL_JOB_ID=$tag" /proc/[0-9]*/environ); do
+    f="${f#/proc/}"; pids+=("${f%/environ}")
+  done
+  [ ${#pids[@]} -gt 0 ]
+}
+wait_while_left() { while left && kill -0 "$1" 2>/dev/null; do sleep 0.1; done; }
+if [ -n "$2" ] && [ ! -d "${2%/*}" ]; then
+  echo "dflashctl exec: the job's run dir ${2%/*} is gone (\`dflashctl gc\` elsewhere, or by hand)" >&2; exit 126
+fi
+if ! cd -P -- "$1" 2>/dev/null; then  # -P: the release itself, should a deploy switch `code` meanwhile
+  echo "dflashctl exec: $1 is not there (a release collected since, or nothing deployed yet)" >&2; exit 126
+fi
+if [ -n "$2" ] && ! load_job_env "$2"; then
   echo "dflashctl exec: the job's environment $2 cannot be read (a job launched before job.env existed?)" >&2; exit 126
 fi
+if [ -n "$2" ]; then export DFLASHCTL_EXEC_OF="${DFLASHCTL_JOB_ID-}"; else unset DFLASHCTL_EXEC_OF; fi
 t="$3"; tag="$4"; shift 4
-[ -n "$tag" ] && export DFLASHCTL_EXEC_OF="${DFLASHCTL_JOB_ID-}" DFLASHCTL_JOB_ID="$tag"
-if [ -n "$t" ]; then timeout -k 5 "$t" "$@"; else "$@"; fi
-exit $?
-"""
-KILL_AFTER_S = 5  # the `timeout -k`: SIGKILL this long after the SIGTERM, for a command that ignores it
+unset -f load_env load_job_env
+if [ -z "$t" ]; then unset -f left wait_while_left; DFLASHCTL_JOB_ID="$tag" "$@"; exit $?; fi
+sleep "$t" </dev/null >/dev/null 2>&1 & clock=$!
+DFLASHCTL_JOB_ID="$tag" timeout -k KILL_AFTER_S "$t" "$@"; rc=$?
+wait_while_left "$clock"
+if left; then
+  echo "dflashctl exec: --timeout $t: ending what the command left running in sessions of their own: ${pids[*]}" >&2
+  kill -TERM "${pids[@]}" 2>/dev/null; kill -CONT "${pids[@]}" 2>/dev/null
+  sleep KILL_AFTER_S </dev/null >/dev/null 2>&1 & grace=$!
+  wait_while_left "$grace"
+  for _ in 1 2 3; do left && kill -KILL "${pids[@]}" 2>/dev/null && sleep 0.1; done
+  kill "$grace" 2>/dev/null
+  rc=124
+fi
+kill "$clock" 2>/dev/null
+exit $rc
+""".replace("KILL_AFTER_S", str(KILL_AFTER_S))
 
 
 def end_execs(spec: str | None, project: str, grace_s: float = 5.0, accept_new: bool = False) -> dict:
@@ -69,37 +127,39 @@ def exec_argv(command: list[str]) -> list[str]:
 def exec_command(spec: str, command: list[str], root: Path, is_host: bool = False, accept_new: bool = False,
                  timeout: float | None = None, stdin=None) -> dict:  # fmt: skip
     """Run one command on a job's host (in its container) in the job's release with the job's very environment
-    (job.env), or on a host in its deployed code: {exit, stdout, stderr}. `timeout` (> 0 s) ends the command's
-    whole process group on the remote; `stdin` (a stream) is passed through."""
+    (job.env), or on a host in its deployed code: {exit, stdout, stderr}. `timeout` (> 0 s) bounds the whole call:
+    the command's process group and its descendants in sessions of their own (by the exec's tag) are ended on the
+    remote; `stdin` (a stream) is passed through, and its reader is done before this returns."""
     from dflashctl.remote.transport import UserStdin
 
     if not command:
         raise ConfigError("exec", "COMMAND", "nothing to run: give a command after --")
     check_number("--timeout", timeout, positive=True)
     host, cwd, env, tag = _where(spec, root, is_host)
-    own_tag = f"{tag}.exec.{secrets.token_hex(4)}" if tag else ""
+    own_tag = f"{tag or 'host'}.exec.{secrets.token_hex(4)}"  # what finds the command's descendants at a timeout
     with open_runner(host, accept_new) as runner:
         if is_host:
             abs_wd, _, _ = read_remote_state(runner, host.workdir)
             cwd = f"{abs_wd}/code"
         argv = ["bash", "--noprofile", "--norc", "-c", EXEC_SCRIPT, "dflashctl-exec", cwd or "", env or "",
                 repr(float(timeout)) if timeout else "", own_tag, *exec_argv(command)]  # fmt: skip
-        local_limit = timeout + KILL_AFTER_S + 30 if timeout else None  # the remote's own timeout fires first
-        res = runner.run(argv, timeout=local_limit, stdin=UserStdin(stdin) if stdin is not None else None)
-    return {"host": host.name, "cwd": cwd, "exit": res.returncode, "tag": own_tag or None,
+        local_limit = timeout + 2 * KILL_AFTER_S + 30 if timeout else None  # the remote's own deadline comes first
+        with UserStdin(stdin) if stdin is not None else contextlib.nullcontext() as passed:
+            res = runner.run(argv, timeout=local_limit, stdin=passed)
+    return {"host": host.name, "cwd": cwd, "exit": res.returncode, "tag": own_tag,
             "stdout": res.stdout.decode(errors="replace"), "stderr": res.stderr.decode(errors="replace")}  # fmt: skip
 
 
 # $1 the directory (a leading ~/ is the remote's $HOME), $2 the job's env file (or ""). The interactive shell's rc
-# file reads the user's ~/.bashrc, then the job's environment, then enters the directory: the values travel as
-# arguments and are quoted by printf %q on the remote, never pasted into a script.
-SHELL_SCRIPT = session.LOAD_ENV + """
+# file reads the user's ~/.bashrc, then the job's environment (as exec does), then enters the directory: the values
+# travel as arguments and are quoted by printf %q on the remote, never pasted into a script.
+SHELL_SCRIPT = LOAD_JOB_ENV + """
 d="$1"; case "$d" in "~") d="$HOME";; "~/"*) d="$HOME/${d#"~/"}";; esac
 if [ -n "$2" ] && ! [ -r "$2" ]; then echo "dflashctl shell: the job's environment $2 cannot be read" >&2; exit 126; fi
 exec bash --rcfile <(
   echo '[ -f ~/.bashrc ] && . ~/.bashrc'
-  declare -f load_env
-  [ -n "$2" ] && printf 'load_env %q\\n' "$2"
+  declare -f load_env load_job_env
+  [ -n "$2" ] && printf 'load_job_env %q\\n' "$2"
   printf 'cd -- %q || echo "dflashctl shell: cannot enter that directory" >&2\\n' "$d"
 ) -i
 """

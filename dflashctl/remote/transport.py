@@ -8,11 +8,14 @@ values as positional arguments, so no value is ever pasted into a script.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import shlex
 import subprocess
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -25,6 +28,7 @@ CHUNK = 256 * 1024
 
 # ssh client settings, one reason each.
 MAX_OUTPUT_CAPTURED = 64 << 20  # a runaway command must not take all our memory: the rest is read and dropped
+AFTER_TIMEOUT_S = 2.0  # a timed-out command's output still in flight: read this long more, then return without it
 
 
 @dataclass
@@ -71,19 +75,98 @@ def _chunks(stdin: bytes | BinaryIO | None) -> list[bytes] | BinaryIO | None:
     return stdin
 
 
-@dataclass
 class UserStdin:
-    """A user's own stdin passed through (`exec`): fed from a thread of its own, so that a command that ends without
-    reading it all is not kept waiting on a pipe that never closes."""
+    """A user's own stdin passed through (`exec`), fed from a thread of its own, so that a command that ends without
+    reading it all is not kept waiting on a pipe that never closes.
 
-    stream: BinaryIO
+    The thread reads the file descriptor itself (poll, then os.read), never through `sys.stdin.buffer`: a thread
+    blocked inside that buffered reader holds its lock, and the interpreter's exit, which closes the standard
+    streams, then aborts the process ("_enter_buffered_busy: could not acquire lock for <stdin>", exit 134) however
+    the command ended. `stop()` (or leaving the `with`) wakes the thread and waits for it, so none is reading when
+    the command's exit status is returned."""
+
+    JOIN_S = 2.0  # a thread still writing after this is stuck in a pipe a leftover process holds: left, lock-free
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream = stream
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def start(self, write: Callable[[bytes], object], close: Callable[[], object], progress: Progress | None) -> None:
+        self._thread = threading.Thread(target=self._pump, args=(write, close, progress), daemon=True,
+                                        name="dflashctl-stdin")  # fmt: skip
+        self._thread.start()
+
+    def stop(self) -> None:
+        """The command has ended: wake the thread from its wait for input and wait for it to end (idempotent)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        if self._thread is not None:
+            self._thread.join(self.JOIN_S)
+        if self._thread is None or not self._thread.is_alive():  # else it may still poll them: leave both open
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def __enter__(self) -> UserStdin:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _chunks(self) -> Iterator[bytes]:
+        try:
+            fd = self.stream.fileno()
+        except (AttributeError, OSError, ValueError):  # an in-memory stream: nothing to poll, read it as it is
+            yield from iter(lambda: self.stream.read(CHUNK), b"")
+            return
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        while True:
+            ready = {f for f, _ in poller.poll()}
+            if self._wake_r in ready:
+                return
+            try:
+                chunk = os.read(fd, CHUNK)  # POLLHUP or POLLERR also wake us: the read says which (EOF, an error)
+            except BlockingIOError:  # someone else made the descriptor non-blocking: wait for data again
+                continue
+            if not chunk:
+                return
+            yield chunk
+
+    def _pump(self, write: Callable[[bytes], object], close: Callable[[], object], progress: Progress | None) -> None:
+        try:
+            for chunk in self._chunks():
+                write(chunk)
+                if progress:
+                    progress(len(chunk))
+        except OSError:
+            pass  # the command exited without reading all of it, or stdin failed: its exit status says why
+        finally:
+            with contextlib.suppress(Exception):  # the channel may be gone with the command: nothing left to tell
+                close()
 
 
 def feed(write: Callable[[bytes], object], close: Callable[[], object], stdin, progress: Progress | None) -> None:
     if isinstance(stdin, UserStdin):
-        threading.Thread(target=_feed, args=(write, close, stdin.stream, progress), daemon=True).start()
+        stdin.start(write, close, progress)
     else:
         _feed(write, close, stdin, progress)
+
+
+def fd_writer(fd: int) -> Callable[[bytes], None]:
+    """Write all of each chunk to a descriptor with no buffered object's lock held while it blocks."""
+
+    def write(chunk: bytes) -> None:
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(fd, view) :]
+
+    return write
 
 
 def _feed(write: Callable[[bytes], object], close: Callable[[], object], stdin, progress: Progress | None) -> None:
@@ -180,12 +263,15 @@ class LocalRunner(Runner):
         out, err = bytearray(), bytearray()
 
         def drain(stream, sink: bytearray, hear: Heard | None) -> None:
+            fd = stream.fileno()  # read raw: a reader left blocked (below) holds no buffered object's lock
             try:
-                for block in iter(lambda: stream.read1(CHUNK), b""):
+                for block in iter(lambda: os.read(fd, CHUNK), b""):
                     if hear:
                         hear(block)
                     if len(sink) < MAX_OUTPUT_CAPTURED:
                         sink.extend(block[: MAX_OUTPUT_CAPTURED - len(sink)])
+            except OSError:
+                pass
             finally:
                 if hear:
                     hear(b"")
@@ -196,13 +282,21 @@ class LocalRunner(Runner):
         ]
         for t in readers:
             t.start()
-        if stdin is not None:
+        if isinstance(stdin, UserStdin):  # fed from its own thread: a raw write holds no lock while it blocks
+            feed(fd_writer(proc.stdin.fileno()), proc.stdin.close, stdin, progress)
+        elif stdin is not None:
             feed(proc.stdin.write, proc.stdin.close, stdin, progress)
+        timed_out = False
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            timed_out = True
             proc.kill()
             proc.wait()
-        for t in readers:
-            t.join()
+        for t in readers:  # after a timeout, a process the command left may hold its output open: not waited for
+            t.join(AFTER_TIMEOUT_S if timed_out else None)
+        if isinstance(stdin, UserStdin):
+            stdin.stop()
+        if timed_out:
+            return Result(argv, 124, bytes(out), bytes(err) + b"dflashctl: command timed out\n")
         return Result(argv, proc.returncode, bytes(out), bytes(err))
