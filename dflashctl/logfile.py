@@ -269,8 +269,10 @@ def _text_start(f, size: int) -> int:
     except (AttributeError, ValueError):  # no SEEK_DATA here, or no file descriptor
         pos = 0
     f.seek(pos)
+    step = SNIFF  # a log that starts with text costs one small read; a hole, reads that grow to a block
     while pos < size:
-        block = f.read(BLOCK)
+        block = f.read(step)
+        step = min(BLOCK, step * 8)
         if not block:
             return size
         rest = block.lstrip(b"\0")

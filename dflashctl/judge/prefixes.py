@@ -17,18 +17,25 @@ from dataclasses import dataclass
 RANK, NODE = "rank", "node"  # a process rank (torchrun, srun, mpirun) outranks a node, pod or worker name
 
 
+DIGITS, UPPER, LOWER = "0123456789", "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz"
+FIRST_OF = {"srun_label": " " + DIGITS, "torchx": UPPER + LOWER + "_", "pdsh": LOWER}  # the rest start with [ or (
+
+
 @dataclass(frozen=True)
 class Launcher:
-    """One launcher's prefix: its pattern (group `id` is the rank or name it gives), what the id is, a real sample."""
+    """One launcher's prefix: its pattern (group `id` is the rank or name it gives), what the id is, a real sample,
+    and the characters a line with this prefix can start with (a cheap test before the pattern)."""
 
     name: str
     kind: str
     pattern: re.Pattern[str]
     sample: str
+    first: str
 
 
 def _launcher(name: str, kind: str, pattern: str, sample: str) -> Launcher:
-    return Launcher(name, kind, re.compile(pattern), sample)
+    first = pattern[2] if pattern[1:3] in ("\\[", "\\(") else FIRST_OF[name]
+    return Launcher(name, kind, re.compile(pattern), sample, first)
 
 
 # fmt: off
@@ -75,6 +82,13 @@ STAMP_PREFIXES = (
     re.compile(r"^\[(?:[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d{2}:\d{2}:\d{2} \d{4}|\s*\d+\.\d{6})\] ?"),  # dmesg
     re.compile(r"^[\w.-]+\.exe : (?=\S)"),  # Windows PowerShell's ErrorRecord of a native command's stderr line
 )
+# What each stamp can start with, in STAMP_PREFIXES' order: a line is tried only against those its first character fits
+STAMP_FIRST = ("[", "[EWIFD", "[" + DIGITS, "[" + DIGITS, UPPER, UPPER, DIGITS, "DIWEC", "[",
+               UPPER + LOWER + DIGITS + "_.-")  # fmt: skip
+BY_FIRST = {chr(c): (tuple(la for la in LAUNCHERS if chr(c) in la.first),
+                     tuple(p for p, f in zip(STAMP_PREFIXES, STAMP_FIRST) if chr(c) in f))  # noqa: B905 (3.8)
+            for c in range(128)}  # fmt: skip
+NONE_FIRST: tuple[tuple, tuple] = ((), ())
 # A tqdm progress bar that the next message was written onto (`Epoch 2: 100%|####| 9/9 [00:01<00:00]Traceback ...`)
 PROGRESS_BAR = re.compile(r"^[^|\r]{0,80}?(?:\d{1,3}%\|[^|]*\|[^\[\]]*|\d+it ?)\[[^\]]*\]\s*(?=\S)")
 ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
@@ -106,7 +120,8 @@ def strip_prefix(line: str, learned: Learned | None = None) -> tuple[str | None,
         line = RAY_DEDUP.sub("", line)
     rank, node = None, None
     for _ in range(8):
-        m, launcher = _launcher_match(line, rank or node)
+        launchers, stamps = BY_FIRST.get(line[:1], NONE_FIRST)
+        m, launcher = _launcher_match(line, launchers, rank or node)
         if m:
             if launcher.kind == RANK:
                 rank = rank or f"rank{int(m['id'])}"
@@ -114,7 +129,7 @@ def strip_prefix(line: str, learned: Learned | None = None) -> tuple[str | None,
                 node = node or _node_name(m, launcher)
             line = line[m.end() :]
             continue
-        stamp = next((s for p in STAMP_PREFIXES if (s := p.match(line))), None)
+        stamp = next((s for p in stamps if (s := p.match(line))), None)
         if stamp:
             line = line[stamp.end() :]
             continue
@@ -135,9 +150,10 @@ def strip_prefix(line: str, learned: Learned | None = None) -> tuple[str | None,
     return rank or node, line
 
 
-def _launcher_match(line: str, named: str | None) -> tuple[re.Match[str] | None, Launcher]:
+def _launcher_match(line: str, launchers: tuple[Launcher, ...], named: str | None) -> tuple[re.Match[str] | None,
+                                                                                             Launcher]:  # fmt: skip
     """The first launcher prefix at the start of the line; pdsh's host only where nothing was named yet."""
-    for launcher in LAUNCHERS if line else ():
+    for launcher in launchers:
         if launcher.name == "pdsh" and (named or ": " not in line[:80]):
             continue
         m = launcher.pattern.match(line)

@@ -5,6 +5,7 @@ from it are logs.py's.
 
 from __future__ import annotations
 
+import bisect
 import re
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ COLLECTIVE_ABORT = re.compile(r"instance of 'c10::DistBackendError|what\(\):.*(?
 # What ends a rank from outside its own code: a collective timed out, the network broke, a peer or a node was lost
 COLLECTIVE_CAUSES = ("nccl_timeout", "nccl_network", "slurm_node_fail")  # and a lost peer, where the watchdog aborted
 
+NEWLINE = re.compile(rb"\n")
 SIGNAL_NAMES = {1: "SIGHUP", 2: "SIGINT", 6: "SIGABRT", 7: "SIGBUS", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM"}
 
 # The start of an attempt: run.sh's line, and torchrun restarting its worker group
@@ -70,6 +72,8 @@ class Log:
     streams: list[str | None]
     names: dict[str, str] = field(default_factory=dict)  # Ray's worker pids -> the rank Ray Train gave them
     _hits: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    _low: bytes | None = field(default=None, repr=False)  # the text, lower-cased, one line per line
+    _newlines: list[int] = field(default_factory=list, repr=False)  # where each line of _low ends
     _tracebacks: list[Traceback] | None = field(default=None, repr=False)
 
     @classmethod
@@ -86,12 +90,33 @@ class Log:
         return cls(raw, plain, streams, names)
 
     def hits(self, name: str) -> list[int]:
-        """The lines a signature matches (computed once per log)."""
+        """The lines a signature matches (computed once per log): its pattern runs on the lines its needles are in."""
         if name not in self._hits:
-            pattern, unless = SIG[name].pattern, SIG[name].unless
-            self._hits[name] = [i for i, ln in enumerate(self.plain)
-                                if pattern.search(ln) and not (unless and unless.search(ln))]  # fmt: skip
+            sig = SIG[name]
+            pattern, unless, plain = sig.pattern, sig.unless, self.plain
+            lines = self._holding(sig.needles) if sig.needles else range(len(plain))
+            self._hits[name] = [
+                i for i in lines if pattern.search(plain[i]) and not (unless and unless.search(plain[i]))
+            ]
         return self._hits[name]
+
+    def _holding(self, needles: tuple[str, ...]) -> list[int] | range:
+        """The lines any of these lower-case words is in: a plain search of the whole text per word."""
+        if self._low is None:
+            text = "\n".join(self.plain)
+            self._low = text.encode("utf-8", errors="replace").lower()
+            self._newlines = [m.start() for m in NEWLINE.finditer(self._low)]
+        if len(self._newlines) != len(self.plain) - 1 and self.plain:
+            return range(len(self.plain))  # a line holds a newline of its own: read them all
+        found: set[int] = set()
+        for needle in needles:
+            word = needle.encode()
+            at = self._low.find(word)
+            while at >= 0:
+                line = bisect.bisect_left(self._newlines, at)
+                found.add(line)
+                at = self._low.find(word, self._newlines[line] + 1) if line < len(self._newlines) else -1
+        return sorted(found)
 
     def rank_of(self, indices: list[int]) -> str | None:
         return next((self.streams[i] for i in indices if self.streams[i]), None)

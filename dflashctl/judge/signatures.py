@@ -11,7 +11,7 @@ what the tool prints; tests/logs/ holds a real-shaped log for each row.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .facts import ADVICE  # the advice lives in the one state table
 
@@ -69,6 +69,7 @@ class Signature:
     advice: str | None = None
     unless: re.Pattern[str] | None = None  # a line that also matches this is not one (noise with the same words)
     role: str = ROOT  # ROOT: a failure in its own right; CASCADE: follows from another failure
+    needles: tuple[str, ...] = ()  # lower-cased words one of which every match holds: found first, by plain search
 
     @property
     def what_to_do(self) -> str | None:
@@ -198,6 +199,60 @@ SIGNATURES: tuple[Signature, ...] = (
          r"ncclRemoteError|Broken pipe|NCCL communicator was aborted)", re.I, role=CASCADE),
 )
 # fmt: on
+
+# Words one of which every match holds, lower-cased: a signature's pattern runs only on the lines that plain
+# searches find these in (a regex over every line costs 10x; tests/test_diagnose_table.py checks they are sound)
+# fmt: off
+NEEDLES: dict[str, tuple[str, ...]] = {
+    "gpu_hardware": ("ecc", "fallen off the bus", "gpu is lost", "gpu_is_lost", "nvlink", "row remapp",
+        "device handle for gpu"),
+    "xid": ("nvrm: xid",),
+    "dense_guard": ("densefallbackerror",),
+    "diverged_stop": ("divergederror", "nonfiniteweightserror"),
+    "nan_error": ("nan", "inf", "not finite", "non-finite"),
+    "framework_nan": ("found nan", "found inf", "unexpected result", "loss scale already at minimum", "is not finite",
+        "detected nan and/or inf", "training_step", "non-finite"),
+    "enospc": ("no space left", "errno 28", "enospc", "storagefull", "disk quota exceeded", "errno 122", "edquot"),
+    "write_failed": ("pytorchstreamwriter failed", "file write failed", "unexpected pos", "error while serializing"),
+    "cuda_oom": ("out of memory", "outofmemoryerror", "cublas_status_alloc_failed"),
+    "recompile_raised": ("failonrecompilelimithit", "failoncachelimithit", "fail_on_recompile"),
+    "recompile_limit": ("hit config.",),
+    "eager_flex": ("called without torch.compile",),
+    "sdpa_unfused": ("kernel not used because", "both fused kernels require", "no available kernel"),
+    "ray_memory_monitor": ("running low on memory", "killed due to memory pressure"),
+    "k8s_oom_killed": ("oomkilled",),
+    "systemd_oomd": ("due to memory pressure for", "due to swap used", "systemd-oomd killed", "oom-kill'"),
+    "earlyoom": ("low memory!", "sending sig"),
+    "dataloader_killed": ("is killed by signal",),
+    "kernel_oom": ("oom", "out of memory"),
+    "sigkill": ("-9", "sigkill", "killed", "137", "signal 9"),
+    "skypilot_preempted": ("preempted or failed",),
+    "gce_preempted": ("instance was preempted", "compute.instances.preempted"),
+    "aws_spot_interruption": ("spot itn received", "spot instance interruption warning", '"action"'),
+    "k8s_evicted": ("low on resource", "imminent node shutdown", "accommodate a higher priority", "preempted by",
+        "evictionbyevictionapi", "terminationbykubelet", "evicted"),
+    "slurm_time_limit": ("due to time limit",),
+    "slurm_preempted": ("due to preemption",),
+    "slurm_node_fail": ("node failure", "node_fail"),
+    "slurm_cancelled": ("cancelled at",),
+    "config_error": ("config error: ",),
+    "setup_error": ("no kernel image", "no cuda gpus", "no nvidia driver", "driver version is insufficient"),
+    "cuda_error": ("cuda error", "cuda_error_", "cudaerror"),
+    "fatal_signal": ("segmentation fault", "fatal python error", "sigsegv", "sigabrt", "exitcode", "terminate called",
+        "aborted (core dumped)", "code = -", "code -", "on signal"),
+    "traceback": ("traceback (most recent call last)",),
+    "srun_task_exit": ("exited with exit code",),
+    "launcher_exit": ("return code", "terminated with code", "exited on signal", "ssh exited", "calledprocesserror",
+        "process name:", "terminated with exit code", "terminated with signal"),
+    "nccl_network": ("ncclsystemerror", "unhandled system error", "ncclremoteerror", "remote process exited",
+        "connection reset by peer", "nccl warn"),
+    "nccl_timeout": ("watchdog", "processgroupnccl", "timed out", "distbackenderror"),
+    "ray_worker_died": ("a worker died or was killed", "the actor died unexpectedly", "trainingfailederror"),
+    "peer_lost": ("connection reset", "connection closed", "remote process exited",
+        "check the logs of the remote worker", "ncclremoteerror", "broken pipe", "communicator was aborted"),
+}
+# fmt: on
+SIGNATURES = tuple(replace(s, needles=NEEDLES[s.name]) for s in SIGNATURES)
 SIG = {s.name: s for s in SIGNATURES}
 CASCADE_SIGS = tuple(s for s in SIGNATURES if s.role == CASCADE)
 # Who ran the check, for the reason: the first whose wording matches names the framework
