@@ -20,6 +20,8 @@ from .logs import (
     gpu_fault,
     this_attempt,
 )
+from .progress import PHASES as LOG_PHASES
+from .progress import STEPPING
 
 STOP_RESULT_GRACE_S = 120.0  # after grace_s, how long a kill may take to record its result before it is presumed dead
 EARLY_S = 300.0  # a command job (no step records) counts as "before its first step" for this long
@@ -199,20 +201,39 @@ def attempt_age(h: History) -> float:
     return h.attempt_age_s if h.attempt_age_s is not None else h.now - h.started_at
 
 
+def _command(h: History, th: Thresholds) -> Verdict:
+    """A command job (no metrics.jsonl): by the step its log prints while that step moves (a progress bar, `step N
+    loss X` lines: judge/progress.py), else by any sign of progress (its log, CPU time, GPUs): during an evaluation,
+    before the first step or after its bar finished, the step stands still by design."""
+    if h.phase == STEPPING and h.last_step is not None:
+        seen = h.step_changed_at if h.step_changed_at is not None else (h.activity_at or h.started_at or h.now)
+        idle = max(0.0, h.now - seen)
+        if idle > th.stall_after_s:
+            ev = [f"no new step in its log for {idle:.0f} s (limit {th.stall_after_s:.0f})", f"last step {h.last_step}"]
+            return _verdict("STALLED", "no step progress (its log)", ev, h)
+        loss = "" if h.loss is None else f", loss {h.loss:.4f}" if abs(h.loss) >= 1e-3 else f", loss {h.loss:.3g}"
+        return _verdict("RUNNING", f"step {h.last_step}{loss} (its log)", [f"step {h.last_step} {idle:.0f} s ago"], h)
+    quiet = h.now - (h.activity_at if h.activity_at is not None else h.now)
+    if quiet > th.stall_after_s:
+        ev = [f"no sign of progress for {quiet:.0f} s (limit {th.stall_after_s:.0f}): log unchanged, CPU time "
+              "flat, GPUs idle or pinned at 100% with frozen memory"]  # fmt: skip
+        if h.last_step is not None:
+            ev.append(f"last step {h.last_step}: {h.phase}")
+        return _verdict("STALLED", "no progress (log, CPU, GPUs)", ev, h)
+    seen = f"{h.activity} {quiet:.0f} s ago" if h.activity else "just started"
+    if h.last_step is not None:
+        return _verdict("RUNNING", f"alive, {seen}; step {h.last_step}, {h.phase}", [f"last progress: {seen}"], h)
+    return _verdict("RUNNING", f"alive, {seen} (no metrics.jsonl)", [f"last progress: {seen}"], h)
+
+
 def _alive(h: History, th: Thresholds) -> Verdict:
     """A live job with no failure in sight: STARTING, RUNNING or STALLED, from its progress."""
     if h.heartbeat_age_s is not None and h.heartbeat_age_s > th.heartbeat_max_age_s:
         step = f"step {h.last_step}" if h.last_step is not None else "before the first step"
         ev = [f"heartbeat {h.heartbeat_age_s:.0f} s old (limit {th.heartbeat_max_age_s:.0f})", step]
         return _verdict("STALLED", "the trainer's heartbeat stopped (process frozen or stopped)", ev, h)
-    if h.last_step is None and not h.is_trainer:  # any command: progress from its log, CPU time and GPUs
-        quiet = h.now - (h.activity_at if h.activity_at is not None else h.now)
-        if quiet > th.stall_after_s:
-            ev = [f"no sign of progress for {quiet:.0f} s (limit {th.stall_after_s:.0f}): log unchanged, CPU time "
-                  "flat, GPUs idle or pinned at 100% with frozen memory"]  # fmt: skip
-            return _verdict("STALLED", "no progress (log, CPU, GPUs)", ev, h)
-        seen = f"{h.activity} {quiet:.0f} s ago" if h.activity else "just started"
-        return _verdict("RUNNING", f"alive, {seen} (no metrics.jsonl)", [f"last progress: {seen}"], h)
+    if not h.is_trainer and (h.last_step is None or h.phase in LOG_PHASES):  # any command: no step records
+        return _command(h, th)
     if h.last_step is None:
         waited = attempt_age(h)
         if waited > th.startup_budget_s:

@@ -13,11 +13,13 @@ agent, a stamp from another boot), clamped as above; they stay for display.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 from .cause import recorded
 from .facts import History
+from .progress import Chunk, Progress, Reader
 
 
 def number(value) -> float | None:
@@ -46,6 +48,12 @@ class Job:
 
     gpus: list[int] = field(default_factory=list)  # the GPU indices the job was given, in rank order
     scheduled: bool = False  # a Slurm job: its "pane" is its submission
+    log: Reader = field(default_factory=Reader)  # train.log as read so far: the line being written, its progress
+    metrics_steps: bool = False  # the job writes step records: its metrics, not its log, give the step
+
+    def log_progress(self, is_trainer: bool) -> Progress:
+        """The progress its log shows, where that is the job's (a command with no step records), else none."""
+        return self.log.progress if not is_trainer and not self.metrics_steps else Progress()
 
 
 @dataclass
@@ -97,8 +105,11 @@ def fold(h: History, snap: dict, job: Job, tail: deque, log_offset: int = 0, met
                           if h.restarting and out.restarts is not None else None)  # fmt: skip
     log = snap.get("log") or {}
     out.log_offset = log.get("offset", log_offset) if isinstance(log.get("offset"), int) else log_offset
+    read = None
     if log.get("text"):
-        tail.extend(str(log["text"]).splitlines())
+        skipped = log.get("skipped")
+        cut = (isinstance(skipped, int) and skipped > 0) or out.log_offset < log_offset  # skipped, or truncated
+        read = _fold_log(tail, job.log, str(log["text"]), cut)
         h.log_tail = list(tail)
     metrics = snap.get("metrics") or {}
     m_off = metrics.get("offset")
@@ -121,7 +132,44 @@ def fold(h: History, snap: dict, job: Job, tail: deque, log_offset: int = 0, met
     h.kernel_oom = [str(x)[:300] for x in oom.get("kernel_oom") or []][-5:]
     h.kernel_xid = [str(x)[:300] for x in oom.get("kernel_xid") or []][-5:]
     _fold_progress(h, snap, prog)
+    job.metrics_steps = job.metrics_steps or bool(out.step_times)
+    if not h.is_trainer and not job.metrics_steps:
+        _fold_log_progress(h, job.log, read is not None and bool(read.readings), out)
     return out
+
+
+def _fold_log(tail: deque, reader: Reader, text: str, cut: bool) -> Chunk:
+    """New log text into the tail as a terminal shows it: a line continued across reads is one line, tqdm's `\\r`
+    redraws leave their last update, colour codes go. The line still being written is the tail's last entry until
+    it ends (then replaced by its end)."""
+    before = reader.open_shown
+    chunk = reader.feed(text, cut)
+    if before is not None and not cut and tail and tail[-1] == before:
+        tail.pop()
+    tail.extend(chunk.lines)
+    if chunk.open is not None:
+        tail.append(chunk.open)
+    return chunk
+
+
+def _fold_log_progress(h: History, reader: Reader, found: bool, out: Folded) -> None:
+    """A command job's progress from its log (judge/progress.py): its step, loss and epoch, and its phase (only a
+    moving step is judged by the stall rule). When the step changed is known no better than the newest sign of
+    activity (the log's bytes carry no time): the freshest it can be, so that one look never calls a moving job
+    stalled; a watcher's own looks measure the rest (report.py)."""
+    p = reader.progress
+    if p.phase is None and p.loss is None and p.epoch is None:
+        return
+    before = h.last_step
+    h.last_step = p.step
+    h.loss = p.loss if p.loss is not None and math.isfinite(p.loss) else None  # NaN is no loss to show (DIVERGED's)
+    h.epoch = p.epoch if p.epoch is not None else h.epoch
+    h.phase = p.phase
+    if p.step is not None and (p.step != before or h.step_changed_at is None):
+        h.step_changed_at = h.activity_at if h.activity_at is not None else h.now
+        out.step_times.append((h.now, p.step))
+    if found:
+        reader.keep_rate()
 
 
 def _fold_records(h: History, records: list, out: Folded) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import io
+import math
 from pathlib import Path
 
 from dflashctl.show.report import RunSeries, smooth
@@ -69,8 +70,8 @@ def figure(runs: list[RunSeries]):
                 style = "--" if m.kind == "restart" else ":"
                 ax.axvline(m.time / 60, color="red" if m.kind == "verdict" else c, linestyle=style, linewidth=1,
                            label=m.label)  # fmt: skip
-    for ax in flat:
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=6))  # overlaid runs of other lengths: labels never collide
+    for i, ax in enumerate(flat):  # overlaid runs of other lengths: labels never collide; a step is whole
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=i < len(STEP_PANELS)))
         handles, labels = ax.get_legend_handles_labels()
         if handles:
             seen = dict(zip(labels, handles, strict=True))  # one entry per label
@@ -117,6 +118,18 @@ def _close(fig) -> None:
     plt.close(fig)
 
 
+def step_ticks(lo: float, hi: float, most: int = 5) -> list[int]:
+    """Whole steps, 1-2-5 apart, at most `most` of them, for a step axis: plotext's own fall between steps (`249.5`)."""
+    lo, hi = math.floor(lo), math.ceil(hi)
+    for power in range(20):
+        for m in (1, 2, 5):
+            gap = m * 10**power
+            first = -(-lo // gap) * gap
+            if first > hi or (hi - first) // gap + 1 <= most:
+                return list(range(first, hi + 1, gap)) or [lo]
+    return [lo, hi]
+
+
 def terminal(runs: list[RunSeries], width: int = 80) -> str:
     """Loss, tokens/s and GPU utilisation as text charts no wider than `width` columns."""
     import plotext as plt
@@ -129,6 +142,7 @@ def terminal(runs: list[RunSeries], width: int = 80) -> str:
         plt.plotsize(width, 14)
         plt.title(title)
         drawn = False
+        steps: list[int] = []
         for run in runs:
             if key == "util":
                 for index, g in sorted(run.gpu.items()):
@@ -141,9 +155,13 @@ def terminal(runs: list[RunSeries], width: int = 80) -> str:
                 if xs:
                     plt.plot(xs, ys, label=run.job, marker="braille")
                     drawn = True
+                    steps += [min(xs), max(xs)]
                     for m in run.markers:
                         if m.kind == "restart" and m.step is not None:
                             plt.vline(m.step)
+        if steps:
+            ticks = step_ticks(min(steps), max(steps))
+            plt.xticks(ticks, [str(t) for t in ticks])
         if drawn:
             out.append(plt.build())
         else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 from rich.console import Group
@@ -15,11 +16,28 @@ from dflashctl.judge.report import HERE, Report
 from dflashctl.show.render import neutralise
 
 
-def _duration(s: float | None) -> str:
-    if s is None:
+def duration(s: float | None) -> str:
+    """Seconds as `1h02m` or `3m05s`; `-` when unknown."""
+    if s is None or not math.isfinite(s):
         return "-"
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _figure(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def rate(value: float | None, unit: str | None) -> str:
+    """A throughput in the unit it came in (`12,345 tokens/s`, `4.99 it/s`, `1.23 s/it`): never relabelled."""
+    return "-" if value is None else f"{_figure(value)} {unit or 'tokens/s'}"
+
+
+def throughput(r: Report) -> tuple[float | None, str]:
+    """The report's throughput and its unit (a report that names none is the trainer's tokens/s)."""
+    if r.throughput is not None:
+        return r.throughput, r.throughput_unit or "tokens/s"
+    return r.tokens_per_s, "tokens/s"
 
 
 def line(poll) -> str:
@@ -29,8 +47,12 @@ def line(poll) -> str:
     parts = [f"{when} {rec.id} {rec.state}: {rec.reason}"]
     if rec.step is not None and f"step {rec.step}" not in rec.reason:  # said once, not three times
         parts.append(f"step {rec.step}")
-    if rec.tokens_per_s is not None and rec.state in ("RUNNING", "STARTING", "STALLED") and "tok/s" not in rec.reason:
-        parts.append(f"{rec.tokens_per_s:,.0f} tok/s now")  # the newest poll's; the run's mean is `status`'s
+    live = rec.state in ("RUNNING", "STARTING", "STALLED")
+    value, unit = throughput(rec)
+    if live and value is not None and not (unit == "tokens/s" and "tok/s" in rec.reason):
+        parts.append(f"{rate(value, unit)} now")  # the newest poll's; the run's mean is `status`'s
+    if live and rec.eta_s is not None:
+        parts.append(f"ETA {duration(rec.eta_s)}")
     said_already = rec.reason + " ".join(parts)
     if rec.state not in ("RUNNING", "STARTING", "FINISHED") and rec.evidence and rec.evidence[0] not in said_already:
         parts.append(f"evidence: {rec.evidence[0]}")
@@ -64,11 +86,15 @@ def render(w: Watcher, v: Report, next_poll_s: float | None = None, log_lines: i
     stats = Table.grid(padding=(0, 2))
     for _ in range(4):
         stats.add_column()
-    tps = h.tokens_per_s[-1] if h.tokens_per_s else None
-    step = f"{h.last_step if h.last_step is not None else '-'}" + (f" / {w.job.steps}" if w.job.steps else "")
+    log = w.judge.job.log  # a command job's log as read (judge/progress.py): its total and its rates
+    total = w.job.steps or log.progress.total
+    step = f"{h.last_step if h.last_step is not None else '-'}" + (f" / {total}" if total else "")
     stats.add_row("step", step, "epoch", str(h.epoch if h.epoch is not None else "-"))
-    stats.add_row("tokens/s", f"{tps:,.0f}" if tps else "-", "trend", sparkline(w.tps_all))
-    stats.add_row("loss", f"{h.loss:.4f}" if h.loss is not None else "-", "ETA", _duration(w.eta_s()))
+    value, unit = throughput(v)
+    shown = _figure(value) if value is not None else "-"
+    stats.add_row(neutralise(unit), shown, "trend", sparkline(w.tps_all if h.tokens_per_s else log.rates))
+    loss = "-" if h.loss is None else f"{h.loss:.4f}" if abs(h.loss) >= 1e-3 else f"{h.loss:.3g}"  # 1e-05, not 0.0000
+    stats.add_row("loss", loss, "ETA", duration(w.eta_s()))
     tau = f"{w.tau:.2f} on {neutralise(w.tau_set or 'holdout')}" if w.tau else "-"
     stats.add_row("restarts", f"{w.restarts} of {w.cfg.max_restarts}", "tau", tau)
     parts: list = [head, stats]
