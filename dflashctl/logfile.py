@@ -43,6 +43,7 @@ MIDDLE_NEEDLES = (b"Traceback (most recent call last)", b"hit config.", b"called
 ATTEMPT_NEEDLES = (b"[dflashctl] ", b"will restart worker group")
 GZIP_MAGIC = b"\x1f\x8b"
 OVERRUN = 64 * 1024  # how far past a block a traceback found in it is followed
+BLANK = b"\0 \t\r\n\x0b\x0c"  # what a log that holds nothing holds
 WIDE_CODECS = ("utf-16", "utf-16-le", "utf-16-be", "utf-32")  # re-encoded to UTF-8 as they are read
 
 
@@ -156,6 +157,7 @@ def _forward(f: BinaryIO) -> list[str]:
         chunk = f.read(BLOCK)
         data = carry + chunk
         cut = data.rfind(b"\n") + 1 if chunk else len(data)
+        cut += 0 < cut < len(data) and data[cut] == 0  # the NUL of a UTF-16 newline stays with its line
         if chunk and cut == 0 and len(data) > 2 * BLOCK:
             cut = len(data)  # one line longer than two blocks: taken as it is
         block, carry = data[:cut], data[cut:]
@@ -164,7 +166,7 @@ def _forward(f: BinaryIO) -> list[str]:
             sniffed = True  # the first bytes after a leading hole say what the file is
             if looks_binary(content[:SNIFF]):
                 raise LogFileError("is not a text log (binary content)")
-        text = text or bool(block.strip(b"\0 \t\r\n\x0b\x0c"))
+        text = text or bool(block.strip(BLANK))
         if pending:
             _search(pending, pending_at, block[:OVERRUN], start, kept, middle)
         if (a := _attempt_start(block)) >= 0:
@@ -199,7 +201,7 @@ def _forward(f: BinaryIO) -> list[str]:
         if tail_at < start:
             tail, tail_at = tail[start - tail_at :], start
         else:
-            nl = tail.find(b"\n") + 1
+            nl = _tail_start(tail)
             tail, tail_at = tail[nl:], tail_at + nl
         _all_lines(tail, tail_at, kept)
     holes.put_into(kept)
@@ -309,6 +311,8 @@ def read_log(path: str | Path) -> list[str]:
         if size - start <= WHOLE_BYTES:
             f.seek(start)
             data = f.read()
+            if not data.strip(BLANK):
+                raise _nul_only(size) if b"\0" in data or lead else LogFileError("is empty: there is no log to read")
             holes.feed(data, start)
             _all_lines(data, start, kept)
         else:
@@ -337,8 +341,16 @@ def _reduced(f, start: int, size: int, kept: dict[int, str], holes: _Holes) -> N
     f.seek(tail_at)
     tail = f.read()
     holes.feed(tail, tail_at)
-    first_nl = tail.find(b"\n") + 1
-    _all_lines(tail[first_nl:], tail_at + first_nl, kept)
+    first = _tail_start(tail)
+    _all_lines(tail[first:], tail_at + first, kept)
+
+
+def _tail_start(tail: bytes) -> int:
+    """Where the tail's first whole line starts: after its first newline (the line before it was cut), or after a
+    hole before that newline (the text after a hole starts a line)."""
+    nl = tail.find(b"\n")
+    nul = tail.rfind(b"\0", 0, nl if nl >= 0 else len(tail))
+    return nul + 1 if nul >= 0 else nl + 1
 
 
 def _search_middle(block: bytes, lo: int, end: int, base: int, kept: dict[int, str], middle: list[int]) -> None:

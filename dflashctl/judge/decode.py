@@ -38,7 +38,7 @@ def sniff_codec(head: bytes) -> str:
         if head.startswith(bom):
             return codec
     sample = head[:4096]
-    if len(sample) >= 16:
+    if len(sample) >= 16 and head[:16].count(0) >= 6:  # it starts as UTF-16, not a hole, not UTF-16 appended later
         odd, even = sample[1::2].count(0), sample[0::2].count(0)
         half = len(sample) // 2
         if odd > 0.4 * half and even < 0.05 * half:

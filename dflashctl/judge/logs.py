@@ -405,6 +405,10 @@ def _crashed(log: Log, ctx: Context) -> Finding | None:
             how = f"was ended by {signal_name(code)}" if code < 0 else f"exited with code {code}"
             return Finding("CRASHED", f"{who or 'a process'} {how} (the launcher's word; no error of its own in the "
                            "log)", [log.plain[i]], who)  # fmt: skip
+        died = log.hits("ray_worker_died")
+        if died and not collective and not tbs:
+            return Finding("CRASHED", "Ray says a worker died or the run failed (Ray's word; its cause is not in the "
+                           "log)", [log.plain[died[0]]], log.rank_only(died))  # fmt: skip
         if collective or not tbs:
             return None
     tb = (own or tbs)[0]

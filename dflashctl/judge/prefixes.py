@@ -241,7 +241,7 @@ def _span(text: str) -> list[tuple[str, str]] | None:
 def _streams_few(spans: list[list[tuple[str, str]]]) -> bool:
     """A launcher names few streams (ranks, pods, hosts) over many lines; a counter names a new value on each line.
     A shape whose words are levels, counters or exception names is the text, not a prefix; a shape that names
-    nothing must end in a bracket or a bar (never `word: `, which is how text starts)."""
+    nothing must end in a bracket or a bar (`prog[pid]: ` too, never `word: `, which is how text starts)."""
     columns = list(zip(*spans))  # noqa: B905 (3.8: no strict=; one shape, one length)
     words = [col for col in columns if col[0][0] == "W"]
     if any(NOT_A_PREFIX.match(v) for col in words for _, v in col):
@@ -250,7 +250,8 @@ def _streams_few(spans: list[list[tuple[str, str]]]) -> bool:
     names = {tuple(col[i][1] for col in varying) for i in range(len(spans))}
     if len(names) > max(8, len(spans) // 4):
         return False
-    return bool(varying) or spans[0][-2][1] in "])>}|"
+    closer = [v for _, v in spans[0][-3:-1]]  # the closing mark, and the token before it
+    return bool(varying) or closer[-1] in "])>}|" or closer[0] in "])>}"  # `name | `, `[name] `, `prog[pid]: `
 
 
 def _pattern(spans: list[list[tuple[str, str]]]) -> re.Pattern[str] | None:
