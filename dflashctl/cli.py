@@ -303,18 +303,49 @@ def status(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool =
     out.print(f"[bold]{st['id']}[/] on {st['host']}: session {st['session']}, {exit_code}, {up}, "
               f"{st['processes']} processes, restarts {st['restarts']}")  # fmt: skip
     if isinstance(st["step"], int):
-        loss = f", loss {st['first_loss']:.4f} → {st['loss']:.4f}" if None not in (st["first_loss"], st["loss"]) else ""
-        tps = f", {st['mean_tokens_per_s']:,.0f} tok/s (mean)" if st["mean_tokens_per_s"] is not None else ""
+        from dflashctl.show.view import duration, rate
+
+        if None not in (st["first_loss"], st["loss"]):
+            loss = f", loss {st['first_loss']:.4f} → {st['loss']:.4f}"
+        else:
+            loss = f", loss {st['loss']:.4g}" if st["loss"] is not None else ""
+        if st["mean_tokens_per_s"] is not None:
+            tps = f", {st['mean_tokens_per_s']:,.0f} tok/s (mean)"
+        else:  # a `command:` job's own throughput, in the unit it printed
+            tps = f", {rate(st['throughput'], st['throughput_unit'])}" if st["throughput"] is not None else ""
         tau = f", tau {st['tau']:.3f} on {st['tau_set']}" if st["tau"] is not None else ""
         took = f" in {st['elapsed_s']:.0f} s" if st["elapsed_s"] is not None else ""
-        out.print(f"step {st['step']}{took}{loss}{tps}{tau}")
+        eta = f", ETA {duration(st['eta_s'])}" if st["eta_s"] is not None else ""
+        out.print(f"step {st['step']}{took}{loss}{tps}{tau}{eta}")
     ev = st["last_event"]
     if ev:
         fields = ", ".join(f"{k} {v}" for k, v in ev.items() if k not in ("event", "time", "config") and
                            isinstance(v, (int, float, str)))  # fmt: skip
         out.print(f"last event: {ev.get('event')}{': ' + fields if fields else ''}", markup=False)
+    box = st.get("notices") or {}
+    if box.get("waiting") or box.get("failed"):
+        out.print(f"notices: {box.get('waiting', 0)} waiting, {box.get('failed', 0)} failed to deliver "
+                  f"(`dflashctl notices {st['id']}`)", markup=False)  # fmt: skip
     out.print(f"run dir: {st['run_dir']}")
     raise typer.Exit(code)
+
+
+@app.command()
+def notices(job: str | None = JobArg, as_json: bool = JsonOpt, accept_new: bool = AcceptNewOpt) -> None:
+    """Every notice of a job and its deliveries: when, by whom (the supervisor, or this laptop), the webhook's answer.
+
+    One notice per event (a failure with what was done about it, the job's end), POSTed a bounded number of times
+    whoever sends it; a redirect, a 4xx or POSTs spent is `failed`, a request sent but never answered `unconfirmed`."""
+    from dflashctl.config import find_project_root
+    from dflashctl.jobs import jobctl
+    from dflashctl.show import notices as shown
+    from dflashctl.show.render import print_json
+
+    log = jobctl.notice_log(job, str(find_project_root()), accept_new)
+    if as_json:
+        print_json(log)
+        return
+    shown.render(log)
 
 
 @app.command()
@@ -503,7 +534,8 @@ def exec_(
                                                help="What to run, after `--`."),
     on_host: bool = Flag("--host", help="JOB names a host: run in its deployed code."),
     timeout: float | None = typer.Option(None, "--timeout", metavar="S",
-                                         help="End the command (its whole process group) after S seconds; exit 124."),
+                                         help="End the command and all it started (setsid'd ones too) after S "
+                                         "seconds; exit 124."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
 ) -> None:
@@ -511,7 +543,8 @@ def exec_(
 
     `dflashctl exec JOB -- nvidia-smi`, `dflashctl exec JOB -- 'ls | wc -l'` (one string: run by bash -c),
     `dflashctl exec --host box -- df -h`. A piped stdin is passed through. Exits with the command's status (128+N
-    when a signal ended it). A restart or kill of the job leaves the command alone (`kill --all` takes it too)."""
+    when a signal ended it, 124 when --timeout did). A restart or kill of the job leaves the command alone (`kill
+    --all` takes it too). An ended job's secrets were scrubbed from its run dir: they are unset, and stderr says so."""
     from dflashctl.config import find_project_root
     from dflashctl.jobs import execute
     from dflashctl.show.render import print_json
@@ -619,7 +652,7 @@ def list_jobs(
         print_json({"jobs": [{"id": j.id, "host": j.host_name, "state": j.state, "reason": j.reason,
                               "checked_at": j.checked_at, "launched_at": j.launched_at, "run_dir": j.run_dir,
                               "gpus": j.gpus, "slurm_job": j.slurm_job, "removed_at": j.removed_at,
-                              "removed_by": j.removed_by} for j in listed]})  # fmt: skip
+                              "removed_by": j.removed_by, "progress": j.progress} for j in listed]})  # fmt: skip
         return
     if not listed:
         if jobs and (state or host or name):
@@ -634,10 +667,12 @@ def list_jobs(
             return f"REMOVED {_ago(now - j.removed_at)} by {j.removed_by}"
         return f"PENDING: {j.reason.split(': ', 1)[-1]}" if j.state == "PENDING" and j.reason else j.state
 
-    rows = [(j.id, j.host_name, state(j), _ago(now - j.checked_at) if j.checked_at else "-",
+    from dflashctl.show.view import progress_line
+
+    rows = [(j.id, j.host_name, state(j), progress_line(j.progress), _ago(now - j.checked_at) if j.checked_at else "-",
              time.strftime("%Y-%m-%d %H:%M", time.localtime(j.launched_at)), ",".join(map(str, j.gpus)) or "-",
              j.run_dir) for j in jobs]  # fmt: skip
-    cols = ("id", "host", "state", "seen", "launched", "gpus", "run dir")
+    cols = ("id", "host", "state", "progress", "seen", "launched", "gpus", "run dir")
     if not out.is_terminal:  # a pipe or a file: one plain line per job, tab-separated, every column
         for r in rows:
             sys.stdout.write("\t".join(r) + "\n")
@@ -767,7 +802,8 @@ def attach(
     write: bool = Flag("--write", help="Attach read-write: your keys reach the job (Ctrl-C too)."),
     dry_run: bool = Flag("--dry-run", help="Print the command that would attach; run nothing."),
 ) -> None:
-    """Open the job's tmux pane in this terminal, over ssh (read-only unless --write; detach with Ctrl-b d).
+    """Open the job's tmux pane in this terminal, over ssh (read-only unless --write; detach with Ctrl-b d, or
+    inside tmux with the prefix it names: Ctrl-a d where yours is Ctrl-b).
 
     A Slurm job: follow its train.log on the login node (Ctrl-C stops following), or with --write attach to its
     running step with sattach."""
@@ -777,10 +813,15 @@ def attach(
     from dflashctl.config import find_project_root
     from dflashctl.jobs import execute, jobctl
 
-    argv = execute.attach_argv(jobctl.find_job(job, str(find_project_root())), write)
+    record = jobctl.find_job(job, str(find_project_root()))
+    prefix = execute.view_prefix()
+    argv = execute.attach_argv(record, write, prefix)
     if dry_run:
         print(shlex.join(argv))
         return
+    hint = execute.view_hint(prefix) if record.scheduler == "tmux" else None
+    if hint:
+        sys.stderr.write(f"dflashctl: {hint}\n")
     os.execvp(argv[0], argv)
 
 

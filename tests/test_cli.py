@@ -125,7 +125,7 @@ def test_ls_fits_80_columns_and_is_one_plain_line_per_job_in_a_pipe(client, monk
         record(client, f"a-rather-long-job-name-20261130T10000{i}Z-aaa{i}", state=state)
     piped = run_cli("ls")
     lines = piped.stdout.splitlines()
-    assert piped.code == 0 and len(lines) == 3 and all(len(x.split("\t")) == 7 for x in lines), piped.stdout
+    assert piped.code == 0 and len(lines) == 3 and all(len(x.split("\t")) == 8 for x in lines), piped.stdout
     assert lines[0].split("\t")[:3] == ["a-rather-long-job-name-20261130T100002Z-aaa2", "testbox", "RUNNING"]
     sock, done = f"ls-{tmp_path.name}", tmp_path / "done"
     tmux = ["tmux", "-L", sock]

@@ -461,7 +461,7 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
     alive = pane.get("exists") and not pane.get("pane_dead")
     nodes = [{"host": n["host"], "state": n["state"]} for n in w.decider.node_states] if job.members else None
     if r.state != "UNREACHABLE":  # a silent scheduler concludes nothing: the record keeps its last state
-        registry.update(job.id, state=r.state, reason=r.reason)
+        registry.update(job.id, state=r.state, reason=r.reason, progress=r.progress())
     for rec, link in zip(job.member_records(), w.links, strict=False):  # ended for good, no supervisor: scrubbed
         at_rest = {**snap, "secrets_at_rest": link.secrets_at_rest}
         if notify.needs_scrub(job, r.state, at_rest):
@@ -482,6 +482,20 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> dict:
         # the run's numbers over its whole metrics.jsonl, defined once (agent/files.figures) for status and report
         **{k: fig.get(k) for k in ("mean_tokens_per_s", "first_loss", "elapsed_s")},
     )  # fmt: skip
+
+
+def notice_log(spec: str | None, project: str, accept_new: bool = False) -> dict:
+    """`dflashctl notices`: every notice of the job and how each delivery went (when, by whom, the answer), with the
+    webhook named as `scheme://host:port/***`."""
+    from dflashctl.judge.redact import redact_url
+
+    job = find_job(spec, project)
+    with open_runner(job.host, accept_new) as runner:
+        ans = session.call_agent(runner, {"action": "notice_log", "run_dir": job.run_dir, "gpus": False})
+    hook = job.watch.notify.webhook
+    notices = ans.get("notices") if isinstance(ans.get("notices"), list) else []
+    return {"id": job.id, "webhook": redact_url(hook) if hook else None, "run_dir_exists": ans.get("run_dir_exists"),
+            "notices": redactor(job).deep(notices)}  # fmt: skip
 
 
 def _heartbeat_age(snap: dict) -> float | None:

@@ -60,7 +60,8 @@ def run(
         if r.state != w.state:
             previous, w.state = w.state, r.state
             if r.state != "UNREACHABLE":
-                registry.update(w.job.id, state=r.state, reason=r.reason, since=time.time(), restarts=w.restarts)
+                registry.update(w.job.id, state=r.state, reason=r.reason, since=time.time(), restarts=w.restarts,
+                                progress=r.progress())  # fmt: skip
             if opts.notify and w.cfg.notify.bell and r.state in FAILURES:
                 say("\a")
             if r.state == "UNREACHABLE" and previous is not None and opts.notify:

@@ -72,6 +72,11 @@ class Report:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def progress(self) -> dict:
+        """What `ls` keeps of a look: step, loss, throughput in its unit, time left."""
+        return {"step": self.step, "loss": self.loss, "throughput": self.throughput,
+                "throughput_unit": self.throughput_unit, "eta_s": self.eta_s}  # fmt: skip
+
     @property
     def verdict(self) -> Verdict:
         return Verdict(self.state, self.reason, list(self.evidence), self.advice, self.step, self.since)

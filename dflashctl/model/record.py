@@ -71,6 +71,7 @@ class JobRecord(BaseModel):
     slurm_job: str | None = None  # a Slurm host's job id at launch (a restart resubmits: the run dir has the newest)
     removed_at: float | None = None  # `gc` removed its run dir (state REMOVED): when, and who ran it
     removed_by: str | None = None
+    progress: dict | None = None  # the last look's step, loss, throughput (in its unit) and eta_s, for `ls`
 
     @property
     def scheduler(self) -> str:

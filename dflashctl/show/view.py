@@ -40,6 +40,20 @@ def throughput(r: Report) -> tuple[float | None, str]:
     return r.tokens_per_s, "tokens/s"
 
 
+def progress_line(p: dict | None) -> str:
+    """A record's last look as `ls` shows it: `step 450, loss 0.512, 15 it/s, ETA 0m36s`; `-` when it had none."""
+    if not isinstance(p, dict) or p.get("step") is None:
+        return "-"
+    parts = [f"step {p['step']}"]
+    if isinstance(p.get("loss"), (int, float)):
+        parts.append(f"loss {p['loss']:.4g}")
+    if isinstance(p.get("throughput"), (int, float)):
+        parts.append(rate(p["throughput"], p.get("throughput_unit")))
+    if isinstance(p.get("eta_s"), (int, float)):
+        parts.append(f"ETA {duration(p['eta_s'])}")
+    return ", ".join(parts)
+
+
 def line(poll) -> str:
     """One poll as one line, for a watch whose output is not a terminal (a log file, a pipe)."""
     rec = poll.report
