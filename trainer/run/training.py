@@ -309,7 +309,8 @@ class Run:
         record = report.to_record()
         record["compile_cache"] = compile_cache_counts()  # hits: graphs found compiled on disk (a kept cache)
         record["kernel_cache"] = os.environ.get("TRITON_CACHE_DIR")  # the host's, shared (trainer/run/kernel_cache.py)
-        self.say(f"preflight: buckets {report.buckets}, seconds {record['seconds']}")
+        took = ", ".join(f"{k}: {v:.1f} s" for k, v in record["seconds"].items())
+        self.say(f"preflight: buckets {report.buckets} compiled ({took})")
         if metrics:  # every rank: preflight time and buckets per rank
             metrics.write({**record, "rank": world.rank}, always=True)
         self.result.preflight = report
