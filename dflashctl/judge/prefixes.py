@@ -15,6 +15,10 @@ import re
 from dataclasses import dataclass
 
 RANK, NODE = "rank", "node"  # a process rank (torchrun, srun, mpirun) outranks a node, pod or worker name
+# Which rank prefix wins where several name one: the global rank a process prints itself (torch's `[rankN]:`, mpirun's
+# tag, Lightning's) over a launcher's task label (srun) over a node's local rank (torchrun --tee's `[0]:`, under torchx
+# or SkyPilot on each node)
+GLOBAL_FIRST = {"torchrun": 0, "mpirun_tag": 0, "lightning": 0, "srun_label": 1, "torchrun_tee": 2}
 
 
 DIGITS, UPPER, LOWER = "0123456789", "ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz"
@@ -118,13 +122,14 @@ def strip_prefix(line: str, learned: Learned | None = None) -> tuple[str | None,
         line = ANSI.sub("", line)
     if "[repeated " in line:
         line = RAY_DEDUP.sub("", line)
-    rank, node = None, None
+    rank, node, level = None, None, 9
     for _ in range(8):
         launchers, stamps = BY_FIRST.get(line[:1], NONE_FIRST)
         m, launcher = _launcher_match(line, launchers, rank or node)
         if m:
             if launcher.kind == RANK:
-                rank = rank or f"rank{int(m['id'])}"
+                better = rank is None or GLOBAL_FIRST.get(launcher.name, 1) < level
+                rank, level = (f"rank{int(m['id'])}", GLOBAL_FIRST.get(launcher.name, 1)) if better else (rank, level)
             else:
                 node = node or _node_name(m, launcher)
             line = line[m.end() :]

@@ -28,6 +28,8 @@ CONSEQUENCE = re.compile(r"(ChildFailedError|SignalException|got signal: \d+|Key
 RAY_WRAPPER = re.compile(r"^(?:ray\.exceptions\.)?RayTaskError(?:\([\w.]+\))?: (?:\x1b\[\d+m)?ray::")
 # Windows PowerShell's ErrorRecord around a native command's first stderr line (`python.exe : Traceback ...`)
 POWERSHELL_RECORD = re.compile(r"^(?:At line:\d+ char:\d+$|\+ )")
+# Ray Train's WorkerGroupError: each failed worker's traceback, cut to its last lines, under its rank
+RAY_SNIPPET = re.compile(r"^\[Rank (\d+) Error Snippet\]:$")
 RAY_PID = re.compile(r"\bpid=(\d+)|Worker PID: (\d+)")
 
 # A process ended by SIGABRT: its own crash, unless the collective layer aborted it (below)
@@ -157,15 +159,17 @@ def tracebacks_of(log: Log, stream: str | None) -> list[Traceback]:
     idx = [i for i, s in enumerate(log.streams) if s == stream]
     found, k = [], 0
     while k < len(idx):
-        if not log.plain[idx[k]].startswith("Traceback (most recent call last)"):
+        head = log.plain[idx[k]]
+        snippet = RAY_SNIPPET.match(head)
+        if not (snippet or head.startswith("Traceback (most recent call last)")):
             k += 1
             continue
-        frames, code, exc, wrapped = [], [], None, None
+        frames, code, exc, wrapped = [], [], None, f"rank{snippet[1]}" if snippet else None
         ignored = k > 0 and log.plain[idx[k - 1]].startswith("Exception ignored in")
         k += 1
         while k < len(idx):
             ln = log.plain[idx[k]]
-            if ln.startswith("Traceback (most recent call last)"):
+            if ln.startswith("Traceback (most recent call last)") or RAY_SNIPPET.match(ln):
                 break
             if ln.startswith("  File "):
                 frames.append(ln.strip())
