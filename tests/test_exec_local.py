@@ -184,3 +184,34 @@ def test_a_run_dir_removed_behind_our_back_is_said_so(local, tmp_path):
     marker = tmp_path / "ran"
     res = run_cli("exec", job_id, "--", "touch", str(marker))
     assert res.code == 126 and f"run dir {run} is gone" in res.stderr and not marker.exists(), res
+
+
+def test_attach_inside_tmux_gets_a_prefix_of_its_own_and_detaches_the_view_not_the_users_session(local):
+    """Inside the user's tmux (prefix Ctrl-b), Ctrl-b d went to their tmux and detached their own session. The view
+    gets Ctrl-a, says so on its status line, and Ctrl-a d detaches it alone; a later attach outside tmux gets
+    Ctrl-b back."""
+    from tests.conftest import TEST_TMUX_SOCKET
+
+    job_id, _ = launch(local, "viewed", "sleep 300", "watch: {supervise: false}\n")
+    outer = ["tmux", "-L", f"dflashctl-outer-{os.getpid()}", "-f", os.devnull]
+    session = ["tmux", "-L", TEST_TMUX_SOCKET]
+    try:
+        subprocess.run([*outer, "new-session", "-d", "-s", "mine", "-x", "150", "-y", "30",
+                        f"{sys.executable} -m dflashctl attach {job_id}; echo DETACHED:$?; sleep 300"], check=True)
+        clients = [*session, "list-clients", "-F", "#{session_name}"]
+        wait_until(lambda: job_id in subprocess.run(clients, capture_output=True, text=True).stdout, timeout=60)
+        shown = [*session, "show-options", "-t", f"={job_id}:"]
+        options = subprocess.run(shown, capture_output=True, text=True).stdout
+        assert "prefix C-a" in options and "detach: Ctrl-a d" in options, options
+        subprocess.run([*outer, "send-keys", "-t", "=mine:", "C-a", "d"], check=True)
+        pane = [*outer, "capture-pane", "-p", "-t", "=mine:"]
+        seen = wait_until(lambda: "DETACHED:0" in (s := subprocess.run(pane, capture_output=True, text=True).stdout)
+                          and s, timeout=60)  # fmt: skip
+        assert "detach it with Ctrl-a d" in seen, seen
+        assert subprocess.run([*outer, "has-session", "-t", "=mine"]).returncode == 0  # the user's session is still on
+        assert job_id not in subprocess.run(clients, capture_output=True, text=True).stdout
+        res = run_cli("attach", job_id, "--dry-run", env={"TMUX": ""})
+        assert res.code == 0 and f"set-option -t ={job_id}: -u prefix" in res.stdout, res
+    finally:
+        subprocess.run([*outer, "kill-server"], capture_output=True)
+        run_cli("kill", job_id)

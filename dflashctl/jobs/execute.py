@@ -10,6 +10,7 @@ import contextlib
 import os
 import secrets
 import shlex
+import subprocess
 import time
 from pathlib import Path
 
@@ -186,13 +187,53 @@ def shell_argv(spec: str, root: Path, is_host: bool = False) -> list[str]:
     return [*ssh, host.ssh or "", shlex.join([*prefix, *inner])]
 
 
-def attach_argv(job: JobRecord, write: bool = False) -> list[str]:
-    """The command that opens the job's pane: `ssh -t HOST [pct exec CT --] tmux -L SOCK attach -r -t =SESSION`.
-    The system's ssh is used, so the user's own config, agent and known_hosts apply. A Slurm job has no pane: its
-    train.log is followed (`tail -F`), or with `write` its step is attached with `sattach`."""
+VIEW_PREFIXES = ("C-b", "C-a", "C-]")  # the view's prefix key: tmux's own, unless the user's tmux takes it
+
+
+def view_prefix() -> str:
+    """The prefix key of the job's view: tmux's default C-b, but when this terminal is inside tmux ($TMUX) the first
+    of C-b, C-a, C-] that the user's own tmux does not take (its prefix and prefix2): there `Ctrl-b d` is read by
+    their tmux and detaches their own session, never the view inside it."""
+    if not os.environ.get("TMUX"):
+        return VIEW_PREFIXES[0]
+    try:
+        said = subprocess.run(["tmux", "display-message", "-p", "#{prefix} #{prefix2}"], capture_output=True,
+                              text=True, timeout=10, stdin=subprocess.DEVNULL).stdout.split()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        said = []
+    taken = set(said) or {"C-b"}  # not asked: tmux's default
+    return next((k for k in VIEW_PREFIXES if k not in taken), VIEW_PREFIXES[-1])
+
+
+def view_hint(prefix: str) -> str | None:
+    """What to tell a user whose view has another prefix than tmux's default (they are inside tmux)."""
+    if prefix == VIEW_PREFIXES[0]:
+        return None
+    key = prefix.replace("C-", "Ctrl-")
+    return f"inside tmux: this view's prefix is {key}: detach it with {key} d (Ctrl-b d is your own tmux's)"
+
+
+def _view_options(session: str, prefix: str) -> list[str]:
+    """tmux commands, each ended by `;`, that give the session the view's prefix and, for another one than tmux's
+    own, say on its status line how to detach (a view inside tmux shows nothing printed before it opened)."""
+    target = ["-t", f"={session}:"]  # a pane target: `=NAME:` is the session NAME exactly
+    if prefix == VIEW_PREFIXES[0]:
+        return ["set-option", *target, "-u", "prefix", ";", "set-option", *target, "-u", "status-right", ";"]
+    key = prefix.replace("C-", "Ctrl-")
+    return ["set-option", *target, "prefix", prefix, ";",
+            "set-option", *target, "status-right", f" detach: {key} d ", ";"]  # fmt: skip
+
+
+def attach_argv(job: JobRecord, write: bool = False, prefix: str = VIEW_PREFIXES[0]) -> list[str]:
+    """The command that opens the job's pane: `ssh -t HOST [pct exec CT --] tmux -L SOCK set-option ... ; attach -r
+    -t =SESSION`: the session's prefix is set at each attach (view_prefix: another one inside tmux), on our own tmux
+    server alone. The system's ssh is used, so the user's own config, agent and known_hosts
+    apply. A Slurm job has no pane: its train.log is followed (`tail -F`), or with `write` its step is attached with
+    `sattach`."""
     from dflashctl.remote.transport import container_prefix
 
-    tmux = ["tmux", "-L", job.tmux_socket, "attach", "-t", f"={job.session}", *([] if write else ["-r"])]
+    tmux = ["tmux", "-L", job.tmux_socket, *_view_options(job.session, prefix), "attach", "-t", f"={job.session}",
+            *([] if write else ["-r"])]  # fmt: skip
     if job.scheduler == "slurm":  # no pane: follow the log read-only, or (--write) sattach to the newest step 0
         log = shlex.quote(f"{job.run_dir}/train.log")
         tmux = ["bash", "-c", f'exec sattach "$(cat {shlex.quote(job.run_dir)}/slurm_job).0"' if write
