@@ -10,14 +10,17 @@ Every error names the file and the key, and exits with status 2.
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
 import functools
 import importlib
 import os
 import re
 import sys
 import types
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 
 def _no_pydantic_plugin_scan() -> None:
@@ -241,8 +244,52 @@ class HostsFile(BaseModel):
     hosts: dict[str, HostConfig] = Field(default_factory=dict)
 
 
-def format_validation_error(source: str, err: ValidationError, prefix: str = "") -> ConfigError:
-    """One line naming the file and the dotted key of every problem pydantic found."""
+def did_you_mean(word: str, choices: Iterable[str], cutoff: float = 0.6) -> str | None:
+    """The one of `choices` nearest to a misspelt `word` (difflib's ratio, at least `cutoff`), or None."""
+    close = difflib.get_close_matches(word, sorted(set(choices)), n=1, cutoff=cutoff)
+    return close[0] if close else None
+
+
+def _alternatives(tp: Any) -> list[Any]:
+    """The types a field's annotation stands for, with Optional, unions and Annotated opened."""
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return _alternatives(get_args(tp)[0])
+    if origin in (Union, types.UnionType):
+        return [alt for arg in get_args(tp) for alt in _alternatives(arg)]
+    return [tp]
+
+
+def _models(tp: Any) -> list[type[BaseModel]]:
+    return [alt for alt in _alternatives(tp) if isinstance(alt, type) and issubclass(alt, BaseModel)]
+
+
+def keys_at(model: Any, loc: Iterable) -> list[str]:
+    """The keys a model allows at an error's location (pydantic's `loc` less its last part): the fields of the model
+    found by walking fields, list items and mapping values from `model`; none where the walk finds no model."""
+    tp = model
+    for part in loc:
+        if _type_tag(part):
+            continue
+        step = None
+        for alt in _alternatives(tp):
+            if alt in _models(alt) and isinstance(part, str) and part in alt.model_fields:
+                step = alt.model_fields[part].annotation
+            elif get_origin(alt) in (list, tuple) and isinstance(part, int):
+                step = get_args(alt)[0]
+            elif get_origin(alt) is dict and isinstance(part, str):
+                step = get_args(alt)[1]
+            if step is not None:
+                break
+        if step is None:
+            return []
+        tp = step
+    return [name for m in _models(tp) for name in m.model_fields]
+
+
+def format_validation_error(source: str, err: ValidationError, prefix: str = "", model: Any = None) -> ConfigError:
+    """One line naming the file and the dotted key of every problem pydantic found; an unknown key is pointed at the
+    nearest key `model` allows there (`comand` -> `command`)."""
     said: dict[str, list[str]] = {}
     for e in err.errors():
         # a union's members appear in the location as type tags (`gpus.list[int]`, `gpus.int`): the key as the
@@ -251,7 +298,8 @@ def format_validation_error(source: str, err: ValidationError, prefix: str = "")
         key = ".".join(str(p) for p in loc)
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            near = did_you_mean(str(e["loc"][-1]), keys_at(model, e["loc"][:-1])) if model is not None else None
+            msg = f"unknown key (did you mean `{near}`?)" if near else "unknown key"
         elif e["type"] == "missing":
             msg = "required key is missing"
         said.setdefault(key, [])
@@ -314,6 +362,27 @@ def _depth(text: str) -> int:
     return max(best, len(indents))
 
 
+KEY_LINE = re.compile(r"\s*(?:-\s+)?([A-Za-z_][A-Za-z0-9_.-]*):(?:\s+(.*))?")  # `key: value`, `- key:`
+
+
+def _colon_hint(text: str, line: int) -> tuple[str | None, str]:
+    """(key, hint) for "mapping values are not allowed here": a plain value holding `: ` (a command's `--msg a: b`)
+    reads as a second key. The key is that of the line YAML stopped on, or of the nearest line above it that is less
+    indented (a value continued over several lines)."""
+    lines = text.splitlines()
+    here = lines[line] if 0 <= line < len(lines) else ""
+    indent = len(here) - len(here.lstrip())
+    for at in range(min(line, len(lines) - 1), -1, -1):
+        m = KEY_LINE.fullmatch(lines[at].rstrip())
+        if m and (at == line or len(lines[at]) - len(lines[at].lstrip()) < indent):
+            key, value = m[1], m[2] or ""
+            if value.startswith(("{", "[")):  # inside a flow mapping or list: only quotes help
+                return key, '; inside `{ }` or `[ ]` a value holding `: ` must be quoted ("x: y")'
+            return key, (f"; the value of `{key}` holds `: `: write it as a block, `{key}: |` with the value on the "
+                         "next lines indented, or quote it")
+    return None, "; a value holding `: ` must be written as a block (`key: |`, the value on the next lines) or quoted"
+
+
 def load_yaml(path: Path) -> Any:
     """Parse a YAML file; a syntax error becomes a ConfigError with the line number. Binary or non-UTF-8 files,
     duplicate keys, very deep nesting and huge files are refused the same way."""
@@ -339,7 +408,9 @@ def load_yaml(path: Path) -> Any:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(where, None, f"malformed YAML: {problem}") from None
+        colon = "mapping values are not allowed" in problem or "but got ':'" in problem
+        key, hint = _colon_hint(text, mark.line) if mark and colon else (None, "")
+        raise ConfigError(where, key, f"malformed YAML: {problem}{hint}") from None
     except RecursionError:
         raise ConfigError(str(path), None, "nested too deeply") from None
 
@@ -352,7 +423,8 @@ def load_hosts_file(path: Path) -> dict[str, HostConfig]:
         raise ConfigError(str(path), None, "expected a mapping with a `hosts:` key")
     unknown = sorted(str(k) for k in set(data) - PROJECT_KEYS)
     if unknown:
-        raise ConfigError(str(path), unknown[0], "unknown key")
+        near = did_you_mean(unknown[0], PROJECT_KEYS)
+        raise ConfigError(str(path), unknown[0], f"unknown key (did you mean `{near}`?)" if near else "unknown key")
     raw = data.get("hosts") or {}
     if not isinstance(raw, dict):
         raise ConfigError(str(path), "hosts", "expected a mapping of host name to host settings")
@@ -364,7 +436,7 @@ def load_hosts_file(path: Path) -> dict[str, HostConfig]:
     try:
         parsed = HostsFile.model_validate({"hosts": raw})
     except ValidationError as e:
-        raise format_validation_error(str(path), e) from None
+        raise format_validation_error(str(path), e, model=HostsFile) from None
     return {name: host.model_copy(update={"name": name}) for name, host in parsed.hosts.items()}
 
 
@@ -412,11 +484,50 @@ def parse_destination(spec: str) -> HostConfig:
     try:
         return HostConfig(name=spec, ssh=dest, port=port)
     except ValidationError as e:
-        raise format_validation_error("command line", e, prefix="host") from None
+        raise format_validation_error("command line", e, prefix="host", model=HostConfig) from None
+
+
+IP_ADDRESS = re.compile(r"[0-9.]+|[0-9A-Fa-f:]*:[0-9A-Fa-f:.]*")
+
+
+def _ssh_config_hosts() -> list[str]:
+    """The `Host` patterns of the user's ~/.ssh/config (its Include files are not followed), `*` and negations left
+    out: a name one of them matches is an ssh alias, never a typo of ours."""
+    try:
+        text = (Path.home() / ".ssh" / "config").read_text(errors="replace")
+    except OSError:
+        return []
+    found = []
+    for line in text.splitlines():
+        words = line.strip().replace("=", " ", 1).split()
+        if len(words) > 1 and words[0].lower() == "host":
+            found += [w for w in words[1:] if w != "*" and not w.startswith("!")]
+    return found
+
+
+def misspelt_host(spec: str, named: Iterable[str]) -> str | None:
+    """The host name `spec` is most likely a typo of (`lcoal` -> `local`), or None. Only a bare name that is none of
+    ours, not `local`, no address and no ~/.ssh/config alias, within difflib's reach of one of ours and about as
+    long (`localhost` is not a typo of `local`); `user@host` or `ssh://host` is always taken as written."""
+    names = {*named, "local"}
+    if spec in names or not SAFE_NAME.fullmatch(spec) or IP_ADDRESS.fullmatch(spec):
+        return None
+    near = [n for n in difflib.get_close_matches(spec, sorted(names), n=3, cutoff=0.75) if abs(len(n) - len(spec)) <= 2]
+    if not near or any(fnmatch.fnmatchcase(spec, pattern) for pattern in _ssh_config_hosts()):
+        return None
+    return near[0]
+
+
+def unknown_host_message(spec: str, near: str, command_line: bool = True) -> str:
+    """What a misspelt host is told: the nearest name, and how to mean a new host of that name after all."""
+    other = f", or give it as user@{spec} or ssh://{spec}" if command_line else ""
+    return (f"no host `{spec}` in dflashctl.yaml, hosts.yaml or ~/.ssh/config: did you mean `{near}`? (a host of that "
+            f"name: add it to dflashctl.yaml's `hosts:`{other})")
 
 
 def resolve_host(spec: str, project_root: Path | None = None, workdir: str | None = None) -> HostConfig:
-    """Turn what the user typed into a HostConfig; `workdir` overrides the host's own."""
+    """Turn what the user typed into a HostConfig; `workdir` overrides the host's own. A bare name one letter or two
+    from a host of ours is refused with that name, never tried as an ssh destination."""
     if not spec or any(ord(c) < 32 for c in spec):
         raise ConfigError("command line", "host", "empty or holds control characters")
     named = known_hosts(project_root)
@@ -425,6 +536,9 @@ def resolve_host(spec: str, project_root: Path | None = None, workdir: str | Non
     elif spec == "local":
         host = LOCAL
     else:
+        near = misspelt_host(spec, named)
+        if near:
+            raise ConfigError("command line", "host", unknown_host_message(spec, near))
         host = parse_destination(spec)
     if workdir is not None:
         try:

@@ -18,7 +18,16 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
-from dflashctl.config import SAFE_NAME, SbatchOptions, SlurmTime, format_validation_error, load_yaml
+from dflashctl.config import (
+    SAFE_NAME,
+    SbatchOptions,
+    SlurmTime,
+    format_validation_error,
+    known_hosts,
+    load_yaml,
+    misspelt_host,
+    unknown_host_message,
+)
 from dflashctl.errors import ConfigError
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch
@@ -63,10 +72,12 @@ class NotifyConfig(BaseModel):
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("expected an http:// or https:// URL with a host")
         try:
-            parts.port  # noqa: B018 - raises on a port that is not a number in range
+            port = parts.port  # raises on a port that is not a number from 0 to 65535
         except ValueError:
-            raise ValueError("the URL's port is not a number from 1 to 65535") from None
-        return value
+            port = 0
+        if port == 0:  # `:0` parses, but nothing listens there: every notice would fail, found only at the first
+            raise ValueError("the URL's port is not a number from 1 to 65535")
+        return value  # user:password@ is accepted: the sender moves it into an Authorization header
 
 
 class WatchConfig(BaseModel):
@@ -295,6 +306,20 @@ def _check_trainer_config(data: dict, source: str, project_root: Path) -> None:
     raise ConfigError(source, key, problem["message"])
 
 
+def _check_host_names(job: JobConfig, source: str, project_root: Path) -> None:
+    """A node's host that is a typo of a host of ours (`lcoal`) is named with the nearest one here, in the job file,
+    before anything tries it as an ssh destination."""
+    names = [n.host for n in job.nodes]
+    if all(n == "local" for n in names):
+        return
+    named = known_hosts(project_root)
+    for i, name in enumerate(names):
+        near = misspelt_host(name, named)
+        if near:
+            key = f"hosts.{i}.host" if job.hosts is not None else ("host" if isinstance(job.host, str) else f"host.{i}")
+            raise ConfigError(source, key, unknown_host_message(name, near, command_line=False))
+
+
 def load_job(path: Path, project_root: Path) -> tuple[JobConfig, dict | None]:
     """Parse and validate a job file; returns the job and the trainer config (a mapping) when it has one."""
     data = load_yaml(path)
@@ -304,7 +329,8 @@ def load_job(path: Path, project_root: Path) -> tuple[JobConfig, dict | None]:
     try:
         job = JobConfig.model_validate(data)
     except ValidationError as e:
-        raise format_validation_error(source, e) from None
+        raise format_validation_error(source, e, model=JobConfig) from None
+    _check_host_names(job, source, project_root)
     trainer_cfg = None
     if isinstance(job.trainer, str):
         tpath = (path.parent / job.trainer).resolve()
