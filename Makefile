@@ -4,22 +4,34 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
-# command:package pairs. The Slurm daemons and munge are for the tests' one-machine cluster (tests/slurm_cluster.py)
-# and nothing else: where apt cannot install them, the Slurm tests skip and say why, and the rest runs.
-REQUIRED_DEPS := sshd:openssh-server ssh:openssh-client tmux:tmux rsync:rsync git:git
+# command:package pairs. The demo runs on the built-in `local` host: tmux and git are all it needs. The tests add a
+# real OpenSSH server on loopback (and rsync, which `doctor` looks for), and Slurm's daemons and munge for their
+# one-machine cluster (tests/slurm_cluster.py) and nothing else: where apt cannot install those, the Slurm tests skip
+# and say why, and the rest runs.
+DEMO_DEPS := tmux:tmux git:git
+TEST_DEPS := sshd:openssh-server ssh:openssh-client rsync:rsync
 SLURM_DEPS := slurmctld:slurmctld slurmd:slurmd sbatch:slurm-client munged:munge
 
-.PHONY: test test-fast lint bytecode system-deps venv demo docs clean
+.PHONY: test test-fast lint bytecode system-deps test-deps venv demo docs clean
 
 define missing_of
 missing=""; for p in $(1); do cmd=$${p%%:*}; pkg=$${p##*:}; \
   command -v $$cmd >/dev/null 2>&1 || [ -x /usr/sbin/$$cmd ] || missing="$$missing $$pkg"; done
 endef
 
+# what `make demo` needs
 system-deps:
-	@$(call missing_of,$(REQUIRED_DEPS)); \
+	@$(call missing_of,$(DEMO_DEPS)); \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
+
+# what `make test` needs besides
+test-deps: system-deps
+	@$(call missing_of,$(TEST_DEPS)); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing (for the tests):$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 	@$(call missing_of,$(SLURM_DEPS)); \
@@ -65,7 +77,7 @@ bytecode: $(VENV)/.bytecode
 
 # The system packages and the virtualenv are independent: apt and pip run side by side (two jobs).
 test:
-	$(MAKE) -j2 system-deps venv
+	$(MAKE) -j2 test-deps venv
 	$(MAKE) lint bytecode
 	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 

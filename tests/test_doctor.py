@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+import pytest
 
 from dflashctl.remote.doctor import parse_gpu_csv
 
@@ -88,3 +91,28 @@ def test_an_unreachable_host_gets_its_table_and_the_one_json_schema(cli, client)
 def test_the_local_host_has_no_clock_offset_to_itself(cli, client):
     checks = checks_of(cli("doctor", "local", "--json").stdout)
     assert checks["clock"]["status"] == "ok" and "offset" not in checks["clock"]["detail"]
+
+
+def _path_without_nvidia_smi(extra: Path | None = None) -> str:
+    dirs = [d for d in os.environ["PATH"].split(os.pathsep) if d and not (Path(d) / "nvidia-smi").exists()]
+    return os.pathsep.join([*([str(extra)] if extra else []), *dirs])
+
+
+@pytest.mark.parametrize("fake, says", [
+    (None, "nvidia-smi is not installed on local: no GPU can be seen"),
+    ("echo 'No devices were found'; exit 6", "nvidia-smi found no GPU on local"),
+    ("echo \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\"; exit 9",
+     "nvidia-smi failed on local (exit 9: NVIDIA-SMI has failed because it couldn't communicate"),
+])  # fmt: skip
+def test_no_gpu_says_why_nvidia_smi_missing_failing_or_finding_none(cli, client, tmp_path, fake, says):
+    """`nvidia-smi found no GPU` was said when nvidia-smi was not even installed."""
+    bin_dir = None
+    if fake is not None:
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{fake}\n")
+        (bin_dir / "nvidia-smi").chmod(0o755)
+    res = cli("doctor", "local", "--json", env={"PATH": _path_without_nvidia_smi(bin_dir)})
+    gpus = checks_of(res.stdout)["gpus"]
+    assert gpus["status"] == "warn" and says in gpus["detail"], gpus
+    assert fake is None or "not installed" not in gpus["detail"]

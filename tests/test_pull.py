@@ -145,27 +145,44 @@ def test_a_pulled_job_json_has_its_secrets_redacted(run, client):
     assert oct((client.project / "pulled" / JOB / "job.json").stat().st_mode & 0o777) == "0o600"
 
 
+def git_state(project: Path) -> dict[str, bytes]:
+    """The files of the user's git that a pull must leave as they were."""
+    files = [project / ".gitignore", *(project / ".git").glob("info/*"), project / ".git" / "config"]
+    return {str(f): f.read_bytes() for f in files if f.is_file()}
+
+
 def test_what_pull_and_report_write_is_never_deployed_or_stale(run, client):
     from dflashctl.remote.sync import list_files
 
     subprocess.run(["git", "init", "-q", str(client.project)], check=True)
     (client.project / "train.py").write_text("print('code')\n")
-    before = list_files(client.project)
+    (client.project / ".gitignore").write_text("*.log\n")
+    before, git_before = list_files(client.project), git_state(client.project)
     assert pull().code == 0
-    (client.project / "r.html").write_text("<html>")  # as `report --out r.html` leaves it, listed below
-    from dflashctl import outputs
-
-    assert outputs.remember(client.project, client.project / "r.html")
-    assert list_files(client.project) == before == ["train.py"]  # so `launch` finds no stale code either
-    assert f"pulled/{JOB}" in (client.project / ".dflashctl-outputs").read_text()
+    assert git_state(client.project) == git_before  # the user's .gitignore and .git/info/exclude untouched
+    assert list_files(client.project) == before == [".gitignore", "train.py"]  # so `launch` finds no stale code
     status = subprocess.run(["git", "status", "--porcelain"], cwd=client.project, capture_output=True, text=True)
-    assert status.stdout.split() == ["??", "train.py"], status.stdout  # what dflashctl wrote leaves git status clean
+    assert status.stdout.split() == ["??", ".gitignore", "??", "train.py"], status.stdout  # the pull is not there
+    assert (client.project / "pulled" / JOB / ".gitignore").read_text().splitlines()[-1] == "*"
     # `--to mylib`: only the job's own folder is dflashctl's; the user's new source in mylib is still code
     (client.project / "mylib").mkdir()
     (client.project / "mylib" / "util.py").write_text("x = 1\n")
     assert pull("--to", "mylib").code == 0
-    assert list_files(client.project) == ["mylib/util.py", "train.py"]
-    assert "mylib\n" not in (client.project / ".dflashctl-outputs").read_text()
+    assert list_files(client.project) == [".gitignore", "mylib/util.py", "train.py"]
+    assert git_state(client.project) == git_before and not (client.project / ".dflashctl-outputs").exists()
+
+
+def test_outside_a_git_checkout_the_pull_is_listed_as_dflashctls_output(run, client):
+    """No git to ignore it: deploy leaves the pulled run out by dflashctl's own list; `report --out` files too."""
+    from dflashctl import outputs
+    from dflashctl.remote.sync import list_files
+
+    (client.project / "train.py").write_text("print('code')\n")
+    assert pull().code == 0
+    (client.project / "r.html").write_text("<html>")  # as `report --out r.html` leaves it
+    assert outputs.remember(client.project, client.project / "r.html")
+    assert list_files(client.project) == ["train.py"] and not (client.project / ".git").exists()
+    assert f"pulled/{JOB}" in (client.project / ".dflashctl-outputs").read_text()
 
 
 def test_pull_to_a_file_and_into_a_full_disk_are_one_line_errors(run, client, tmp_path):

@@ -7,12 +7,18 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from dflashctl.config import HostConfig
 from dflashctl.remote.transport import WORKDIR_PRELUDE, Runner
 
 MIN_FREE_GIB = 20.0  # checkpoints of an 8B-target drafter run are a few GiB each; keep room for several
 MAX_CLOCK_OFFSET_S = 1.0  # the wall stamps `status` shows from the remote are compared with ours by the reader
 GPU_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total,ecc.errors.uncorrected.volatile.total",
              "--format=csv,noheader,nounits"]  # fmt: skip
+# nvidia-smi absent is told apart from one that ran and found nothing by our own status, whatever the layer between
+# (ssh, `pct exec`, `docker exec`) makes of a missing executable
+NO_NVIDIA_SMI = 127
+GPU_QUERY_ARGV = ["sh", "-c", f'command -v nvidia-smi >/dev/null 2>&1 || exit {NO_NVIDIA_SMI}; exec "$@"', "gpu-query",
+                  *GPU_QUERY]  # fmt: skip
 
 # Prints key=value lines; each probe tolerates the tool being absent (a missing line reads as an empty fact). $1 is
 # the workdir, $2 the Python: one interpreter says its version, then torch's and NCCL's (torch imported once: seconds
@@ -63,6 +69,20 @@ def parse_facts(text: str) -> dict[str, str]:
         if sep:
             facts[key.strip()] = value.strip()
     return facts
+
+
+def no_gpu_detail(code: int, said: str, host: HostConfig) -> str:
+    """Why doctor sees no GPU, in words that lead to the fix: nvidia-smi not installed (where it was looked for),
+    nvidia-smi failing (its own last line: a driver not loaded, a container without the devices), or nvidia-smi
+    running and finding none."""
+    where = "on the container's host" if host.gpu_query == "host" and host.container else (
+        "in the container" if host.container else f"on {host.name}")  # fmt: skip
+    last = (said.strip().splitlines() or [""])[-1][:200]
+    if code == NO_NVIDIA_SMI:
+        return f"nvidia-smi is not installed {where}: no GPU can be seen (CPU-only jobs still run)"
+    if code != 0 and "No devices were found" not in said:
+        return f"nvidia-smi failed {where} (exit {code}{': ' + last if last else ''}) (CPU-only jobs still run)"
+    return f"nvidia-smi found no GPU {where} (CPU-only jobs still run)"
 
 
 def parse_gpu_csv(text: str) -> list[dict]:
@@ -116,7 +136,7 @@ def run_doctor(runner: Runner) -> DoctorReport:
     else:
         checks.append(Check("torch", "warn", "not importable: the bundled trainer cannot run (command: jobs can)"))
 
-    gpu_res = runner.run(GPU_QUERY, on_host=host.gpu_query == "host", timeout=60)
+    gpu_res = runner.run(GPU_QUERY_ARGV, on_host=host.gpu_query == "host", timeout=60)
     gpus = parse_gpu_csv(gpu_res.out) if gpu_res.returncode == 0 else []
     if gpus:
         names = ", ".join(f"{g['index']}: {g['name']} {g['memory_mib'] / 1024:.0f} GiB" for g in gpus)
@@ -127,7 +147,7 @@ def run_doctor(runner: Runner) -> DoctorReport:
                        "overrides); have it checked or reset")
                 checks.append(Check(f"gpu {g['index']}", "fail", why))
     else:
-        checks.append(Check("gpus", "warn", "nvidia-smi found no GPU (CPU-only jobs still run)"))
+        checks.append(Check("gpus", "warn", no_gpu_detail(gpu_res.returncode, gpu_res.out + gpu_res.err, host)))
 
     tmux = facts.get("tmux", "")
     checks.append(Check("tmux", "ok" if tmux else "fail", tmux or "not installed: jobs run in tmux", required=True))

@@ -5,8 +5,9 @@ A file arrives as `NAME.part` and takes its name only once its sha256 equals the
 the size listed, so a metrics file still growing is named as it was), checked again under the final name. An
 interrupted pull leaves the `.part`; the next pull continues it from its size. A `.part` that turns out wrong is
 fetched again from the start, once. One pull at a time per destination (a lock in it): a second says so and waits
-for nothing. A pulled `job.json` has its secrets as `***`. Inside the project, the destination is listed as
-dflashctl's own output (dflashctl/outputs.py): never deployed, never stale code.
+for nothing. A pulled `job.json` has its secrets as `***`. The job's folder is dflashctl's own output, never code:
+a `.gitignore` of `*` in it keeps it out of `git status` and of deploy; in a project that is no git checkout it is
+listed as such (dflashctl/outputs.py). Nothing of the user's git (.gitignore, .git/info/exclude) is changed.
 """
 
 from __future__ import annotations
@@ -146,6 +147,24 @@ def fetch_one(runner, job: JobRecord, item: dict, root: Path, chunk: int, tick: 
     raise RemoteCommandError(f"{rel}: the sha256 of what arrived differs from the remote's twice; nothing was kept")
 
 
+IGNORE_ALL = "# written by dflashctl pull: this folder is a pulled run, not code (delete this file to commit it)\n*\n"
+
+
+def keep_out_of_git(root: Path, project: Path) -> None:
+    """The pulled run is never the project's code: a `.gitignore` of `*` in the job's own folder (which ignores
+    itself too, as pytest's and ruff's caches do) keeps it out of `git status` and of deploy, which lists what git
+    does not ignore, without a change to the user's .gitignore or .git/info/exclude. Where the project is no git
+    checkout, deploy reads dflashctl's outputs list instead."""
+    path = root / ".gitignore"
+    if not path.is_symlink() and not path.exists():
+        with contextlib.suppress(OSError):  # where it cannot be written, neither can what is pulled
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(IGNORE_ALL)
+    if not (project / ".git").exists():
+        outputs.remember(project, root)
+
+
 @contextlib.contextmanager
 def one_pull_at_a_time(root: Path):
     """An exclusive lock on ROOT/.pull.lock for the whole pull; a second pull into the same place is refused at once."""
@@ -175,7 +194,7 @@ def pull(job: JobRecord, to: Path, select: dict, chunk: int, accept_new: bool, s
     except OSError as e:
         raise RefusedError(f"--to {to}: cannot make {root}: {e.strerror or e}") from None
     # only the job's own folder is dflashctl's output: `--to mylib` leaves the user's other files in mylib theirs
-    outputs.remember(project, root)
+    keep_out_of_git(root, project)
     with one_pull_at_a_time(root), open_runner(job.host, accept_new) as runner:
         listing = session.call_agent(runner, {"action": "files", "run_dir": job.run_dir, "gpus": False, **select},
                                      timeout=600)  # fmt: skip
