@@ -129,8 +129,13 @@ def test_a_reader_follows_an_answering_supervisor_and_makes_no_notice_of_its_own
     sup = {"alive": True, "interval_s": 1.0, "heartbeat": {"beat": 3, "age_s": 0.1}, "verdict": verdict}
     turn = d.take([Look(snap(T0, dead=1, log=CRASH_LOG, supervisor=sup))], 0.0)
     r = turn.report
-    assert r.decided_by == SUPERVISOR and r.state == "CRASHED" and r.reason == "the supervisor's reason"
+    assert r.decided_by == SUPERVISOR and r.state == "CRASHED" and "the job's supervisor agrees (0 s ago)" in r.evidence
     assert turn.move.kind == WAIT and turn.notices == [] and turn.restart is None
+    # its word differs from this look's (it measured a stall this one-shot look cannot): its verdict is the report
+    stalled = {**sup, "verdict": {**verdict, "state": "STALLED", "reason": "no new step for 700 s"}}
+    other = decider(by="watch").take([Look(snap(T0, supervisor=stalled))], 0.0).report
+    assert other.state == "STALLED" and other.reason == "no new step for 700 s"
+    assert other.evidence[0] == "RuntimeError: boom"
     gave = {**sup, "verdict": {**verdict, "gave_up": "max_restarts (2) reached"}}
     end = d.take([Look(snap(T0 + 1, dead=1, supervisor=gave))], 1.0)
     assert end.move.kind == GIVE_UP and end.report.gave_up and end.notices == []

@@ -32,6 +32,7 @@ from dflashctl.jobs.control import KillReport
 from dflashctl.jobs.poller import make_watcher
 from dflashctl.jobs.registry import JobRecord, Member
 from dflashctl.jobs.secrets import redactor
+from dflashctl.judge.facts import DONE_FOR_GOOD
 from dflashctl.judge.report import HERE, Report
 from dflashctl.model.jobfile import load_job
 from dflashctl.remote import session
@@ -386,7 +387,7 @@ def kill(spec: str | None, project: str, grace_s: float | None = None, accept_ne
                               "(or `dflashctl kill --yes`)")  # fmt: skip
     else:
         job = find_job(spec, project)
-    if job.state in ("FINISHED", "KILLED"):  # nothing to stop: say so, rewrite nothing
+    if job.state in DONE_FOR_GOOD:  # nothing to stop: say so, rewrite nothing
         raise NothingToDoError(f"{job.id} is already {job.state}: nothing to kill")
     report = control.stop_all(job, lambda h: open_runner(h, accept_new), grace_s)
     ended = not job.live and job.state != "KILL_FAILED" and not report.found and report.clean

@@ -8,17 +8,13 @@ import fnmatch
 from concurrent.futures import ThreadPoolExecutor
 
 from dflashctl.errors import ConfigError, DflashError
+from dflashctl.judge.facts import DONE_FOR_GOOD, RECORDED
 from dflashctl.model.record import REMOVED, JobRecord
-
-DONE_FOR_GOOD = ("FINISHED", "KILLED", REMOVED)  # what no look at the host changes: `--refresh` skips them
-NOT_RECORDED = ("INCOMPLETE",)  # a state `diagnose` gives a log, never a job's record
 
 
 def record_states() -> list[str]:
-    """Every state a job's record can hold: the judge's states but those no record holds, and REMOVED."""
-    from dflashctl.judge.facts import EXIT_BY_STATE
-
-    return [s for s in EXIT_BY_STATE if s not in NOT_RECORDED] + ([] if REMOVED in EXIT_BY_STATE else [REMOVED])
+    """Every state a job's record can hold (the state table's `recorded`)."""
+    return list(RECORDED)
 
 
 def wanted_states(states: list[str] | None) -> set[str]:

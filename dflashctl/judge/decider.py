@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .assess import PEER_LOST
 from .cause import recorded
-from .facts import ADVICE, FAILURES, TERMINAL
+from .facts import ADVICE, ENDS, FAILURES, QUIET, TERMINAL
 from .nodes import Node, combine
 from .notice import Message, notice_id
 from .policy import GIVE_UP, RESTART, WAIT, Move, Policy, next_move
@@ -29,8 +29,6 @@ from .report import HERE, SUPERVISOR, Judge, Report
 
 HAND_OVER = "hand_over"  # the supervisor cannot reach every node: it stops deciding, a watch on the laptop decides
 ELSEWHERE = "elsewhere (the job's supervisor or another watcher)"
-QUIET = ("RUNNING", "STARTING", "STOPPING", "PENDING", "UNREACHABLE", "INCOMPLETE")  # states that page nobody
-ENDS = ("FINISHED", "KILLED", "KILL_FAILED")  # the job's end: one notice each, whatever the attempt
 
 
 @dataclass

@@ -13,86 +13,124 @@ from dataclasses import asdict, dataclass, field
 
 class State:
     """One row of the table. `terminal`: the job will not change state by itself (a watch ends there, unless its
-    policy restarts it). `failure`: something went wrong (`ls -s failed`, the bell, a notice's priority)."""
+    policy restarts it). `failure`: something went wrong (`ls -s failed`, the bell, a notice's priority).
+    `restart`: "default" (in every job's `restart_on` unless it says otherwise), "yes" (a job file may list it),
+    "never" (refused in `restart_on`: the cause would repeat, or someone stopped it on purpose), or None (not a
+    failure a restart is for). `alive`: the job may still be running. `running`: its attempt runs (a step may come).
+    `quiet`: pages nobody. `cascade`: what the other nodes show when one failed first. `end`: the job's own end (one
+    notice, whatever the attempt). `recorded`: a job's record can hold it (not a log's INCOMPLETE). `record_only`:
+    only a record says it (gc removed the run dir), never a look at the host."""
 
-    __slots__ = ("name", "code", "terminal", "failure", "advice", "colour")
+    __slots__ = ("name", "code", "terminal", "failure", "advice", "colour", "restart", "alive", "running", "quiet",
+                 "cascade", "end", "recorded", "record_only")  # fmt: skip
 
-    def __init__(self, name: str, code: int, terminal: bool, failure: bool, advice: str | None, colour: str):
+    def __init__(self, name: str, code: int, *, terminal: bool = False, failure: bool = False,
+                 advice: str | None = None, colour: str = "bold red", restart: str | None = None, alive: bool = False,
+                 running: bool = False, quiet: bool = False, cascade: bool = False, end: bool = False,
+                 recorded: bool = True, record_only: bool = False) -> None:  # fmt: skip
         self.name, self.code, self.terminal, self.failure = name, code, terminal, failure
-        self.advice, self.colour = advice, colour
+        self.advice, self.colour, self.restart = advice, colour, restart
+        self.alive, self.running, self.quiet, self.cascade, self.end = alive, running, quiet, cascade, end
+        self.recorded, self.record_only = recorded, record_only
 
     def __repr__(self) -> str:
         return f"State({self.name}, {self.code})"
 
 
-def _s(name: str, code: int, terminal: bool, failure: bool, colour: str = "bold red", advice: str | None = None):
-    return State(name, code, terminal, failure, advice, colour)
-
-
 NOT_RESTARTED = " Not restarted: it would repeat."
 STATES = (
-    _s("STARTING", 0, False, False, "cyan"),
-    _s("RUNNING", 0, False, False, "green"),
-    _s("PENDING", 0, False, False, "cyan", "the job waits in Slurm's queue for the reason shown (Priority, Resources, "
-       "ReqNodeNotAvail, ...); `squeue --start -j ID` estimates when it starts."),
-    _s("STOPPING", 0, False, False, "cyan", "a stop was requested (`dflashctl kill`); no watcher restarts this job."),
-    _s("FINISHED", 0, True, False, "bold green"),
-    _s("CRASHED", 10, True, True, advice="fix the exception shown; where it was transient, a restart resumes from "
-       "the newest checkpoint."),
-    _s("OOM", 11, True, True, advice="lower data.batch_size or anchors_per_seq, turn on "
-       "drafter.activation_checkpointing, or drop the largest bucket."),
-    _s("NCCL_TIMEOUT", 12, True, True, advice="a rank hung or died inside a collective: read the other ranks' lines "
-       "and check the GPUs; a restart with --resume usually helps."),
-    _s("STALLED", 13, False, True, "yellow", "read `dflashctl logs` and dump the processes (py-spy); a restart "
-       "resumes from the newest checkpoint."),
-    _s("DENSE_FALLBACK", 14, True, True, advice="flex_attention ran, or was about to run, without compile: check "
-       "TORCH_COMPILE_DISABLE, the recompile limit and the preflight buckets." + NOT_RESTARTED),
-    _s("RECOMPILE_LIMIT", 15, True, True, advice="shapes vary more than the compiled buckets allow: fix the "
-       "bucketing or raise attention.recompile_limit." + NOT_RESTARTED),
-    _s("LOST", 16, True, True, advice="the tmux session or the run dir disappeared (reboot, or killed by someone): "
-       "relaunch it."),
-    _s("CONFIG_ERROR", 17, True, True, advice="fix the config key, module or file named; the job did not start "
-       "training." + NOT_RESTARTED),
-    _s("UNREACHABLE", 18, False, False, "magenta", "the host does not answer; the job's last known state is kept "
-       "until it does."),
-    _s("PROBE_FAILED", 19, True, True, advice="the host answered but the probe failed there: check the host's "
-       "`python:` setting and its disk; the error is shown."),
-    _s("KILLED", 20, True, False, "yellow"),
-    _s("KILL_FAILED", 21, True, True, advice="run `dflashctl kill` again on this job: it retries the same job and "
-       "names what survived."),
-    _s("DIVERGED", 22, True, True, advice="the loss or the gradient norm is NaN/inf: lower optim.lr, check the data "
-       "and the target's dtype; resume from the checkpoint before the divergence (no non-finite one is kept). Not "
-       "restarted by default: it would diverge again."),
-    _s("GPU_FAULT", 23, True, True, advice="a GPU failed in hardware (ECC, Xid, fallen off the bus): relaunch on "
-       "other GPUs (`gpus:`) and have the GPU checked (`nvidia-smi -q -d ECC,PAGE_RETIREMENT`). Never restarted "
-       "onto that GPU."),
-    _s("HOST_OOM", 24, True, True, advice="the host ran out of RAM and the kernel killed a rank: lower host RAM per "
-       "rank (fewer dataloader workers, smaller prefetch, no host copies of the target) or use fewer ranks per "
-       "host."),
-    _s("DISK_FULL", 25, True, True, advice="the run dir's file system is full: free space (old checkpoints, "
-       "inductor caches) or lower checkpoint.keep; not restarted while the disk is still full."),
-    _s("TIMEOUT", 26, True, True, advice="the job ran out of its wall time (sbatch --time): a restart resubmits it "
-       "with --resume from the newest checkpoint; ask for a longer `time:` to need fewer."),
-    _s("PREEMPTED", 27, True, True, advice="the scheduler took the nodes for a job of higher priority: a restart "
-       "resubmits with --resume."),
-    _s("NODE_FAIL", 28, True, True, advice="a node of the allocation failed: a restart resubmits with --resume, "
-       "excluding that node."),
-    _s("CANCELLED", 29, True, True, advice="the Slurm job was cancelled outside dflashctl (scancel, an "
-       "administrator): relaunch it if that was not meant. Not restarted: someone stopped it on purpose."),
-    _s("INCOMPLETE", 30, False, False, "yellow", "the log shows no failure and no normal end: it was cut off, the "
-       "job is still running, or it ended in a way no signature knows. Read its last lines (`dflashctl logs`), or "
-       "ask `dflashctl status`."),
-    _s("NCCL_ERROR", 31, True, True, advice="the connection between ranks broke (a connection reset, an InfiniBand "
-       "or socket error, a peer gone): check the interconnect on the hosts named (`ibstat`, NCCL_SOCKET_IFNAME / "
-       "NCCL_IB_HCA, the switch), then restart with --resume; if it repeats on one host, leave that host out."),
-    _s("REMOVED", 32, True, False, "dim", "`dflashctl gc` removed its run dir: nothing of it is left on the host "
-       "(`dflashctl ls --forget ID` drops the record)."),
-)  # fmt: skip
-RECORD_ONLY = ("REMOVED",)  # what a job's record says of it (gc); never what a log or a look at the host shows
+    State("STARTING", 0, colour="cyan", alive=True, running=True, quiet=True),
+    State("RUNNING", 0, colour="green", alive=True, running=True, quiet=True),
+    State("PENDING", 0, colour="cyan", alive=True, quiet=True,
+          advice="the job waits in Slurm's queue for the reason shown (Priority, Resources, ReqNodeNotAvail, ...); "
+          "`squeue --start -j ID` estimates when it starts."),
+    State("STOPPING", 0, colour="cyan", alive=True, quiet=True,
+          advice="a stop was requested (`dflashctl kill`); no watcher restarts this job."),
+    State("FINISHED", 0, terminal=True, colour="bold green", end=True, restart="never"),
+    State("CRASHED", 10, terminal=True, failure=True, restart="default",
+          advice="fix the exception shown; where it was transient, a restart resumes from the newest checkpoint."),
+    State("OOM", 11, terminal=True, failure=True, restart="yes",
+          advice="lower data.batch_size or anchors_per_seq, turn on drafter.activation_checkpointing, or drop the "
+          "largest bucket."),
+    State("NCCL_TIMEOUT", 12, terminal=True, failure=True, restart="default", cascade=True,
+          advice="a rank hung or died inside a collective: read the other ranks' lines and check the GPUs; a restart "
+          "with --resume usually helps."),
+    State("STALLED", 13, failure=True, colour="yellow", restart="default", alive=True, running=True, cascade=True,
+          advice="read `dflashctl logs` and dump the processes (py-spy); a restart resumes from the newest "
+          "checkpoint."),
+    State("DENSE_FALLBACK", 14, terminal=True, failure=True, restart="never",
+          advice="flex_attention ran, or was about to run, without compile: check TORCH_COMPILE_DISABLE, the "
+          "recompile limit and the preflight buckets." + NOT_RESTARTED),
+    State("RECOMPILE_LIMIT", 15, terminal=True, failure=True, restart="never",
+          advice="shapes vary more than the compiled buckets allow: fix the bucketing or raise "
+          "attention.recompile_limit." + NOT_RESTARTED),
+    State("LOST", 16, terminal=True, failure=True, restart="yes", cascade=True,
+          advice="the tmux session or the run dir disappeared (reboot, or killed by someone): relaunch it."),
+    State("CONFIG_ERROR", 17, terminal=True, failure=True, restart="never",
+          advice="fix the config key, module or file named; the job did not start training." + NOT_RESTARTED),
+    State("UNREACHABLE", 18, colour="magenta", alive=True, quiet=True,
+          advice="the host does not answer; the job's last known state is kept until it does."),
+    State("PROBE_FAILED", 19, terminal=True, failure=True, alive=True,
+          advice="the host answered but the probe failed there: check the host's `python:` setting and its disk; "
+          "the error is shown."),
+    State("KILLED", 20, terminal=True, colour="yellow", end=True),
+    State("KILL_FAILED", 21, terminal=True, failure=True, end=True,
+          advice="run `dflashctl kill` again on this job: it retries the same job and names what survived."),
+    State("DIVERGED", 22, terminal=True, failure=True, restart="yes",
+          advice="the loss or the gradient norm is NaN/inf: lower optim.lr, check the data and the target's dtype; "
+          "resume from the checkpoint before the divergence (no non-finite one is kept). Not restarted by default: "
+          "it would diverge again."),
+    State("GPU_FAULT", 23, terminal=True, failure=True, restart="never",
+          advice="a GPU failed in hardware (ECC, Xid, fallen off the bus): relaunch on other GPUs (`gpus:`) and have "
+          "the GPU checked (`nvidia-smi -q -d ECC,PAGE_RETIREMENT`). Never restarted onto that GPU."),
+    State("HOST_OOM", 24, terminal=True, failure=True, restart="yes",
+          advice="the host ran out of RAM and the kernel killed a rank: lower host RAM per rank (fewer dataloader "
+          "workers, smaller prefetch, no host copies of the target) or use fewer ranks per host."),
+    State("DISK_FULL", 25, terminal=True, failure=True, restart="yes",
+          advice="the run dir's file system is full: free space (old checkpoints, inductor caches) or lower "
+          "checkpoint.keep; not restarted while the disk is still full."),
+    State("TIMEOUT", 26, terminal=True, failure=True, restart="default",
+          advice="the job ran out of its wall time (sbatch --time): a restart resubmits it with --resume from the "
+          "newest checkpoint; ask for a longer `time:` to need fewer."),
+    State("PREEMPTED", 27, terminal=True, failure=True, restart="default",
+          advice="the scheduler took the nodes for a job of higher priority: a restart resubmits with --resume."),
+    State("NODE_FAIL", 28, terminal=True, failure=True, restart="default",
+          advice="a node of the allocation failed: a restart resubmits with --resume, excluding that node."),
+    State("CANCELLED", 29, terminal=True, failure=True, restart="never",
+          advice="the Slurm job was cancelled outside dflashctl (scancel, an administrator): relaunch it if that was "
+          "not meant. Not restarted: someone stopped it on purpose."),
+    State("INCOMPLETE", 30, colour="yellow", quiet=True, recorded=False,
+          advice="the log shows no failure and no normal end: it was cut off, the job is still running, or it ended "
+          "in a way no signature knows. Read its last lines (`dflashctl logs`), or ask `dflashctl status`."),
+    State("NCCL_ERROR", 31, terminal=True, failure=True, restart="default", cascade=True,
+          advice="the connection between ranks broke (a connection reset, an InfiniBand or socket error, a peer "
+          "gone): check the interconnect on the hosts named (`ibstat`, NCCL_SOCKET_IFNAME / NCCL_IB_HCA, the "
+          "switch), then restart with --resume; if it repeats on one host, leave that host out."),
+    State("REMOVED", 32, terminal=True, colour="dim", record_only=True,
+          advice="`dflashctl gc` removed its run dir: nothing of it is left on the host (`dflashctl ls --forget ID` "
+          "drops the record)."),
+)
+
+
+def names(**where) -> tuple:
+    """The states whose columns have these values, in table order: `names(alive=True)`, `names(restart="default")`."""
+    return tuple(s.name for s in STATES if all(getattr(s, k) == v for k, v in where.items()))
+
 
 BY_NAME = {s.name: s for s in STATES}
-FAILURES = tuple(s.name for s in STATES if s.failure)
-TERMINAL = tuple(s.name for s in STATES if s.terminal)
+FAILURES = names(failure=True)
+TERMINAL = names(terminal=True)
+ALIVE = names(alive=True)  # the job may still be running: a record in one of these is not forgotten lightly
+RUNNING_STATES = names(running=True)  # its attempt runs: throughput and time left mean something
+QUIET = names(quiet=True)  # pages nobody
+CASCADE = names(cascade=True)  # what the other nodes show when one failed first (judge/nodes.py)
+ENDS = names(end=True)  # the job's end: one notice, whatever the attempt
+RESTARTABLE = tuple(s.name for s in STATES if s.restart in ("default", "yes"))  # what `restart_on` may list
+DEFAULT_RESTART_ON = names(restart="default")
+NEVER_RESTART = names(restart="never")  # refused in `restart_on`, with why
+RECORDED = names(recorded=True)  # what a job's record can hold
+RECORD_ONLY = names(record_only=True)  # what a job's record says of it (gc); never what a log or a look shows
+DONE_FOR_GOOD = tuple(s.name for s in STATES if s.terminal and not s.failure)  # no look at the host changes them
 EXIT_BY_STATE = {s.name: s.code for s in STATES}
 ADVICE = {s.name: s.advice for s in STATES if s.advice}
 COLOURS = {s.name: s.colour for s in STATES}

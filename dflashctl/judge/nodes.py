@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .facts import FAILURES, Verdict
+from .facts import CASCADE, FAILURES, Verdict
 
-# what the other nodes show when one of them failed first
-CONSEQUENCES = ("NCCL_TIMEOUT", "NCCL_ERROR", "STALLED", "LOST")
+CONSEQUENCES = CASCADE  # what the other nodes show when one of them failed first (the state table's `cascade`)
 # A node whose failure is only a lost peer ("Connection closed by peer") names no cause: the peer's own verdict is
 # awaited this long (its torchrun may take a second or two longer to end) before the lost peer is called the failure.
 PEER_GRACE_S = 15.0

@@ -12,12 +12,11 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dflashctl.config import HostConfig
 from dflashctl.errors import NoSuchJobError
+from dflashctl.judge.facts import ALIVE, RECORD_ONLY
 from dflashctl.model.jobfile import WatchConfig, node_tag
 
 STATE_ENV = "DFLASHCTL_STATE_DIR"
-REMOVED = "REMOVED"  # a record's own state: `gc` removed the run dir; no look at the host can say more
-# states in which a job may still be running (a failure state is an attempt that ended; a restart says STARTING)
-ALIVE_STATES = ("PENDING", "STARTING", "RUNNING", "STALLED", "STOPPING", "UNREACHABLE", "PROBE_FAILED")
+REMOVED = RECORD_ONLY[0]  # a record's own state: `gc` removed the run dir; no look at the host can say more
 
 
 class Member(BaseModel):
@@ -88,7 +87,7 @@ class JobRecord(BaseModel):
 
     @property
     def live(self) -> bool:
-        return self.state in ALIVE_STATES
+        return self.state in ALIVE
 
     @property
     def tag(self) -> str:

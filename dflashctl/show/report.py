@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-QUIET_STATES = ("RUNNING", "STARTING", "FINISHED", "STOPPING")  # verdicts not worth a line on a curve
+from dflashctl.judge.facts import QUIET
+
+QUIET_STATES = (*QUIET, "FINISHED")  # verdicts not worth a line on a curve (the state table's `quiet`, and the end)
 
 
 def check_out_file(path) -> None:

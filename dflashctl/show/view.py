@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dflashctl.jobs.poller import Watcher, sparkline
-from dflashctl.judge.facts import COLOURS  # the one state table's colours
+from dflashctl.judge.facts import COLOURS, QUIET, RUNNING_STATES  # the one state table
 from dflashctl.judge.report import HERE, Report
 from dflashctl.show.render import neutralise
 
@@ -61,14 +61,14 @@ def line(poll) -> str:
     parts = [f"{when} {rec.id} {rec.state}: {rec.reason}"]
     if rec.step is not None and f"step {rec.step}" not in rec.reason:  # said once, not three times
         parts.append(f"step {rec.step}")
-    live = rec.state in ("RUNNING", "STARTING", "STALLED")
+    live = rec.state in RUNNING_STATES
     value, unit = throughput(rec)
     if live and value is not None and not (unit == "tokens/s" and "tok/s" in rec.reason):
         parts.append(f"{rate(value, unit)} now")  # the newest poll's; the run's mean is `status`'s
     if live and rec.eta_s is not None:
         parts.append(f"ETA {duration(rec.eta_s)}")
     said_already = rec.reason + " ".join(parts)
-    if rec.state not in ("RUNNING", "STARTING", "FINISHED") and rec.evidence and rec.evidence[0] not in said_already:
+    if rec.state not in (*QUIET, "FINISHED") and rec.evidence and rec.evidence[0] not in said_already:
         parts.append(f"evidence: {rec.evidence[0]}")
     said = [describe(e) for e in poll.events if e.get("decision") != "notify"]
     return neutralise(" | ".join(parts + said))
@@ -114,7 +114,7 @@ def render(w: Watcher, v: Report, next_poll_s: float | None = None, log_lines: i
     parts: list = [head, stats]
     if v.decided_by == HERE and v.supervisor is not None:  # the watch took over: said where the user looks
         parts.append(Text(neutralise(v.decided_why), style="bold yellow"))
-    if v.state not in ("RUNNING", "STARTING") and v.evidence:
+    if v.state not in QUIET and v.evidence:
         parts.append(Text(neutralise("\n".join(v.evidence[:6])), style=colour))
         if v.advice:
             parts.append(Text(f"next: {v.advice}", style="italic"))
