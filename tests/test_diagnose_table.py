@@ -58,6 +58,8 @@ FAMILIES = {
     "PREEMPTED": [
         "I 12-07 03:52:17 controller.py:281] Cluster is preempted or failed (status: STOPPED). Recovering...",
         "The job cluster is preempted or failed.",
+        "(bert-qa pid=920210) I 05-04 00:52:46 controller.py:100] The cluster is preempted.",  # its spot controller
+        '            "Code": "instance-terminated-no-capacity",',  # a spot request's status
         "systemevent-1796701937044-62a0e8f4b2a61  compute.instances.preempted  us-central1-a/instances/vm-1  200  "
         "DONE    2026-12-07T03:52:17.044-08:00",
         '    "status": {"message": "Instance was preempted."},',
@@ -70,6 +72,8 @@ FAMILIES = {
         "DisruptionTarget=True PreemptionByScheduler default-scheduler: preempting to accommodate a higher priority "
         "pod",
         "  Normal   Preempted  3m    default-scheduler  Preempted by ml/big-job-0 on node gpu-node-3",
+        "evicting pod ml/llama-ft-worker-1",  # kubectl drain
+        "Message:          Pod The node had condition: [DiskPressure]. ",
     ],
 }
 

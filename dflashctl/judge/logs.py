@@ -312,7 +312,7 @@ def _memory_monitor(log: Log) -> Finding | None:
                    list(dict.fromkeys(ev)), rank, advice=SIG[name].advice)  # fmt: skip
 
 
-KILLED_NAMED = (re.compile(r'sending SIG\w+ to process (\d+) uid \d+ "([^"]*)"'),  # earlyoom: "python3" (pid 4411)
+KILLED_NAMED = (re.compile(r'sending SIG\w+ to process (\d+) (?:uid \d+ )?"([^"]*)"'),  # earlyoom: "python3" (pid N)
                 re.compile(r"Killed (\S+) due to memory"),  # systemd-oomd: the unit's cgroup
                 re.compile(r"^(\S+)\s+\d+/\d+\s+OOMKilled\b"))  # kubectl get pods: the pod  # fmt: skip
 

@@ -129,7 +129,7 @@ SIGNATURES: tuple[Signature, ...] = (
          r"(Killed \S+ due to (?:memory pressure for \S+ being|swap used \(\d+\) / total)|systemd-oomd killed \d+ "
          r"process\(es\)|Failed with result 'oom-kill')", advice=USERSPACE_OOM_ADVICE),
     _sig("earlyoom", "HOST_OOM", 38,
-         r"(low memory! at or below SIG(?:TERM|KILL) limits|sending SIG(?:TERM|KILL) to process \d+ uid \d+ )",
+         r"(low memory! at or below SIG(?:TERM|KILL) limits|sending SIG(?:TERM|KILL) to process \d+ (?:uid \d+ )?\")",
          advice=USERSPACE_OOM_ADVICE),
     _sig("dataloader_killed", "HOST_OOM", 40,
          r"DataLoader worker \(pid\(?s?\)? ?[\d, ]+\)? is killed by signal: Killed"),
@@ -144,16 +144,20 @@ SIGNATURES: tuple[Signature, ...] = (
     # The cloud or the cluster taking the machine back: SkyPilot's controller and `sky jobs logs`, GCE's audit log and
     # operations, AWS's spot interruption notice (IMDS, EventBridge, the node termination handler), Kubernetes
     _sig("skypilot_preempted", "PREEMPTED", 44,
-         r"(Cluster is preempted or failed|The job cluster is preempted or failed)", advice=CLOUD_PREEMPT_ADVICE),
+         r"((?:The (?:job )?)?[Cc]luster is preempted(?: or failed)?\b|=== Recovering\.\.\. ===)",
+         advice=CLOUD_PREEMPT_ADVICE),  # "or failed" since SkyPilot 0.6; its spot controller's older words too
     _sig("gce_preempted", "PREEMPTED", 44, r"(Instance was preempted\.|compute\.instances\.preempted)",
          advice=CLOUD_PREEMPT_ADVICE, unless=r"--filter|operationType="),  # the query asking for it is not one
     _sig("aws_spot_interruption", "PREEMPTED", 44,
          r"(Spot ITN received|EC2 Spot Instance Interruption Warning|\{\s*\"action\"\s*:\s*\"(?:terminate|stop|"
-         r"hibernate)\"\s*,\s*\"time\")", advice=CLOUD_PREEMPT_ADVICE),
+         r"hibernate)\"\s*,\s*\"time\"|instance-terminated-(?:by-price|no-capacity|capacity-oversubscribed|"
+         r"launch-group-constraint)|marked-for-(?:termination|stop))",
+         advice=CLOUD_PREEMPT_ADVICE),  # a spot request's status codes too
     _sig("k8s_evicted", "PREEMPTED", 44,
          r"(The node was low on resource: [\w-]+|Pod was terminated in response to imminent node shutdown|preempting "
          r"to accommodate a higher priority|Preempted by \S+ on node \S+|\bEvictionByEvictionAPI\b|"
-         r"\bTerminationByKubelet\b|Reason:\s+Evicted\b|\b\d+/\d+\s+Evicted\s+\d+)", advice=EVICTED_ADVICE),
+         r"\bTerminationByKubelet\b|Reason:\s+Evicted\b|\b\d+/\d+\s+Evicted\s+\d+|The node had condition: \[\w+\]|"
+         r"^evicting pod \S+|^pod/\S+ evicted$)", advice=EVICTED_ADVICE),  # `kubectl drain`'s own lines last
     _sig("slurm_time_limit", "TIMEOUT", 45, r"CANCELLED AT \S+ DUE TO TIME LIMIT|DUE TO TIME LIMIT \*\*\*"),
     _sig("slurm_preempted", "PREEMPTED", 45, r"CANCELLED AT \S+ DUE TO PREEMPTION|DUE TO PREEMPTION \*\*\*"),
     _sig("slurm_node_fail", "NODE_FAIL", 45,
@@ -226,11 +230,12 @@ NEEDLES: dict[str, tuple[str, ...]] = {
     "dataloader_killed": ("is killed by signal",),
     "kernel_oom": ("oom", "out of memory"),
     "sigkill": ("-9", "sigkill", "killed", "137", "signal 9"),
-    "skypilot_preempted": ("preempted or failed",),
+    "skypilot_preempted": ("cluster is preempted", "=== recovering... ==="),
     "gce_preempted": ("instance was preempted", "compute.instances.preempted"),
-    "aws_spot_interruption": ("spot itn received", "spot instance interruption warning", '"action"'),
+    "aws_spot_interruption": ("spot itn received", "spot instance interruption warning", '"action"',
+        "instance-terminated-", "marked-for-"),
     "k8s_evicted": ("low on resource", "imminent node shutdown", "accommodate a higher priority", "preempted by",
-        "evictionbyevictionapi", "terminationbykubelet", "evicted"),
+        "evictionbyevictionapi", "terminationbykubelet", "evicted", "the node had condition", "evicting pod"),
     "slurm_time_limit": ("due to time limit",),
     "slurm_preempted": ("due to preemption",),
     "slurm_node_fail": ("node failure", "node_fail"),
