@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.agent import probe
 from dflashctl.agent.common import locked
+from dflashctl.agent.snapshot import snapshot as take_snapshot
 from dflashctl.jobs.watch import Watcher
 from dflashctl.judge.assess import assess
 from dflashctl.model.jobfile import WatchConfig
@@ -89,7 +89,7 @@ def make_watcher(job_id: str = "j", **watch) -> Watcher:
 
 
 def snapshot(run: Path) -> dict:
-    return probe.snapshot({"run_dir": str(run), "gpus": False})
+    return take_snapshot({"run_dir": str(run), "gpus": False})
 
 
 def test_malformed_metrics_and_heartbeats_are_skipped_and_counted(tmp_path):
@@ -439,7 +439,7 @@ def test_the_agent_runs_only_when_its_hash_matches_and_nothing_on_the_remotes_di
     pwned = tmp_path / "pwned"
     evil = f"import pathlib; pathlib.Path({str(pwned)!r}).touch()\n"
     (cache / f"agent-{AGENT_SHA}.pyz").write_text(evil)
-    tree = cache / f"agent-{AGENT_SHA}" / "dflashctl_agent"
+    tree = cache / f"agent-{AGENT_SHA}" / "dflashctl" / "agent"
     (tree / "__pycache__").mkdir(parents=True)
     for name in ("__init__", "__main__", "probe", "common"):
         (tree / f"{name}.py").write_text(evil)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashctl.agent import probe
+from dflashctl.agent import procs
 from tests.conftest import run_cli
 from tests.test_launch import cli_json_in, status_json, wait_until
 
@@ -107,8 +107,8 @@ def test_a_kill_stops_every_node_and_verifies_each(two_hosts, tmp_path):
     kill = cli_json_in(ROOT, "kill", job_id)
     assert kill["result"] == "KILLED" and kill["remaining"] == [] and kill["host"] == "nodea,nodeb"
     assert {p["node"] for p in kill["found"]} == {"nodea", "nodeb"}
-    table = probe.proc_table()
-    assert not [p for p in table if probe.has_job_tag(p, job_id)], "a process of the job survived on some node"
+    table = procs.proc_table()
+    assert not [p for p in table if procs.has_job_tag(p, job_id)], "a process of the job survived on some node"
     st = status_json(job_id, ROOT)
     assert st["state"] == "KILLED" and [n["state"] for n in st["nodes"]] == ["KILLED", "KILLED"]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashctl.agent import probe
+from dflashctl.agent import common
 from tests.conftest import TEST_TMUX_SOCKET, run_cli
 from tests.test_launch import cli_json_in, status_json, wait_until
 from tests.test_multinode import TRAINER, two_hosts  # noqa: F401 - the fixture
@@ -123,7 +123,7 @@ def test_the_heads_supervisor_sees_node_b_crash_restarts_both_and_cleans_up_ever
     # the watch records what it saw restarted, as done elsewhere; it made none itself
     assert [e["attempt"] for e in restarts if e.get("by") == "supervisor"] == [1], restarts
     assert not [e for e in restarts if e.get("by") == "watch"], restarts
-    assert [(p / probe.RESTARTS).read_text().strip() for p in (head, member)] == ["1", "1"]
+    assert [(p / common.RESTARTS).read_text().strip() for p in (head, member)] == ["1", "1"]
     starts = [r for r in map(json.loads, (head / "metrics.jsonl").read_text().splitlines()) if r.get("event") ==
               "start"]  # fmt: skip
     assert [s["resumed_from"] for s in starts] == [None, 4]  # both nodes resumed from their own checkpoint 4

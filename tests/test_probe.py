@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflashctl.agent import probe
+from dflashctl.agent import gpus, starting
 from dflashctl.config import HostConfig
 from dflashctl.remote import session
 from dflashctl.remote.agent_bundle import AGENT
@@ -16,7 +16,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "nvidia-smi"
 
 
 def test_gpu_rows_from_the_recorded_h200_query():
-    (gpu,) = probe.parse_gpu_csv((FIXTURES / "h200-query-gpu-loaded.csv").read_text())
+    (gpu,) = gpus.parse_gpu_csv((FIXTURES / "h200-query-gpu-loaded.csv").read_text())
     assert gpu == {
         "index": 0, "uuid": "GPU-a9443500-8c84-a3d4-3c82-88edacab6d97", "name": "NVIDIA H200", "mem_used_mib": 21363,
         "mem_total_mib": 143771, "util_pct": 2, "power_w": 104.24, "temp_c": 37, "sm_mhz": 1980, "pstate": "P0",
@@ -25,10 +25,10 @@ def test_gpu_rows_from_the_recorded_h200_query():
 
 
 def test_compute_apps_from_the_recorded_h200_query():
-    (app,) = probe.parse_apps_csv((FIXTURES / "h200-query-compute-apps.csv").read_text())
+    (app,) = gpus.parse_apps_csv((FIXTURES / "h200-query-compute-apps.csv").read_text())
     assert app == {"pid": 854, "name": "python3", "used_mib": 21354,
                    "gpu_uuid": "GPU-a9443500-8c84-a3d4-3c82-88edacab6d97"}  # fmt: skip
-    assert probe.parse_apps_csv("No running processes found\n") == []
+    assert gpus.parse_apps_csv("No running processes found\n") == []
 
 
 def test_probe_runs_on_a_bare_python_without_site_packages(tmp_path):
@@ -83,19 +83,20 @@ def test_a_launchs_torch_check_is_kept_until_the_interpreter_or_torch_changes(tm
     def imports() -> int:
         return len(calls.read_text().splitlines()) if calls.exists() else 0
 
-    assert probe.torch_check(str(py)) == (0, "9.9.0 0 0\n") and imports() == 1
-    cache = home / probe.TORCH_CACHE
+    assert starting.torch_check(str(py)) == (0, "9.9.0 0 0\n") and imports() == 1
+    cache = home / starting.TORCH_CACHE
     assert oct(cache.stat().st_mode & 0o777) == "0o600"
-    assert probe.torch_check(str(py))[0] == 0 and imports() == 1  # kept
+    assert starting.torch_check(str(py))[0] == 0 and imports() == 1  # kept
     (fake / "version.py").write_text("__version__ = '9.9.1'\n")  # a reinstall replaces torch's files
-    assert probe.torch_check(str(py)) == (0, "9.9.1 0 0\n") and imports() == 2
+    assert starting.torch_check(str(py)) == (0, "9.9.1 0 0\n") and imports() == 2
     cache.write_text("[not a dict")
-    assert probe.torch_check(str(py))[0] == 0 and imports() == 3 and json.loads(cache.read_text())
+    assert starting.torch_check(str(py))[0] == 0 and imports() == 3 and json.loads(cache.read_text())
     os.chmod(cache, 0o666)  # others may write it: not believed
-    assert probe.torch_check(str(py))[0] == 0 and imports() == 4
+    assert starting.torch_check(str(py))[0] == 0 and imports() == 4
     (fake / "__init__.py").write_text("raise ImportError('libcudart.so.13: cannot open shared object file')\n")
     (fake / "version.py").write_text("__version__ = '9.9.2'\n")
-    assert probe.torch_check(str(py))[0] != 0 and probe.torch_check(str(py))[0] != 0 and imports() == 6  # never kept
+    assert starting.torch_check(str(py))[0] != 0 and starting.torch_check(str(py))[0] != 0
+    assert imports() == 6  # never kept
 
 
 def test_the_agent_copies_itself_byte_for_byte_from_the_bytes_it_was_sent(tmp_path):
@@ -107,10 +108,10 @@ def test_the_agent_copies_itself_byte_for_byte_from_the_bytes_it_was_sent(tmp_pa
     from dflashctl.remote.agent_bundle import AGENT, boot_argv
 
     env = {"HOME": str(tmp_path), "PATH": os.environ["PATH"]}
-    code = "from dflashctl_agent.pack import own_archive; import sys; sys.stdout.buffer.write(own_archive())"
+    code = "from dflashctl.agent.pack import own_archive; import sys; sys.stdout.buffer.write(own_archive())"
     argv = boot_argv(sys.executable, "probe", json.dumps({"run_dir": str(tmp_path), "gpus": False}))
     i = argv.index("-c") + 1  # the boot line
-    got = subprocess.run([*argv[:i], argv[i].replace("from dflashctl_agent.__main__ import main\nsys.exit(main())",
+    got = subprocess.run([*argv[:i], argv[i].replace("from dflashctl.agent.__main__ import main\nsys.exit(main())",
                                                      code), *argv[i + 1 :]],  # fmt: skip
                          input=AGENT, capture_output=True, env=env, timeout=60)
     assert got.returncode == 0, got.stderr

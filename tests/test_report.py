@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.agent import probe
+from dflashctl.agent import files
 from dflashctl.show import report
 from tests.conftest import run_cli
 from tests.test_cli import record
@@ -63,7 +63,7 @@ def write_run(run: Path, resume_at: int = 150, steps: int = 300) -> dict:
 
 def test_series_and_summary_from_one_history_answer(tmp_path):
     truth = write_run(tmp_path / "run")
-    hist = probe.history({"run_dir": str(tmp_path / "run")})
+    hist = files.history({"run_dir": str(tmp_path / "run")})
     s = report.series("exp", hist)
     assert len(s.steps) == 310 and s.steps[-1] == 300 and s.malformed == 5  # a list, a string, a cut
     # line, a record without a time and one whose step is a string
@@ -79,7 +79,7 @@ def test_series_and_summary_from_one_history_answer(tmp_path):
     assert sm["gpus"] == 2 and sm["gpu_hours"] == pytest.approx(2 * sm["elapsed_s"] / 3600, abs=1e-3)
     assert sm["elapsed_s"] == pytest.approx(truth["last_time"] - T0, abs=0.2)
     # thinning keeps the shape of a long run and its last point
-    thin = probe.history({"run_dir": str(tmp_path / "run"), "max_points": 50})
+    thin = files.history({"run_dir": str(tmp_path / "run"), "max_points": 50})
     steps = [r["step"] for r in thin["metrics"] if type(r.get("step")) is int]
     assert len(steps) <= 52 and steps[-1] == 300 and thin["step_records"] == 311
 
@@ -89,7 +89,7 @@ def test_the_figure_has_every_panel_and_marks_the_restart(tmp_path):
 
     write_run(tmp_path / "a")
     write_run(tmp_path / "b", resume_at=100)
-    runs = [report.series(n, probe.history({"run_dir": str(tmp_path / n)})) for n in ("a", "b")]
+    runs = [report.series(n, files.history({"run_dir": str(tmp_path / n)})) for n in ("a", "b")]
     fig = plots.figure(runs)
     axes = {ax.get_title(): ax for ax in fig.axes}
     assert set(axes) == {"loss", "accuracy", "tokens/s", "tau", "lr", "grad norm", "GPU util %", "GPU memory GiB",
@@ -191,7 +191,7 @@ def test_a_real_h200_run_reads_as_it_ran(tmp_path):
     from dflashctl.show import plots
 
     fixture = Path(__file__).parent / "fixtures" / "h200-run"
-    hist = probe.history({"run_dir": str(fixture)})
+    hist = files.history({"run_dir": str(fixture)})
     s = report.series("h200", hist)
     recs = [json.loads(x) for x in (fixture / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "event" not in r]
@@ -223,7 +223,7 @@ def test_extreme_values_are_skipped_and_counted_and_a_nan_stretch_is_named(tmp_p
              f'{10**400}}}\n{{"time": {T0 + 303}, "step": {10**30}, "loss": 1.0}}\n'
              f'{{"time": {T0 + 304}, "step": 303, "loss": NaN}}\n')  # fmt: skip
     (run / "metrics.jsonl").write_text(text)
-    s = report.series("x", probe.history({"run_dir": str(run)}))
+    s = report.series("x", files.history({"run_dir": str(run)}))
     summ = report.summary(s, {}, 0)
     assert summ["malformed_records"] == 3  # 1e308, 10**400 and step 10**30 skipped and counted
     assert summ["nonfinite_steps"] == 102 and summ["nonfinite_from_step"] == 200  # 200..300, and the NaN at 303
@@ -239,7 +239,7 @@ def test_a_cpu_run_says_it_has_no_gpu_history_instead_of_empty_shaded_panels(tmp
 
     write_run(tmp_path / "cpu")
     (tmp_path / "cpu" / "gpu.jsonl").unlink()
-    s = report.series("cpu", probe.history({"run_dir": str(tmp_path / "cpu")}))
+    s = report.series("cpu", files.history({"run_dir": str(tmp_path / "cpu")}))
     fig = plots.figure([s])
     util = next(ax for ax in fig.axes if ax.get_title() == "GPU util %")
     assert not util.patches and any("no GPU history" in t.get_text() for t in util.texts)

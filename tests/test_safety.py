@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashctl.agent import probe
+from dflashctl.agent import common, procs
 from tests.conftest import kill_marked, run_cli
 from tests.test_launch import alive, cli_json, status_json, wait_until, write_project
 
@@ -110,11 +110,11 @@ def test_a_dead_pane_contributes_no_process(proj):
     run = run_dir_of(job_id)
     wait_until(lambda: (run / "exit_code").exists())
     pane_pid = json.loads((run / "wrapper.pid").read_text())["pid"]
-    assert probe.launcher_of(str(run), {"exists": True, "pane_dead": True, "pane_pid": pane_pid}) is None
+    assert procs.launcher_of(str(run), {"exists": True, "pane_dead": True, "pane_pid": pane_pid}) is None
     decoy = subprocess.Popen(["sleep", "600"])
     try:  # a process named by a pid but a different start time is not that process
-        wrong = {"pid": decoy.pid, "start": probe.start_time(decoy.pid) - 1}
-        assert probe.job_processes(probe.proc_table(), wrong, None) == []
+        wrong = {"pid": decoy.pid, "start": common.start_time(decoy.pid) - 1}
+        assert procs.job_processes(procs.proc_table(), wrong, None) == []
         res = run_cli("kill", job_id, "--json")  # it had ended by itself: its verdict and exit code stand
         killed = json.loads(res.stdout)
         assert res.code == 10 and killed["verdict"]["state"] == "CRASHED"

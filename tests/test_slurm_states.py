@@ -114,7 +114,7 @@ def test_the_probe_asks_slurm_again_once_it_has_read_an_exit(tmp_path, monkeypat
     """The probe reads the scheduler, then the run dir: a preemption between the two shows a RUNNING job with an
     exit code. Slurm sets PREEMPTED before the signal that ends the command, so the probe asks again after reading
     the exit, and the snapshot carries the scheduler's word on the end (recorded answers: RUNNING, then PREEMPTED)."""
-    from dflashctl.agent import probe
+    from dflashctl.agent import snapshot
 
     bin_dir, run = tmp_path / "bin", tmp_path / "run"
     bin_dir.mkdir(), run.mkdir()
@@ -128,7 +128,7 @@ def test_the_probe_asks_slurm_again_once_it_has_read_an_exit(tmp_path, monkeypat
     )
     (bin_dir / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
-    snap = probe.snapshot({"run_dir": str(run), "scheduler": "slurm", "gpus": False, "capture_lines": 0})
+    snap = snapshot.snapshot({"run_dir": str(run), "scheduler": "slurm", "gpus": False, "capture_lines": 0})
     assert snap["exit_code"] == 143 and snap["session"]["slurm"]["state"] == "PREEMPTED"
     assert snap["session"]["pane_dead"] and snap["session"]["exit_status"] == 143
 
@@ -221,12 +221,12 @@ def test_bad_slurm_settings_are_one_line_errors_with_exit_2_before_any_remote_ca
 
 def test_the_agent_refuses_a_slurm_launch_without_the_schedulers_commands(tmp_path, monkeypatch):
     """A login node without sbatch: refused as a config problem of `host.slurm`, nothing created."""
-    from dflashctl.agent import probe
+    from dflashctl.agent import starting
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, scontrol, scancel here
     req = {"action": "launch", "workdir": str(tmp_path / "wd"), "job_id": "j-1", "name": "j", "session": "j-1",
            "gpus": [], "release": "abc", "python": sys.executable, "scheduler": "slurm", "needs": {}}  # fmt: skip
-    ans = probe.launch(req, b"{}")
+    ans = starting.launch(req, b"{}")
     assert ans["config"] and ans["key"] == "host.slurm" and "sbatch is not on the login node's PATH" in ans["refused"]
     assert not (tmp_path / "wd").exists()
 
@@ -249,7 +249,7 @@ def test_tunnel_to_a_slurm_job_is_refused_in_one_line(tmp_path, monkeypatch):
 def test_a_reused_id_is_foreign_and_never_cancelled(tmp_path, monkeypatch):
     """Recorded `scontrol show job` of a job that is not the run dir's (another name, another work dir): the probe
     reports it FOREIGN, the judge says LOST, and cancel never runs scancel on it."""
-    from dflashctl.agent import probe, slurm
+    from dflashctl.agent import slurm, snapshot
 
     bin_dir, run = tmp_path / "bin", tmp_path / "run"
     bin_dir.mkdir(), run.mkdir()
@@ -260,7 +260,7 @@ def test_a_reused_id_is_foreign_and_never_cancelled(tmp_path, monkeypatch):
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
-    snap = probe.snapshot({"run_dir": str(run), "scheduler": "slurm", "gpus": False, "capture_lines": 0})
+    snap = snapshot.snapshot({"run_dir": str(run), "scheduler": "slurm", "gpus": False, "capture_lines": 0})
     said = snap["session"]["slurm"]
     assert said["state"] == "FOREIGN" and "name 'j.sh'" in said["reason"] and "work dir /tmp/rec" in said["reason"]
     h = History(started_at=0.0, now=10.0, session_exists=False, scheduler=said)

@@ -15,7 +15,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflashctl.agent import outbox, probe
+from dflashctl.agent import files, outbox, snapshot
 from dflashctl.agent.supervise import Supervisor
 from dflashctl.judge.decider import Decider, Look
 from dflashctl.judge.facts import Thresholds
@@ -121,7 +121,7 @@ def test_every_reader_survives_every_garbage_at_every_name(planted):
         req = {"run_dir": str(run), "session": "dflashctl-nosuch", "job_id": "garbage-job", "gpus": False,
                "claim_notices": True, "figures": True, "put_notices": [{"id": "a1-X", "job": "garbage-job",
                "host": "box", "state": "X", "reason": "", "evidence": [], "restarts": 0, "time": 1.0}]}  # fmt: skip
-        snap = bounded(lambda: probe.snapshot(req))
+        snap = bounded(lambda: snapshot.snapshot(req))
         assert isinstance(snap, dict) and snap["run_dir_exists"]
         json.dumps(snap)  # what goes back over the wire is JSON
         turn = bounded(lambda: decide(snap))
@@ -129,7 +129,7 @@ def test_every_reader_survives_every_garbage_at_every_name(planted):
         for line in snap.get("set_aside") or []:
             assert any(line in e for e in turn.report.evidence) or len(snap["set_aside"]) > 5, line
         bounded(lambda: outbox.listing(str(run)))
-        bounded(lambda: probe.tail_lines(str(run / "train.log"), 10, 1 << 20))
+        bounded(lambda: files.tail_lines(str(run / "train.log"), 10, 1 << 20))
         spec = json.loads((Path(tmp) / "run" / "supervise.json").read_text()) if planted.get(
             "supervise.json") is None else None  # fmt: skip
         if spec is not None:  # the supervisor reads its spec once, at its start; a turn after that reads the rest
@@ -143,7 +143,7 @@ def test_a_fifo_where_the_restart_cause_goes_is_named_and_blocks_nothing(tmp_pat
     `status`. Now the look comes back and its evidence names it."""
     run = base_run(tmp_path)
     os.mkfifo(run / "restart_cause.json")
-    snap = bounded(lambda: probe.snapshot({"run_dir": str(run), "gpus": False}), 10)
+    snap = bounded(lambda: snapshot.snapshot({"run_dir": str(run), "gpus": False}), 10)
     assert "restart_cause.json: a FIFO, not a regular file" in snap["set_aside"]
     turn = decide(snap)
     assert any("restart_cause.json: a FIFO" in e for e in turn.report.evidence), turn.report.evidence

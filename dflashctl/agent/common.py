@@ -14,6 +14,8 @@ import re
 import stat
 import time
 
+from ..judge import redact
+
 AGENT_FILE = "agent.pyz"  # the agent's copy in a run dir: the tmux pane runs it as the job's launcher
 STOP_REQUEST, STOP_RESULT, RESTARTS, WRAPPER_PID = "stop_request", "stop_result", "restarts", "wrapper.pid"
 RESTART_LOCK = ".restart.lock"  # held by a restart for its whole length, and by `kill` while it asks for the stop
@@ -261,15 +263,6 @@ AT_REST = ".redact.json"  # an ended job's secrets as fingerprints only (judge/r
 _QUOTED = re.compile(r"(?:'[^']*'|\"'\")+|[^\s'\"]+")  # a value as shlex.quote writes it
 
 
-def redact_module():
-    """judge/redact.py: inside the zipapp it ships in the agent's package; from the source tree it is dflashctl's."""
-    try:
-        from .judge import redact
-    except ImportError:
-        from ..judge import redact
-    return redact
-
-
 def _unquote(token: str) -> str:
     """A word shlex.quote wrote (`'a'"'"'b'` or a bare safe word), as the shell reads it."""
     if not token.startswith(("'", '"')):
@@ -318,15 +311,14 @@ def secret_values(run_dir: str) -> list[str]:
         values += [v for _, _, _, v in _exports(text, names)] if text else []
     spec = read_json(os.path.join(run_dir, "supervise.json"))
     hook = mapping(mapping(spec, "notify"), "webhook")
-    if isinstance(hook, str) and hook != redact_module().redact_url(hook):  # not yet scrubbed
-        values += redact_module().url_secrets(hook)
+    if isinstance(hook, str) and hook != redact.redact_url(hook):  # not yet scrubbed
+        values += redact.url_secrets(hook)
     return [v for v in values if v and v != "***"]
 
 
 def job_redactor(run_dir: str | None):
     """What masks this job's secrets in anything read from its run dir: the plain values it holds while the job can
     still run, the fingerprints kept once it has ended for good, both where both are there."""
-    redact = redact_module()
     if not run_dir:
         return redact.Redactor()
     rest = read_json(os.path.join(run_dir, AT_REST))
@@ -345,7 +337,6 @@ def scrub_secrets(run_dir: str) -> list[str]:
     values = secret_values(run_dir)
     if not values:
         return []
-    redact = redact_module()
     plain = redact.Redactor(values)
     rest = read_json(os.path.join(run_dir, AT_REST))
     kept = rest if isinstance(rest, dict) and rest.get("salt") else {"salt": os.urandom(16).hex(), "hashed": [],

@@ -24,6 +24,8 @@ import re
 import threading
 import time
 
+from ..judge.notice import Message, body
+from ..judge.redact import redact_url
 from .common import (
     append_jsonl,
     locked,
@@ -41,21 +43,6 @@ RETRY_S = 10.0  # the first retry waits this long, each next one three times as 
 FILES_MAX = 500  # notices read at most per listing (the job could fill the dir)
 NAME = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]{0,119})\.json$")
 FINAL = ("sent", "unconfirmed", "failed")
-
-
-def notice_module():
-    """judge/notice.py: inside the zipapp it ships in the agent's package; from the source tree it is dflashctl's."""
-    try:
-        from .judge import notice
-    except ImportError:
-        from ..judge import notice
-    return notice
-
-
-def redact_url(url: str) -> str:
-    from .common import redact_module
-
-    return redact_module().redact_url(url)
 
 
 # ---------------------------------------------------------------------------------------------- the store
@@ -85,7 +72,7 @@ def _dir(run_dir: str, create: bool = False) -> str | None:
 def _read(d: str, nid: str) -> dict | None:
     """A notice file as a delivery record, every field checked; None (set aside) for anything else."""
     raw = read_json(os.path.join(d, f"{nid}.json"), 256 << 10)
-    msg = notice_module().Message.of(raw.get("message")) if isinstance(raw, dict) else None
+    msg = Message.of(raw.get("message")) if isinstance(raw, dict) else None
     if msg is None:
         return None
     posts, most = raw.get("posts"), raw.get("max_posts")
@@ -117,7 +104,7 @@ def _ids(d: str) -> list[str]:
 def put(run_dir: str, message: dict, max_posts: int = DEFAULT_POSTS, now: float | None = None) -> bool:
     """One notice into the outbox (0600 in a 0700 dir), once: False when a notice of its id is there already (made
     by another decider that saw the same event) or the message is not a notice."""
-    msg = notice_module().Message.of(message)
+    msg = Message.of(message)
     if msg is None or not msg.id:
         return False
     d = _dir(run_dir, create=True)
@@ -289,10 +276,10 @@ def post_once(url: str, message: dict, fmt: str = "json", timeout_s: float = 10.
     t0 = time.monotonic()
     out: dict = {"ok": False, "unconfirmed": False, "final": False, "code": None, "url": shown}
     try:
-        msg = notice_module().Message.of(message)
+        msg = Message.of(message)
         if msg is None:
             raise ValueError("not a notice")
-        data, headers = notice_module().body(msg, fmt)
+        data, headers = body(msg, fmt)
         scheme, host, port, path, auth = _target(url)
     except (ValueError, UnicodeError) as e:
         return {**out, "final": True, "ms": 0, "result": f"not sent to {shown}: {e}"}

@@ -1,5 +1,6 @@
 """The agent as one zipapp, byte for byte the same from the same sources: built by the client to ship, and by the
-agent itself when it runs from plain files (a test) and must copy itself into a run dir."""
+agent itself when it runs from plain files (a test) and must copy itself into a run dir. Its layout is the source
+tree's: `dflashctl/agent/` and `dflashctl/judge/`."""
 
 from __future__ import annotations
 
@@ -7,35 +8,29 @@ import io
 import os
 import zipfile
 
-PACKAGE = "dflashctl_agent"  # its name inside the zipapp: never the installed `dflashctl`, whatever the remote has
+PACKAGE = "dflashctl.agent"  # the agent's package, inside the zipapp as in the source tree
 ROOT_MAIN = f"import sys\nfrom {PACKAGE}.__main__ import main\nsys.exit(main())\n"
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-JUDGE = "judge"  # the pure judge (stdlib only, relative imports), shipped inside the package for the supervisor
-
-
-def _judge_dir(source_dir: str) -> str | None:
-    """Where the judge's modules are: beside the agent's package in the source tree, or inside it (unpacked)."""
-    for d in (os.path.join(source_dir, JUDGE), os.path.join(os.path.dirname(source_dir), JUDGE)):
-        if os.path.isfile(os.path.join(d, "facts.py")):
-            return d
-    return None
+# what the zipapp holds, in the source tree's layout: the package's own __init__ (its version), the agent, and the
+# pure judge the supervisor decides with. Every agent module imports the judge as in the tree (`from ..judge import
+# facts`). The interpreter runs isolated and without site (`-I -S`): a `dflashctl` installed on the remote is never
+# on its path, and the boot line's importer, first on the meta path, serves these bytes only.
+PARTS = ("agent", "judge")
 
 
 def build(source_dir: str = HERE) -> bytes:
-    """The package's modules under PACKAGE/, the judge's under PACKAGE/judge/, and a root __main__.py: fixed dates,
-    sorted, deflated."""
+    """`dflashctl/__init__.py`, `dflashctl/agent/*.py`, `dflashctl/judge/*.py` and a root __main__.py: fixed
+    dates, sorted, deflated (the same bytes from the same sources)."""
+    root = os.path.dirname(source_dir)
     entries = [("__main__.py", ROOT_MAIN.encode())]
-    for name in sorted(os.listdir(source_dir)):
-        if name.endswith(".py"):
-            with open(os.path.join(source_dir, name), "rb") as f:
-                entries.append((f"{PACKAGE}/{name}", f.read()))
-    judge = _judge_dir(source_dir)
-    for name in sorted(os.listdir(judge)) if judge else []:
-        if name.endswith(".py"):
-            with open(os.path.join(judge, name), "rb") as f:
-                entries.append((f"{PACKAGE}/{JUDGE}/{name}", f.read()))
+    with open(os.path.join(root, "__init__.py"), "rb") as f:
+        entries.append(("dflashctl/__init__.py", f.read()))
+    for part in PARTS:
+        folder = os.path.join(root, part)
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    entries.append((f"dflashctl/{part}/{name}", f.read()))
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
         for name, data in entries:

@@ -43,33 +43,8 @@ import json
 import os
 import sys
 
-from .common import RESTARTS, STOP_REQUEST, STOP_RESULT, WRAPPER_PID, start_time  # noqa: F401 - the probe's names
-from .files import history, pull_files, read_chunk, read_heartbeat, read_metrics, read_new, tail_lines  # noqa: F401
-from .gpus import APP_FIELDS, GPU_FIELDS, gpu_holders, parse_apps_csv, parse_gpu_csv, read_gpus  # noqa: F401
-from .procs import TMUX, has_job_tag, job_processes, launcher_of, proc_table  # noqa: F401
-from .snapshot import snapshot, update_progress, wall_clock_hook  # noqa: F401
-from .starting import (  # noqa: F401
-    AGENT_FILE,
-    MIN_FREE_GIB,
-    TORCH_CACHE,
-    launch,
-    restart,
-    restart_room_gib,
-    start_session,
-    torch_check,
-    verify_agent_copy,
-)
-from .stopping import reap, record_stop_result  # noqa: F401
-
-
-def restart_action(req: dict, agent: bytes | None = None) -> dict:
-    """The restart action, its outcome typed: `raced` when another decider restarted this attempt first (the run
-    dir's count is past the attempt asked for), so that no caller reads it from the words of `why`."""
-    ans = restart(req, agent)
-    count = ans.get("restarts")
-    ans["raced"] = bool(not ans.get("restarted") and isinstance(count, int) and not isinstance(count, bool)
-                        and count > int(req.get("attempt") or 0))  # fmt: skip
-    return ans
+from .procs import TMUX
+from .snapshot import snapshot, wall_clock_hook
 
 
 def main() -> int:
@@ -84,19 +59,33 @@ def main() -> int:
     action = req.get("action", "snapshot")
     payload = sys.stdin.buffer.read() if action == "launch" else b""
     if action == "reap":
+        from .stopping import reap
+
         answer = reap(req)
     elif action == "launch":
+        from .starting import launch
+
         answer = launch(req, payload)
     elif action == "restart":
+        from .starting import restart_action
+
         answer = restart_action(req)
     elif action == "gpu_holders":
+        from .gpus import gpu_holders
+
         answer = gpu_holders(req)
     elif action == "stop_result":
+        from .stopping import record_stop_result
+
         record_stop_result(req["run_dir"], req["report"])
         answer = {"ok": True}
     elif action == "files":
+        from .files import pull_files
+
         answer = pull_files(req)
     elif action == "chunk":  # raw bytes, not JSON: the only action that answers so
+        from .files import read_chunk
+
         sys.stdout.buffer.write(read_chunk(req))
         return 0
     elif action == "gc":
@@ -112,6 +101,7 @@ def main() -> int:
         answer = end_execs(req)
     elif action == "history":  # a report's metrics and events: the job's text, its secrets masked
         from .common import job_redactor
+        from .files import history
 
         answer = job_redactor(req.get("run_dir")).deep(history(req))
     elif action == "scrub":
@@ -141,6 +131,8 @@ def main() -> int:
         ok = isinstance(run_dir, str) and os.path.isdir(run_dir)
         answer = {"notices": job_redactor(run_dir).deep(listing(run_dir)) if ok else [], "run_dir_exists": ok}
     elif action == "tail":
+        from .files import tail_lines
+
         answer = tail_lines(req["path"], int(req.get("lines", 50)), int(req.get("limit", 1 << 20)))
     else:
         answer = snapshot(req)

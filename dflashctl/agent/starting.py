@@ -11,6 +11,7 @@ import shutil
 import sys
 import time
 
+from ..judge.cause import bounded
 from .common import (
     AGENT_FILE,
     RESTART_CAUSE,
@@ -352,10 +353,6 @@ def record_cause(run: str, attempt: int, cause: object) -> None:
     count moves: a watcher that sees the count but never polled the failure repeats this instead of guessing. A
     restart that fails after it leaves a cause for an attempt that never began, which no count ever matches until
     a later restart of that number writes its own."""
-    try:  # the judge ships inside the zipapp's package; from the source tree it is dflashctl's
-        from .judge.cause import bounded
-    except ImportError:
-        from ..judge.cause import bounded
     body = {**bounded(cause, attempt), "time": round(time.time(), 3)}
     with contextlib.suppress(OSError):  # a full disk loses the cause, never the restart
         write_atomic(os.path.join(run, RESTART_CAUSE), json.dumps(body, separators=(",", ":")).encode())
@@ -408,3 +405,13 @@ def restart(req: dict, agent: bytes | None = None) -> dict:
         pane_pid = start_session(run, req["session"], req["python"], list(req.get("args", [])))
     return {"restarted": True, "restarts": count + 1, "pane_pid": pane_pid, "stopped": stopped,
             "agent_replaced": replaced}  # fmt: skip
+
+
+def restart_action(req: dict, agent: bytes | None = None) -> dict:
+    """The restart action, its outcome typed: `raced` when another decider restarted this attempt first (the run
+    dir's count is past the attempt asked for), so that no caller reads it from the words of `why`."""
+    ans = restart(req, agent)
+    count = ans.get("restarts")
+    ans["raced"] = bool(not ans.get("restarted") and isinstance(count, int) and not isinstance(count, bool)
+                        and count > int(req.get("attempt") or 0))  # fmt: skip
+    return ans

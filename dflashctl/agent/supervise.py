@@ -34,10 +34,23 @@ import sys
 import time
 import traceback
 
-from . import members, outbox, probe
-from .common import append_jsonl, read_int, read_json, scrub_secrets, start_time, write_atomic
-from .procs import close_when_dead
+from ..judge import decider, facts, report
+from . import members, outbox
+from .common import (
+    RESTARTS,
+    STOP_REQUEST,
+    WRAPPER_PID,
+    append_jsonl,
+    read_int,
+    read_json,
+    scrub_secrets,
+    start_time,
+    write_atomic,
+)
+from .procs import TMUX, close_when_dead
+from .snapshot import snapshot
 from .snapshot import wall_clock_hook as _test_wall_clock
+from .starting import restart_action, restart_room_gib
 from .supervision import BEAT, SPEC, STATE, VERDICT, reserve_final, write_final
 
 MIN_INTERVAL_S, MAX_INTERVAL_S = 1.0, 60.0
@@ -45,18 +58,8 @@ FLUSH_S = 30.0  # at the end, what is ready is sent for at most this long; the r
 TURN_FAILURES_MAX = 20  # turns in a row that raised: then it ends, said (a bug, not the job's doing)
 
 
-def _judge():
-    """The pure judge: inside the zipapp it ships in the agent's package; from the source tree it is dflashctl's."""
-    try:
-        from .judge import decider, facts, report
-    except ImportError:
-        from ..judge import decider, facts, report
-    return decider, facts, report
-
-
 class Supervisor:
     def __init__(self, run_dir: str, spec: dict) -> None:
-        decider, facts, report = _judge()
         self.d = decider
         self.run, self.spec = run_dir, spec
         from .pack import own_archive
@@ -68,7 +71,7 @@ class Supervisor:
         # a Slurm job's supervisor runs on the login node: its GPUs are not the job's
         self.where = {"scheduler": "slurm", "gpus": False} if self.scheduled else {}
         self.grace = _float(spec.get("grace_s"), 40.0)
-        restarts = read_int(os.path.join(run_dir, probe.RESTARTS)) or 0
+        restarts = read_int(os.path.join(run_dir, RESTARTS)) or 0
         thresholds = facts.Thresholds.of(watch)
         self.job_id = str(spec.get("job_id") or os.path.basename(run_dir))
         self.head_host = str(spec.get("host") or "head")
@@ -111,7 +114,7 @@ class Supervisor:
 
     def looks(self) -> list | None:
         """The head's snapshot and every other node's (one ssh call each, all at once); None: the run dir is gone."""
-        snap = probe.snapshot(self.request())
+        snap = snapshot(self.request())
         self.beat()
         if not snap.get("run_dir_exists"):
             return None
@@ -167,8 +170,8 @@ class Supervisor:
     def restart(self, ask: dict):
         """The turn's restart, on the head and then every other node: the decider's Outcome."""
         cause = ask["cause"]
-        need = probe.restart_room_gib(str(cause.get("after")), self.h.checkpoint_gib)
-        ans = probe.restart_action({"run_dir": self.run, "session": self.spec.get("session"),
+        need = restart_room_gib(str(cause.get("after")), self.h.checkpoint_gib)
+        ans = restart_action({"run_dir": self.run, "session": self.spec.get("session"),
                                     "job_id": self.spec.get("job_id"), "attempt": ask["attempt"],
                                     "max_restarts": self.decider.policy.max_restarts, "grace_s": self.grace,
                                     "python": sys.executable, "args": list(self.spec.get("args") or []),
@@ -261,10 +264,10 @@ class Supervisor:
         """What ends or stops an attempt, read cheaply (a few stats): the run dir, a stop request, an exit status,
         the launcher alive."""
         run = self.run
-        me = read_json(os.path.join(run, probe.WRAPPER_PID)) if not self.scheduled else None
+        me = read_json(os.path.join(run, WRAPPER_PID)) if not self.scheduled else None
         launcher = (start_time(me["pid"]) == me.get("start")) if isinstance(me, dict) and isinstance(me.get("pid"),
                                                                                                  int) else None
-        return (os.path.isdir(run), os.path.exists(os.path.join(run, probe.STOP_REQUEST)),
+        return (os.path.isdir(run), os.path.exists(os.path.join(run, STOP_REQUEST)),
                 os.path.exists(os.path.join(run, "exit_code")), launcher)  # fmt: skip
 
     def news(self) -> bool:
@@ -302,7 +305,7 @@ def main() -> int:
         sys.stderr.write(f"dflashctl supervise: no {SPEC} in {run_dir!r}\n")
         return 2
     if spec.get("tmux_socket"):
-        probe.TMUX[2] = str(spec["tmux_socket"])
+        TMUX[2] = str(spec["tmux_socket"])
     _test_wall_clock()
     try:
         fd = lock_run_dir(run_dir)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from dflashctl.agent.probe import restart_room_gib  # a restart needs what a launch needs
+from dflashctl.agent.starting import restart_room_gib  # a restart needs what a launch needs
 from dflashctl.errors import ProbeFailedError
 from dflashctl.jobs import control, notify, registry
 from dflashctl.jobs import verdict as verdicts

@@ -19,7 +19,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from dflashctl.agent import probe
+from dflashctl.agent import gpus
 from dflashctl.config import SAFE_NAME, HostConfig, SlurmHost
 from dflashctl.errors import ConfigError, ProbeFailedError
 from dflashctl.judge.redact import redact_url
@@ -35,9 +35,9 @@ MAX_REQUEST_BYTES = 100_000  # one argv string: the kernel's limit is 128 KiB
 # GPU readings on the container's host, then the probe inside the container, in one command: "$@" is the
 # container exec + python + request.
 HOST_GPU_SCRIPT = (
-    "g=$(nvidia-smi --query-gpu=" + ",".join(probe.GPU_FIELDS) + " --format=csv,noheader,nounits 2>/dev/null)\n"
+    "g=$(nvidia-smi --query-gpu=" + ",".join(gpus.GPU_FIELDS) + " --format=csv,noheader,nounits 2>/dev/null)\n"
     "a=$(nvidia-smi --query-compute-apps="
-    + ",".join(probe.APP_FIELDS)
+    + ",".join(gpus.APP_FIELDS)
     + " --format=csv,noheader,nounits 2>/dev/null)\n"
     'exec "$@" "$g" "$a"\n'
 )
