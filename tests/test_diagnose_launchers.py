@@ -59,6 +59,8 @@ C, E = "\x1b[2m\x1b[36m", "\x1b[0m"
          "Traceback (most recent call last):"),
         ('train/0 [1]:[rank1]:   File "x.py", line 3', "rank1", '  File "x.py", line 3'),
         ("train/0 W1204 09:58:14.101000 51877 torch/distributed/run.py:793] *****", "train/0", "*****"),
+        ('train/0   File "/opt/venv/bin/torchrun", line 8, in <module>', "train/0",
+         '  File "/opt/venv/bin/torchrun", line 8, in <module>'),  # the agent's own traceback, no tee prefix
         # moreutils ts: its default, -s / -i, %.S, %s; syslog and journalctl share the default's shape
         ("Dec 04 10:12:40 step 3 loss 2.0", None, "step 3 loss 2.0"),
         ("Dec  4 10:12:40.123456   File \"x.py\", line 3", None, '  File "x.py", line 3'),

@@ -37,6 +37,7 @@ FAMILIES = {
         "train.service due to memory pressure for /user.slice/user-1000.slice/user@1000.service being 86.80% > 50.00% "
         "for > 20s with reclaim activity",
         "train.service: systemd-oomd killed 19 process(es) in this unit.",
+        "Dec 07 16:11:24 gpu-box systemd[1]: train.service: A process of this unit has been killed by the OOM killer.",
         "earlyoom[454]: low memory! at or below SIGTERM limits: mem 10.00%, swap 10.00%",
         'earlyoom[454]: sending SIGTERM to process 9994 uid 1000 "python3": badness 1181, VmRSS 4568 MiB',
     ],

@@ -64,7 +64,7 @@ LAUNCHERS: tuple[Launcher, ...] = (
     _launcher("kubectl", NODE, r"^\[(?P<id>(?:pod/[^/\]\s]+/[^\]\s]*|node/[^\]\s]+))\] ",
               "[pod/llama-ft-worker-0/pytorch] 2026-12-04T10:12:40.118203913Z step 3 loss 2.0"),
     # torchx's log lines: `{role}/{replica} ` (green on a terminal)
-    _launcher("torchx", NODE, r"^(?P<id>[A-Za-z_][\w-]*/\d+) (?=\S)", "train/0 [0]:step 3 loss 2.0"),
+    _launcher("torchx", NODE, r"^(?P<id>[A-Za-z_][\w-]*/\d+) (?=.)", "train/0 [0]:step 3 loss 2.0"),
     # pdsh's `host: ` (DeepSpeed's multi-node runner): a lower-case host name with a digit or a hyphen in it, or
     # localhost; never a Python exception's name (`torch.OutOfMemoryError: `), an identifier (`step_1: `) or a tool's
     # (`srun: `)

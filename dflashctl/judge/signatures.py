@@ -135,7 +135,7 @@ SIGNATURES: tuple[Signature, ...] = (
          r"DataLoader worker \(pid\(?s?\)? ?[\d, ]+\)? is killed by signal: Killed"),
     _sig("kernel_oom", "HOST_OOM", 40,
          r"(Out of memory: Killed process \d+|oom-kill:|Memory cgroup out of memory|oom_reaper|Detected \d+ "
-         r"oom[_-]kill events?|task \d+: Out Of Memory)"),
+         r"oom[_-]kill events?|task \d+: Out Of Memory|A process of this unit has been killed by the OOM killer)"),
     _sig("sigkill", "HOST_OOM", 41,
          r"(exitcode\s*:\s*-9\b|\(exitcode: -9\)|Signal 9 \(SIGKILL\)|Signals\.SIGKILL|"
          r"^(?:.*:\s*)?(?:line \d+:\s*)?\d+\s+Killed\b|^Killed$|exit(?:ed)? (?:with )?(?:exit )?(?:code|status) 137\b|"
