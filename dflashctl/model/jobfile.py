@@ -7,6 +7,7 @@ and exits with status 2, before anything touches a remote.
 
 from __future__ import annotations
 
+import difflib
 import json
 import re
 import subprocess
@@ -16,7 +17,16 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dflashctl.config import (
     SAFE_NAME,
@@ -29,23 +39,12 @@ from dflashctl.config import (
     unknown_host_message,
 )
 from dflashctl.errors import ConfigError
+from dflashctl.judge.facts import DEFAULT_RESTART_ON, NEVER_RESTART, RESTARTABLE, Thresholds
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 MAX_GPUS = 1024
-STATES = ("STARTING", "RUNNING", "STALLED", "FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT",
-          "CRASHED", "CONFIG_ERROR", "LOST")  # fmt: skip
-# they would repeat (or are done); a GPU_FAULT's GPU is broken: a relaunch names other GPUs; a job CANCELLED by
-# someone else (scancel, an admin) was stopped on purpose
-NEVER_RESTART = ("DENSE_FALLBACK", "RECOMPILE_LIMIT", "CONFIG_ERROR", "FINISHED", "GPU_FAULT", "CANCELLED")
-State = Literal[
-    "STARTING", "RUNNING", "STALLED", "FINISHED", "DENSE_FALLBACK", "RECOMPILE_LIMIT", "OOM", "NCCL_TIMEOUT",
-    "CRASHED", "CONFIG_ERROR", "LOST", "DIVERGED", "GPU_FAULT", "HOST_OOM", "DISK_FULL",
-    "NCCL_ERROR",  # the network between ranks broke: restartable once the link is back
-    "TIMEOUT", "PREEMPTED", "NODE_FAIL",  # Slurm's own ends (restartable; NODE_FAIL's node is then excluded)
-]  # fmt: skip
-# Slurm's ends that a restart resumes from: they happen only on Slurm hosts, so they are in every job's default
-DEFAULT_RESTART_ON = ["CRASHED", "STALLED", "NCCL_TIMEOUT", "NCCL_ERROR", "TIMEOUT", "PREEMPTED", "NODE_FAIL"]
+JUDGED = Thresholds()  # the judge's defaults: a job file's `watch` thresholds default to them, written once
 
 
 class NotifyConfig(BaseModel):
@@ -86,15 +85,20 @@ class WatchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     interval_s: float = Field(60.0, gt=0, le=86400, description="seconds between polls")
-    stall_after_s: float = Field(600.0, gt=0, le=604800, description="no step progress this long while alive: STALLED")
+    stall_after_s: float = Field(JUDGED.stall_after_s, gt=0, le=604800,
+                                 description="no step progress this long while alive: STALLED")
     startup_budget_s: float | None = Field(
         None, gt=0, le=604800, description="time allowed before the first step; default: from the trainer's buckets"
     )
-    heartbeat_max_age_s: float = Field(120.0, gt=0, le=86400, description="an older heartbeat (frozen): STALLED")
-    throughput_floor: float | None = Field(None, ge=0, description="tokens/s under this for `slow_polls`: STALLED")
-    throughput_drop: float = Field(0.3, gt=0, lt=1, description="under this fraction of its rolling median: STALLED")
-    slow_polls: StrictInt = Field(3, ge=1, le=1000, description="consecutive slow polls before STALLED")
-    restart_on: list[State] = Field(default_factory=lambda: list(DEFAULT_RESTART_ON))
+    heartbeat_max_age_s: float = Field(JUDGED.heartbeat_max_age_s, gt=0, le=86400,
+                                       description="an older heartbeat (frozen): STALLED")
+    throughput_floor: float | None = Field(JUDGED.throughput_floor, ge=0,
+                                           description="tokens/s under this for `slow_polls`: STALLED")
+    throughput_drop: float = Field(JUDGED.throughput_drop, gt=0, lt=1,
+                                   description="under this fraction of its rolling median: STALLED")
+    slow_polls: StrictInt = Field(JUDGED.slow_polls, ge=1, le=1000, description="consecutive slow polls before STALLED")
+    restart_on: list[StrictStr] = Field(default_factory=lambda: list(DEFAULT_RESTART_ON),
+                                        description="the failures a restart is for (the state table's `restart`)")
     max_restarts: StrictInt = Field(3, ge=0, le=100)
     backoff_s: float = Field(30.0, ge=0, le=86400, description="wait before the first restart; doubles each time")
     supervise: bool = Field(True, strict=True, description="a supervisor beside the job on the remote judges and "
@@ -104,9 +108,15 @@ class WatchConfig(BaseModel):
     @field_validator("restart_on")
     @classmethod
     def _restartable(cls, value: list[str]) -> list[str]:
+        """Each a state the table says a restart may cure (judge/facts.py, `restart`); why not, otherwise."""
         bad = [s for s in value if s in NEVER_RESTART]
         if bad:
             raise ValueError(f"{', '.join(bad)} cannot be restarted: the cause would repeat")
+        for s in value:
+            if s not in RESTARTABLE:
+                near = difflib.get_close_matches(s.upper(), RESTARTABLE, n=1)
+                hint = f" (did you mean {near[0]}?)" if near else ""
+                raise ValueError(f"{s!r} is not a failure a restart is for{hint}; one of {', '.join(RESTARTABLE)}")
         return value
 
 
