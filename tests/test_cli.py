@@ -73,7 +73,8 @@ def test_kill_of_a_finished_job_is_a_no_op(client, monkeypatch):
 
 
 def test_completion_offers_job_ids_and_hosts(client, monkeypatch):
-    from dflashctl.cli import _complete_hosts, _complete_jobs
+    from dflashctl.cli import complete_hosts as _complete_hosts
+    from dflashctl.cli import complete_jobs as _complete_jobs
 
     monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
     record(client, "exp-20261130T100000Z-aaaa")

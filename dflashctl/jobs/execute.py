@@ -1,6 +1,6 @@
 """exec, shell and attach: run something in a job's exact code and environment, or open its pane.
 
-They find the job as every command does (jobctl.find_job) and talk to its host through one runner; `kill --all`
+They find the job as every command does (jobs/find.py) and talk to its host through one runner; `kill --all`
 ends what `exec` started, found by the exec's own tag.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from dflashctl.config import HostConfig, resolve_host
 from dflashctl.errors import ConfigError, RefusedError
-from dflashctl.jobs.jobctl import check_number, find_job
+from dflashctl.jobs.find import check_number, find_job
 from dflashctl.jobs.registry import REMOVED, JobRecord
 from dflashctl.remote import session
 from dflashctl.remote.connect import open_runner

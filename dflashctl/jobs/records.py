@@ -65,9 +65,10 @@ def forget(spec: str, project: str, force: bool = False, accept_new: bool = Fals
     """Drop a record (`ls --forget NAME|ID`): the job as every command finds it. A job that may still run or restart
     is refused, asked of its host (a live pane or supervisor, a state that is not final, a failure its policy will
     restart): forgetting it would lose the only record that finds it. `force` forgets it anyway."""
-    from dflashctl.jobs import jobctl, registry
+    from dflashctl.jobs import registry
+    from dflashctl.jobs.find import find_job
 
-    job = jobctl.find_job(spec, project)
+    job = find_job(spec, project)
     if not force and job.state != REMOVED:
         why = still_running(job, project, accept_new)
         if why:
@@ -78,37 +79,36 @@ def forget(spec: str, project: str, force: bool = False, accept_new: bool = Fals
 
 def still_running(job: JobRecord, project: str, accept_new: bool = False) -> str | None:
     """Why the job may still run or restart, as its host says now; None when it has ended for good."""
-    from dflashctl.jobs import jobctl
+    from dflashctl.jobs.status import status
     from dflashctl.judge.facts import TERMINAL
 
-    st = jobctl.status(job.id, project, accept_new)
-    sup = st.get("supervisor") or {}
-    if st["state"] == "UNREACHABLE":
+    look = status(job.id, project, accept_new)
+    r = look.report
+    if r.state == "UNREACHABLE":
         return f"cannot be asked about: {job.host_name} does not answer"
-    if st.get("alive"):
-        return f"is still running ({st['state']})"
-    if sup.get("alive"):
+    if look.alive:
+        return f"is still running ({r.state})"
+    if (r.supervisor or {}).get("alive"):
         return "has a live supervisor (it may restart the job)"
-    if st["state"] not in TERMINAL:
-        return f"is {st['state']}"
+    if r.state not in TERMINAL:
+        return f"is {r.state}"
     w = job.watch
-    if st["state"] in w.restart_on and not st["stop_requested"] and not st["gave_up"] and st["restarts"] < \
-            w.max_restarts:  # fmt: skip
-        return f"is {st['state']} with a restart pending ({st['restarts']} of {w.max_restarts} done)"
+    if r.state in w.restart_on and not r.stop_requested and not r.gave_up and r.restarts < w.max_restarts:
+        return f"is {r.state} with a restart pending ({r.restarts} of {w.max_restarts} done)"
     return None
 
 
 def refresh(jobs: list[JobRecord], project: str, accept_new: bool = False) -> dict[str, str]:
     """Ask the hosts again about every job not done for good (a few at a time): each is one `status`, which records
     the Judge's verdict (and sends the notices its supervisor could not). Returns what could not be asked, by id."""
-    from dflashctl.jobs import jobctl
+    from dflashctl.jobs.status import status
 
     todo = [j for j in jobs if j.state not in DONE_FOR_GOOD]
     failed: dict[str, str] = {}
 
     def one(job: JobRecord) -> None:
         try:
-            jobctl.status(job.id, project, accept_new)
+            status(job.id, project, accept_new)
         except DflashError as e:  # said, and the record keeps its last state
             failed[job.id] = str(e).splitlines()[0][:200]
 
