@@ -78,10 +78,11 @@ class Supervisor:
         policy = decider.Policy.of(watch)
         # a job over several hosts: this supervisor runs on the head and probes the other nodes (agent/members.py)
         self.members = members.members_of(spec) if spec.get("members") else []
-        judges = [report.Judge(self.job_id, self.head_host, thresholds, bool(spec.get("is_trainer")), self.grace,
-                               [g for g in spec.get("gpus") or [] if type(g) is int], self.scheduled,
+        gpus = [g for g in spec.get("gpus") or [] if type(g) is int]
+        judges = [report.Judge(self.job_id, self.head_host, thresholds, is_trainer=bool(spec.get("is_trainer")),
+                               kill_grace_s=self.grace, gpus=gpus, scheduled=self.scheduled,
                                max_restarts=policy.max_restarts, restarts=restarts)]  # fmt: skip
-        judges += [report.Judge(m.job_id, m.host, thresholds, False, self.grace, m.gpus,
+        judges += [report.Judge(m.job_id, m.host, thresholds, is_trainer=False, kill_grace_s=self.grace, gpus=m.gpus,
                                 max_restarts=policy.max_restarts, restarts=restarts) for m in self.members]  # fmt: skip
         self.decider = decider.Decider(judges, [self.head_host, *(m.host for m in self.members)], policy,
                                        report.SUPERVISOR, self.job_id, self.head_host)  # fmt: skip

@@ -66,8 +66,9 @@ def stop(runner: Runner, job: JobRecord, grace_s: float | None = None) -> KillRe
             session.call_agent(runner, {"action": "stop_result", "run_dir": job.run_dir, "report": report,
                                         "gpus": False})  # fmt: skip
     ended = ans.get("ended_before")
-    return KillReport(job.id, host.name, ans["result"], ans["found"], ans["term"], ans["kill"], ans["remaining"],
-                      holders, check, ans["session_closed"], ended if isinstance(ended, int) else None)  # fmt: skip
+    return KillReport(id=job.id, host=host.name, result=ans["result"], found=ans["found"], term=ans["term"],
+                      kill=ans["kill"], remaining=ans["remaining"], gpu_holders=holders, gpu_check=check,
+                      session_closed=ans["session_closed"], ended_before=ended if isinstance(ended, int) else None)
 
 
 @dataclass
@@ -93,9 +94,9 @@ def restart(runner: Runner, job: JobRecord, attempt: int, min_free_gib: float | 
            "args": ["--resume"] if job.is_trainer else [], "gpus": False, "min_free_gib": min_free_gib,
            "cause": {**(cause or {}), "by": "watch"}, **session.scheduler_of(job)}  # fmt: skip
     ans = session.call_agent(runner, req, timeout=job.kill_grace_s + 150)
-    return RestartOutcome(bool(ans.get("restarted")), int(ans.get("restarts", attempt)), ans.get("why", ""),
-                          ans.get("pane_pid"), ans.get("slurm_job"), ans.get("raced") is True,
-                          ans.get("stopped") is True)  # fmt: skip
+    return RestartOutcome(restarted=bool(ans.get("restarted")), restarts=int(ans.get("restarts", attempt)),
+                          why=ans.get("why", ""), pane_pid=ans.get("pane_pid"), slurm_job=ans.get("slurm_job"),
+                          raced=ans.get("raced") is True, stopped=ans.get("stopped") is True)
 
 
 def each_member(job: JobRecord, open_runner: Callable[[HostConfig], Runner], fn: Callable[[Runner, JobRecord], object]):
@@ -118,16 +119,17 @@ def stop_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], grace_
     if len(reports) == 1:
         return reports[0]
     tag = lambda rep, items: [{**x, "node": rep.host} if isinstance(x, dict) else x for x in items]  # noqa: E731
+    ended = [r.ended_before for r in reports]
     return KillReport(
-        job.id, ",".join(r.host for r in reports),
-        "KILLED" if all(r.clean for r in reports) else "KILL_FAILED",
-        [x for r in reports for x in tag(r, r.found)], [p for r in reports for p in r.term],
-        [p for r in reports for p in r.kill], [p for r in reports for p in r.remaining],
-        [x for r in reports for x in tag(r, r.gpu_holders)], "; ".join(f"{r.host}: {r.gpu_check}" for r in reports),
-        all(r.session_closed for r in reports),
-        next((r.ended_before for r in reports if r.ended_before is not None), None)
-        if all(r.ended_before is not None for r in reports) else None,
-    )  # fmt: skip
+        id=job.id, host=",".join(r.host for r in reports),
+        result="KILLED" if all(r.clean for r in reports) else "KILL_FAILED",
+        found=[x for r in reports for x in tag(r, r.found)], term=[p for r in reports for p in r.term],
+        kill=[p for r in reports for p in r.kill], remaining=[p for r in reports for p in r.remaining],
+        gpu_holders=[x for r in reports for x in tag(r, r.gpu_holders)],
+        gpu_check="; ".join(f"{r.host}: {r.gpu_check}" for r in reports),
+        session_closed=all(r.session_closed for r in reports),
+        ended_before=ended[0] if all(e is not None for e in ended) else None,
+    )
 
 
 def restart_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], attempt: int,

@@ -21,8 +21,10 @@ def policy(cfg: WatchConfig) -> Policy:
 def judge_for(job: JobRecord, is_trainer: bool | None = None) -> Judge:
     """A Judge for one host of the job (`is_trainer` False for the other nodes of a job over several hosts: only
     the head writes metrics and the heartbeat)."""
-    return Judge(job.id, job.host_name, thresholds(job.watch), job.is_trainer if is_trainer is None else is_trainer,
-                 job.kill_grace_s, list(job.gpus), job.scheduler == "slurm", job.steps, job.watch.max_restarts,
-                 job.restarts, job.state)  # fmt: skip
+    return Judge(
+        job.id, job.host_name, thresholds(job.watch), is_trainer=job.is_trainer if is_trainer is None else is_trainer,
+        kill_grace_s=job.kill_grace_s, gpus=list(job.gpus), scheduled=job.scheduler == "slurm", total_steps=job.steps,
+        max_restarts=job.watch.max_restarts, restarts=job.restarts, last_state=job.state,
+    )
 
 

@@ -110,9 +110,10 @@ def page_unreachable(w: Watcher, r: Report, say: Callable[[str], None]) -> None:
     """The host stopped answering: only this laptop can know, so only it pages (no outbox there to keep it)."""
     if not w.cfg.notify.webhook:
         return
-    msg = Message(w.job.id, w.job.host_name, "UNREACHABLE", r.reason, list(r.evidence[:5]), r.advice, w.restarts,
-                  time.time(), True, 0, f"dflashctl status {w.job.id}", f"unreachable-{int(time.time())}",
-                  "the job's last known state is kept")  # fmt: skip
+    msg = Message(job=w.job.id, host=w.job.host_name, state="UNREACHABLE", reason=r.reason,
+                  evidence=list(r.evidence[:5]), advice=r.advice, restarts=w.restarts, time=time.time(),
+                  look=f"dflashctl status {w.job.id}", id=f"unreachable-{int(time.time())}",
+                  action="the job's last known state is kept")  # fmt: skip
     line = notify.post_direct(w.job, msg)
     w.log_event({"decision": "notify", "state": "UNREACHABLE", "result": line})
     say(line)

@@ -238,10 +238,12 @@ class Decider:
                  left: int | None = None) -> Message:  # fmt: skip
         self.made.add(nid)
         state = state or r.state
-        return Message(self.job, self.host, state, r.reason, list(r.evidence[:5]), r.advice,
-                       self.restarts if restarts is None else restarts, float(r.time or 0.0), state in FAILURES,
-                       self._left(r) if left is None else max(0, left), f"dflashctl status {self.job}", nid,
-                       action)  # fmt: skip
+        return Message(
+            job=self.job, host=self.host, state=state, reason=r.reason, evidence=list(r.evidence[:5]), advice=r.advice,
+            restarts=self.restarts if restarts is None else restarts, time=float(r.time or 0.0),
+            failure=state in FAILURES, restarts_left=self._left(r) if left is None else max(0, left),
+            look=f"dflashctl status {self.job}", id=nid, action=action,
+        )
 
     def _notices(self, turn: Turn, previous: str | None) -> None:
         """One notice per event: a failure with what is done about it (a restart under way is said with its

@@ -104,7 +104,7 @@ class _Seen:
 class Judge:
     """What one asker knows of one job, and its one method `take`."""
 
-    def __init__(self, id: str, host: str, thresholds: Thresholds, is_trainer: bool = True,
+    def __init__(self, id: str, host: str, thresholds: Thresholds, *, is_trainer: bool = True,
                  kill_grace_s: float = 40.0, gpus: list | None = None, scheduled: bool = False,
                  total_steps: int | None = None, max_restarts: int = 0, restarts: int = 0,
                  last_state: str | None = None) -> None:  # fmt: skip
@@ -217,11 +217,15 @@ class Judge:
     def _report(self, v: Verdict) -> Report:
         h = self.h
         log = self.job.log_progress(self.is_trainer)
-        return Report(self.id, self.host, v.state, v.reason, list(v.evidence), v.advice, h.now or None, self.since,
-                      h.last_step, h.epoch, h.loss, h.tokens_per_s[-1] if h.tokens_per_s else None, self.tau,
-                      self.tau_set, self.eta_s(), list(self.gpus), self.restarts, self.max_restarts,
-                      h.stop_request is not None, throughput=h.tokens_per_s[-1] if h.tokens_per_s else log.rate,
-                      throughput_unit="tokens/s" if h.tokens_per_s else log.unit)  # fmt: skip
+        tps = h.tokens_per_s[-1] if h.tokens_per_s else None
+        return Report(
+            id=self.id, host=self.host, state=v.state, reason=v.reason, evidence=list(v.evidence), advice=v.advice,
+            time=h.now or None, since=self.since, step=h.last_step, epoch=h.epoch, loss=h.loss, tokens_per_s=tps,
+            tau=self.tau, tau_set=self.tau_set, eta_s=self.eta_s(), gpus=list(self.gpus), restarts=self.restarts,
+            max_restarts=self.max_restarts, stop_requested=h.stop_request is not None,
+            throughput=tps if tps is not None else log.rate,
+            throughput_unit="tokens/s" if tps is not None else log.unit,
+        )
 
     def note_state(self, report: Report) -> Report:
         if report.state != self.state:

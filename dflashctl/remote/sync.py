@@ -436,8 +436,9 @@ def deploy(
         report = DeployReport(host=runner.host.name, code_dir=f"{abs_wd}/code", version=version,
                               files_sent=len(plan.send), files_deleted=len(plan.delete), sent=plan.send,
                               deleted=plan.delete)  # fmt: skip
-        if not _send_release(runner, root, local, plan.send, abs_wd, version, base, report, progress, agent,
-                             fallback=False):  # fmt: skip
+        sent = _send_release(runner, root, local, plan.send, abs_wd, version, base, report=report, progress=progress,
+                             agent=agent, fallback=False)  # fmt: skip
+        if not sent:
             report, travelled = None, report.bytes_sent  # the base is gone from the remote: read its state, plan again
     if report is None and not dry_run and (known is None or known[1] != version):  # no usable record: one command
         report = _plan_and_send(runner, root, local, workdir, version, progress, agent)
@@ -449,8 +450,8 @@ def deploy(
                               files_sent=len(plan.send), files_deleted=len(plan.delete), dry_run=dry_run,
                               sent=plan.send, deleted=plan.delete, bytes_sent=travelled)  # fmt: skip
         if not dry_run and current != version:
-            _send_release(runner, root, local, plan.send, abs_wd, version, current, report, progress, agent,
-                          fallback=True)  # fmt: skip
+            _send_release(runner, root, local, plan.send, abs_wd, version, current, report=report, progress=progress,
+                          agent=agent, fallback=True)  # fmt: skip
     if not dry_run:
         last.write(report.code_dir.removesuffix("/code"), version, local, agent.resolved)
         remember_python(runner.host, agent.resolved)
@@ -461,7 +462,7 @@ def deploy(
 
 def _send_release(
     runner: Runner, root: Path, local: Manifest, send: list[str], abs_wd: str, version: str, base: str | None,
-    report: DeployReport, progress: ProgressFactory | None, agent: AgentPython, *, fallback: bool,
+    *, report: DeployReport, progress: ProgressFactory | None, agent: AgentPython, fallback: bool,
 ) -> bool:  # fmt: skip
     """The agent's `release` with these files and `base` to link the rest from. When the base cannot serve (gone
     from the remote): with `fallback`, everything travels once more; without, False (the caller plans again)."""
@@ -539,7 +540,8 @@ def _plan_and_send(
     if "need_full" not in str(ans.get("error")):
         raise RemoteCommandError(f"deploy to {runner.host.name} failed, the previous release stays current: "
                                  f"{ans.get('error')}")  # fmt: skip
-    _send_release(runner, root, local, plan.send, abs_wd, version, None, report, progress, agent, fallback=True)
+    _send_release(runner, root, local, plan.send, abs_wd, version, None, report=report, progress=progress, agent=agent,
+                  fallback=True)
     return report
 
 
