@@ -1,8 +1,10 @@
 """What dflashctl itself writes into a project (pulled runs, report files) is never project code.
 
-Each such path is listed, relative to the project's root, in `ROOT/.dflashctl-outputs` (one per line). Deploy leaves
-every listed path (and the list) out of the release and out of the staleness check, unless git tracks it: a file
-the user committed is theirs. Outside the project nothing is listed: nothing there is deployed anyway.
+Each such path is listed, relative to the project's root, one per line: in a git checkout in `.git/dflashctl-outputs`
+(git's own folder, which nothing commits or deploys: the user's .gitignore and .git/info/exclude are never changed),
+elsewhere in `ROOT/.dflashctl-outputs`. Deploy leaves every listed path (and the list) out of the release and out of
+the staleness check, unless git tracks it: a file the user committed is theirs. Outside the project nothing is
+listed: nothing there is deployed anyway.
 """
 
 from __future__ import annotations
@@ -21,12 +23,21 @@ def _relative(root: Path, path: Path) -> str | None:
     return None if rel == Path(".") else rel.as_posix()
 
 
+def list_path(root: Path) -> Path:
+    """Where the list lives: inside `.git/` in a git checkout, else at the project's root."""
+    git = root / ".git"
+    return git / LIST_NAME.lstrip(".") if git.is_dir() and not git.is_symlink() else root / LIST_NAME
+
+
 def listed(root: Path) -> set[str]:
-    try:
-        text = (root / LIST_NAME).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return set()
-    return {ln.strip().strip("/") for ln in text.splitlines() if ln.strip() and not ln.startswith("#")}
+    found: set[str] = set()
+    for path in {list_path(root), root / LIST_NAME}:  # a list written before the checkout became one counts too
+        try:
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        found |= {ln.strip().strip("/") for ln in text.splitlines() if ln.strip() and not ln.startswith("#")}
+    return found
 
 
 def remember(root: Path, path: Path) -> bool:
@@ -36,11 +47,12 @@ def remember(root: Path, path: Path) -> bool:
         return False
     have = listed(root)
     if rel not in have:
-        with _append(root / LIST_NAME) as f:
-            if not have:
+        path = list_path(root)
+        fresh = not path.exists()
+        with _append(path) as f:
+            if fresh:
                 f.write("# written by dflashctl (pull, report): never deployed\n")
             f.write(rel + "\n")
-    _git_exclude(root, [LIST_NAME, rel])
     return True
 
 
@@ -48,24 +60,6 @@ def _append(path: Path):
     """Append to `path`, never through a symlink planted in its place."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     return os.fdopen(fd, "a", encoding="utf-8")
-
-
-def _git_exclude(root: Path, rels: list[str]) -> None:
-    """In a git checkout, what dflashctl wrote is also listed in `.git/info/exclude` (the checkout's own, never
-    committed): `git status` stays clean after a pull or a report, and the user's .gitignore is left alone."""
-    info = root / ".git" / "info"
-    if not (root / ".git").is_dir():
-        return
-    try:
-        info.mkdir(exist_ok=True)
-        path = info / "exclude"
-        have = set(path.read_text(encoding="utf-8", errors="replace").splitlines()) if path.is_file() else set()
-        new = [f"/{r}" for r in rels if f"/{r}" not in have]
-        if new:
-            with _append(path) as f:
-                f.write("".join(f"{line}\n" for line in new))
-    except OSError:
-        pass  # a read-only checkout: the list above still keeps deploy from shipping these
 
 
 def is_output(rel: str, outputs: set[str]) -> bool:

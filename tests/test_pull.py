@@ -201,3 +201,19 @@ def test_export_is_pull_export(run, client):
     assert res.code == 0, res.stderr
     got = json.loads(res.stdout)
     assert got["chose"] == ["export"] and all(f["path"].startswith("export/") for f in got["files"])
+
+
+def test_a_report_file_in_a_git_checkout_is_never_deployed_and_leaves_the_users_git_alone(client):
+    """`report --out r.png` inside a git checkout: dflashctl's list of its own outputs lives in git's folder, so the
+    user's .gitignore and .git/info/exclude stay byte-equal and deploy still leaves the file out."""
+    from dflashctl import outputs
+    from dflashctl.remote.sync import list_files
+
+    subprocess.run(["git", "init", "-q", str(client.project)], check=True)
+    (client.project / "train.py").write_text("print('code')\n")
+    before = git_state(client.project)
+    (client.project / "r.png").write_bytes(b"\x89PNG")
+    assert outputs.remember(client.project, client.project / "r.png")
+    assert git_state(client.project) == before and not (client.project / ".dflashctl-outputs").exists()
+    assert list_files(client.project) == ["train.py"]
+    assert "r.png" in (client.project / ".git" / "dflashctl-outputs").read_text()
