@@ -155,3 +155,29 @@ def test_tau_is_measured_at_every_checkpoint_or_only_those_named():
     assert run_quality.tau_steps({}, [900, 300, 600, 1200]) == [300, 600, 900, 1200]
     assert run_quality.tau_steps({"tau_at": [1200]}, [300, 600, 900, 1200]) == [1200]
     assert run_quality.tau_steps({"tau_at": [600, 5000]}, range(300, 1201, 300)) == [600]  # never a step not saved
+
+
+def test_a_pass_cut_short_keeps_the_checkpoints_and_lookup_shards_it_measured(tmp_path):
+    """Runs that died before their result file leave `.partial.json` and the tau files bench_tau wrote; lookup's
+    finished shards leave their rows: the record keeps those, marked cut short, and pairs on the prompts they cover."""
+    work = tmp_path
+    (work / "target.json").write_text(json.dumps({"name": "t"}))
+    (work / "ours-v-s0.partial.json").write_text(json.dumps({"step_time_ms_median": 100.0}))
+    sets = {"prompts": 3, "tau_prompt_mean": 1.5, "tau_pooled": 1.4, "seconds": 2.0}
+    (work / "tau-drafter-ours-v-s0-step50.json").write_text(json.dumps({"sets": [sets]}))
+    (work / "tau-drafter-ours-v-s0-step50.jsonl").write_text(
+        "".join(json.dumps({"index": i, "tau": x}) + "\n" for i, x in enumerate([1.0, 2.0, 1.5]))
+    )
+    (work / "ours-w-s0.partial.json").write_text(json.dumps({"step_time_ms_median": 100.0}))  # nothing measured
+    (work / "lookup-1.jsonl").write_text(json.dumps({"index": 1, "tokens": 30, "draft_steps": 10, "tau": 3.0}) + "\n")
+    out = work / "r.json"
+    assert collect_real.main([str(work), "--out", str(out), "--note", "lookup: 1 shard of 2"]) == 0
+    rec = json.loads(out.read_text())
+    ours = [r for r in rec["runs"] if r["trainer"] == "ours-v"]
+    assert ours == [{"trainer": "ours-v", "seed": 0, "step": 50, "gpu_s": 5.0, "tau": 1.5, "tau_pooled": 1.4,
+                     "cut_short": True}]  # fmt: skip
+    assert not any(r["trainer"] == "ours-w" for r in rec["runs"])
+    s = rec["summary"]
+    assert s["lookup"] == {"tau_mean": 3.0, "tau_pooled": 3.0, "prompts": 1, "partial": True}
+    assert s["paired_ours-v_minus_lookup"]["prompts"] == 1 and s["paired_ours-v_minus_lookup"]["mean"] == -1.0
+    assert rec["notes"] == ["lookup: 1 shard of 2"] and rec["training"]["ours-w-s0"]["measured"] is False

@@ -25,22 +25,57 @@ from run_quality import specforge_rows
 RUN_FILE = re.compile(r"((?:ours|specforge)(?:-[a-z0-9]+)*?)-s(\d+)(\.partial)?")
 
 
+def measured_checkpoints(work: Path, name: str) -> list[dict]:
+    """The checkpoints of a run cut short whose tau was measured before the cut (`tau-drafter-NAME-stepK.json`, as
+    bench_tau wrote them): {step, tau, tau_pooled, prompts, decode_s}, by step."""
+    out = []
+    for f in work.glob(f"tau-drafter-{name}-step*.json"):
+        step = f.stem.rsplit("-step", 1)[1]
+        if not step.isdigit():
+            continue
+        r = json.loads(f.read_text())["sets"][0]
+        out.append({"step": int(step), "tau": r["tau_prompt_mean"], "tau_pooled": r["tau_pooled"],
+                    "prompts": r["prompts"], "decode_s": r["seconds"]})  # fmt: skip
+    return sorted(out, key=lambda p: p["step"])
+
+
 def runs_of(work: Path) -> list[dict]:
-    """One row per trainer, seed and checkpoint of every finished run: {trainer, seed, name, step, gpu_s, tau,
-    tau_pooled}."""
+    """One row per trainer, seed and measured checkpoint of every run: {trainer, seed, name, step, gpu_s, tau,
+    tau_pooled}; a run cut short (only its `.partial.json`) gives the checkpoints measured before the cut."""
     rows = []
     for f in sorted(work.glob("*-s*.json")):
         m = RUN_FILE.fullmatch(f.stem)
-        if not m or m.group(3):
+        if not m:
+            continue
+        name = f"{m.group(1)}-s{m.group(2)}"
+        if m.group(3) and (work / f"{name}.json").exists():
             continue
         r = json.loads(f.read_text())
         ms = r.get("step_time_ms_median")
-        for p in r.get("tau_vs_step", []):
-            rows.append({"trainer": m.group(1), "seed": int(m.group(2)), "name": f.stem, "step": p["step"],
+        for p in measured_checkpoints(work, name) if m.group(3) else r.get("tau_vs_step", []):
+            rows.append({"trainer": m.group(1), "seed": int(m.group(2)), "name": name, "step": p["step"],
                          "gpu_s": round(p["step"] * ms / 1000, 1) if ms else None, "tau": p["tau"],
                          "tau_pooled": p["tau_pooled"], "step_ms": ms, "prompts": p.get("prompts"),
-                         "decode_s": p.get("decode_s")})  # fmt: skip
+                         "decode_s": p.get("decode_s"), "cut_short": bool(m.group(3))})  # fmt: skip
     return rows
+
+
+def lookup_of(work: Path) -> dict:
+    """Prompt lookup's result: lookup.json, or, where the lookup phase was cut short, what its finished shards
+    measured (`lookup-K.jsonl`; marked partial, with the prompts they cover). Writes lookup-prompts.jsonl then."""
+    if (work / "lookup.json").exists():
+        return json.loads((work / "lookup.json").read_text())
+    rows = sorted((json.loads(x) for f in sorted(work.glob("lookup-[0-9]*.jsonl")) for x in f.read_text().splitlines()
+                   if x.strip()), key=lambda r: r["index"])  # fmt: skip
+    measured = [r for r in rows if r.get("tau") is not None]
+    if not measured:
+        return {}
+    (work / "lookup-prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokens, steps = sum(r["tokens"] for r in measured), sum(r["draft_steps"] for r in measured)
+    return {"method": "prompt_lookup", "partial": True, "prompts": len(measured),
+            "shards_done": len(list(work.glob("lookup-[0-9]*.jsonl"))),
+            "tau_prompt_mean": round(sum(r["tau"] for r in measured) / len(measured), 4),
+            "tau_pooled": round(tokens / steps, 4)}  # fmt: skip
 
 
 def training_of(work: Path) -> dict:
@@ -115,9 +150,9 @@ def summarise(work: Path, rows: list[dict]) -> dict:
                                        if any(r["gpu_s"] is not None for r in at) else None),
                   "step_ms_median": round(statistics.median(ms), 2) if ms else None,
                   "decode_s_max": max((r["decode_s"] for r in at if r.get("decode_s")), default=None)}  # fmt: skip
-    lookup = json.loads((work / "lookup.json").read_text()) if (work / "lookup.json").exists() else {}
+    lookup = lookup_of(work)
     out["lookup"] = {"tau_mean": lookup.get("tau_prompt_mean"), "tau_pooled": lookup.get("tau_pooled"),
-                     "prompts": lookup.get("prompts")}  # fmt: skip
+                     "prompts": lookup.get("prompts"), "partial": lookup.get("partial", False)}  # fmt: skip
     names = {t: sorted({r["name"] for r in rows if r["trainer"] == t}) for t in trainers}
     lookup_per = per_prompt(work / "lookup-prompts.jsonl") if (work / "lookup-prompts.jsonl").exists() else {}
     for t in trainers:
@@ -166,7 +201,8 @@ def plot(record: dict, out: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120, sharey=True)
     rows = record["runs"]
-    labels = {"ours": "ours, SpecForge's answers", "specforge": "SpecForge 0.2.0", "ours-full": "ours, all answers"}
+    labels = {"ours": "ours, SpecForge's answers", "specforge": "SpecForge 0.2.0", "ours-full": "ours, all answers",
+              "ours-full-b4": "ours, all answers, 4 length buckets"}  # fmt: skip
     for k, trainer in enumerate(sorted({r["trainer"] for r in rows})):
         label, color = labels.get(trainer, trainer), f"C{k}"
         steps = sorted({r["step"] for r in rows if r["trainer"] == trainer})
@@ -179,12 +215,15 @@ def plot(record: dict, out: Path) -> None:
                 ys.append(statistics.fmean(taus))
                 lo.append(min(taus))
                 hi.append(max(taus))
-            ax.plot(xs, ys, marker="o", color=color, label=f"{label} (mean of {len(pts)} seeds)")
+            seeds = f"{len(pts)} seed" + ("s" if len(pts) > 1 else "")
+            ax.plot(xs, ys, marker="o", color=color, label=f"{label} ({seeds})")
             ax.fill_between(xs, lo, hi, color=color, alpha=0.2)
-    lookup = record["summary"]["lookup"].get("tau_mean")
+    lk = record["summary"]["lookup"]
+    lookup = lk.get("tau_mean")
+    partial = f" ({lk.get('prompts')} prompts only)" if lk.get("partial") else ""
     for ax, xlabel in zip(axes, ("training step", "GPU seconds (step x median step time, GPU shared)"), strict=True):
         if lookup:
-            ax.axhline(lookup, color="grey", linestyle="--", label=f"prompt lookup: {lookup:.2f}")
+            ax.axhline(lookup, color="grey", linestyle="--", label=f"prompt lookup: {lookup:.2f}{partial}")
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("tau (mean of per-prompt means)")
@@ -210,6 +249,7 @@ def collect(argv: list[str] | None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--machine", default="one NVIDIA H200")
+    ap.add_argument("--note", action="append", default=[], help="a line the record keeps (what was not measured)")
     args = ap.parse_args(argv)
     target = json.loads((args.work / "target.json").read_text())
     data = json.loads((args.work / "data.json").read_text()) if (args.work / "data.json").exists() else {}
@@ -218,16 +258,19 @@ def collect(argv: list[str] | None) -> int:
     if not rows and not training:
         print(f"error: {args.work}: no ours-sK.json or specforge-sK.json (nor their .partial.json)", file=sys.stderr)
         return 2
-    lookup = json.loads((args.work / "lookup.json").read_text()) if (args.work / "lookup.json").exists() else {}
+    lookup = lookup_of(args.work)
     record = {
         "date": data.get("date") or target.get("date"), "machine": args.machine,
         "target": {**target, "distinct_4gram": check.get("distinct_4gram_median"),
                    "loop_fraction": check.get("loop_fraction"), "answers": check.get("answers")},
-        "runs": [{k: r[k] for k in ("trainer", "seed", "step", "gpu_s", "tau", "tau_pooled")} for r in rows]
+        "runs": [{k: r[k] for k in ("trainer", "seed", "step", "gpu_s", "tau", "tau_pooled", "cut_short")}
+                 for r in rows]
         + ([{"trainer": "lookup", "seed": None, "step": 0, "gpu_s": 0.0, "tau": lookup["tau_prompt_mean"],
-             "tau_pooled": lookup["tau_pooled"]}] if lookup else []),
+             "tau_pooled": lookup["tau_pooled"], "prompts": lookup.get("prompts"),
+             "cut_short": lookup.get("partial", False)}] if lookup else []),
     }  # fmt: skip
     record["training"] = training
+    record["notes"] = args.note
     record["summary"] = summarise(args.work, rows) if rows else {"final_step": None, "note": "no checkpoint measured"}
     # ours read off its curve at SpecForge's final GPU seconds: the same-work runs first, else a run whose curve
     # reaches that far (named)

@@ -3,9 +3,10 @@
 #   1. the target converted from its pinned GGUF (real_target.py convert, through run_quality.py --phase target)
 #   2. its greedy answers to every training prompt (ShareGPT + code requests) by the static engine, after the same
 #      prompts' first REGEN_BASELINE by model.generate for the speed it replaces
-#   3. then at once: prompt lookup on the 244 held-out prompts; ours on every answer (FULL_STEPS) and a variant of
-#      ours (VARIANT); SpecForge's features for the first SF_SAMPLES answers, then SpecForge and ours on exactly
-#      those answers, SEEDS each, STEPS steps; every checkpoint's tau on the 244 prompts by the same bench_tau
+#   3. in three waves: prompt lookup on the 244 held-out prompts beside SpecForge's features for the first
+#      sf_samples answers; ours on exactly those answers (SEEDS, STEPS steps) beside SpecForge's first seed; its
+#      other seeds beside ours on every answer (FULL_STEPS) and a variant of ours (VARIANT); every checkpoint's tau
+#      on the 244 prompts by the same bench_tau
 #   4. collect_real.py: bench/results/quality-real.json's record and the tau-against-GPU-seconds plot
 #   SRC=DIR WHEELS=DIR bash bench/quality/run_pass.sh      (SRC: what `real_target.py gather` wrote)
 # Wheels (SpecForge's, and gguf for the conversion) are installed from $WHEELS; nothing is fetched. Run it from its
@@ -31,22 +32,27 @@ mark start
 [ -f "$WORK/target.json" ] || { mark "target failed"; exit 1; }
 [ -f "$WORK/data.json" ] || q --phase data; mark data
 [ -f "$WORK/data.json" ] || { mark "data failed"; exit 1; }
-pids=()
-( ours -full-s0 --set data=full --set steps="$FULL_STEPS" --set eval_every="$FULL_SAVE" --set seed=0
-  mark ours-full ) > "$WORK/ours-full.out" 2>&1 & pids+=($!)
-( [ -f "$WORK/lookup.json" ] || q --phase lookup; mark lookup ) > "$WORK/lookup.out" 2>&1 & pids+=($!)
-( read -r vtag vsets <<<"$VARIANT"; ours "$vtag-s0" "$vsets" --set seed=0; mark variant ) \
-  > "$WORK/variant.out" 2>&1 & pids+=($!)
+# The GPU is shared in waves: the first pass ran all of it at once and ran out of the H100's 80 GB (SpecForge's
+# training alone peaks near 40 GB at batch 16, each bench_tau at batch 256 near 13 GB, each run of ours near 10 GB).
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+( [ -f "$WORK/lookup.json" ] || q --phase lookup; mark lookup ) > "$WORK/lookup.out" 2>&1 &
+( [ -f "$WORK/features.json" ] || q --phase features; mark features ) > "$WORK/features.out" 2>&1 &
+wait
+sf() { [ -f "$WORK/specforge-s$1.json" ] || PYTHONPATH=/tmp/sfsite q --phase specforge --set steps="$STEPS" \
+         --set eval_every="$SAVE" --set seed="$1" --set tag="-s$1"; mark "specforge-s$1"; }
+first=${SEEDS%% *}
 for s in $SEEDS; do
   ( ours "-s$s" --set data=sub --set steps="$STEPS" --set eval_every="$SAVE" --set seed="$s"; mark "ours-s$s" ) \
-    > "$WORK/ours-s$s.out" 2>&1 & pids+=($!)
+    > "$WORK/ours-s$s.out" 2>&1 &
 done
-( [ -f "$WORK/features.json" ] || q --phase features; mark features
-  for s in $SEEDS; do
-    ( [ -f "$WORK/specforge-s$s.json" ] || PYTHONPATH=/tmp/sfsite q --phase specforge --set steps="$STEPS" \
-        --set eval_every="$SAVE" --set seed="$s" --set tag="-s$s"; mark "specforge-s$s" ) &
-  done; wait ) > "$WORK/specforge.out" 2>&1 & pids+=($!)
-for p in "${pids[@]}"; do wait "$p"; done
+sf "$first" > "$WORK/specforge-s$first.out" 2>&1 &
+wait
+for s in $SEEDS; do [ "$s" = "$first" ] || sf "$s" > "$WORK/specforge-s$s.out" 2>&1 & done
+( ours -full-s0 --set data=full --set steps="$FULL_STEPS" --set eval_every="$FULL_SAVE" --set seed=0
+  mark ours-full ) > "$WORK/ours-full.out" 2>&1 &
+( read -r vtag vsets <<<"$VARIANT"; ours "$vtag-s0" "$vsets" --set seed=0; mark variant ) \
+  > "$WORK/variant.out" 2>&1 &
+wait
 python3 bench/quality/collect_real.py "$WORK" --out "$WORK/quality-real.json" --plot "$WORK/quality-real.png" \
   --machine "one $(cut -d, -f1 "$WORK/gpu.txt")" > "$WORK/collect.out" 2>&1
 mark done

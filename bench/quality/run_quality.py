@@ -51,9 +51,8 @@ SCALES = {
              "regen_baseline_batch": 500, "layers": 3, "block": 16, "anchors": 64, "buckets": [512, 1024],
              "batch": 16, "steps": 1000, "data": "sub", "sf_samples": 8000, "dump_batch": 32, "lr": 6e-4,
              "betas": [0.9, 0.999], "eval_every": 500, "eval_at_end": False, "eval_prompts": 16, "eval_tokens": 128,
-             "tau_prompts": 244,
-             "tau_tokens": 256, "tau_batch": 256, "lookup_shards": 8, "attention": "flex", "device": "cuda",
-             "dtype": "bfloat16"},
+             "tau_prompts": 244, "tau_tokens": 256, "tau_batch": 256, "tau_workers": 1, "lookup_shards": 8,
+             "attention": "flex", "device": "cuda", "dtype": "bfloat16"},
     "tiny": {"target": ["--size", "tiny", "--steps", "3", "--batch", "4", "--seq", "64", "--max-mb", "3",
                         "--heldout-percent", "5", "--eval-tokens", "2000", "--train-prompts", "40",
                         "--heldout-prompts", "6"],
@@ -301,7 +300,7 @@ def phase_ours(work: Path, s: dict, log: Path) -> dict:
     }  # fmt: skip
     save_partial(work, name, result)
     marks = tau_steps(s, range(s["eval_every"], s["steps"] + 1, s["eval_every"]))
-    with ThreadPoolExecutor() as pool:  # every checkpoint exported and measured side by side
+    with ThreadPoolExecutor(s.get("tau_workers")) as pool:  # checkpoints exported and measured side by side
         curve = pool.map(lambda k: curve_point(work, export_ours(work, run, k), k, s), marks)
         result["target_forward_ms"] = target_forward_ms(work, s)
         result["tau_vs_step"] = list(curve)
@@ -392,7 +391,7 @@ def phase_specforge(work: Path, s: dict, log: Path) -> dict:
     ckpts = sorted((run / "output").glob("*-step*"), key=ckpt_step)
     keep = set(tau_steps(s, map(ckpt_step, ckpts)))
     ckpts = [c for c in ckpts if ckpt_step(c) in keep]
-    with ThreadPoolExecutor() as pool:
+    with ThreadPoolExecutor(s.get("tau_workers")) as pool:
         result["tau_vs_step"] = list(pool.map(lambda c: specforge_curve_point(work, c, run, s), ckpts))
     return {**result, "checkpoints": [str(c) for c in ckpts], "log_tail": sf_log.read_text()[-3000:]}
 
