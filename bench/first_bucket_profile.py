@@ -84,7 +84,7 @@ def main() -> None:
 
     from bench.common import QWEN3_8B_WORKLOAD
     from trainer.config import from_dict
-    from trainer.run.loop import build, dummy_batch, forward_loss
+    from trainer.run.build import build, dummy_batch, forward_loss
 
     cfg = from_dict({**QWEN3_8B_WORKLOAD, "device": "cuda",
                      "data": {**QWEN3_8B_WORKLOAD["data"], "seq_buckets": args.buckets}})  # fmt: skip

@@ -343,7 +343,7 @@ def step_benchmark(steady_steps: int, isolated: bool = True, extras: bool = True
 
     from trainer.config import from_dict
     from trainer.model.compile_policy import graphs_compiled, unfreeze_compiles
-    from trainer.run.loop import build, dummy_batch, make_batch, preflight
+    from trainer.run.build import build, dummy_batch, make_batch, preflight
 
     rep: dict = {"peak_matmul_tflops": round(matmul_tflops(), 1)}
     print(f"matmul: {rep['peak_matmul_tflops']} TFLOP/s", flush=True)

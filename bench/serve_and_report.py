@@ -34,7 +34,7 @@ def export_bench(work: Path) -> dict:
     from trainer.config import from_dict
     from trainer.model.dflash_format import draft_config, read_export, write_export
     from trainer.model.drafter import Drafter, drafter_dims
-    from trainer.run.loop import build
+    from trainer.run.build import build
 
     cfg = from_dict({**QWEN3_8B_WORKLOAD, "device": "cuda"})
     parts = build(cfg, for_training=False)
@@ -46,7 +46,7 @@ def export_bench(work: Path) -> dict:
     write_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     cfg_back, weights = read_export(out)
-    fresh = Drafter(dims, False).to("cuda")
+    fresh = Drafter(dims).to("cuda")
     fresh.load_state_dict(weights, strict=True)
     torch.cuda.synchronize()
     read_s = time.perf_counter() - t0
@@ -68,7 +68,7 @@ def bench_tau_bench(work: Path, prompts: int, max_new: int) -> dict:
     from trainer.config import from_dict
     from trainer.data.prompts import read_prompts
     from trainer.data.tiny import build_tokenizer, chat_samples
-    from trainer.run.loop import build
+    from trainer.run.build import build
     from trainer.serve import bench_tau
 
     tok = build_tokenizer()

@@ -101,7 +101,7 @@ def trainer_step(parts, opt, batch, mark=None, fold_clip: bool = True) -> None:
     each stage ends."""
     import torch
 
-    from trainer.run.loop import forward_loss
+    from trainer.run.build import forward_loss
     from trainer.run.update import clip_into_update
 
     loss_sum, w_sum, _ = forward_loss(parts, batch, mark=mark)
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from trainer.config import from_dict
-    from trainer.run.loop import build, dummy_batch
+    from trainer.run.build import build, dummy_batch
 
     cfg = from_dict({"target": {"random_preset": "tiny-qwen3", "dtype": "float32"},
                      "drafter": {"num_layers": 2, "block_size": 8}, "attention": {"backend": "dense"},

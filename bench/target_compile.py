@@ -46,7 +46,7 @@ def main() -> None:
 
     from trainer.config import from_dict
     from trainer.model.mask import block_mask_from_anchors
-    from trainer.run.loop import autocast, build, dummy_batch
+    from trainer.run.build import autocast, build, dummy_batch
 
     out: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     cfg = from_dict({**QWEN3_8B_WORKLOAD, "device": "cuda"})

@@ -39,7 +39,7 @@ def write_random(out: Path, device: str) -> tuple[str, str, list[str]]:
     from trainer.config import from_dict
     from trainer.data.tiny import WORDS, build_tokenizer
     from trainer.model.dflash_format import draft_config, write_export
-    from trainer.run.loop import build
+    from trainer.run.build import build
 
     tok = build_tokenizer()
     config = AutoConfig.for_model(**QWEN25_05B, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

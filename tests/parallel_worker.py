@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.config import from_dict, parse_parallel  # noqa: E402
 from trainer.model.parallel import make_layout  # noqa: E402
+from trainer.run.build import build  # noqa: E402
 from trainer.run.distributed import init_world, shutdown  # noqa: E402
-from trainer.run.loop import build  # noqa: E402
 from trainer.run.process_exit import end_process  # noqa: E402
 from trainer.run.training import train  # noqa: E402
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import step_breakdown  # noqa: E402
 
 from trainer.config import from_dict  # noqa: E402
-from trainer.run.loop import build, dummy_batch, forward_loss  # noqa: E402
+from trainer.run.build import build, dummy_batch, forward_loss  # noqa: E402
 
 TINY = {"target": {"random_preset": "tiny-qwen3", "dtype": "float32"}, "drafter": {"num_layers": 1, "block_size": 8},
         "attention": {"backend": "dense"}, "device": "cpu", "steps": 1,

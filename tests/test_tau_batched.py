@@ -12,7 +12,7 @@ import torch
 from trainer.config import from_dict
 from trainer.model.mask import bucket_for, build_blocks
 from trainer.run import eval as spec
-from trainer.run.loop import build, drafter_output
+from trainer.run.build import build, drafter_output
 from trainer.serve import bench_tau
 
 BS, MAX_NEW = 8, 30
@@ -213,7 +213,7 @@ from trainer.config import from_dict, parse_parallel
 from trainer.model.parallel import make_layout
 from trainer.run.distributed import init_world, shutdown
 from trainer.run.eval import speculative_decode_batch
-from trainer.run.loop import build
+from trainer.run.build import build
 from trainer.run.process_exit import end_process
 
 world = init_world("cpu")

@@ -10,7 +10,7 @@ import pytest
 from trainer.config import from_dict
 from trainer.data.prompts import read_prompts, render
 from trainer.model.dflash_format import draft_config, write_export
-from trainer.run.loop import build
+from trainer.run.build import build
 from trainer.serve import bench_tau
 
 MAX_NEW = 10

@@ -80,7 +80,7 @@ def test_the_dense_cap_is_checked_from_the_targets_config_before_its_weights_loa
     from trainer.config import from_dict
     from trainer.data.tiny import write_tiny_target
     from trainer.errors import ConfigError
-    from trainer.run.loop import build
+    from trainer.run.build import build
 
     full, bare = tmp_path / "full", tmp_path / "bare"
     write_tiny_target(full)

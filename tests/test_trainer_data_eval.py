@@ -17,7 +17,7 @@ from trainer.config import from_dict
 from trainer.data.dataset import make_dataset, parse_record
 from trainer.data.tiny import build_tokenizer
 from trainer.run import eval as spec
-from trainer.run.loop import build
+from trainer.run.build import build
 from trainer.run.training import train
 
 ROOT = Path(__file__).resolve().parents[1]

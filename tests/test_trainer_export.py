@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from trainer.config import from_dict
 from trainer.model.dflash_format import read_export, write_export
 from trainer.model.mask import build_blocks, dense_mask
-from trainer.run.loop import build
+from trainer.run.build import build
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {
@@ -159,7 +159,7 @@ def test_mask_token_is_dedicated_never_pad_or_eos(tiny_dir):
 
     from trainer.data.dataset import load_tokenizer
     from trainer.errors import ConfigError
-    from trainer.run.loop import resolve_mask_token
+    from trainer.run.build import resolve_mask_token
 
     cfg = from_dict(CONFIG)
     tok = load_tokenizer(str(tiny_dir / "target"))

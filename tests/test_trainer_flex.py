@@ -16,7 +16,7 @@ from trainer.data.dataset import make_dataset
 from trainer.model.attention import DenseBackend, FlexBackend
 from trainer.model.compile_policy import graphs_compiled, unfreeze_compiles
 from trainer.model.mask import sample_anchors
-from trainer.run.loop import build, forward_loss, make_batch, preflight
+from trainer.run.build import build, forward_loss, make_batch, preflight
 
 pytestmark = pytest.mark.slow
 
@@ -167,18 +167,20 @@ def test_compiled_drafter_layers_still_refuse_to_run_flex_eagerly():
 
     from trainer.errors import DenseFallbackError
     from trainer.model.drafter import Drafter, DrafterDims
+    from trainer.run.parallelize import compile_layers
 
     dims = DrafterDims(hidden=32, intermediate=64, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=2,
                        num_target_layers=2)  # fmt: skip
     drafter = Drafter(dims)
-    drafter.compile_layers()
+    compile_layers(drafter.layers)
     flex = FlexBackend()
     S, A, bs = 4096, 256, 16  # Q = 4096, KV = 8192: the dense scores would be 0.5 GiB
     anc = (torch.arange(A) * 8 + 1).view(1, -1)
     mask = flex.build_mask(anc, torch.ones(1, A, dtype=torch.bool), S, bs, dims.num_heads)
     args = (torch.randn(1, S, 2 * 32), torch.randn(1, A * bs, 32), torch.arange(A * bs).view(1, -1), mask, flex)
-    with torch.no_grad(), torch._dynamo.config.patch(disable=True), pytest.raises(DenseFallbackError, match="disabled"):
-        drafter(*args, compiled=True)
+    # with grad: the compiled layers' path (under no_grad the layers run eagerly by design)
+    with torch._dynamo.config.patch(disable=True), pytest.raises(DenseFallbackError, match="disabled"):
+        drafter(*args)
 
 
 def test_flex_backend_choice_falls_back_to_triton_where_flash_cannot_run_and_refuses_flash_asked_for():

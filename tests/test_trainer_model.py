@@ -8,7 +8,7 @@ import torch
 from trainer.config import TargetConfig, from_dict
 from trainer.data.dataset import make_dataset
 from trainer.model.target import default_layer_ids, load_target
-from trainer.run.loop import build, forward_loss, make_batch, preflight
+from trainer.run.build import build, forward_loss, make_batch, preflight
 from trainer.run.training import train
 
 
@@ -161,17 +161,18 @@ def test_compiled_drafter_layers_give_the_eager_gradients_and_compile_nothing_af
     code generation is torch's, so the CPU test compiles through aot_eager), with the same loss and gradients, also
     when each layer is recomputed in backward."""
     from trainer.model.compile_policy import graphs_compiled, unfreeze_compiles
+    from trainer.run.parallelize import compile_layers, is_compiled
 
     drafter = {**TINY["drafter"], "activation_checkpointing": recompute}
     cfg = from_dict({**TINY, "steps": 1, "data": {**TINY["data"], "seq_buckets": [128]}, "drafter": drafter})
     results = []
     for compiled in (False, True):
         parts = build(cfg)
-        assert not parts.drafter._compiled  # auto: off on the CPU
+        assert not is_compiled(parts.drafter.layers)  # auto: off on the CPU
         ds = make_dataset(cfg.data, 128, 8, 0)
         if compiled:
             torch._dynamo.reset()  # graphs another test compiled for the same code would serve this one
-            parts.drafter.compile_layers(backend="aot_eager")
+            compile_layers(parts.drafter.layers, backend="aot_eager")
             before = graphs_compiled()
             preflight(parts)
             assert graphs_compiled() > before  # the layers were traced
@@ -187,7 +188,6 @@ def test_compiled_drafter_layers_give_the_eager_gradients_and_compile_nothing_af
     (loss0, grad0), (loss1, grad1) = results
     assert loss0 == pytest.approx(loss1, rel=1e-6)
     assert torch.allclose(grad0, grad1, atol=1e-6)
-
 
 
 def _target_graphs_after_each(lengths) -> list[int]:

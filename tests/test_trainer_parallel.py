@@ -63,7 +63,7 @@ LLAMA_70B = {
 
 def test_a_70b_target_replicated_on_one_h200_is_refused_by_the_plan_before_loading():
     from trainer.model.parallel import Layout
-    from trainer.run.loop import plan_memory
+    from trainer.run.build import plan_memory
 
     cfg = from_dict(LLAMA_70B, "70b.yaml")
     with pytest.raises(ConfigError) as e:
@@ -72,7 +72,7 @@ def test_a_70b_target_replicated_on_one_h200_is_refused_by_the_plan_before_loadi
     assert msg.startswith("70b.yaml: target.parallel: replicate needs about ") and "139.8 GiB available" in msg
     assert "target 131." in msg  # 70.6 B parameters in bf16, whole on the rank
     cfg.target.parallel = {"tensor": 8}
-    from trainer.run.loop import plan_memory as plan  # the same plan fits when split 8 ways over 8 GPUs
+    from trainer.run.build import plan_memory as plan  # the same plan fits when split 8 ways over 8 GPUs
 
     fits = plan(cfg, torch.device("cpu"), Layout("tensor", 8, 1, 0), "70b.yaml")
     assert fits["total"] < 139.8 and fits["target"] < 20

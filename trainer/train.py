@@ -8,6 +8,7 @@ With a run dir, a failure also appends a
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import traceback
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.run.kernel_cache import use_host_kernel_cache
 
         use_host_kernel_cache(world.device)  # before the build starts the compile workers
-        result = train(cfg, args.config, run_dir, args.resume, lambda s: print(s, flush=True), world)
+        log = functools.partial(print, flush=True)  # each line flushed: the pane and the watcher see it at once
+        result = train(cfg, args.config, run_dir=run_dir, resume=args.resume, log=log, world=world)
         finished = True
         if world.is_main:
             done = len(result.losses)

@@ -66,7 +66,7 @@ def config(args) -> int:
 
     from trainer.model.drafter import drafter_dims
     from trainer.model.target import default_layer_ids
-    from trainer.run.loop import resolve_mask_token
+    from trainer.run.build import resolve_mask_token
 
     tcfg = AutoConfig.from_pretrained(args.target)
     tok = AutoTokenizer.from_pretrained(args.target)

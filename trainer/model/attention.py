@@ -1,7 +1,7 @@
 """Attention backends for the drafter: compiled flex_attention behind a guard, and a dense masked reference.
 
 Both take q_BHQD [B, H, Q, D] and k_BGKD / v_BGKD [B, G, KV, D] (G = key/value heads, H % G == 0) and one mask
-definition (trainer.mask.make_mask_mod).
+definition (trainer.model.mask.make_mask_mod).
 
 The guard: eager flex_attention materialises the full score matrix (the "dense fallback": 72 GiB at seq 3072 with
 512 anchors, 288 GiB at ~49K tokens). The flex call sits in a small compiled function whose first statement raises
@@ -54,12 +54,13 @@ def _guarded_flex(
     if not torch.compiler.is_compiling():
         B, H, Q, _ = q.shape
         raise DenseFallbackError(_fallback_message(B, H, Q, k.shape[2]))
-    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
-                          kernel_options=_kernel_options(flash))  # fmt: skip
+    return flex_attention(
+        q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1], kernel_options=_kernel_options(flash)
+    )
 
 
 def _mask_shape(batch: int, anchors: int, seq_len: int, block_size: int) -> tuple[int, int, int]:
-    """(B, Q_LEN, KV_LEN) of the attention a mask is built for (layout in trainer.mask)."""
+    """(B, Q_LEN, KV_LEN) of the attention a mask is built for (layout in trainer.model.mask)."""
     return batch, anchors * block_size, seq_len + anchors * block_size
 
 
@@ -80,7 +81,7 @@ def guarded_flex(q, k, v, block_mask, flash: bool = False):
 
 class FlexBackend:
     """Compiled, guarded flex_attention with a block-sparse mask built from the anchors (no compile, nothing
-    quadratic: trainer.mask.block_mask_from_anchors). `kernel`: `triton` (Inductor's template) or `flash`
+    quadratic: trainer.model.mask.block_mask_from_anchors). `kernel`: `triton` (Inductor's template) or `flash`
     (FlashAttention-4's CuTe DSL kernels, trainer.model.flash_kernel); the same mask and the same guard for both.
     `expand_kv`: repeat keys and values to every query head in training (below)."""
 
@@ -122,8 +123,8 @@ class DenseBackend:
         self.source = source
 
     def check_size(self, batch: int, num_heads: int, seq_len: int, anchors: int, block_size: int) -> None:
-        """Refuse a score matrix above the cap: at each mask, and before the target loads (loop.build) for the
-        largest bucket, so that a run that cannot fit says so before minutes of loading."""
+        """Refuse a score matrix above the cap: at each mask, and for the largest bucket before the target loads
+        (trainer/run/build.py), so that a run that cannot fit says so before minutes of loading."""
         B, q_len, kv_len = _mask_shape(batch, anchors, seq_len, block_size)
         gib = dense_score_gib(B, num_heads, q_len, kv_len)
         if gib > self.max_gib:

@@ -2,7 +2,8 @@
 
 Dynamo's config is thread-local in recent torch (>= 2.12): a limit set in the main thread is not seen by the autograd
 engine's backward thread, which then uses the default. `PolicyInBackward` is an identity in forward whose backward
-applies the policy in whichever thread runs it; the drafter places it last in forward so it runs first in backward.
+applies the policy in whichever thread runs it; trainer/run/parallelize.py puts it on the drafter's output, last in
+forward, so it runs first in backward.
 """
 
 from __future__ import annotations

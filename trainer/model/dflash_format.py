@@ -5,7 +5,7 @@
 `input_layernorm`, `post_attention_layernorm`, `self_attn.{q,k,v,o}_proj`, `self_attn.{q,k}_norm`,
 `mlp.{gate,up,down}_proj`; no embedding and no LM head (both are the target's). vLLM (`method: dflash`), SGLang
 (`DFlashDraftModel`) and llama.cpp's converter read it. Training writes one at its end (run/training.py),
-`drafter.init_from` reads one (run/loop.py), `python -m trainer.export` makes one of a checkpoint (serve/export.py):
+`drafter.init_from` reads one (run/build.py), `python -m trainer.export` makes one of a checkpoint (serve/export.py):
 this module is what all three share, below them.
 """
 

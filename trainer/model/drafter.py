@@ -3,7 +3,7 @@ the fused target context.
 
     target hidden [B, S, n*Ht] --fc--> RMSNorm --> ctx [B, S, C]            (C = hidden size, equal to the target's)
     block tokens  [B, Q]  --target embed (frozen)--> x [B, Q, C]            (Q = anchors * block size)
-    every layer:  x += Attn(q from norm(x); k, v from [ctx ; norm(x)])  non-causal, mask from trainer.mask
+    every layer:  x += Attn(q from norm(x); k, v from [ctx ; norm(x)])  non-causal, mask from trainer.model.mask
                   x += MLP(norm(x))
     final norm --> target LM head (frozen) at the positions that carry a label
 """
@@ -15,9 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from trainer.model.compile_policy import PolicyInBackward
 from trainer.model.loss import linear_cross_entropy
 
 
@@ -43,8 +41,8 @@ def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.
 
 
 def apply_rope(x_BTHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x_BTHD.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
+    x1, x2 = x_BTHD.chunk(2, dim=-1)  # [B, T, H, D/2] each
+    rotated = torch.cat([-x2, x1], dim=-1)  # [B, T, H, D]
     return (x_BTHD.float() * cos + rotated.float() * sin).to(x_BTHD.dtype)
 
 
@@ -77,13 +75,14 @@ class DrafterAttention(nn.Module):
         k = self.k_norm(self.k_proj(kv_in).view(B, S + Q, G, D))  # [B, S+Q, G, D]
         v = self.v_proj(kv_in).view(B, S + Q, G, D)  # [B, S+Q, G, D]
         cos = torch.cat([rope_ctx[0], rope_q[0]], dim=1)  # [B, S+Q, 1, D]
-        sin = torch.cat([rope_ctx[1], rope_q[1]], dim=1)
+        sin = torch.cat([rope_ctx[1], rope_q[1]], dim=1)  # [B, S+Q, 1, D]
         k = apply_rope(k, cos, sin)
         dt = v.dtype  # under autocast the norms may return fp32 while the projections give bf16: one dtype for flex
+        # [B, H, Q, D] queries; [B, G, S+Q, D] keys and values
         q_BHQD, k_BGKD, v_BGKD = q.to(dt).transpose(1, 2), k.to(dt).transpose(1, 2), v.transpose(1, 2)
         out_BHQD = backend(q_BHQD, k_BGKD, v_BGKD, mask)  # [B, H, Q, D]
         out = out_BHQD.transpose(1, 2).reshape(B, Q, H * D)  # [B, Q, H*D]
-        return self.o_proj(out)
+        return self.o_proj(out)  # [B, Q, C]
 
 
 class DrafterMLP(nn.Module):
@@ -111,27 +110,18 @@ class DrafterLayer(nn.Module):
 
 
 class Drafter(nn.Module):
-    """Trainable part only: the frozen target's embedding and LM head are passed in, never registered here."""
+    """Trainable part only: the frozen target's embedding and LM head are passed in, never registered here.
 
-    def __init__(self, d: DrafterDims, activation_checkpointing: bool = False) -> None:
+    Written for one device: checkpointing, compilation and data parallelism are applied from outside, to `layers` and
+    to the whole (trainer/run/parallelize.py)."""
+
+    def __init__(self, d: DrafterDims) -> None:
         super().__init__()
         self.d = d
-        self.activation_checkpointing = activation_checkpointing
         self.fc = nn.Linear(d.num_target_layers * d.hidden, d.hidden, bias=False)
         self.ctx_norm = RMSNorm(d.hidden, eps=d.rms_eps)
         self.layers = nn.ModuleList(DrafterLayer(d) for _ in range(d.num_layers))
         self.final_norm = RMSNorm(d.hidden, eps=d.rms_eps)
-        self._compiled: list = []
-
-    def compile_layers(self, backend: str = "inductor") -> None:
-        """Regional compilation, as the target's: each layer's forward through torch.compile (dynamic=False,
-        fullgraph), its backward compiled with it. Eagerly the norms, RoPE's fp32 passes and the MLP's activation each
-        read and write the whole [Q, width] activation; compiled they fuse into the matmuls' neighbours. The layers
-        share one code object and take their weights as graph inputs, so one graph per bucket serves all of them, and
-        the flex call inside is traced into the same graph (its guard still raises wherever it would run eagerly).
-        Used by training only (`compiled=True`): decoding runs other shapes through the flex call's own compile."""
-        self._compiled = [torch.compile(layer.forward, backend=backend, dynamic=False, fullgraph=True)
-                          for layer in self.layers]  # fmt: skip
 
     @torch.no_grad()
     def init_linear_weights(self, std: float) -> None:
@@ -147,24 +137,16 @@ class Drafter(nn.Module):
         block_pos: torch.Tensor,  # [B, Q]
         mask,
         backend,
-        compiled: bool = False,
     ) -> torch.Tensor:
         B, S, _ = target_hidden.shape
         ctx = self.ctx_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))  # [B, S, C]
         ctx_pos = torch.arange(S, device=ctx.device).expand(B, S)  # [B, S]
         rope_ctx = rope_cos_sin(ctx_pos, self.d.head_dim, self.d.rope_theta)
         rope_q = rope_cos_sin(block_pos, self.d.head_dim, self.d.rope_theta)
-        x = block_emb.to(ctx.dtype)
-        steps = self._compiled if compiled and self._compiled else self.layers
-        for layer in steps:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, ctx, rope_q, rope_ctx, mask, backend, use_reentrant=False)
-            else:
-                x = layer(x, ctx, rope_q, rope_ctx, mask, backend)
-        x = self.final_norm(x)  # [B, Q, C]
-        if torch.is_grad_enabled() and x.requires_grad:
-            x = PolicyInBackward.apply(x)  # last in forward: first in backward, sets the compile policy there
-        return x
+        x = block_emb.to(ctx.dtype)  # [B, Q, C]
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_ctx, mask, backend)  # [B, Q, C]
+        return self.final_norm(x)  # [B, Q, C]
 
 
 def drafter_dims(target_config, num_layers: int, num_target_layers: int, overrides: dict) -> DrafterDims:
@@ -188,8 +170,13 @@ def drafter_dims(target_config, num_layers: int, num_target_layers: int, overrid
 
 
 def block_loss(
-    hidden_BQC: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, weights: torch.Tensor, fused: bool = False,
-    kernel: str = "plain", index: torch.Tensor | None = None,
+    hidden_BQC: torch.Tensor,
+    lm_head: nn.Module,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    fused: bool = False,
+    kernel: str = "plain",
+    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted cross-entropy summed over labelled positions, the weight sum, and weighted correct predictions.
 
@@ -210,7 +197,7 @@ def block_loss(
             with torch.autocast(h.device.type, enabled=False):
                 loss, correct = ce_kernel.fused_linear_cross_entropy(h, lm_head.weight, lab, w)
             return loss, w.float().sum(), correct
-    if fused and lm_head.bias is None:  # chunked, logits never stored (trainer.loss)
+    if fused and lm_head.bias is None:  # chunked, logits never stored (trainer.model.loss)
         with torch.autocast(h.device.type, enabled=False):
             loss, correct = linear_cross_entropy(h, lm_head.weight, lab, w)
         return loss, w.float().sum(), correct

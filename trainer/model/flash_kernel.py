@@ -3,7 +3,7 @@ CuTe DSL kernels (`kernel_options={"BACKEND": "FLASH"}`), and the torch patch th
 
 FLASH runs where the `flash-attn-4` package is importable, the torch has flex's FLASH lowering, and the GPU is a
 Hopper (compute capability 9.x). On Hopper FA4 tiles a head dimension of 128 by 128 queries and 128 keys forward
-(64 x 128 backward, two of them to a mask tile), so the mask's 128 x 128 tiles (trainer.mask.TILE) fit it as they
+(64 x 128 backward, two of them to a mask tile), so the mask's 128 x 128 tiles (trainer.model.mask.TILE) fit it as they
 are. Blackwell's kernels want 256-row query tiles, which this trainer's masks do not have: `auto` picks Triton there,
 and `flash` is refused with that reason.
 

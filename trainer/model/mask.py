@@ -195,8 +195,9 @@ def block_mask_from_anchors(anchors: torch.Tensor, anchor_valid: torch.Tensor, s
     lengths = (A * block_size, seq_len + A * block_size)
     mod = make_mask_mod(anchors, anchor_valid, seq_len, block_size)
     try:
-        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE, mask_mod=mod,
-                                        seq_lengths=lengths)  # fmt: skip
+        return BlockMask.from_kv_blocks(
+            kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE, mask_mod=mod, seq_lengths=lengths
+        )
     except TypeError:  # torch releases before seq_lengths: the lengths are the tiles' (the buckets are multiples)
         return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TILE, mask_mod=mod)
 

@@ -11,6 +11,8 @@ The embedding and the LM head stay whole on every rank (the drafter uses both). 
 groups: data is sharded over dp. The drafter's gradient all-reduce spans every rank: the ranks of one tensor group
 hold the same data and compute the same gradient, and averaging over them keeps every replica bitwise equal without
 relying on kernels being deterministic (a ring all-reduce moves the same bytes per rank either way).
+The target is built for one device (trainer/model/target.py); `shard_and_place` is the first step of
+trainer/run/parallelize.py.
 """
 
 from __future__ import annotations
@@ -23,9 +25,14 @@ from torch import nn
 from trainer.errors import ConfigError
 
 TP_PLAN = {  # a Llama/Qwen decoder layer; HF attention reshapes with -1 heads, so local shards need no changes
-    "self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
-}  # fmt: skip
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,24 @@ def shard_target(model: nn.Module, layers: nn.ModuleList, layout: Layout, source
 
         for layer in layers:
             fully_shard(layer, mesh=layout.mesh, reshard_after_forward=True)
+
+
+def shard_and_place(
+    model: nn.Module, layers: nn.ModuleList, layout: Layout, device: torch.device, source: str = "<config>"
+) -> None:
+    """Shard the decoder layers by `layout`, then put the whole model on `device`, frozen. A target built on the CPU
+    is moved; a random one built on the meta device (too large to build whole: trainer/model/target.py) gets its
+    shards allocated and filled here, from seed 0 as a whole random target is, with the run's random streams left
+    where they were."""
+    on_meta = any(p.is_meta for p in model.parameters())
+    shard_target(model, layers, layout, source)
+    if on_meta:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(0)  # the same random target on every rank and every run
+            init_meta_target(model, device, float(getattr(model.config, "initializer_range", 0.02)))
+    else:
+        model.to(device)
+    model.requires_grad_(False)  # tensor parallel's new parameters are trainable: frozen again
 
 
 def init_meta_target(model: nn.Module, device: torch.device, std: float) -> None:

@@ -22,30 +22,57 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 def qwen3_8b_config() -> dict:
     """Qwen3-8B's shape (random weights are fine for speed measurements)."""
     return dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, rope_theta=1_000_000.0, tie_word_embeddings=False,
-    )  # fmt: skip
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+    )
 
 
 def tiny_qwen3_config() -> dict:
     """A few-MB Qwen3 for CPU tests and the demo."""
     return dict(
-        model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+        model_type="qwen3",
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
         initializer_range=0.3,  # a trained LM head is far from the 0.02 init: make logits of a normed state matter
         mask_token_id=255,  # the last row, reserved as the drafter's mask token
-    )  # fmt: skip
+    )
 
 
 def llama3_70b_config() -> dict:
     """Llama-3.3-70B's shape: 141 GB in bf16, more than one H200 holds next to a drafter."""
     return dict(
-        model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
-    )  # fmt: skip
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    )
 
 
 RANDOM_PRESETS = {"qwen3-8b": qwen3_8b_config, "tiny-qwen3": tiny_qwen3_config, "llama3-70b": llama3_70b_config}
@@ -103,7 +130,8 @@ class Target:
         object and their weights are graph inputs, so one graph serves all of them; with the sequence length symbolic
         (dynamic=True: the weights fix every other size) it serves every shape bucket too, so the preflight compiles
         the target once, not once a bucket (on an H200 at the paper shape, about 3 s of each later bucket, at the same
-        step time). Used by training only (`compiled=True`): decoding stays eager."""
+        step time). Used by training only (`compiled=True`): decoding stays eager. Whether to compile is decided in
+        trainer/run/parallelize.py."""
         last = max(self.layer_ids)
         self._compiled = [
             torch.compile(layer.forward, backend=backend, dynamic=True) for layer in self.layers[: last + 1]
@@ -166,8 +194,13 @@ class Target:
         cache.prepare(positions, width)
         mask = causal_by_position(positions, width, self.embed.weight.dtype)
         with self._capturing(stop=False) as captured:
-            out = self.model.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                                   **{self._cache_kwarg: cache})  # fmt: skip
+            out = self.model.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                **{self._cache_kwarg: cache},
+            )
         if not cache.keys:  # a transformers release that swapped in a cache of its own: every later step would be wrong
             raise RuntimeError(f"{type(self.model).__name__} did not write its keys and values into the given cache")
         return torch.cat([captured[i] for i in self.layer_ids], dim=-1), out.last_hidden_state
@@ -214,26 +247,21 @@ def target_config(cfg: TargetConfig, source: str = "<config>"):
         raise ConfigError(source, "target.path", f"cannot load a causal LM from {cfg.path}: {first}") from None
 
 
-def build_model(cfg: TargetConfig, device: torch.device, source: str = "<config>", layout=None) -> nn.Module:
-    """The target on `device`, sharded by `layout` (trainer/parallel.py) when it is not replicated."""
+def build_model(cfg: TargetConfig, device: torch.device, source: str = "<config>", sharded: bool = False) -> nn.Module:
+    """The target, whole, on `device`. With `sharded`, it is left for trainer/run/parallelize.py to shard and place:
+    built on the CPU, or on the meta device for a random target too large to build whole (each rank then allocates
+    only its shard)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from trainer.model.parallel import init_meta_target, shard_target
-
     hf_logging.disable_progress_bar()  # the log is for the trainer's lines; a bar per load only adds noise
     dtype = DTYPES[cfg.dtype]
-    sharded = layout is not None and layout.mode != "replicate"
     hf_config = target_config(cfg, source)
     if cfg.random_preset is not None:
         rough = 12 * int(hf_config.hidden_size) ** 2 * int(hf_config.num_hidden_layers)
-        if sharded and rough > BUILD_WHOLE_MAX:  # each rank allocates only its shard
+        if sharded and rough > BUILD_WHOLE_MAX:  # filled once sharded (trainer/model/parallel.py shard_and_place)
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-            shard_target(model, _decoder_layers(model), layout, source)
-            torch.manual_seed(0)
-            init_meta_target(model, device, float(getattr(hf_config, "initializer_range", 0.02)))
-            return model
+                return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         with torch.device("cpu" if sharded else device):
             torch.manual_seed(0)  # the same random target on every rank and every run
             model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
@@ -243,15 +271,14 @@ def build_model(cfg: TargetConfig, device: torch.device, source: str = "<config>
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ConfigError(source, "target.path", f"cannot load a causal LM from {cfg.path}: {first}") from None
-    if sharded:  # every rank holds the same whole model here: each keeps its shard of it
-        shard_target(model, _decoder_layers(model), layout, source)
-    return model.to(device)
+    return model if sharded else model.to(device)
 
 
 def load_target(
-    cfg: TargetConfig, num_drafter_layers: int, device: torch.device, source: str = "<config>", layout=None
+    cfg: TargetConfig, num_drafter_layers: int, device: torch.device, source: str = "<config>", sharded: bool = False
 ) -> Target:
-    model = build_model(cfg, device, source, layout)
+    """The frozen target and the layers that feed the drafter; with `sharded`, not yet placed (see `build_model`)."""
+    model = build_model(cfg, device, source, sharded)
     n_layers = int(model.config.num_hidden_layers)
     layer_ids = cfg.layer_ids or default_layer_ids(n_layers, num_drafter_layers)
     bad = [i for i in layer_ids if not 0 <= i < n_layers]

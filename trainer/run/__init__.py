@@ -1,2 +1,3 @@
-"""The run layer: one step and the preflight (loop), the whole run with its phases (training), checkpoints, metrics,
-loggers, GPU history, processes (distributed), the memory plan, in-run tau (eval) and fault injection."""
+"""The run layer: the parts built from a config, one step and the preflight (build), how they are spread over the
+devices (parallelize), the whole run with its phases (training), checkpoints, metrics, loggers, GPU history,
+processes (distributed), the memory plan, in-run tau (eval) and fault injection."""

@@ -1,6 +1,9 @@
-"""The mechanics of a step: build the pieces from a config, lay out a batch, compute its loss, preflight every shape.
+"""The pieces of a run, built from a config (`build`), and what a step does with them: lay out a batch, compute its
+loss, preflight every shape.
 
-The training run around them (processes, data order, checkpoints, metrics) is in `trainer.run`.
+`build` loads the target and makes the drafter for one device, then hands both to trainer/run/parallelize.py (target
+sharding, checkpointing, compile, DDP). The training run around them (processes, data order, checkpoints, metrics) is
+trainer/run/training.py.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from trainer.config import TrainConfig, check_device_supports
 from trainer.data.dataset import Dataset
 from trainer.errors import ConfigError
 from trainer.model.attention import make_backend
-from trainer.model.compile_policy import apply_compile_policy, freeze_compiles, start_compile_workers
+from trainer.model.compile_policy import freeze_compiles, start_compile_workers
 from trainer.model.drafter import Drafter, block_loss, drafter_dims
 from trainer.model.mask import BlockBatch, anchor_generator, build_blocks, sample_anchors
 from trainer.model.target import Target, load_target, resolve_device  # noqa: F401 - resolve_device: its callers
+from trainer.run.distributed import World
+from trainer.run.parallelize import parallelize
 
 
 def check_backend_supports_training(cfg: TrainConfig, device: torch.device, source: str) -> None:
@@ -32,21 +37,28 @@ def check_backend_supports_training(cfg: TrainConfig, device: torch.device, sour
         from trainer.model import ce_kernel
 
         if not ce_kernel.available(device):
-            raise ConfigError(source, "optim.loss_kernel", f"fused needs Triton on CUDA (or TRITON_INTERPRET=1 on the "
-                              f"CPU); here: {device.type}, triton {'present' if ce_kernel.triton else 'missing'}")
+            raise ConfigError(
+                source,
+                "optim.loss_kernel",
+                f"fused needs Triton on CUDA (or TRITON_INTERPRET=1 on the "
+                f"CPU); here: {device.type}, triton {'present' if ce_kernel.triton else 'missing'}",
+            )
 
 
 @dataclass
 class Parts:
+    """What `build` made: the models as trainer/run/parallelize.py left them, and how they are run."""
+
     cfg: TrainConfig
     device: torch.device
-    target: Target
-    drafter: Drafter
-    backend: object
-    eval_backend: object
+    target: Target  # frozen; sharded by `layout` where it is not replicated
+    drafter: Drafter  # one-device module (layers maybe checkpointed, compiled): decoding, checkpoints, export
+    model: torch.nn.Module  # what a training step calls: the drafter, or its DistributedDataParallel wrapper
+    backend: object  # the training attention (trainer/model/attention.py)
+    eval_backend: object  # the attention decoding uses
     mask_token_id: int
     autocast_dtype: torch.dtype | None
-    layout: object = None  # trainer.parallel.Layout
+    layout: object = None  # trainer.model.parallel.Layout
     memory_plan: dict | None = None  # GiB per rank by part, as planned before loading
     # the attention backends and the kernel flex compiles to (`attention_kernel` below), for the preflight record
     attention_kernel: dict | None = None
@@ -79,10 +91,11 @@ def resolve_mask_token(cfg: TrainConfig, target_config, tokenizer=None, source: 
     if published is not None and published < vocab:
         return published
     raise ConfigError(
-        source, "drafter.mask_token_id",
+        source,
+        "drafter.mask_token_id",
         f"no dedicated mask token: the tokenizer has none and no published DFlash id is known for {family!r} "
         "targets; set it to a reserved token the target never emits",
-    )  # fmt: skip
+    )
 
 
 def soft_tokenizer(cfg: TrainConfig):
@@ -99,7 +112,7 @@ def soft_tokenizer(cfg: TrainConfig):
 
 
 def plan_memory(cfg: TrainConfig, device: torch.device, layout, source: str) -> dict | None:
-    """Per-rank memory from the configs alone (trainer/memory_plan.py), checked against the GPU (or
+    """Per-rank memory from the configs alone (trainer/run/memory_plan.py), checked against the GPU (or
     `target.memory_gib`) before the target is loaded: a plan that does not fit is a config error naming a mode that
     would. None when there is nothing to check against (the CPU without memory_gib)."""
     from trainer.model.target import DTYPES, default_layer_ids, target_config
@@ -120,22 +133,38 @@ def plan_memory(cfg: TrainConfig, device: torch.device, layout, source: str) -> 
     mode, ways = layout.mode, (layout.tp if layout.mode == "tensor" else layout.dp)
     world = layout.tp * layout.dp
     queries = cfg.data.anchors_per_seq * d.block_size
-    need = memory_plan.check(shapes, mode, ways, world, cfg.data.seq_buckets[-1], queries, cfg.data.batch_size,
-                             budget, source)  # fmt: skip
+    need = memory_plan.check(
+        shapes,
+        mode=mode,
+        ways=ways,
+        world=world,
+        seq=cfg.data.seq_buckets[-1],
+        queries=queries,
+        batch=cfg.data.batch_size,
+        budget=budget,
+        source=source,
+    )
     return {k: round(v / memory_plan.GiB, 2) for k, v in need.items()} | {"budget": round(budget / memory_plan.GiB, 2)}
 
 
 def build(
-    cfg: TrainConfig, source: str = "<config>", for_training: bool = True, device: torch.device | None = None,
+    cfg: TrainConfig,
+    source: str = "<config>",
+    *,
+    for_training: bool = True,
+    device: torch.device | None = None,
     layout=None,
-) -> Parts:  # fmt: skip
+    world: World | None = None,
+) -> Parts:
+    """Every part of a run, in the order that refuses a bad config before anything loads: the checks, the memory
+    plan and the attention, then the target and the drafter for one device, then trainer/run/parallelize.py over
+    them (`world`: the ranks DDP spans; none builds no DDP)."""
     from trainer.model.parallel import Layout
 
     device = device or resolve_device(cfg.device)
     layout = layout or Layout("replicate", 1, 1, 0)
     if for_training:
         check_backend_supports_training(cfg, device, source)
-    apply_compile_policy(cfg.attention.recompile_limit)
     memory = plan_memory(cfg, device, layout, source) if for_training else None
     kernel = attention_kernel(cfg, device, source)  # `flash` where it cannot run: refused before the target loads
     flex_kernel = kernel["flex_backend"] or "triton"
@@ -143,16 +172,19 @@ def build(
     if for_training and cfg.attention.backend == "dense":  # its cap, from the target's config alone
         from trainer.model.target import target_config
 
-        heads = drafter_dims(target_config(cfg.target, source), cfg.drafter.num_layers, 1,
-                             cfg.drafter.shape_overrides()).num_heads  # fmt: skip
-        backend.check_size(cfg.data.batch_size, heads, cfg.data.seq_buckets[-1], cfg.data.anchors_per_seq,
-                           cfg.drafter.block_size)  # fmt: skip
+        hf = target_config(cfg.target, source)
+        heads = drafter_dims(hf, cfg.drafter.num_layers, 1, cfg.drafter.shape_overrides()).num_heads
+        backend.check_size(
+            batch=cfg.data.batch_size,
+            num_heads=heads,
+            seq_len=cfg.data.seq_buckets[-1],
+            anchors=cfg.data.anchors_per_seq,
+            block_size=cfg.drafter.block_size,
+        )
     if for_training and device.type == "cuda":  # the preflight compiles (flex at least): workers start during the load
         start_compile_workers()  # after every refusal above: a config error starts nothing
-    target = load_target(cfg.target, cfg.drafter.num_layers, device, source, layout)
-    compile_target = cfg.target.compile == "on" or (cfg.target.compile == "auto" and device.type == "cuda")
-    if compile_target and layout.mode == "replicate":  # sharded layers run eager (DTensor and FSDP hooks)
-        target.compile_layers()
+    sharded = layout.mode != "replicate"  # built here, sharded and placed by parallelize
+    target = load_target(cfg.target, cfg.drafter.num_layers, device, source, sharded)
     d = cfg.drafter
     if d.hidden_size is not None and d.hidden_size != target.hidden_size:
         raise ConfigError(
@@ -161,12 +193,9 @@ def build(
     overrides = d.shape_overrides()
     dims = drafter_dims(target.config, d.num_layers, len(target.layer_ids), overrides)
     torch.manual_seed(cfg.seed)
-    drafter = Drafter(dims, d.activation_checkpointing).to(device)
+    drafter = Drafter(dims).to(device)
     if d.init_std is not None and not d.init_from:
         drafter.init_linear_weights(d.init_std)
-    flex_on_cuda = device.type == "cuda" and cfg.attention.backend == "flex"
-    if for_training and (d.compile == "on" or (d.compile == "auto" and flex_on_cuda)):
-        drafter.compile_layers()
     mask_id = resolve_mask_token(cfg, target.config, soft_tokenizer(cfg), source)
     if d.init_from:  # fine-tune a drafter in the public DFlash format
         from trainer.model.dflash_format import check_matches, draft_config, read_export
@@ -179,11 +208,27 @@ def build(
     same = eval_name == cfg.attention.backend
     eval_backend = backend if same else make_backend(eval_name, cfg.attention.dense_max_gib, source, flex_kernel)
     autocast = torch.bfloat16 if device.type == "cuda" else None
-    if kernel["flex_backend"] == "flash":
+    if kernel["flex_backend"] == "flash":  # before anything compiles (parallelize only wraps: compiles are lazy)
         from trainer.model.flash_kernel import patch_torch
 
         kernel["patches"] = patch_torch()
-    return Parts(cfg, device, target, drafter, backend, eval_backend, int(mask_id), autocast, layout, memory, kernel)
+    model = parallelize(
+        target, drafter, cfg, layout=layout, device=device, world=world, for_training=for_training, source=source
+    )
+    return Parts(
+        cfg=cfg,
+        device=device,
+        target=target,
+        drafter=drafter,
+        model=model,
+        backend=backend,
+        eval_backend=eval_backend,
+        mask_token_id=int(mask_id),
+        autocast_dtype=autocast,
+        layout=layout,
+        memory_plan=memory,
+        attention_kernel=kernel,
+    )
 
 
 def attention_kernel(cfg: TrainConfig, device: torch.device, source: str) -> dict:
@@ -191,8 +236,13 @@ def attention_kernel(cfg: TrainConfig, device: torch.device, source: str) -> dic
     (`attention.flex_backend` resolved for this device, trainer.model.flash_kernel) and why; None without flex."""
     from trainer.model.flash_kernel import resolve
 
-    out = {"backend": cfg.attention.backend, "eval_backend": cfg.eval.backend or cfg.attention.backend,
-           "flex_backend": None, "why": None, "patches": []}  # fmt: skip
+    out = {
+        "backend": cfg.attention.backend,
+        "eval_backend": cfg.eval.backend or cfg.attention.backend,
+        "flex_backend": None,
+        "why": None,
+        "patches": [],
+    }
     if "flex" in (out["backend"], out["eval_backend"]) or cfg.attention.flex_backend == "flash":
         out["flex_backend"], out["why"] = resolve(cfg.attention.flex_backend, device, source)
     return out
@@ -206,7 +256,13 @@ def make_batch(parts: Parts, ds: Dataset, seq_len: int, indices: list[int], epoc
         for i, (ids, lm) in zip(indices, seqs, strict=True)
     ]
     return build_blocks(
-        seqs, seq_len, cfg.data.anchors_per_seq, cfg.drafter.block_size, parts.mask_token_id, cfg.optim.gamma, anchors
+        seqs,
+        seq_len=seq_len,
+        num_anchors=cfg.data.anchors_per_seq,
+        block_size=cfg.drafter.block_size,
+        mask_token_id=parts.mask_token_id,
+        gamma=cfg.optim.gamma,
+        anchors=anchors,
     )
 
 
@@ -218,8 +274,16 @@ def dummy_batch(parts: Parts, seq_len: int, batch: int | None = None, anchors: i
     g = torch.Generator().manual_seed(0)
     vocab = int(parts.target.config.vocab_size)
     seqs = [(torch.randint(0, vocab, (seq_len,), generator=g), torch.ones(seq_len, dtype=torch.long)) for _ in range(B)]
-    anchors_ = [sample_anchors(lm, seq_len, A, g) for _, lm in seqs]
-    return build_blocks(seqs, seq_len, A, cfg.drafter.block_size, parts.mask_token_id, cfg.optim.gamma, anchors_)
+    anchors = [sample_anchors(lm, seq_len, A, g) for _, lm in seqs]
+    return build_blocks(
+        seqs,
+        seq_len=seq_len,
+        num_anchors=A,
+        block_size=cfg.drafter.block_size,
+        mask_token_id=parts.mask_token_id,
+        gamma=cfg.optim.gamma,
+        anchors=anchors,
+    )
 
 
 def autocast(parts: Parts):
@@ -233,14 +297,13 @@ Mark = Callable[[str], None]  # called as each stage of a step ends, in stream o
 
 
 def drafter_output(
-    parts: Parts, drafter: torch.nn.Module, b: BlockBatch, backend=None, compiled: bool = False,
-    mark: Mark | None = None,
-) -> torch.Tensor:  # fmt: skip
+    parts: Parts, drafter: torch.nn.Module, b: BlockBatch, backend=None, mark: Mark | None = None
+) -> torch.Tensor:
     """Target hidden states -> drafter -> [B, Q, C] final hidden states of the block tokens (b on parts.device).
 
-    `drafter` is the module to call: the Drafter itself or its DistributedDataParallel wrapper; `backend` defaults to
-    the training attention; `compiled` runs the drafter's compiled layers where it has them (training's shapes).
-    `mark`, when given, is told where each stage ends (`target_fwd`, `embed_and_mask`, `drafter_fwd`).
+    `drafter` is the module to call: the Drafter itself or its DistributedDataParallel wrapper (its layers run
+    compiled where they are and autograd records: trainer/run/parallelize.py); `backend` defaults to the training
+    attention. `mark`, when given, is told where each stage ends (`target_fwd`, `embed_and_mask`, `drafter_fwd`).
     """
     backend = backend or parts.backend
     hidden = parts.target.hidden_states(b.input_ids, compiled=True)  # [B, S, n*C], no grad
@@ -252,7 +315,7 @@ def drafter_output(
     if mark:
         mark("embed_and_mask")
     with autocast(parts):
-        out = drafter(hidden, block_emb, b.block_pos, mask, backend, compiled=compiled)  # [B, Q, C]
+        out = drafter(hidden, block_emb, b.block_pos, mask, backend)  # [B, Q, C]
     if mark:
         mark("drafter_fwd")
         if out.requires_grad:  # the gradient reaching the drafter's output: the LM head and loss backward are done
@@ -263,13 +326,21 @@ def drafter_output(
 def forward_loss(
     parts: Parts, batch: BlockBatch, drafter: torch.nn.Module | None = None, mark: Mark | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weighted CE sum, weight sum, weighted correct sum) for one batch on parts.device. `mark`: see
-    `drafter_output`; it is also told `lm_head_loss_fwd`, and `lm_head_loss_bwd` once backward gets there."""
+    """(weighted CE sum, weight sum, weighted correct sum) for one batch on parts.device, through `drafter` (default
+    `parts.model`, what a training step calls). `mark`: see `drafter_output`; it is also told `lm_head_loss_fwd`, and
+    `lm_head_loss_bwd` once backward gets there."""
     b = batch.to(parts.device)
-    out = drafter_output(parts, drafter or parts.drafter, b, compiled=True, mark=mark)
+    out = drafter_output(parts, drafter or parts.model, b, mark=mark)
     with autocast(parts):
-        result = block_loss(out, parts.target.lm_head, b.labels, b.weights, parts.cfg.optim.chunked_loss,
-                            parts.cfg.optim.loss_kernel, b.label_index)  # fmt: skip
+        result = block_loss(
+            out,
+            parts.target.lm_head,
+            b.labels,
+            b.weights,
+            fused=parts.cfg.optim.chunked_loss,
+            kernel=parts.cfg.optim.loss_kernel,
+            index=b.label_index,
+        )
     if mark:
         mark("lm_head_loss_fwd")
     return result
@@ -304,11 +375,11 @@ def preflight(
     eval_anchors: int | None = None,
     progress: Callable[[str, dict], None] | None = None,
 ) -> PreflightReport:
-    """Run every bucket once under the real conditions (grad on, backward, same autocast and checkpointing) so that
-    every compiled variant exists before step 1; with `eval_anchors`, also the no-grad shapes evaluation uses. Then
-    make any further recompile an error."""
+    """Run every bucket once under the real conditions (grad on, backward, same autocast and checkpointing, through
+    `drafter`, default `parts.model`) so that every compiled variant exists before step 1; with `eval_anchors`, also
+    the no-grad shapes evaluation uses. Then make any further recompile an error."""
     buckets = parts.cfg.data.seq_buckets
-    module = drafter or parts.drafter
+    module = drafter or parts.model
     seconds, peaks = {}, {}
     cuda = parts.device.type == "cuda"
     start = time.perf_counter()
@@ -318,9 +389,14 @@ def preflight(
             return
         done = list(seconds.values())
         left = sum(done) / len(done) * (len(buckets) - len(done)) if done else None
-        detail = {"bucket": i + 1, "of": len(buckets), "seq_len": S, "part": part,
-                  "elapsed_s": round(time.perf_counter() - start, 1),
-                  "left_s": round(left, 1) if left is not None else None}  # fmt: skip
+        detail = {
+            "bucket": i + 1,
+            "of": len(buckets),
+            "seq_len": S,
+            "part": part,
+            "elapsed_s": round(time.perf_counter() - start, 1),
+            "left_s": round(left, 1) if left is not None else None,
+        }
         eta = f", about {left:.0f} s left" if left is not None else ""
         progress(f"preflight bucket {i + 1}/{len(buckets)} (seq {S}): {part}, {detail['elapsed_s']:.0f} s{eta}", detail)
 
@@ -346,7 +422,14 @@ def preflight(
             peaks[S] = torch.cuda.max_memory_allocated() / 2**30
         seconds[S] = time.perf_counter() - t0
     frozen = freeze_compiles() if freeze else False
-    return PreflightReport(list(buckets), seconds, peaks, backward, frozen, parts.attention_kernel)
+    return PreflightReport(
+        buckets=list(buckets),
+        seconds=seconds,
+        peak_mem_gib=peaks,
+        backward=backward,
+        frozen=frozen,
+        attention=parts.attention_kernel,
+    )
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:

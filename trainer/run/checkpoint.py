@@ -75,8 +75,11 @@ def save(
     rotation can never push out the last good one."""
     bad = nonfinite(drafter.state_dict())
     if bad:
-        raise NonFiniteWeightsError(f"step {pos.step}: {len(bad)} drafter tensors are non-finite ({bad[0]}, ...); the "
-                                    "checkpoint was not written", step=pos.step)  # fmt: skip
+        raise NonFiniteWeightsError(
+            f"step {pos.step}: {len(bad)} drafter tensors are non-finite ({bad[0]}, ...); the "
+            "checkpoint was not written",
+            step=pos.step,
+        )
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / f"step-{pos.step:08d}"
     tmp = ckpt_root / f"step-{pos.step:08d}.tmp"

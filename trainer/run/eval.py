@@ -21,7 +21,7 @@ import torch
 from trainer.model.kv_cache import PositionCache
 from trainer.model.mask import bucket_for, dense_score_gib
 from trainer.model.target import end_token_ids
-from trainer.run.loop import Parts, autocast
+from trainer.run.build import Parts, autocast
 
 FLEX_ROWS = 64  # the drafter's rows under flex come in multiples of this: one compiled shape per bucket
 
@@ -64,7 +64,7 @@ def prompt_of(sample: tuple[torch.Tensor, torch.Tensor], max_tokens: int) -> tor
 
 
 def eos_ids(parts: Parts) -> set[int]:
-    """Every id that ends generation (trainer.target.end_token_ids)."""
+    """Every id that ends generation (trainer.model.target.end_token_ids)."""
     return end_token_ids(parts.target.model)
 
 
@@ -124,17 +124,21 @@ DECODE_BATCH = 64  # prompts decoded at once by default: the cache of a 0.5B tar
 
 @torch.no_grad()
 def speculative_decode_batch(
-    parts: Parts, drafter: torch.nn.Module, prompts: list[torch.Tensor], max_new_tokens: int,
+    parts: Parts,
+    drafter: torch.nn.Module,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
     batch_size: int = DECODE_BATCH,
-) -> list[tuple[list[int], list[int]]]:  # fmt: skip
+) -> list[tuple[list[int], list[int]]]:
     """Greedy speculative decoding of many prompts, `batch_size` at a time, grouped by length: per prompt, in order,
     (generated tokens, tokens gained per drafting step), exactly as each decoded alone."""
     results: list[tuple[list[int], list[int]]] = [([], []) for _ in prompts]
     order = sorted((i for i, p in enumerate(prompts) if p.numel()), key=lambda i: prompts[i].numel())
     for lo in range(0, len(order), batch_size):
         chunk = order[lo : lo + batch_size]
-        for i, result in zip(chunk, decode_chunk(parts, drafter, [prompts[i] for i in chunk], max_new_tokens),
-                             strict=True):  # fmt: skip
+        for i, result in zip(
+            chunk, decode_chunk(parts, drafter, [prompts[i] for i in chunk], max_new_tokens), strict=True
+        ):
             results[i] = result
     return results
 
@@ -217,9 +221,12 @@ def rows_within(parts: Parts, tokens: int, gib: float) -> int:
 
 
 def measure_tau(
-    parts: Parts, drafter: torch.nn.Module, prompts: list[torch.Tensor], max_new_tokens: int,
+    parts: Parts,
+    drafter: torch.nn.Module,
+    prompts: list[torch.Tensor],
+    max_new_tokens: int,
     batch_size: int | None = None,
-) -> TauResult:  # fmt: skip
+) -> TauResult:
     """tau over `prompts`, decoded `batch_size` at a time (default: DECODE_BATCH, fewer where the cache of the
     longest would pass EVAL_CACHE_GIB)."""
     if batch_size is None:

@@ -31,8 +31,9 @@ def scalars(record: dict) -> tuple[int | None, dict[str, float]]:
         return record.get("step"), values
     if record["event"] == "eval":
         name = record.get("prompt_set") or "holdout"
-        values = {f"eval/{name}/{k}": record[k] for k in ("tau", "tau_pooled")
-                  if isinstance(record.get(k), (int, float))}
+        values = {
+            f"eval/{name}/{k}": record[k] for k in ("tau", "tau_pooled") if isinstance(record.get(k), (int, float))
+        }
         return record.get("step"), values
     return None, {}
 
@@ -59,8 +60,15 @@ class WandbSink:
         import wandb
 
         w = cfg.metrics.wandb
-        self.run = wandb.init(project=w.project, entity=w.entity, name=w.name or Path(run_dir).name, mode=w.mode,
-                              dir=str(run_dir), config=config_dict, resume="allow")  # fmt: skip
+        self.run = wandb.init(
+            project=w.project,
+            entity=w.entity,
+            name=w.name or Path(run_dir).name,
+            mode=w.mode,
+            dir=str(run_dir),
+            config=config_dict,
+            resume="allow",
+        )
 
     def record(self, record: dict) -> None:
         step, values = scalars(record)

@@ -44,14 +44,22 @@ def target_shapes(hf_config, drafter_dims, n_layer_ids: int, dtype_bytes: int) -
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-        drafter = Drafter(drafter_dims, False)
+        drafter = Drafter(drafter_dims)
     layers = getattr(model, "model", model).layers
     layer_params = sum(p.numel() for p in layers[0].parameters())
     total = sum(p.numel() for p in model.parameters())
-    return Shapes(layer_params, len(layers), total - layer_params * len(layers),
-                  sum(p.numel() for p in drafter.parameters()), int(hf_config.hidden_size),
-                  int(hf_config.intermediate_size), int(hf_config.vocab_size), drafter_dims.num_layers, n_layer_ids,
-                  dtype_bytes)  # fmt: skip
+    return Shapes(
+        layer_params=layer_params,
+        layers=len(layers),
+        whole_params=total - layer_params * len(layers),
+        drafter_params=sum(p.numel() for p in drafter.parameters()),
+        hidden=int(hf_config.hidden_size),
+        intermediate=int(hf_config.intermediate_size),
+        vocab=int(hf_config.vocab_size),
+        drafter_layers=drafter_dims.num_layers,
+        n_layer_ids=n_layer_ids,
+        dtype_bytes=dtype_bytes,
+    )
 
 
 def per_rank_bytes(s: Shapes, mode: str, ways: int, seq: int, queries: int, batch: int) -> dict[str, float]:
@@ -66,8 +74,8 @@ def per_rank_bytes(s: Shapes, mode: str, ways: int, seq: int, queries: int, batc
     target += s.whole_params * s.dtype_bytes
     drafter = 16.0 * s.drafter_params
     acts = batch * queries * (10.0 * s.vocab + 40.0 * s.hidden * s.drafter_layers)
-    acts += batch * seq * (2.0 * s.hidden * (s.n_layer_ids + 2) + 6.0 * s.intermediate / (ways if mode == "tensor"
-                                                                                            else 1))  # fmt: skip
+    mlp_ways = ways if mode == "tensor" else 1
+    acts += batch * seq * (2.0 * s.hidden * (s.n_layer_ids + 2) + 6.0 * s.intermediate / mlp_ways)
     total = MARGIN * (target + drafter + acts) + OVERHEAD
     return {"target": target, "drafter_and_adamw": drafter, "activations": acts, "total": total}
 
@@ -76,14 +84,15 @@ def describe(mode: str, ways: int) -> str:
     return "replicate" if mode == "replicate" else (f"tensor: {ways}" if mode == "tensor" else f"fsdp over {ways}")
 
 
-def check(s: Shapes, mode: str, ways: int, world: int, seq: int, queries: int, batch: int, budget: float,
-          source: str) -> dict[str, float]:  # fmt: skip
+def check(
+    s: Shapes, mode: str, ways: int, world: int, seq: int, queries: int, batch: int, budget: float, source: str
+) -> dict[str, float]:
     """The plan for this run; a ConfigError naming the numbers and the modes that fit when it does not."""
     need = per_rank_bytes(s, mode, ways, seq, queries, batch)
     if need["total"] <= budget:
         return need
-    options = [("tensor", n) for n in (2, 4, 8) if n != ways or mode != "tensor"] + [("fsdp", w) for w in (world, 8)
-                                                                                      if w > 1]  # fmt: skip
+    tensor = [("tensor", n) for n in (2, 4, 8) if n != ways or mode != "tensor"]
+    options = tensor + [("fsdp", w) for w in (world, 8) if w > 1]
     fits = []
     for m, n in options:
         other = per_rank_bytes(s, m, n, seq, queries, batch)["total"]
@@ -91,5 +100,9 @@ def check(s: Shapes, mode: str, ways: int, world: int, seq: int, queries: int, b
             fits.append(f"{describe(m, n)} ({n} GPUs: {other / GiB:.1f} GiB a rank)")
     parts = ", ".join(f"{k.replace('_', ' ')} {v / GiB:.1f}" for k, v in need.items() if k != "total")
     hint = f"would fit: {'; '.join(fits[:3])}" if fits else "no tensor or fsdp split up to 8 GPUs fits either"
-    raise ConfigError(source, "target.parallel", f"{describe(mode, ways)} needs about {need['total'] / GiB:.1f} GiB "
-                      f"a rank ({parts}; with margin and CUDA context), {budget / GiB:.1f} GiB available; {hint}")
+    raise ConfigError(
+        source,
+        "target.parallel",
+        f"{describe(mode, ways)} needs about {need['total'] / GiB:.1f} GiB "
+        f"a rank ({parts}; with margin and CUDA context), {budget / GiB:.1f} GiB available; {hint}",
+    )

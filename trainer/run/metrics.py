@@ -72,7 +72,7 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, is_main: bool, sinks: list | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.is_main = is_main
-        self.sinks = sinks or []  # TensorBoard, W&B (trainer.loggers): the main rank's records, after the line
+        self.sinks = sinks or []  # TensorBoard, W&B (trainer.run.loggers): the main rank's records, after the line
 
     def write(self, record: dict, always: bool = False) -> None:
         if not (self.is_main or always):

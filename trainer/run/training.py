@@ -17,20 +17,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
+from torch import nn
 
 from trainer.config import TrainConfig, parse_parallel, to_dict
 from trainer.data.dataset import Dataset, epoch_batches, load_tokenizer, make_dataset, shard
 from trainer.errors import ConfigError, DivergedError
 from trainer.model.compile_policy import compile_cache_counts, graphs_compiled, unfreeze_compiles
+from trainer.model.drafter import Drafter
 from trainer.model.mask import to_device
-from trainer.model.parallel import make_layout
+from trainer.model.parallel import Layout, make_layout
 from trainer.run import checkpoint, faults
+from trainer.run.build import Parts, build, forward_loss, lr_lambda, make_batch, preflight
 from trainer.run.distributed import World, all_gather_objects, all_reduce_sum, barrier, init_world
 from trainer.run.eval import eval_anchors, measure_tau, prompt_of
 from trainer.run.gpu_history import GpuHistory
 from trainer.run.loggers import check_available, open_sinks
-from trainer.run.loop import Parts, build, forward_loss, lr_lambda, make_batch, preflight
 from trainer.run.metrics import Heartbeat, MetricsWriter
 from trainer.run.update import clip_into_update, make_adamw
 
@@ -73,9 +74,13 @@ class DivergenceGuard:
         raise DivergedError(
             f"loss or grad norm non-finite for {self.streak} steps in a row from step {self.first_bad} (lr "
             f"{self.bad_lr:.3e}); last finite: {last}; newest checkpoint from before: {ckpt}",
-            first_bad_step=self.first_bad, last_finite_step=self.last_finite[0] if self.last_finite else None,
-            last_finite_loss=self.last_finite[1] if self.last_finite else None, lr=self.bad_lr,
-            checkpoint=self.last_checkpoint, nonfinite_steps=self.streak)  # fmt: skip
+            first_bad_step=self.first_bad,
+            last_finite_step=self.last_finite[0] if self.last_finite else None,
+            last_finite_loss=self.last_finite[1] if self.last_finite else None,
+            lr=self.bad_lr,
+            checkpoint=self.last_checkpoint,
+            nonfinite_steps=self.streak,
+        )
 
 
 @dataclass
@@ -136,7 +141,11 @@ def greedy_generator(parts: Parts) -> Callable[[list[list[int]], int], list[list
 
     model = parts.target.model
     pad = getattr(model.config, "pad_token_id", None) or 0
-    return lambda prompts, n: generate(model, prompts, n, 0.0, 1.0, pad, set())  # continuations run their full length
+
+    def continue_greedily(prompts: list[list[int]], n: int) -> list[list[int]]:  # no end token: each runs n tokens
+        return generate(model, prompts, n, temperature=0.0, top_p=1.0, pad=pad, ends=set())
+
+    return continue_greedily
 
 
 def _max_rss_gib() -> float:
@@ -165,7 +174,17 @@ def train(
     on_beat = gpus.sample if gpus is not None and gpus.active else None
     heartbeat = Heartbeat(main_dir, cfg.heartbeat_s, on_beat).start() if main_dir else None
     try:
-        return _train(cfg, source, run_dir, resume, say, world, metrics, heartbeat)
+        run = Run(
+            cfg,
+            source=source,
+            run_dir=run_dir,
+            resume=resume,
+            say=say,
+            world=world,
+            metrics=metrics,
+            heartbeat=heartbeat,
+        )
+        return run.go()
     finally:
         unfreeze_compiles()  # the stance is process-wide: leave the process as it was found
         if heartbeat:
@@ -176,17 +195,52 @@ def train(
             sink.close()
 
 
-def _train(cfg, source, run_dir, resume, say, world: World, metrics, heartbeat) -> TrainResult:
-    return Run(cfg, source, run_dir, resume, say, world, metrics, heartbeat).go()
-
-
 class Run:
     """One training run, in the recipe's order (`go`): the target, drafter and data; the optimiser; a resume; the
     preflight that compiles every shape; the steps (each skipped when non-finite), with in-run tau and checkpoints;
-    the export. Each phase is a method; their state is this object's."""
+    the export. Each phase is a method; their state is this object's, declared here in the order `go` makes it."""
 
-    def __init__(self, cfg: TrainConfig, source: str, run_dir: Path | None, resume: bool, say, world: World, metrics,
-                 heartbeat) -> None:  # fmt: skip
+    # given
+    cfg: TrainConfig
+    source: str  # the config file's name, for errors
+    run_dir: Path | None
+    resume: bool
+    say: Callable[[str], None]  # the main rank's log; a no-op on the others
+    world: World
+    metrics: MetricsWriter | None
+    heartbeat: Heartbeat | None
+    ckpt_root: Path | None  # RUN/checkpoints
+    guard: DivergenceGuard
+    # build_model_and_data
+    layout: Layout  # where the target lives, and the data-parallel ranks
+    parts: Parts  # target, drafter, attention (trainer/run/build.py), as trainer/run/parallelize.py left them
+    drafter: Drafter  # the one-device module: checkpoints, export, decoding
+    model: nn.Module  # what a step calls: the drafter, or its DistributedDataParallel wrapper
+    ds: Dataset
+    prompt_set: str  # the eval prompts' name
+    prompts: list[torch.Tensor]
+    skipped_prompts: int  # too long for the largest bucket
+    # make_optimizer
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    global_batch: int  # samples per optimiser step over every rank
+    stream: DataStream
+    # go, compile_every_shape
+    result: TrainResult
+    baseline: int  # graphs compiled by the end of the preflight: any later one is a recompile
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        source: str,
+        run_dir: Path | None,
+        resume: bool,
+        say: Callable[[str], None],
+        world: World,
+        metrics: MetricsWriter | None,
+        heartbeat: Heartbeat | None,
+    ) -> None:
         self.cfg, self.source, self.run_dir, self.resume, self.say = cfg, source, run_dir, resume, say
         self.world, self.metrics, self.heartbeat = world, metrics, heartbeat
         self.ckpt_root = run_dir / "checkpoints" if run_dir else None
@@ -222,35 +276,45 @@ class Run:
         return self.result
 
     def build_model_and_data(self) -> None:
-        """The frozen target (replicated or sharded), the drafter, the dataset in shape buckets, the eval prompts."""
+        """The frozen target (replicated or sharded), the drafter (checkpointed, compiled and in DDP as configured:
+        trainer/run/parallelize.py), the dataset in shape buckets, the eval prompts."""
         cfg, source, say = self.cfg, self.source, self.say
         self.layout = make_layout(*parse_parallel(cfg.target.parallel, source), self.world, source)
-        self.parts: Parts = build(cfg, source, device=self.world.device, layout=self.layout)
+        self.parts = build(cfg, source, device=self.world.device, layout=self.layout, world=self.world)
+        self.drafter, self.model = self.parts.drafter, self.parts.model
         tok = load_tokenizer(cfg.data.tokenizer or cfg.target.path, source) if cfg.data.path else None
         vocab = int(self.parts.target.config.vocab_size)
-        ds = make_dataset(cfg.data, vocab, cfg.drafter.block_size, cfg.seed, tok, source,
-                          greedy_generator(self.parts))  # fmt: skip
+        ds = make_dataset(
+            cfg.data,
+            vocab,
+            block_size=cfg.drafter.block_size,
+            seed=cfg.seed,
+            tok=tok,
+            source=source,
+            generate=greedy_generator(self.parts),
+        )
         self.ds = ds
         limit = cfg.eval.prompt_tokens or cfg.data.seq_buckets[-1] - cfg.drafter.block_size
         self.prompt_set, found = eval_prompts(cfg, ds, limit, source)
         self.prompts = [p for p in found if p is not None]
         self.skipped_prompts = len(found) - len(self.prompts)
-        say(f"data: {len(ds.samples)} samples, {len(ds.heldout)} held out, dropped {ds.dropped_too_short} too short, "
-            f"{ds.truncated} truncated to the largest bucket")  # fmt: skip
-        self.event("data", samples=len(ds.samples), dropped_too_short=ds.dropped_too_short,
-                   dropped_too_long=ds.dropped_too_long, truncated=ds.truncated, holdout=len(ds.heldout))  # fmt: skip
+        say(
+            f"data: {len(ds.samples)} samples, {len(ds.heldout)} held out, dropped {ds.dropped_too_short} too short, "
+            f"{ds.truncated} truncated to the largest bucket"
+        )
+        self.event(
+            "data",
+            samples=len(ds.samples),
+            dropped_too_short=ds.dropped_too_short,
+            dropped_too_long=ds.dropped_too_long,
+            truncated=ds.truncated,
+            holdout=len(ds.heldout),
+        )
 
     def make_optimizer(self) -> None:
-        """DDP over every rank (gradients in the all-reduce buckets), AdamW, warmup then cosine, the data stream."""
-        cfg, drafter = self.cfg, self.parts.drafter
-        self.drafter = self.model = drafter
-        if self.world.distributed:  # gradients live in the all-reduce buckets: no copy in and out of them
-            self.model = DistributedDataParallel(drafter, gradient_as_bucket_view=True)
-            if cfg.grad_reduce_dtype == "bfloat16":  # half the bytes on the wire; the optimiser still sees fp32
-                from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-
-                self.model.register_comm_hook(None, bf16_compress_hook)
-        self.opt = make_adamw(drafter.parameters(), cfg.optim)  # found_inf: the skip on the device
+        """AdamW over the drafter's weights, warmup then cosine, the data stream."""
+        cfg = self.cfg
+        self.opt = make_adamw(self.drafter.parameters(), cfg.optim)  # found_inf: the skip on the device
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.global_batch = cfg.data.batch_size * self.layout.dp  # the ranks of a tensor group share their batch
         self.stream = DataStream(self.ds, self.global_batch, cfg.seed)
@@ -259,19 +323,27 @@ class Run:
         """With --resume: the newest intact, finite checkpoint (older ones when newer are damaged); every rank the
         same step. Returns the step to continue after (0 for a fresh run)."""
         cfg, say, world, ckpt_root = self.cfg, self.say, self.world, self.ckpt_root
-        latest, loaded, skipped = (checkpoint.load_newest_intact(ckpt_root) if self.resume and ckpt_root
-                                   else (None, None, []))  # fmt: skip
+        found = checkpoint.load_newest_intact(ckpt_root) if self.resume and ckpt_root else (None, None, [])
+        latest, loaded, skipped = found
         if skipped:
             for s in skipped:
                 say(f"checkpoint {s['path']} skipped: {s['why']}")
             self.event("checkpoint_fallback", skipped=skipped, using=str(latest) if latest else None)
             if latest is None:  # repeating the run cannot fix the files: not a crash to restart
-                raise ConfigError(str(ckpt_root), "--resume", f"no intact checkpoint: {skipped[0]['why']} "
-                                  f"({len(skipped)} checked); move the run dir's checkpoints/ away to start afresh")
+                raise ConfigError(
+                    str(ckpt_root),
+                    "--resume",
+                    f"no intact checkpoint: {skipped[0]['why']} "
+                    f"({len(skipped)} checked); move the run dir's checkpoints/ away to start afresh",
+                )
         steps_found = all_gather_objects(loaded.position.step if loaded is not None else None, world)
         if len(set(steps_found)) > 1:  # every rank must continue from the same step, or the ranks train apart
-            raise ConfigError(str(ckpt_root), "--resume", f"ranks would resume from different steps {steps_found} "
-                              "(a node lacks the checkpoint: set checkpoint.per_node, or share the run dir)")
+            raise ConfigError(
+                str(ckpt_root),
+                "--resume",
+                f"ranks would resume from different steps {steps_found} "
+                "(a node lacks the checkpoint: set checkpoint.per_node, or share the run dir)",
+            )
         start_step, resumed_from = 0, None
         if loaded is not None:
             self.drafter.load_state_dict(loaded.weights)
@@ -284,8 +356,15 @@ class Run:
                 checkpoint.set_rng_state(loaded.rng[world.rank])
             self.guard.last_checkpoint = str(latest)
             say(f"resumed from {latest} at step {start_step}")
-        self.event("start", world_size=world.size, resumed_from=resumed_from, mask_token_id=self.parts.mask_token_id,
-                   mesh=self.layout.describe(), memory_plan=self.parts.memory_plan, config=to_dict(cfg))
+        self.event(
+            "start",
+            world_size=world.size,
+            resumed_from=resumed_from,
+            mask_token_id=self.parts.mask_token_id,
+            mesh=self.layout.describe(),
+            memory_plan=self.parts.memory_plan,
+            config=to_dict(cfg),
+        )
         return start_step
 
     def compile_every_shape(self) -> None:
@@ -302,8 +381,13 @@ class Run:
             if metrics:
                 metrics.write({"event": "preflight_progress", "rank": world.rank, **detail}, always=True)
 
-        report = preflight(self.parts, backward=True, drafter=self.model, progress=progress,
-                           eval_anchors=eval_anchors(cfg.drafter.block_size) if do_eval else None)  # fmt: skip
+        report = preflight(
+            self.parts,
+            backward=True,
+            drafter=self.model,
+            progress=progress,
+            eval_anchors=eval_anchors(cfg.drafter.block_size) if do_eval else None,
+        )
         if heartbeat:
             heartbeat.detail = None
         record = report.to_record()
@@ -385,16 +469,26 @@ class Run:
         if self.heartbeat:
             self.heartbeat.step = step
         if self.metrics:
-            rec = {"step": step, "epoch": epoch, "tokens_per_s": round(tps, 1), "loss": _json_number(loss_v, 6),
-                   "acc": round(acc_v, 6), "lr": lr, "grad_norm": _json_number(gnorm, 6),
-                   "peak_mem_gib": round(peak, 3), "peak_mem_gib_ranks": [round(x, 3) for x in host[2:-2]]}
+            rec = {
+                "step": step,
+                "epoch": epoch,
+                "tokens_per_s": round(tps, 1),
+                "loss": _json_number(loss_v, 6),
+                "acc": round(acc_v, 6),
+                "lr": lr,
+                "grad_norm": _json_number(gnorm, 6),
+                "peak_mem_gib": round(peak, 3),
+                "peak_mem_gib_ranks": [round(x, 3) for x in host[2:-2]],
+            }
             if not finite:
                 rec.update(skipped=True, nonfinite_steps=guard.streak)
             self.metrics.write(rec)
         if step % cfg.log_every == 0 or step == cfg.steps or not finite:
             skipped = f" (non-finite: skipped, {guard.streak} in a row)" if not finite else ""
-            self.say(f"step {step}/{cfg.steps} epoch {epoch} loss {loss_v:.4f} acc {acc_v:.3f} lr {lr:.2e} "
-                     f"grad_norm {gnorm:.3f} {tps:,.0f} tok/s peak {peak:.1f} GiB{skipped}")  # fmt: skip
+            self.say(
+                f"step {step}/{cfg.steps} epoch {epoch} loss {loss_v:.4f} acc {acc_v:.3f} lr {lr:.2e} "
+                f"grad_norm {gnorm:.3f} {tps:,.0f} tok/s peak {peak:.1f} GiB{skipped}"
+            )
         guard.stop_if_diverged()
         recompiled = graphs_compiled() - self.baseline
         if recompiled > result.recompiles_after_preflight:
@@ -408,18 +502,28 @@ class Run:
         cfg, world, layout = self.cfg, self.world, self.layout
         mine = self.prompts if layout.lockstep_eval else self.prompts[world.rank :: world.size]
         r = measure_tau(self.parts, self.drafter, mine, cfg.eval.max_new_tokens)
-        totals = torch.tensor([r.accepted, r.steps, r.prompts, sum(r.per_prompt), len(r.per_prompt)],
-                              dtype=torch.float64, device=world.device)  # fmt: skip
+        counts = [r.accepted, r.steps, r.prompts, sum(r.per_prompt), len(r.per_prompt)]
+        totals = torch.tensor(counts, dtype=torch.float64, device=world.device)
         totals = (totals if layout.lockstep_eval else all_reduce_sum(totals, world)).tolist()
         tau = totals[0] / totals[1] if totals[1] else 0.0
         prompt_mean = totals[3] / totals[4] if totals[4] else 0.0
         self.result.taus.append(prompt_mean)  # the headline: the mean of per-prompt means, as evaluators report
-        self.say(f"eval step {step} on {self.prompt_set}: tau {prompt_mean:.3f} (mean of per-prompt means; pooled "
-                 f"{tau:.3f}) over {int(totals[2])} prompts, {int(totals[1])} draft steps, {self.skipped_prompts} "
-                 "prompts skipped as too long")  # fmt: skip
-        self.event("eval", step=step, prompt_set=self.prompt_set, tau=round(prompt_mean, 4),
-                   tau_prompt_mean=round(prompt_mean, 4), tau_pooled=round(tau, 4), prompts=int(totals[2]),
-                   prompts_skipped=self.skipped_prompts, draft_steps=int(totals[1]))  # fmt: skip
+        self.say(
+            f"eval step {step} on {self.prompt_set}: tau {prompt_mean:.3f} (mean of per-prompt means; pooled "
+            f"{tau:.3f}) over {int(totals[2])} prompts, {int(totals[1])} draft steps, {self.skipped_prompts} "
+            "prompts skipped as too long"
+        )
+        self.event(
+            "eval",
+            step=step,
+            prompt_set=self.prompt_set,
+            tau=round(prompt_mean, 4),
+            tau_prompt_mean=round(prompt_mean, 4),
+            tau_pooled=round(tau, 4),
+            prompts=int(totals[2]),
+            prompts_skipped=self.skipped_prompts,
+            draft_steps=int(totals[1]),
+        )
 
     def save(self, step: int) -> None:
         """A checkpoint (main rank, or every node's first rank with checkpoint.per_node); never inside a run of
@@ -433,7 +537,15 @@ class Run:
         writer = world.is_main or (cfg.checkpoint.per_node and world.local_rank == 0)
         if writer and self.ckpt_root:
             pos = checkpoint.Position(step, self.stream.epoch, self.stream.batch_in_epoch)
-            path = checkpoint.save(self.ckpt_root, pos, self.drafter, self.opt, self.sched, rngs, cfg.checkpoint.keep)
+            path = checkpoint.save(
+                self.ckpt_root,
+                pos,
+                drafter=self.drafter,
+                optimizer=self.opt,
+                scheduler=self.sched,
+                rng_states=rngs,
+                keep=cfg.checkpoint.keep,
+            )
             guard.last_checkpoint = str(path)
             self.event("checkpoint", path=str(path), step=step)
         barrier(world)
@@ -445,8 +557,13 @@ class Run:
         from trainer.model.dflash_format import draft_config, write_export
 
         cfg, parts = self.cfg, self.parts
-        config = draft_config(parts.drafter.d, cfg.drafter.block_size, parts.target.layer_ids, parts.mask_token_id,
-                              parts.target.config)  # fmt: skip
+        config = draft_config(
+            parts.drafter.d,
+            block_size=cfg.drafter.block_size,
+            layer_ids=parts.target.layer_ids,
+            mask_token_id=parts.mask_token_id,
+            target_config=parts.target.config,
+        )
         path = write_export(self.run_dir / "export", self.drafter.state_dict(), config, run_dir=self.run_dir)
         self.event("export", path=str(path), step=cfg.steps)
         self.say(f"exported {path}")

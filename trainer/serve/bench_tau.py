@@ -77,7 +77,7 @@ def build_parts(target: str, drafter: str, limit: int, device: str, dtype: str, 
     """A model pair from a target directory and a drafter export; dense attention (a decoding block is 128 queries:
     dense is cheap there and never recompiles for a new length)."""
     from trainer.config import from_dict
-    from trainer.run.loop import build
+    from trainer.run.build import build
 
     config = config if config is not None else read_draft_config(drafter)
     dc = config.get("dflash_config") or {}

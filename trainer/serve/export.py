@@ -24,7 +24,7 @@ def export_run(run_dir: Path, out: Path, step: int | None = None, dtype: str = "
     from trainer.model.drafter import drafter_dims
     from trainer.model.target import RANDOM_PRESETS, default_layer_ids
     from trainer.run import checkpoint
-    from trainer.run.loop import resolve_mask_token, soft_tokenizer
+    from trainer.run.build import resolve_mask_token, soft_tokenizer
 
     run_dir = Path(run_dir)
     src = str(run_dir / "metrics.jsonl")
