@@ -186,7 +186,7 @@ def block_loss(
     here, which makes the host wait for the device.
     """
     if index is None:
-        index = torch.nonzero(weights.flatten() > 0).flatten()
+        index = torch.nonzero(weights.flatten() > 0).flatten()  # [N]
     index = index.to(hidden_BQC.device)
     h = hidden_BQC.flatten(0, 1).index_select(0, index)  # [N, C]
     lab, w = labels.flatten().index_select(0, index), weights.flatten().index_select(0, index)  # [N]

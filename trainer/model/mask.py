@@ -112,11 +112,11 @@ def build_blocks(
         input_ids=input_ids,
         anchors=anchor_pos,
         anchor_valid=valid,
-        block_ids=block_ids.view(B, A * bs),
-        block_pos=pos.view(B, A * bs),
-        labels=labels.view(B, A * bs),
-        label_index=torch.nonzero(weights.flatten() > 0).flatten(),
-        weights=weights.view(B, A * bs),
+        block_ids=block_ids.view(B, A * bs),  # [B, A*bs]: block j's tokens at [j*bs, (j+1)*bs)
+        block_pos=pos.view(B, A * bs),  # [B, A*bs]
+        labels=labels.view(B, A * bs),  # [B, A*bs]
+        label_index=torch.nonzero(weights.flatten() > 0).flatten(),  # [N] positions in the flat [B*A*bs]
+        weights=weights.view(B, A * bs),  # [B, A*bs]
         block_size=bs,
     )
 
@@ -180,7 +180,7 @@ def _as_blocks(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, Qt, KVt] bool -> (num [B, 1, Qt] int32, indices [B, 1, Qt, KVt] int32, the set tiles first, ascending)."""
     num = tiles.sum(-1, dtype=torch.int32)
     order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return num[:, None], order[:, None]
+    return num[:, None], order[:, None]  # [B, 1, Qt], [B, 1, Qt, KVt]: one head row, shared by every head
 
 
 def block_mask_from_anchors(anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: int, block_size: int):
@@ -207,9 +207,9 @@ def dense_mask(anchors: torch.Tensor, anchor_valid: torch.Tensor, seq_len: int, 
     B, A = anchors.shape
     q_len, kv_len = A * block_size, seq_len + A * block_size
     dev = anchors.device
-    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
-    q = torch.arange(q_len, device=dev).view(1, 1, q_len, 1)
-    kv = torch.arange(kv_len, device=dev).view(1, 1, 1, kv_len)
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1)  # [B, 1, 1, 1]
+    q = torch.arange(q_len, device=dev).view(1, 1, q_len, 1)  # [1, 1, Q, 1]
+    kv = torch.arange(kv_len, device=dev).view(1, 1, 1, kv_len)  # [1, 1, 1, KV]
     return make_mask_mod(anchors, anchor_valid, seq_len, block_size)(b, None, q, kv)  # [B, 1, Q, KV]
 
 

@@ -79,7 +79,7 @@ def draft_blocks(parts: Parts, drafter: torch.nn.Module, context: torch.Tensor, 
     last = torch.tensor([s[-1] for s in seqs], device=dev)
     anchor = torch.tensor([len(s) - 1 for s in seqs], device=dev)
     out = []
-    step = draft_rows(backend, heads, S, A, bs, len(seqs))
+    step = draft_rows(backend, heads, seq_len=S, anchors=A, block_size=bs, rows=len(seqs))
     for lo in range(0, len(seqs), step):
         rows = torch.arange(lo, min(lo + step, len(seqs)), device=dev)
         if getattr(backend, "name", "") != "dense":  # flex compiles per shape: rows padded to a multiple of 64 (a
@@ -106,7 +106,7 @@ def block_inputs(last: torch.Tensor, anchor: torch.Tensor, num_anchors: int, blo
     valid[:, 0] = True
     block_ids = torch.full((B, A * bs), mask_token_id, dtype=torch.long, device=dev)
     block_ids[:, 0] = last
-    block_pos = (anchors[:, :, None] + torch.arange(bs, device=dev)).view(B, A * bs)
+    block_pos = (anchors[:, :, None] + torch.arange(bs, device=dev)).view(B, A * bs)  # [B, A*bs]
     return anchors, valid, block_ids, block_pos
 
 

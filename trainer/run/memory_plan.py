@@ -88,14 +88,14 @@ def check(
     s: Shapes, mode: str, ways: int, world: int, seq: int, queries: int, batch: int, budget: float, source: str
 ) -> dict[str, float]:
     """The plan for this run; a ConfigError naming the numbers and the modes that fit when it does not."""
-    need = per_rank_bytes(s, mode, ways, seq, queries, batch)
+    need = per_rank_bytes(s, mode, ways, seq=seq, queries=queries, batch=batch)
     if need["total"] <= budget:
         return need
     tensor = [("tensor", n) for n in (2, 4, 8) if n != ways or mode != "tensor"]
     options = tensor + [("fsdp", w) for w in (world, 8) if w > 1]
     fits = []
     for m, n in options:
-        other = per_rank_bytes(s, m, n, seq, queries, batch)["total"]
+        other = per_rank_bytes(s, m, n, seq=seq, queries=queries, batch=batch)["total"]
         if other <= budget:
             fits.append(f"{describe(m, n)} ({n} GPUs: {other / GiB:.1f} GiB a rank)")
     parts = ", ".join(f"{k.replace('_', ' ')} {v / GiB:.1f}" for k, v in need.items() if k != "total")
