@@ -25,7 +25,7 @@ class TargetConfig:
     # Qwen3-8B target forward at seq 3072 goes from 95 to 70 ms for about 7 s of compile per bucket (paid back in
     # under 300 steps). auto = on for CUDA, off on the CPU (where Inductor's compile costs more than it saves).
     compile: Literal["auto", "on", "off"] = "auto"
-    # where the frozen target lives (trainer/parallel.py): replicate (every rank, the default), {tensor: N} (each
+    # where the frozen target lives (trainer/model/parallel.py): replicate (every rank, the default), {tensor: N} (each
     # layer split over N ranks), fsdp (layers sharded over all ranks); the drafter stays data-parallel
     parallel: Any = "replicate"
     memory_gib: float | None = None  # per-rank budget for the memory plan; None = the GPU's memory (CPU: unplanned)
@@ -90,7 +90,7 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global grad norm
     gamma: float = 7.0  # loss weight exp(-(k - 1) / gamma) at block position k (paper: 7 for block 16)
     chunked_loss: bool = False  # LM head + CE in chunks, logits never stored: less memory, a little slower (bench)
-    # LM head + CE: fused = one Triton kernel over bf16 logits (loss, argmax, gradient; trainer/ce_kernel.py), plain =
+    # LM head + CE: fused = one Triton kernel over bf16 logits (loss, argmax, gradient; trainer/model/ce_kernel.py), plain =
     # fp32 logits through F.cross_entropy; auto = fused where Triton runs (CUDA), else plain (chunked_loss wins)
     loss_kernel: Literal["auto", "fused", "plain"] = "auto"
     # a step whose loss or grad norm is NaN/inf is skipped (no update); this many in a row stop the run (exit 4)
@@ -116,7 +116,7 @@ class EvalConfig:
     # tau would measure text the drafter never trained on); None = the largest bucket less one block
     prompt_tokens: int | None = None
     backend: Literal["flex", "dense"] | None = None  # attention for decoding; None = the training backend
-    # a prompt file (GSM8K, HumanEval, MT-Bench or chat JSONL, see trainer/prompts.py) instead of the held-out
+    # a prompt file (GSM8K, HumanEval, MT-Bench or chat JSONL, see trainer/data/prompts.py) instead of the held-out
     # samples; its stem names the set in the eval event and in watch/status. First turns only, through the template.
     prompt_file: str | None = None
     thinking: bool = False  # the chat template's enable_thinking for prompt_file

@@ -3,7 +3,7 @@
     python -m trainer.bench_tau --target TARGET_DIR --drafter DRAFTER_DIR --prompts gsm8k.jsonl [--prompts mt.jsonl]
         [--max-new-tokens 2048] [--thinking off] [--limit N] [--batch-size 64] [--json] [--out per_prompt.jsonl]
 
-The target decodes greedily with the drafter proposing each block (trainer.eval's loop: the output equals plain
+The target decodes greedily with the drafter proposing each block (trainer.run.eval's loop: the output equals plain
 greedy decoding), through the target's chat template; MT-Bench records answer each turn in order with the generated
 answers kept in the history. `--batch-size` prompts are decoded at once (grouped by length; every conversation's
 first turn, then every second turn, ...), each with its own acceptance: the tokens and the tau are those of decoding
@@ -38,7 +38,7 @@ class SetResult:
     seconds: float
 
 
-DEFAULT_BATCH = 64  # prompts decoded at once (trainer.eval.speculative_decode_batch): the same answer at any size
+DEFAULT_BATCH = 64  # prompts decoded at once (trainer.run.eval.speculative_decode_batch): the same answer at any size
 DEFAULT_MAX_PROMPT = 4096  # the published evaluators' prompts are far shorter; one huge prompt must not set the pace
 
 
