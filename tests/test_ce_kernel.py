@@ -1,5 +1,5 @@
-"""The fused LM-head loss kernel (trainer/model/ce_kernel.py) in Triton's interpreter on the CPU: the same loss, accuracy
-and gradient as the plain bf16-logits path, in chunks, with ties, with zero weights, and without grad."""
+"""The fused LM-head loss kernel (trainer/model/ce_kernel.py) in Triton's interpreter on the CPU: the same loss,
+accuracy and gradient as the plain bf16-logits path, in chunks, with ties, with zero weights, and without grad."""
 
 from __future__ import annotations
 

@@ -90,8 +90,8 @@ class OptimConfig:
     grad_clip: float = 1.0  # max global grad norm
     gamma: float = 7.0  # loss weight exp(-(k - 1) / gamma) at block position k (paper: 7 for block 16)
     chunked_loss: bool = False  # LM head + CE in chunks, logits never stored: less memory, a little slower (bench)
-    # LM head + CE: fused = one Triton kernel over bf16 logits (loss, argmax, gradient; trainer/model/ce_kernel.py), plain =
-    # fp32 logits through F.cross_entropy; auto = fused where Triton runs (CUDA), else plain (chunked_loss wins)
+    # LM head + CE: fused = one Triton kernel over bf16 logits (loss, argmax, gradient; trainer/model/ce_kernel.py),
+    # plain = fp32 logits through F.cross_entropy; auto = fused where Triton runs (CUDA), else plain (chunked_loss wins)
     loss_kernel: Literal["auto", "fused", "plain"] = "auto"
     # a step whose loss or grad norm is NaN/inf is skipped (no update); this many in a row stop the run (exit 4)
     max_nonfinite_steps: int = 10
