@@ -171,11 +171,11 @@ def test_stale_deploy_is_refused_and_dry_run_changes_nothing(client, tmp_path):
     assert remote_tree(tmp_path / "remote") == before
     assert cli_json("ls") == {"jobs": []}
     (p / "worker.py").write_text(WORKER + "\n# changed\n")
-    res = run_cli("launch", "jobs/echo-box.yaml")
-    assert res.code == 2 and "deployed code is" in res.stderr and "--deploy" in res.stderr
+    res = run_cli("launch", "jobs/echo-box.yaml", "--no-sync")
+    assert res.code == 2 and "deployed code is" in res.stderr and "--no-sync" in res.stderr
     assert remote_tree(tmp_path / "remote") == before
-    ok = cli_json("launch", "jobs/echo-box.yaml", "--deploy")
-    assert cli_json("kill", ok["id"])["clean"]
+    ok = cli_json("launch", "jobs/echo-box.yaml")  # deploys the edited tree first (tests/test_launch_options.py)
+    assert ok["deployed"][0]["sent"] == ["worker.py"] and cli_json("kill", ok["id"])["clean"]
 
 
 @pytest.mark.parametrize(

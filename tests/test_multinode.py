@@ -117,7 +117,7 @@ def test_a_node_with_stale_code_refuses_the_launch_and_nothing_starts(two_hosts,
     assert run_cli("deploy", "nodea", cwd=ROOT).code == 0
     job = tmp_path / "cmd.yaml"
     job.write_text("name: mnstale\nhost: [nodea, nodeb]\ncommand: sleep 300\n")
-    res = run_cli("launch", str(job), cwd=ROOT)
+    res = run_cli("launch", str(job), "--no-sync", cwd=ROOT)
     assert res.code == 2 and "nodeb: deployed code is nothing" in res.stderr and len(res.stderr.splitlines()) == 1
     assert not list((two_hosts / "a" / "runs").glob("mnstale-*")), "the head started though a node was refused"
     bad = tmp_path / "bad.yaml"

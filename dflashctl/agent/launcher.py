@@ -5,6 +5,10 @@ workers in new sessions, `setsid` or double-forked children, children that scrub
 itself as (pid, start time) in `wrapper.pid`, runs `bash run.sh ARGS`, reaps whatever is reparented to it, and once
 run.sh has ended (it writes `exit_code`), stops what is left of the job: nothing of a job outlives it. First it
 starts the job's supervisor (agent/supervise.py) outside that tree, where the run dir asks for one.
+
+A queued job's pane (`launch --queue`: the run dir holds a ticket, agent/queue.py) first waits for its GPUs, then is
+respawned as this launcher. A stop request found before run.sh starts ends it there: nothing of the job runs.
+`python3 agent.pyz launch --setup RUN_DIR` is run.sh's setup step (agent/setup.py), in the job's environment.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from .common import start_time
+from .common import STOP_REQUEST, start_time
 
 PR_SET_CHILD_SUBREAPER = 36
 LEFTOVER_GRACE_S = 5.0
@@ -80,13 +84,26 @@ def reap_all() -> None:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--setup"]:  # run.sh's setup step, in the job's environment and release
+        from .setup import main as setup_main
+
+        return setup_main(sys.argv[2])
     run_dir, args = sys.argv[1], sys.argv[2:]
+    from . import queue
     from .supervision import spawn
 
     spawn(run_dir)  # before this process is a subreaper: the supervisor must not be in the job's tree
+    if queue.waiting(queue.entry(run_dir)):
+        from .waiter import wait_then_start
+
+        if not wait_then_start(run_dir):
+            return 0  # stopped while queued (or respawned as the job's launcher): nothing of the job ran here
+    if os.path.exists(os.path.join(run_dir, STOP_REQUEST)):  # a kill came before the command started
+        return 0
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     me = os.getpid()
+    os.environ["DFLASHCTL_AGENT_PYTHON"] = sys.executable  # run.sh's setup step runs this agent with it
     child = subprocess.Popen(["bash", "--noprofile", "--norc", os.path.join(run_dir, "run.sh"), *args])
     record = {"pid": me, "start": start_time(me), "child": child.pid, "child_start": start_time(child.pid),
               **oom_baseline()}
@@ -94,6 +111,7 @@ def main() -> int:
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as f:
         json.dump(record, f)
     os.replace(tmp, os.path.join(run_dir, "wrapper.pid"))
+    queue.started(run_dir)  # after wrapper.pid: a look never sees neither the ticket nor this attempt's start
 
     def forward(signum, _frame) -> None:  # the session was closed or we were told to stop: so is the job
         for pid in descendants(me):

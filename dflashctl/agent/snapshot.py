@@ -13,7 +13,7 @@ import os
 import re
 import time
 
-from . import supervision
+from . import queue, supervision
 from .common import (
     RESTART_CAUSE,
     RESTART_LOCK,
@@ -94,6 +94,8 @@ def snapshot(req: dict) -> dict:
         snap["stop_request"] = (stop if isinstance(stop, dict) else {"time": None}) if present else None
         result = read_json(os.path.join(run_dir, STOP_RESULT))
         snap["stop_result"] = result if isinstance(result, dict) else None
+        # before the command starts: its place in the host's queue (agent/queue.py), this attempt's setup step
+        snap["queue"], snap["setup"] = queue.entry(run_dir), read_json(os.path.join(run_dir, "setup.json"), 1 << 16)
         try:
             st = os.statvfs(run_dir)
             snap["disk_free_gib"] = round(st.f_bavail * st.f_frsize / 2**30, 2)
@@ -126,7 +128,7 @@ def snapshot(req: dict) -> dict:
 
 
 JOB_TEXT = ("session", "procs", "metrics", "heartbeat", "stop_request", "stop_result", "figures", "host_oom",
-            "restart_cause", "notices", "supervisor")
+            "restart_cause", "notices", "supervisor", "setup")
 
 
 def redacted(run_dir: str | None, snap: dict) -> dict:

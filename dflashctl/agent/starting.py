@@ -33,15 +33,21 @@ from .stopping import stop_processes
 # ---------------------------------------------------------------------------------------------- starting
 
 
-def session_argv(run_dir: str, session: str, python: str, args: list[str]) -> list[str]:
-    """The tmux command that starts the job's session: the pane runs the launcher (a child subreaper) on run.sh."""
+def pane_command(run_dir: str, python: str, args: list[str]) -> str:
+    """What the job's pane runs: the launcher (a child subreaper) on run.sh (a queued job's pane is respawned with
+    it when it leaves the queue)."""
     import shlex
 
     agent = os.path.join(run_dir, AGENT_FILE)
     keeper = [agent, "launch"] if os.path.isfile(agent) else [os.path.join(run_dir, "launcher.py")]  # older run dirs
     # -I -S: the launcher is stdlib only; nothing on PYTHONPATH, in the user's site or the working directory is
     # imported by it (the job it starts still gets the whole environment)
-    cmd = "exec " + shlex.join([python, "-I", "-S", *keeper, run_dir, *args])
+    return "exec " + shlex.join([python, "-I", "-S", *keeper, run_dir, *args])
+
+
+def session_argv(run_dir: str, session: str, python: str, args: list[str]) -> list[str]:
+    """The tmux command that starts the job's session, its pane running `pane_command`."""
+    cmd = pane_command(run_dir, python, args)
     return [*TMUX, "-f", os.path.join(run_dir, "tmux.conf"), "new-session", "-d", "-s", session, "-x", "200",
             "-y", "50", cmd, ";", "set-option", "-w", "-t", f"={session}:", "remain-on-exit", "on"]  # fmt: skip
 
@@ -217,10 +223,77 @@ def launch_slurm(req: dict, payload: bytes) -> dict:
     return {"run_dir": run, "pane_pid": None, "slurm_job": job, "overrides": []}
 
 
+QUEUEABLE = ("held", "queued", "unknown")  # what `launch --queue` waits out; a name or a faulty GPU it refuses
+
+
+def claims(req: dict, wd: str, live: list[dict], ticket: int | None = None) -> tuple[list[tuple[str, str]], dict]:
+    """What stands between a launch and its GPUs and name, as (kind, what): `name` (a live job of the same name from
+    the same clone), `held` (a GPU a running job of ours was given), `queued` (a GPU a job queued before it waits
+    for: first come, first served), `unknown` (a GPU holding memory of a process that is none of ours), `faulty`.
+    Second, a refusal no waiting cures (the host shows no GPU, an index out of range), or {}. `ticket`: a queued
+    launch's own look (agent/queue.py): jobs queued after it are not ahead of it, and its name was checked when it
+    queued; GPU readings it cannot take (no tool in the pane's environment) leave our own jobs' claims to decide."""
+    from . import queue
+
+    found: list[tuple[str, str]] = []
+    wanted = set(req.get("gpus") or [])
+    running = []
+    for other in live:
+        oid = other.get("id")
+        if oid == req.get("job_id"):
+            continue
+        q = queue.entry(other["run_dir"])
+        in_queue = queue.waiting(q)
+        if in_queue and (ticket is not None and q["ticket"] > ticket
+                         or os.path.exists(os.path.join(other["run_dir"], STOP_REQUEST))):  # fmt: skip
+            continue  # behind this one, or being taken out of the queue: it never starts
+        running += [] if in_queue else [other]
+        same_clone = other.get("project") in (None, req.get("project"))  # another clone's job is another job
+        if ticket is None and other.get("name") == req["name"] and same_clone:
+            found.append(("name", f"job {oid} of the same name is alive: `dflashctl watch {oid}` follows it, "
+                          f"`dflashctl kill {oid}` stops it, --force launches another beside it"))  # fmt: skip
+        shared = ",".join(map(str, sorted(wanted & set(other.get("gpus") or []))))
+        if shared and in_queue:
+            found.append(("queued", f"GPU {shared} promised to job {oid}, queued before this launch"))
+        elif shared:
+            found.append(("held", f"GPU {shared} held by job {oid}"))
+    if not wanted or (ticket is not None and found):
+        return found, {}
+    gpu = read_gpus(req)
+    index = {g["uuid"]: g["index"] for g in gpu["gpus"]}
+    if not gpu["gpus"]:
+        if ticket is not None:
+            return found, {}
+        return found, {"refused": [f"GPUs {sorted(wanted)} asked for, but this host shows none (NVML, nvidia-smi)"],
+                       "key": "gpus", "config": True}  # fmt: skip
+    bad = sorted(i for i in wanted if i >= len(gpu["gpus"]))
+    if bad:
+        return found, {"refused": [f"index {bad[0]} out of range: this host has {len(gpu['gpus'])} GPUs"],
+                       "key": "gpus", "config": True}  # fmt: skip
+    for i, why in sorted(gpu_faults(gpu["gpus"]).items(), key=lambda kv: str(kv[0])):
+        if i is None or i in wanted:
+            found.append(("faulty", f"GPU {i if i is not None else '?'} is faulty: {why}"))
+    table = proc_table()
+    ours: set[int] = set()
+    for other in running:
+        root = read_json(os.path.join(other["run_dir"], WRAPPER_PID))
+        if isinstance(root, dict) and isinstance(root.get("pid"), int):
+            ours |= {p["pid"] for p in job_processes(table, root, other.get("id"))}
+    for app in gpu["apps"]:
+        if index.get(app["gpu_uuid"]) in wanted and app["pid"] not in ours:
+            found.append(("unknown", f"GPU {index[app['gpu_uuid']]} has unknown process pid {app['pid']} using "
+                          f"{app['used_mib']} MiB"))  # fmt: skip
+    return found, {}
+
+
 def launch(req: dict, payload: bytes) -> dict:
-    """Check and start under one host-wide lock, so that two launches at the same moment cannot both take a GPU."""
+    """Check and start under one host-wide lock, so that two launches at the same moment cannot both take a GPU. With
+    `queue`, a launch whose GPUs are held (by a job of ours, a job queued first, an unknown process) is started into
+    the host's queue instead of refused: its pane waits for them (agent/queue.py)."""
     if req.get("scheduler") == "slurm":
         return launch_slurm(req, payload)
+    from . import queue
+
     wd = req["workdir"]
     check_only = bool(req.get("check_only"))  # a dry run or a pre-deploy check: every check, nothing written
     if not check_only:
@@ -230,64 +303,36 @@ def launch(req: dict, payload: bytes) -> dict:
     missing = preconditions(req, wd if os.path.isdir(wd) else os.path.dirname(wd) or "/")  # outside the lock: slow
     if missing:
         return {"refused": [m for _, m in missing], "key": missing[0][0], "config": True}
-    lock = contextlib.nullcontext() if check_only else locked(os.path.join(wd, ".launch.lock"))
+    lock = contextlib.nullcontext() if check_only else locked(os.path.join(wd, queue.LAUNCH_LOCK))
     with lock:
         release = os.path.join(wd, "releases", req["release"])
         if not req.get("skip_release") and not os.path.isfile(os.path.join(release, ".dflashctl-manifest.json")):
             return {"refused": [f"release {req['release']} is not deployed in {wd} (run dflashctl deploy)"]}
-        refused, overrides = [], []
-        live = our_live_jobs(wd)
-        wanted = set(req.get("gpus") or [])
-        for other in live:
-            same_clone = other.get("project") in (None, req.get("project"))  # another clone's job is another job
-            if other.get("name") == req["name"] and same_clone:
-                oid = other.get("id")
-                (overrides if req.get("force") else refused).append(
-                    f"job {oid} of the same name is alive: `dflashctl watch {oid}` follows it, `dflashctl kill {oid}` "
-                    "stops it, --force launches another beside it")  # fmt: skip
-            shared = wanted & set(other.get("gpus") or [])
-            if shared:
-                what = f"GPU {','.join(map(str, sorted(shared)))} held by job {other.get('id')}"
-                (overrides if req.get("force") else refused).append(what)
-        if wanted:
-            gpu = read_gpus(req)
-            index = {g["uuid"]: g["index"] for g in gpu["gpus"]}
-            if not gpu["gpus"]:
-                return {"refused": [f"GPUs {sorted(wanted)} asked for, but this host shows none (NVML, nvidia-smi)"],
-                        "key": "gpus", "config": True}  # fmt: skip
-            if gpu["gpus"]:
-                bad = sorted(i for i in wanted if i >= len(gpu["gpus"]))
-                if bad:
-                    return {"refused": [f"index {bad[0]} out of range: this host has {len(gpu['gpus'])} GPUs"],
-                            "key": "gpus", "config": True}  # fmt: skip
-            for i, why in sorted(gpu_faults(gpu["gpus"]).items(), key=lambda kv: str(kv[0])):
-                if i is None or i in wanted:
-                    what = f"GPU {i if i is not None else '?'} is faulty: {why}"
-                    (overrides if req.get("force") else refused).append(what)
-            table = proc_table()
-            ours: set[int] = set()
-            for other in live:
-                root = read_json(os.path.join(other["run_dir"], WRAPPER_PID))
-                if isinstance(root, dict) and isinstance(root.get("pid"), int):
-                    ours |= {p["pid"] for p in job_processes(table, root, other.get("id"))}
-            for app in gpu["apps"]:
-                if index.get(app["gpu_uuid"]) in wanted and app["pid"] not in ours:
-                    what = (f"GPU {index[app['gpu_uuid']]} has unknown process pid {app['pid']} using "
-                            f"{app['used_mib']} MiB")  # fmt: skip
-                    (overrides if req.get("force") else refused).append(what)
-        if refused:
-            return {"refused": refused}
-        if req.get("check_only"):  # a multi-node launch asks every node before starting any
-            return {"ok": True, "overrides": overrides}
+        live = our_live_jobs(wd, close_ended=not check_only)
+        found, config = claims(req, wd, live)
+        if config:
+            return config
+        force = bool(req.get("force"))
+        refused = [] if force else [what for _, what in found]
+        overrides = [what for _, what in found] if force else []
+        queued = bool(refused) and bool(req.get("queue")) and all(kind in QUEUEABLE for kind, _ in found)
+        if refused and not queued:
+            return {"refused": refused, "queueable": all(kind in QUEUEABLE for kind, _ in found)}
+        if check_only:  # a multi-node launch asks every node before starting any
+            return {"ok": True, "overrides": overrides, **({"would_queue": refused} if queued else {})}
         run = make_run_dir(wd, req["job_id"], files)
         if run is None:
             return {"refused": [f"run dir {os.path.join(wd, 'runs', req['job_id'])} already exists"]}
+        ticket = queue.enqueue(run, wd, req, refused, queue.place(live, 1 << 62)) if queued else None
         pane_pid = start_session(run, req["session"], req["python"], [])
     import shlex
 
     wait_watched(run, req["session"])
     started = shlex.join(session_argv(run, req["session"], req["python"], []))
-    return {"run_dir": run, "pane_pid": pane_pid, "overrides": overrides, "started": started}
+    answer = {"run_dir": run, "pane_pid": pane_pid, "overrides": overrides, "started": started}
+    if ticket is not None:
+        answer["queued"] = {k: ticket[k] for k in ("ticket", "position", "waiting_for", "since")}
+    return answer
 
 
 def wait_watched(run: str, session: str, timeout: float = 30.0) -> None:

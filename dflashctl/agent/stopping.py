@@ -9,7 +9,7 @@ import os
 import signal
 import time
 
-from . import supervision
+from . import queue, supervision
 from .common import RESTART_LOCK, STOP_REQUEST, STOP_RESULT, locked, read_int, scrub_secrets, start_time, write_atomic
 from .gpus import read_gpus
 from .procs import TMUX, _run, job_processes, launcher_of, proc_table, same_process, slurm_agent, tmux_session
@@ -155,6 +155,8 @@ def reap(req: dict) -> dict:
     report["result"] = "KILLED" if clean else "KILL_FAILED"
     report["ended_before"] = ended_before  # the job had already ended: its own verdict stands
     if has_dir:
+        # a queued job leaves the queue: its waiter read the stop request under the host lock and never started it
+        report["dequeued"] = queue.dequeue(run_dir)
         record_stop_result(run_dir, report)
         if clean:  # stopped for good: its secrets are not kept at rest
             with contextlib.suppress(OSError):

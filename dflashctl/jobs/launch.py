@@ -1,6 +1,8 @@
-"""`launch`: validate the job file, check the deployed release, then one remote action checks the GPUs and the name
-under a host-wide lock and starts the job (one tmux session per node for a job over several hosts); the job is
-recorded locally. Nothing is written remotely unless every check passes."""
+"""`launch`: validate the job file (with the command line's overrides: jobs/overrides.py), bring the host's code up to
+the local tree where it differs (a deploy, as `deploy` does it: only changed files, atomic, verified), then one
+remote action checks the GPUs and the name under a host-wide lock and starts the job (one tmux session per node for
+a job over several hosts), or with `queue` puts it in the host's queue for GPUs another job holds; the job is
+recorded locally. Nothing is written remotely unless every check passes (a deploy comes after them)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ from pathlib import Path
 from dflashctl.config import HostConfig, resolve_host
 from dflashctl.errors import ConfigError, RefusedError
 from dflashctl.jobs import control, registry
+from dflashctl.jobs.overrides import Overrides, apply
 from dflashctl.jobs.registry import JobRecord, Member
 from dflashctl.model.jobfile import load_job
 from dflashctl.remote import session
 from dflashctl.remote.agent_bundle import shown_argv
 from dflashctl.remote.connect import open_runner
-from dflashctl.remote.sync import build_manifest, deploy, manifest_version, read_remote_state
+from dflashctl.remote.sync import DeployReport, build_manifest, deploy, manifest_version, read_remote_state
 
 
 def new_job_id(name: str, now: datetime | None = None) -> str:
@@ -44,89 +47,122 @@ class LaunchReport:
     remote_commands: list[str] = field(default_factory=list)
     nodes: list[dict] = field(default_factory=list)  # a multi-node job: host, run_dir, session, pane_pid, gpus each
     slurm_job: str | None = None  # a Slurm host's job id (none for tmux, or a dry run)
+    overridden: dict = field(default_factory=dict)  # what --env/--gpus/--name/--host set (secret values as ***)
+    deployed: list[dict] = field(default_factory=list)  # the deploy each stale host got first (a dry run: would get)
+    queued: dict | None = None  # `--queue` on a busy host: ticket, position, waiting_for, since
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def launch(
-    job_path: Path, root: Path, *, deploy_first: bool = False, force: bool = False, dry_run: bool = False,
-    accept_new: bool = False, progress=None,
+    job_path: Path, root: Path, *, sync: bool = True, force: bool = False, dry_run: bool = False,
+    accept_new: bool = False, progress=None, overrides: Overrides | None = None, queue: bool = False,
 ) -> LaunchReport:  # fmt: skip
-    """Validate, check the deployed release, then one remote action checks the GPUs and the name under a host-wide
-    lock and starts the job. Nothing is written remotely unless every check passes."""
+    """Validate (with the overrides), sync a stale host's code (unless `sync` is off: then a stale host is refused),
+    then one remote action checks the GPUs and the name under a host-wide lock and starts the job, or queues it
+    (`queue`). Nothing is written remotely unless every check passes."""
     socket = session.tmux_socket()
     registry.all_jobs()  # records that cannot be read refuse the launch before anything starts remotely
     job, trainer_cfg = load_job(job_path, root)
+    job, overridden = apply(job, overrides or Overrides(), root)
     hosts = [resolve_host(n.host, root) for n in job.nodes]
-    _check_scheduler(job, hosts, job_path)
+    _check_scheduler(job, hosts, job_path, queue, force)
     job_id = new_job_id(job.name)
     local_version = manifest_version(build_manifest(root))
     if job.multi_node:
-        return launch_nodes(job_path, root, job, trainer_cfg, hosts, job_id, local_version, socket,
-                            deploy_first=deploy_first, force=force, dry_run=dry_run, accept_new=accept_new,
-                            progress=progress)  # fmt: skip
+        return launch_nodes(job_path, root, job, trainer_cfg, hosts, job_id, local_version, socket, sync=sync,
+                            force=force, dry_run=dry_run, accept_new=accept_new, progress=progress,
+                            overridden=overridden)  # fmt: skip
     host = hosts[0]
     with open_runner(host, accept_new) as runner:
         abs_wd, current, _ = read_remote_state(runner, host.workdir)
-        if current != local_version and not deploy_first:
-            raise RefusedError(
-                f"{host.name}: deployed code is {current or 'nothing'}, the local tree is {local_version}; "
-                f"run `dflashctl deploy {host.name}` or launch with --deploy"
-            )
+        stale = current != local_version
+        if stale and not sync:
+            raise RefusedError(f"{host.name}: deployed code is {current or 'nothing'}, the local tree is "
+                               f"{local_version}; --no-sync runs the deployed release only: run `dflashctl deploy "
+                               f"{host.name}`, or launch without --no-sync")  # fmt: skip
         cluster = host.slurm
         command = job.command or session.trainer_command(job, host.python, slurm=cluster is not None)
         report = LaunchReport(
             id=job_id, host=host.name, run_dir=f"{abs_wd}/runs/{job_id}", session=session.session_name(job_id),
             pane_pid=None, release=local_version, command=command, gpus=job.gpu_indices, overrides=[],
-            dry_run=dry_run,
+            dry_run=dry_run, overridden=overridden,
         )  # fmt: skip
         req = {"action": "launch", "workdir": abs_wd, "job_id": job_id, "name": job.name, "session": report.session,
-               "project": session.project_key(root),
+               "project": session.project_key(root), "queue": queue,
                "gpus": job.gpu_indices, "force": force, "release": local_version, "python": host.python,
                "tmux_socket": socket, "needs": {"torch": job.trainer is not None, "cuda": bool(job.gpu_indices)},
                **({"scheduler": "slurm"} if cluster else {})}  # fmt: skip
-        files = session.run_files(job, job_id, host.python, trainer_cfg, local_version, cluster=cluster,
-                                  project=session.project_key(root), run_dir=report.run_dir)  # fmt: skip
-        if dry_run or deploy_first:  # every launch check before a dry-run's "would launch" or a --deploy's upload
+
+        def files_for(release: str, redact: bool = False) -> dict[str, str]:
+            return session.run_files(job, job_id, host.python, trainer_cfg, release, redact=redact, cluster=cluster,
+                                     project=None if redact else session.project_key(root), run_dir=report.run_dir,
+                                     overridden=overridden)  # fmt: skip
+
+        if dry_run or stale:  # every launch check before a dry-run's "would launch" or a stale host's deploy
             # a Slurm dry run sends the batch script along: `sbatch --test-only` judges it, submitting nothing
-            check = json.dumps({k: v for k, v in files.items() if k == "sbatch.sh"}).encode() if dry_run else b""
-            pre = session.call_agent(runner, {**req, "check_only": True, "skip_release": deploy_first}, payload=check)
+            sbatch = {k: v for k, v in files_for(local_version).items() if k == "sbatch.sh"}
+            check = json.dumps(sbatch).encode() if dry_run else b""
+            pre = session.call_agent(runner, {**req, "check_only": True, "skip_release": stale}, payload=check)
             _raise_refusal(pre, host, job_path)
             report.overrides = list(pre.get("overrides", []))
+            if pre.get("would_queue"):
+                report.queued = {"ticket": None, "position": None, "waiting_for": pre["would_queue"], "since": None}
         if dry_run:
-            report.files = session.run_files(job, job_id, host.python, trainer_cfg, local_version, redact=True,
-                                             cluster=cluster, run_dir=report.run_dir)  # fmt: skip
+            if stale:
+                report.deployed = [_deployed(deploy(runner, root, host.workdir, dry_run=True))]
+            report.files = files_for(local_version, redact=True)
             report.remote_commands = [runner.describe(shown_argv(host.python, "probe", json.dumps(req)))]
             if cluster:
                 report.remote_commands.append(f"sbatch {report.run_dir}/sbatch.sh")
             return report
-        if deploy_first:
-            deploy(runner, root, host.workdir, progress=progress)
-        ans = session.call_agent(runner, req, payload=json.dumps(files).encode())
-    if ans.get("refused"):
-        if ans.get("config"):
-            raise ConfigError(str(job_path), ans.get("key"), f"{'; '.join(ans['refused'])} (host {host.name})")
-        raise RefusedError(f"{host.name}: {'; '.join(ans['refused'])}" + ("" if "--force" in ans["refused"][-1] else
-                                                                          " (use --force to launch anyway)"))
+        if stale:  # the tree may have changed since it was hashed: the release is the one this deploy made current
+            sent = deploy(runner, root, host.workdir, progress=progress)
+            report.deployed = [_deployed(sent)]
+            report.release = req["release"] = sent.version
+        ans = session.call_agent(runner, req, payload=json.dumps(files_for(report.release)).encode())
+    _raise_refusal(ans, host, job_path)
     report.run_dir, report.pane_pid, report.overrides = ans["run_dir"], ans["pane_pid"], ans.get("overrides", [])
     report.remote_commands = [runner.describe(shown_argv(host.python, "probe", json.dumps(req))),
                               *([ans["started"]] if ans.get("started") else []),
                               *([f"sbatch {report.run_dir}/sbatch.sh"] if cluster else [])]  # fmt: skip
     report.slurm_job = ans.get("slurm_job")
+    report.queued = ans.get("queued") if isinstance(ans.get("queued"), dict) else None
+    waits = (report.queued or {}).get("waiting_for") or ["its GPUs"]
     registry.record(JobRecord(
         id=job_id, name=job.name, project=str(root), job_file=str(job_path.resolve()), host_name=host.name,
-        host=host, release=local_version, command=command, run_dir=report.run_dir, session=report.session,
+        host=host, release=report.release, command=command, run_dir=report.run_dir, session=report.session,
         pane_pid=report.pane_pid, gpus=job.gpu_indices, launched_at=time.time(), kill_grace_s=job.kill_grace_s,
         is_trainer=job.trainer is not None, overrides=report.overrides, tmux_socket=socket,
         watch=job.watch.model_copy(update={"startup_budget_s": job.startup_budget(trainer_cfg)}),
         steps=(trainer_cfg or {}).get("steps"), slurm_job=report.slurm_job,
+        **({"state": "QUEUED", "reason": f"place {report.queued.get('position')} in the host's queue, waiting for "
+            f"{waits[0]}"} if report.queued else {}),
     ))  # fmt: skip
     return report
 
 
-def _check_scheduler(job, hosts: list[HostConfig], job_path: Path) -> None:
-    """A job's `slurm:` needs a Slurm host, and a Slurm host runs all of a job's nodes itself (`slurm.nodes`)."""
+def _deployed(rep: DeployReport) -> dict:
+    """What a launch's deploy sent (or would send), as `deploy --json` says it."""
+    return rep.to_dict()
+
+
+def _check_scheduler(job, hosts: list[HostConfig], job_path: Path, queue: bool = False, force: bool = False) -> None:
+    """A job's `slurm:` needs a Slurm host, and a Slurm host runs all of a job's nodes itself (`slurm.nodes`); a
+    Slurm host queues by itself, and a job over several hosts cannot wait on each (yet); `setup:` is run by the tmux
+    wrapper, which a Slurm host does not use."""
+    if queue and force:
+        raise ConfigError("--queue", None, "--force launches on held GPUs at once; --queue waits for them: not both")
+    if queue and hosts[0].slurm is not None:
+        raise ConfigError("--queue", None, f"host {hosts[0].name} is a Slurm cluster: its own queue holds the job "
+                          "(PENDING) until the GPUs free")  # fmt: skip
+    if queue and job.multi_node:
+        raise ConfigError("--queue", None, "a job over several hosts cannot wait in their queues: launch it when its "
+                          "GPUs are free")  # fmt: skip
+    if job.setup is not None and hosts[0].slurm is not None:
+        raise ConfigError(str(job_path), "setup", f"host {hosts[0].name} is a Slurm cluster, where `setup:` is not "
+                          "run: put it at the head of `command:`")  # fmt: skip
     if job.multi_node and any(h.slurm is not None for h in hosts):
         names = ", ".join(h.name for h in hosts if h.slurm is not None)
         raise ConfigError(str(job_path), "hosts", f"{names} is a Slurm cluster: name it alone as `host:` and ask for "
@@ -155,10 +191,10 @@ def rendezvous_address(host: HostConfig) -> str:
 
 def launch_nodes(
     job_path: Path, root: Path, job, trainer_cfg: dict | None, hosts: list[HostConfig], job_id: str, version: str,
-    socket: str, *, deploy_first: bool, force: bool, dry_run: bool, accept_new: bool, progress,
+    socket: str, *, sync: bool, force: bool, dry_run: bool, accept_new: bool, progress, overridden: dict,
 ) -> LaunchReport:  # fmt: skip
-    """One job over several hosts: the same release checked on every node, every node's launch checks passed
-    before any starts, then one tmux session per node (head first); a node that refuses at the start stops the
+    """One job over several hosts: the same release on every node (each stale node synced, after every node's
+    launch checks passed), then one tmux session per node (head first); a node that refuses at the start stops the
     nodes already started."""
     from dflashctl.remote.session import NodePlace
 
@@ -168,17 +204,15 @@ def launch_nodes(
               for i, n in enumerate(job.nodes)]  # fmt: skip
     runners = [open_runner(h, accept_new) for h in hosts]
     try:
-        workdirs, stale = [], []
+        workdirs, stale, said = [], [], []
         for host, runner in zip(hosts, runners, strict=True):
-            if deploy_first and not dry_run:
-                deploy(runner, root, host.workdir, progress=progress)
             abs_wd, current, _ = read_remote_state(runner, host.workdir)
             workdirs.append(abs_wd)
-            if current != version and not (deploy_first and dry_run):
-                stale.append(f"{host.name}: deployed code is {current or 'nothing'}")
-        if stale:
-            raise RefusedError(f"{'; '.join(stale)}; the local tree is {version}: run `dflashctl deploy` on each "
-                               "host or launch with --deploy")  # fmt: skip
+            stale.append(current != version)
+            said += [f"{host.name}: deployed code is {current or 'nothing'}"] if current != version else []
+        if said and not sync:
+            raise RefusedError(f"{'; '.join(said)}; the local tree is {version}: --no-sync runs the deployed release "
+                               "only: run `dflashctl deploy` on each host, or launch without --no-sync")  # fmt: skip
         sess = session.session_name(job_id)
         # node i > 0 gets a session name of its own: two nodes may share one machine (and its tmux server)
         sessions = [session.node_session(job_id, pl) for pl in places]
@@ -186,6 +220,7 @@ def launch_nodes(
         report = LaunchReport(
             id=job_id, host=",".join(h.name for h in hosts), run_dir=f"{workdirs[0]}/runs/{job_id}", session=sess,
             pane_pid=None, release=version, command=command, gpus=list(places[0].gpus), overrides=[], dry_run=dry_run,
+            overridden=overridden,
         )  # fmt: skip
         report.nodes = [{"host": h.name, "run_dir": f"{wd}/runs/{job_id}", "session": sessions[pl.rank],
                          "pane_pid": None, "gpus": list(pl.gpus), "node_rank": pl.rank}
@@ -194,16 +229,24 @@ def launch_nodes(
         members = [session.member_spec(job_id, pl, h, n, hosts[0], f"{wd}/runs/{job_id}")
                    for h, wd, pl, n in zip(hosts, workdirs, places, job.nodes, strict=True)][1:] \
             if job.watch.supervise else None  # fmt: skip
-        files = [session.run_files(job, job_id, h.python, trainer_cfg, version, redact=dry_run, node=pl,
-                                   run_dir=f"{wd}/runs/{job_id}", members=members if pl.rank == 0 else None)
-                 for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
         reqs = [{"action": "launch", "workdir": wd, "job_id": job_id, "name": job.name, "session": sessions[pl.rank],
                  "gpus": list(pl.gpus), "force": force, "release": version, "python": h.python, "tmux_socket": socket,
                  "needs": {"torch": job.trainer is not None, "cuda": bool(pl.gpus)}}
                 for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
-        for h, r, req in zip(hosts, runners, reqs, strict=True):  # every node must pass before any starts
-            ans = session.call_agent(r, {**req, "check_only": True, "skip_release": deploy_first and dry_run})
-            _raise_refusal(ans, h, job_path)
+        for h, r, req, old in zip(hosts, runners, reqs, stale, strict=True):  # every node must pass before any starts
+            ans = session.call_agent(r, {**req, "check_only": True, "skip_release": old})
+            _raise_refusal(ans, h, job_path, can_queue=False)
+        for h, r, old in zip(hosts, runners, stale, strict=True):  # every node runs the same release: the local tree
+            if old:
+                rep = deploy(r, root, h.workdir, dry_run=dry_run, progress=None if dry_run else progress)
+                report.deployed.append(_deployed(rep))
+                if not dry_run and rep.version != version:
+                    raise RefusedError(f"{h.name}: the local tree changed during the launch (now {rep.version}, was "
+                                       f"{version}): launch again")  # fmt: skip
+        files = [session.run_files(job, job_id, h.python, trainer_cfg, version, redact=dry_run, node=pl,
+                                   run_dir=f"{wd}/runs/{job_id}", members=members if pl.rank == 0 else None,
+                                   overridden=overridden)
+                 for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
         if dry_run:
             report.files = files[0]
             report.remote_commands = [r.describe(shown_argv(h.python, "probe", json.dumps(req)))
@@ -213,7 +256,7 @@ def launch_nodes(
         try:
             for i, (h, r, req, f) in enumerate(zip(hosts, runners, reqs, files, strict=True)):
                 ans = session.call_agent(r, req, payload=json.dumps(f).encode())
-                _raise_refusal(ans, h, job_path)
+                _raise_refusal(ans, h, job_path, can_queue=False)
                 members.append(Member(node=i, host_name=h.name, host=h, run_dir=ans["run_dir"], session=sessions[i],
                                       pane_pid=ans["pane_pid"], gpus=list(places[i].gpus)))  # fmt: skip
                 report.overrides += [f"{h.name}: {o}" for o in ans.get("overrides", [])]
@@ -244,8 +287,15 @@ def launch_nodes(
     return report
 
 
-def _raise_refusal(ans: dict, host: HostConfig, job_path: Path) -> None:
+def _raise_refusal(ans: dict, host: HostConfig, job_path: Path, can_queue: bool = True) -> None:
+    """The agent's refusal as one line: a config problem names the job file and key; GPUs held say that --queue
+    waits for them (where it can: one host)."""
     if ans.get("refused"):
         if ans.get("config"):
             raise ConfigError(str(job_path), ans.get("key"), f"{'; '.join(ans['refused'])} (host {host.name})")
-        raise RefusedError(f"{host.name}: {'; '.join(ans['refused'])} (use --force to launch anyway)")
+        said = "; ".join(ans["refused"])
+        if ans.get("queueable") and can_queue:
+            said += " (--queue waits for them, --force launches anyway)"
+        elif "--force" not in ans["refused"][-1]:
+            said += " (use --force to launch anyway)"
+        raise RefusedError(f"{host.name}: {said}")

@@ -44,6 +44,8 @@ class StatusLook:
     last_state: str | None = None  # UNREACHABLE: the state recorded last, and when
     last_seen: float | None = None
     notices: dict | None = None  # the run dir's outbox after this look sent what it could
+    queue: dict | None = None  # in the host's queue (`launch --queue`): ticket, position, waiting_for, since, state
+    setup: dict | None = None  # this attempt's `setup:` step: state, command, release, seconds, exit, skipped, by
 
     def to_dict(self) -> dict:
         return {**self.report.to_dict(), **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "report"}}
@@ -96,8 +98,18 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> StatusLo
         uptime_s=round(time.time() - job.launched_at, 1) if alive else None,
         processes=len(snap.get("procs") or []), heartbeat_age_s=_heartbeat_age(snap),
         mean_tokens_per_s=fig.get("mean_tokens_per_s"), first_loss=fig.get("first_loss"),
-        elapsed_s=fig.get("elapsed_s"), notices=notices or None,
+        elapsed_s=fig.get("elapsed_s"), notices=notices or None, queue=_picked(snap.get("queue"), QUEUE_KEYS),
+        setup=_picked(snap.get("setup"), SETUP_KEYS),
     )  # fmt: skip
+
+
+QUEUE_KEYS = ("ticket", "position", "waiting_for", "since", "state")
+SETUP_KEYS = ("state", "command", "release", "seconds", "exit", "timed_out", "skipped", "by")
+
+
+def _picked(found, keys: tuple[str, ...]) -> dict | None:
+    """The keys a look's run-dir file (already bounded and redacted by the agent) documents, or None."""
+    return {k: found.get(k) for k in keys} if isinstance(found, dict) else None
 
 
 def notice_log(spec: str | None, project: str, accept_new: bool = False) -> dict:

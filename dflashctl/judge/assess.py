@@ -96,7 +96,63 @@ def _crash_record(h: History, found: Finding | None) -> Finding | None:
     return found
 
 
+def _strings(value, n: int, width: int = 300) -> list[str]:
+    """At most `n` strings of a list read from the run dir (the job can write it), each cut to `width`."""
+    return [str(x)[:width] for x in value[:n] if isinstance(x, str)] if isinstance(value, list) else []
+
+
+def _queued(h: History) -> Verdict:
+    """The job waits on its host for its GPUs (its ticket, agent/queue.py): its place and what holds them."""
+    q = h.queue or {}
+    waiting = _strings(q.get("waiting_for"), 5)
+    gpus = ",".join(str(g) for g in q.get("gpus") or [] if type(g) is int) if isinstance(q.get("gpus"), list) else ""
+    since = q.get("since")
+    ago = f" for {max(0.0, h.now - since):.0f} s" if type(since) in (int, float) and h.now else ""
+    if q.get("state") == "starting":
+        return _verdict("STARTING", f"leaving the queue: GPU {gpus} free", [f"queued{ago}, now starting"], h)
+    place = q.get("position")
+    where = f"place {place} in the host's queue" if type(place) is int else "in the host's queue"
+    held = waiting[0] if waiting else "its GPUs"
+    return _verdict("QUEUED", f"{where}, waiting for {held}", [f"queued{ago} (ticket {q.get('ticket')}) for GPU "
+                    f"{gpus}", *waiting], h)  # fmt: skip
+
+
+def _setup_said(h: History) -> str | None:
+    state = (h.setup or {}).get("state")
+    return state if isinstance(state, str) else None
+
+
+def _setup_seconds(h: History) -> float:
+    """How long this attempt's setup step took (done or still running): not part of the command's startup."""
+    secs = (h.setup or {}).get("seconds")
+    return float(secs) if type(secs) in (int, float) and secs > 0 else 0.0
+
+
+def _setup(h: History) -> Verdict:
+    """A live attempt inside its setup step: waiting for another launch's setup of the release, or running it."""
+    s = h.setup or {}
+    command = str(s.get("command") or "")[:200]
+    limit = s.get("timeout_s")
+    bound = f" (limit {limit:.0f} s)" if type(limit) in (int, float) else ""
+    if s.get("state") == "waiting":
+        why = f"setup: waiting for another launch's setup of release {str(s.get('release'))[:40]}"
+    else:
+        why = f"setup: running for {_setup_seconds(h):.0f} s{bound}"
+    return _verdict("STARTING", why, [f"setup: {command}", *_strings(s.get("tail"), 3)], h)
+
+
+def _setup_failed(h: History) -> Verdict:
+    s = h.setup or {}
+    code = s.get("exit")
+    how = "timed out" if s.get("timed_out") is True else f"exit {code}"
+    secs = _setup_seconds(h)
+    ev = [f"setup `{str(s.get('command') or '')[:200]}`: {how} after {secs:.0f} s", *_strings(s.get("tail"), 12)]
+    return _verdict("SETUP_FAILED", f"the job's setup failed ({how}): its command never started", ev, h)
+
+
 def _ended(h: History, lines: list[str]) -> Verdict:
+    if _setup_said(h) == "failed":
+        return _setup_failed(h)
     code = h.exit_code if h.exit_code is not None else h.pane_status
     if h.fatal and h.fatal.get("kind") in FATAL_STATE:
         found = _find(h, lines)
@@ -170,6 +226,8 @@ def assess(h: History, th: Thresholds) -> Verdict:
         return _stopped(h)
     if h.restarting:  # the old attempt stopped, the new one not yet started: neither LOST nor the old one's end
         return _verdict("STARTING", "a restart is in progress", _restarting_evidence(h), h)
+    if h.queue is not None and h.session_exists and not h.pane_dead and h.exit_code is None and h.run_dir_exists:
+        return _queued(h)
     if h.scheduler is not None:
         scheduled = _scheduled(h) or _settling(h)
         if scheduled is not None:
@@ -181,6 +239,8 @@ def assess(h: History, th: Thresholds) -> Verdict:
         return _verdict("LOST", f"the {what} is gone and no exit status was written", [f"{what} missing"], h)
     if not h.run_dir_exists:
         return _verdict("LOST", "the run dir is gone", ["run dir missing"], h)
+    if _setup_said(h) in ("waiting", "running"):  # its own timeout bounds it: no stall rule before the command
+        return _setup(h)
     if h.fatal and h.fatal.get("kind") in FATAL_STATE:  # alive, but the trainer already said why it stops
         st = FATAL_STATE[h.fatal["kind"]]
         return _verdict(st, f"fatal record: {h.fatal['kind']}", [h.fatal.get("message", "")], h)
@@ -197,8 +257,10 @@ def assess(h: History, th: Thresholds) -> Verdict:
 
 
 def attempt_age(h: History) -> float:
-    """How long the attempt has run: the remote's monotonic age of it, else its wall stamps' difference."""
-    return h.attempt_age_s if h.attempt_age_s is not None else h.now - h.started_at
+    """How long the attempt's command has run: the remote's monotonic age of the attempt, else its wall stamps'
+    difference, less its setup step (a `pip install` is not the command's startup)."""
+    age = h.attempt_age_s if h.attempt_age_s is not None else h.now - h.started_at
+    return max(0.0, age - _setup_seconds(h))
 
 
 def _command(h: History, th: Thresholds) -> Verdict:

@@ -41,74 +41,242 @@ NOT_RESTARTED = " Not restarted: it would repeat."
 STATES = (
     State("STARTING", 0, colour="cyan", alive=True, running=True, quiet=True),
     State("RUNNING", 0, colour="green", alive=True, running=True, quiet=True),
-    State("PENDING", 0, colour="cyan", alive=True, quiet=True,
-          advice="the job waits in Slurm's queue for the reason shown (Priority, Resources, ReqNodeNotAvail, ...); "
-          "`squeue --start -j ID` estimates when it starts."),
-    State("STOPPING", 0, colour="cyan", alive=True, quiet=True,
-          advice="a stop was requested (`dflashctl kill`); no watcher restarts this job."),
+    State(
+        "PENDING",
+        0,
+        colour="cyan",
+        alive=True,
+        quiet=True,
+        advice="the job waits in Slurm's queue for the reason shown (Priority, Resources, ReqNodeNotAvail, ...); "
+        "`squeue --start -j ID` estimates when it starts.",
+    ),
+    State(
+        "QUEUED",
+        0,
+        colour="cyan",
+        alive=True,
+        quiet=True,
+        advice="the job waits on its host for GPUs another job holds (`launch --queue`): it starts by itself when they "
+        "free, first come first served, with no laptop attached; `dflashctl kill` takes it out of the queue.",
+    ),
+    State(
+        "STOPPING",
+        0,
+        colour="cyan",
+        alive=True,
+        quiet=True,
+        advice="a stop was requested (`dflashctl kill`); no watcher restarts this job.",
+    ),
     State("FINISHED", 0, terminal=True, colour="bold green", end=True, restart="never"),
-    State("CRASHED", 10, terminal=True, failure=True, restart="default",
-          advice="fix the exception shown; where it was transient, a restart resumes from the newest checkpoint."),
-    State("OOM", 11, terminal=True, failure=True, restart="yes",
-          advice="lower data.batch_size or anchors_per_seq, turn on drafter.activation_checkpointing, or drop the "
-          "largest bucket."),
-    State("NCCL_TIMEOUT", 12, terminal=True, failure=True, restart="default", cascade=True,
-          advice="a rank hung or died inside a collective: read the other ranks' lines and check the GPUs; a restart "
-          "with --resume usually helps."),
-    State("STALLED", 13, failure=True, colour="yellow", restart="default", alive=True, running=True, cascade=True,
-          advice="read `dflashctl logs` and dump the processes (py-spy); a restart resumes from the newest "
-          "checkpoint."),
-    State("DENSE_FALLBACK", 14, terminal=True, failure=True, restart="never",
-          advice="flex_attention ran, or was about to run, without compile: check TORCH_COMPILE_DISABLE, the "
-          "recompile limit and the preflight buckets." + NOT_RESTARTED),
-    State("RECOMPILE_LIMIT", 15, terminal=True, failure=True, restart="never",
-          advice="shapes vary more than the compiled buckets allow: fix the bucketing or raise "
-          "attention.recompile_limit." + NOT_RESTARTED),
-    State("LOST", 16, terminal=True, failure=True, restart="yes", cascade=True,
-          advice="the tmux session or the run dir disappeared (reboot, or killed by someone): relaunch it."),
-    State("CONFIG_ERROR", 17, terminal=True, failure=True, restart="never",
-          advice="fix the config key, module or file named; the job did not start training." + NOT_RESTARTED),
-    State("UNREACHABLE", 18, colour="magenta", alive=True, quiet=True,
-          advice="the host does not answer; the job's last known state is kept until it does."),
-    State("PROBE_FAILED", 19, terminal=True, failure=True, alive=True,
-          advice="the host answered but the probe failed there: check the host's `python:` setting and its disk; "
-          "the error is shown."),
+    State(
+        "CRASHED",
+        10,
+        terminal=True,
+        failure=True,
+        restart="default",
+        advice="fix the exception shown; where it was transient, a restart resumes from the newest checkpoint.",
+    ),
+    State(
+        "OOM",
+        11,
+        terminal=True,
+        failure=True,
+        restart="yes",
+        advice="lower data.batch_size or anchors_per_seq, turn on drafter.activation_checkpointing, or drop the "
+        "largest bucket.",
+    ),
+    State(
+        "NCCL_TIMEOUT",
+        12,
+        terminal=True,
+        failure=True,
+        restart="default",
+        cascade=True,
+        advice="a rank hung or died inside a collective: read the other ranks' lines and check the GPUs; a restart "
+        "with --resume usually helps.",
+    ),
+    State(
+        "STALLED",
+        13,
+        failure=True,
+        colour="yellow",
+        restart="default",
+        alive=True,
+        running=True,
+        cascade=True,
+        advice="read `dflashctl logs` and dump the processes (py-spy); a restart resumes from the newest checkpoint.",
+    ),
+    State(
+        "DENSE_FALLBACK",
+        14,
+        terminal=True,
+        failure=True,
+        restart="never",
+        advice="flex_attention ran, or was about to run, without compile: check TORCH_COMPILE_DISABLE, the "
+        "recompile limit and the preflight buckets." + NOT_RESTARTED,
+    ),
+    State(
+        "RECOMPILE_LIMIT",
+        15,
+        terminal=True,
+        failure=True,
+        restart="never",
+        advice="shapes vary more than the compiled buckets allow: fix the bucketing or raise "
+        "attention.recompile_limit." + NOT_RESTARTED,
+    ),
+    State(
+        "LOST",
+        16,
+        terminal=True,
+        failure=True,
+        restart="yes",
+        cascade=True,
+        advice="the tmux session or the run dir disappeared (reboot, or killed by someone): relaunch it.",
+    ),
+    State(
+        "CONFIG_ERROR",
+        17,
+        terminal=True,
+        failure=True,
+        restart="never",
+        advice="fix the config key, module or file named; the job did not start training." + NOT_RESTARTED,
+    ),
+    State(
+        "UNREACHABLE",
+        18,
+        colour="magenta",
+        alive=True,
+        quiet=True,
+        advice="the host does not answer; the job's last known state is kept until it does.",
+    ),
+    State(
+        "PROBE_FAILED",
+        19,
+        terminal=True,
+        failure=True,
+        alive=True,
+        advice="the host answered but the probe failed there: check the host's `python:` setting and its disk; "
+        "the error is shown.",
+    ),
     State("KILLED", 20, terminal=True, colour="yellow", end=True),
-    State("KILL_FAILED", 21, terminal=True, failure=True, end=True,
-          advice="run `dflashctl kill` again on this job: it retries the same job and names what survived."),
-    State("DIVERGED", 22, terminal=True, failure=True, restart="yes",
-          advice="the loss or the gradient norm is NaN/inf: lower optim.lr, check the data and the target's dtype; "
-          "resume from the checkpoint before the divergence (no non-finite one is kept). Not restarted by default: "
-          "it would diverge again."),
-    State("GPU_FAULT", 23, terminal=True, failure=True, restart="never",
-          advice="a GPU failed in hardware (ECC, Xid, fallen off the bus): relaunch on other GPUs (`gpus:`) and have "
-          "the GPU checked (`nvidia-smi -q -d ECC,PAGE_RETIREMENT`). Never restarted onto that GPU."),
-    State("HOST_OOM", 24, terminal=True, failure=True, restart="yes",
-          advice="the host ran out of RAM and the kernel killed a rank: lower host RAM per rank (fewer dataloader "
-          "workers, smaller prefetch, no host copies of the target) or use fewer ranks per host."),
-    State("DISK_FULL", 25, terminal=True, failure=True, restart="yes",
-          advice="the run dir's file system is full: free space (old checkpoints, inductor caches) or lower "
-          "checkpoint.keep; not restarted while the disk is still full."),
-    State("TIMEOUT", 26, terminal=True, failure=True, restart="default",
-          advice="the job ran out of its wall time (sbatch --time): a restart resubmits it with --resume from the "
-          "newest checkpoint; ask for a longer `time:` to need fewer."),
-    State("PREEMPTED", 27, terminal=True, failure=True, restart="default",
-          advice="the scheduler took the nodes for a job of higher priority: a restart resubmits with --resume."),
-    State("NODE_FAIL", 28, terminal=True, failure=True, restart="default",
-          advice="a node of the allocation failed: a restart resubmits with --resume, excluding that node."),
-    State("CANCELLED", 29, terminal=True, failure=True, restart="never",
-          advice="the Slurm job was cancelled outside dflashctl (scancel, an administrator): relaunch it if that was "
-          "not meant. Not restarted: someone stopped it on purpose."),
-    State("INCOMPLETE", 30, colour="yellow", quiet=True, recorded=False,
-          advice="the log shows no failure and no normal end: it was cut off, the job is still running, or it ended "
-          "in a way no signature knows. Read its last lines (`dflashctl logs`), or ask `dflashctl status`."),
-    State("NCCL_ERROR", 31, terminal=True, failure=True, restart="default", cascade=True,
-          advice="the connection between ranks broke (a connection reset, an InfiniBand or socket error, a peer "
-          "gone): check the interconnect on the hosts named (`ibstat`, NCCL_SOCKET_IFNAME / NCCL_IB_HCA, the "
-          "switch), then restart with --resume; if it repeats on one host, leave that host out."),
-    State("REMOVED", 32, terminal=True, colour="dim", record_only=True,
-          advice="`dflashctl gc` removed its run dir: nothing of it is left on the host (`dflashctl ls --forget ID` "
-          "drops the record)."),
+    State(
+        "KILL_FAILED",
+        21,
+        terminal=True,
+        failure=True,
+        end=True,
+        advice="run `dflashctl kill` again on this job: it retries the same job and names what survived.",
+    ),
+    State(
+        "DIVERGED",
+        22,
+        terminal=True,
+        failure=True,
+        restart="yes",
+        advice="the loss or the gradient norm is NaN/inf: lower optim.lr, check the data and the target's dtype; "
+        "resume from the checkpoint before the divergence (no non-finite one is kept). Not restarted by default: "
+        "it would diverge again.",
+    ),
+    State(
+        "GPU_FAULT",
+        23,
+        terminal=True,
+        failure=True,
+        restart="never",
+        advice="a GPU failed in hardware (ECC, Xid, fallen off the bus): relaunch on other GPUs (`gpus:`) and have "
+        "the GPU checked (`nvidia-smi -q -d ECC,PAGE_RETIREMENT`). Never restarted onto that GPU.",
+    ),
+    State(
+        "HOST_OOM",
+        24,
+        terminal=True,
+        failure=True,
+        restart="yes",
+        advice="the host ran out of RAM and the kernel killed a rank: lower host RAM per rank (fewer dataloader "
+        "workers, smaller prefetch, no host copies of the target) or use fewer ranks per host.",
+    ),
+    State(
+        "DISK_FULL",
+        25,
+        terminal=True,
+        failure=True,
+        restart="yes",
+        advice="the run dir's file system is full: free space (old checkpoints, inductor caches) or lower "
+        "checkpoint.keep; not restarted while the disk is still full.",
+    ),
+    State(
+        "TIMEOUT",
+        26,
+        terminal=True,
+        failure=True,
+        restart="default",
+        advice="the job ran out of its wall time (sbatch --time): a restart resubmits it with --resume from the "
+        "newest checkpoint; ask for a longer `time:` to need fewer.",
+    ),
+    State(
+        "PREEMPTED",
+        27,
+        terminal=True,
+        failure=True,
+        restart="default",
+        advice="the scheduler took the nodes for a job of higher priority: a restart resubmits with --resume.",
+    ),
+    State(
+        "NODE_FAIL",
+        28,
+        terminal=True,
+        failure=True,
+        restart="default",
+        advice="a node of the allocation failed: a restart resubmits with --resume, excluding that node.",
+    ),
+    State(
+        "CANCELLED",
+        29,
+        terminal=True,
+        failure=True,
+        restart="never",
+        advice="the Slurm job was cancelled outside dflashctl (scancel, an administrator): relaunch it if that was "
+        "not meant. Not restarted: someone stopped it on purpose.",
+    ),
+    State(
+        "INCOMPLETE",
+        30,
+        colour="yellow",
+        quiet=True,
+        recorded=False,
+        advice="the log shows no failure and no normal end: it was cut off, the job is still running, or it ended "
+        "in a way no signature knows. Read its last lines (`dflashctl logs`), or ask `dflashctl status`.",
+    ),
+    State(
+        "NCCL_ERROR",
+        31,
+        terminal=True,
+        failure=True,
+        restart="default",
+        cascade=True,
+        advice="the connection between ranks broke (a connection reset, an InfiniBand or socket error, a peer "
+        "gone): check the interconnect on the hosts named (`ibstat`, NCCL_SOCKET_IFNAME / NCCL_IB_HCA, the "
+        "switch), then restart with --resume; if it repeats on one host, leave that host out.",
+    ),
+    State(
+        "REMOVED",
+        32,
+        terminal=True,
+        colour="dim",
+        record_only=True,
+        advice="`dflashctl gc` removed its run dir: nothing of it is left on the host (`dflashctl ls --forget ID` "
+        "drops the record).",
+    ),
+    State(
+        "SETUP_FAILED",
+        33,
+        terminal=True,
+        failure=True,
+        restart="never",
+        advice="the job file's `setup:` failed or ran past `setup_timeout_s`; its last lines are the evidence, all of "
+        "its output is the run dir's setup.log. Fix it and launch again: the job's command never started, and no "
+        "success was recorded for this release, so the next launch runs the setup again." + NOT_RESTARTED,
+    ),
 )
 
 
@@ -226,6 +394,8 @@ class History:
     exit_age_s: float | None = None  # since exit_code was first seen, remote monotonic clock (None: exit_time's)
     stop_age_s: float | None = None  # since the stop request was first seen, likewise (None: its `time`'s)
     history_error: str | None = None  # the run dir's progress history could not be written: one look judges
+    queue: dict | None = None  # the run dir's ticket (queue.json): the job waits on its host for its GPUs
+    setup: dict | None = None  # this attempt's setup step (setup.json): waiting, running, done or failed, its tail
 
 
 @dataclass

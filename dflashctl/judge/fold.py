@@ -89,8 +89,12 @@ def fold(h: History, snap: dict, job: Job, tail: deque, log_offset: int = 0, met
         if h.scheduler.get("state") == "NO_ANSWER" and last_state not in (None, "UNREACHABLE"):
             h.last_state = last_state  # kept through the scheduler's silence, as the host's
     prog = snap.get("progress") if isinstance(snap.get("progress"), dict) else {}
+    h.queue = snap.get("queue") if isinstance(snap.get("queue"), dict) else None
+    h.setup = snap.get("setup") if isinstance(snap.get("setup"), dict) else None
+    if h.queue is not None:
+        h.started_at = 0.0  # queued: the attempt starts when the job leaves the queue (its launcher's own start)
     created = number(prog.get("attempt_start")) or number(pane.get("created"))
-    if created and not h.started_at:
+    if created and not h.started_at and h.queue is None:
         h.started_at = min(created, h.now) if h.now else created
     h.run_dir_exists = bool(snap.get("run_dir_exists"))
     h.exit_code = snap.get("exit_code") if isinstance(snap.get("exit_code"), int) else None

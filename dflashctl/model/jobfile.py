@@ -187,6 +187,11 @@ class JobConfig(BaseModel):
     gpus: list[StrictInt] | StrictInt | None = Field(None, description="GPU indices, or a count (0..N-1); none = CPU")
     trainer: dict[str, Any] | str | None = Field(None, description="the bundled trainer's config, inline or a path")
     command: str | None = Field(None, description="any command line, run in the deployed code directory")
+    setup: str | None = Field(None, description="a command run once per release of the code on each host, before the "
+                              "job (`pip install -r requirements.txt`), in the job's environment and release; its "
+                              "output in the run dir's setup.log; a failure is SETUP_FAILED, never restarted")
+    setup_timeout_s: float = Field(3600.0, gt=0, le=7 * 86400, description="a setup still running after this long is "
+                                   "stopped: SETUP_FAILED")
     nproc_per_node: StrictInt | None = Field(None, ge=1, le=64,
                                              description="processes (torchrun); default: one per GPU")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables")
@@ -234,7 +239,7 @@ class JobConfig(BaseModel):
                 raise ValueError(f"{k}: value holds a NUL byte")
         return value
 
-    @field_validator("command")
+    @field_validator("command", "setup")
     @classmethod
     def _command(cls, value: str | None) -> str | None:
         if value is not None and (not value.strip() or "\0" in value):

@@ -149,8 +149,22 @@ def render_env_file(env: dict[str, str], job: JobConfig, redact: bool = False) -
     return "".join(f"{k}={v}\0" for k, v in env.items())
 
 
+# run.sh's setup step (a job file's `setup:`): the agent runs setup.sh once per release (agent/setup.py); a failure
+# ends the attempt with the setup's exit status before the command starts
+SETUP_STEP = """if [ -f "$RUN/setup.sh" ]; then
+  "${DFLASHCTL_AGENT_PYTHON:-python3}" -I -S "$RUN/agent.pyz" launch --setup "$RUN" 2>&1 | tee -a "$RUN/train.log"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -ne 0 ]; then
+    printf '%s\\n' "$rc" > "$RUN/exit_code.tmp" && mv -f "$RUN/exit_code.tmp" "$RUN/exit_code"; exit "$rc"
+  fi
+fi
+"""
+
+
 def render_wrapper(job: JobConfig, job_id: str, release: str) -> str:
-    """run.sh: the job's environment from job.env (never pasted into this script), the release, the log, the end."""
+    """run.sh: the job's environment from job.env (never pasted into this script), the release, the setup step where
+    the job file has one, the log, the end."""
+    setup = SETUP_STEP if job.setup else ""
     return f"""#!/usr/bin/env bash
 # Written by `dflashctl launch` for job {job_id}: runs command.sh in release {release} of the code with the
 # environment of job.env, copies its output into train.log, records its exit status in exit_code.
@@ -166,7 +180,7 @@ if ! cd "$RUN/../../releases/{release}" 2>/dev/null; then
   echo "[dflashctl] $(stamp) release {release} is not deployed next to $RUN (run dflashctl deploy)" >> "$RUN/train.log"
   echo 1 > "$RUN/exit_code"; exit 1
 fi
-echo "[dflashctl] $(stamp) start $*" >> "$RUN/train.log"
+{setup}echo "[dflashctl] $(stamp) start $*" >> "$RUN/train.log"
 bash --noprofile --norc "$RUN/command.sh" "$@" 2>&1 | tee -a "$RUN/train.log"
 rc=${{PIPESTATUS[0]}}
 echo "[dflashctl] $(stamp) exit $rc" >> "$RUN/train.log"
@@ -237,11 +251,12 @@ exit "$rc"
 def run_files(
     job: JobConfig, job_id: str, python: str, trainer_cfg: dict | None, release: str, redact: bool = False,
     node: NodePlace | None = None, cluster: SlurmHost | None = None, project: str | None = None,
-    run_dir: str | None = None, members: list[dict] | None = None,
+    run_dir: str | None = None, members: list[dict] | None = None, overridden: dict | None = None,
 ) -> dict[str, str]:  # fmt: skip
-    """The files of a run dir, as written at launch; restarts reuse them (the job file is snapshotted here). A Slurm
-    job has `sbatch.sh` where a tmux job has `run.sh` and `tmux.conf`; both have job.env, written for `run_dir`: the
-    environment that run.sh or sbatch.sh, `exec` and `shell` all read (without `run_dir`, none is written)."""
+    """The files of a run dir, as written at launch; restarts reuse them (the job file is snapshotted here, with what
+    `launch`'s options overrode: `overridden`, secrets as ***). A Slurm job has `sbatch.sh` where a tmux job has
+    `run.sh` and `tmux.conf`; both have job.env, written for `run_dir`: the environment that run.sh or sbatch.sh,
+    `exec` and `shell` all read (without `run_dir`, none is written). A job file's `setup:` is `setup.sh`."""
     scheduled = cluster is not None
     command = trainer_command(job, python, node, scheduled) if job.trainer is not None else job.command
     snapshot = redact_job_snapshot(job.model_dump(mode="json"))  # the secrets' values live in job.env alone
@@ -256,8 +271,12 @@ def run_files(
         "job.json": json.dumps({"id": job_id, "name": job.name, "session": node_session(job_id, node),
                                 "release": release, "gpus": gpus, **where, "secret_names": secrets,
                                 **({"project": project} if project else {}),
+                                **({"overridden": overridden} if overridden else {}),
                                 "job": snapshot}, indent=1),  # fmt: skip
     }
+    if job.setup is not None and not scheduled:
+        # the same header for every job: the setup's record of success is keyed by this file's hash
+        files["setup.sh"] = f"# the job file's setup: run once per release of the code on this host\n{job.setup}\n"
     if scheduled:
         files["sbatch.sh"] = render_sbatch(job, job_id, release, cluster)
     else:

@@ -13,9 +13,12 @@ TITLE = "jobs (states as last seen: `dflashctl ls --refresh` asks again)"
 
 
 def state_cell(j: JobRecord, now: float) -> str:
-    """A queued Slurm job says why it waits (Slurm's reason); a removed one, who removed it and when."""
+    """A queued Slurm job says why it waits (Slurm's reason), a job in a host's queue its place and what holds its
+    GPUs; a removed one, who removed it and when."""
     if j.state == REMOVED and j.removed_at:
         return f"REMOVED {ago(now - j.removed_at)} by {j.removed_by}"
+    if j.state == "QUEUED" and j.reason:
+        return f"QUEUED: {j.reason}"
     return f"PENDING: {j.reason.split(': ', 1)[-1]}" if j.state == "PENDING" and j.reason else j.state
 
 

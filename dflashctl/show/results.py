@@ -21,14 +21,31 @@ def deployed(report, host: str, dry_run: bool) -> None:
 def launched(report) -> None:
     for what in report.overrides:
         err.print(f"[yellow]--force overrides:[/] {what}")
+    for key, value in report.overridden.items():
+        shown = " ".join(f"{k}={v}" for k, v in value.items()) if isinstance(value, dict) else value
+        err.print(f"--{key} over the job file: {shown}", markup=False)
+    verb = "would send" if report.dry_run else "sent"
+    for d in report.deployed:  # the host's code was not the local tree: what the launch's deploy sent first
+        err.print(f"{d['host']}: deployed code differed from the local tree: {verb} {d['files_sent']} files "
+                  f"({d['bytes_sent'] / 1e6:.2f} MB), deleted {d['files_deleted']}, release {d['version']}"
+                  + (f": {', '.join(d['sent'][:5])}{' ...' if len(d['sent']) > 5 else ''}" if d["sent"] else ""),
+                  markup=False)  # fmt: skip
+    q = report.queued
     if report.dry_run:
-        out.print(f"[bold]would launch[/] {report.id} on {report.host} (release {report.release})")
+        out.print(f"[bold]would {'queue' if q else 'launch'}[/] {report.id} on {report.host} (release "
+                  f"{report.release})" + (f": waiting for {'; '.join(q['waiting_for'])}" if q else ""))  # fmt: skip
         for cmd in report.remote_commands:
             out.print(f"remote: {cmd}", markup=False)
         for name, text in report.files.items():
             out.print(f"--- {report.run_dir}/{name}\n{text}", markup=False)
         return
-    out.print(f"launched [bold]{report.id}[/] on {report.host}: pane pid {report.pane_pid}, run dir {report.run_dir}")
+    if q:
+        out.print(f"queued [bold]{report.id}[/] on {report.host}: place {q['position']} in the host's queue, waiting "
+                  f"for {'; '.join(q['waiting_for'])}; it starts by itself when they free (`dflashctl kill "
+                  f"{report.id}` takes it out); run dir {report.run_dir}")  # fmt: skip
+    else:
+        out.print(f"launched [bold]{report.id}[/] on {report.host}: pane pid {report.pane_pid}, run dir "
+                  f"{report.run_dir}")  # fmt: skip
     out.print(f"next: dflashctl watch {report.id}   (or: dflashctl logs -f {report.id})")
 
 
