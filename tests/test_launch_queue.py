@@ -45,6 +45,8 @@ def test_queued_launches_wait_in_order_and_never_share_a_gpu(proj, free_gpu):  #
     assert res.code == 2 and f"GPU 0 held by job {holder}" in res.stderr and "--queue waits" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     files = [job_file(proj, f"q{side}", "echo q-started; sleep 300", GPU0) for side in "ab"]
+    dry = json.loads(run_cli("launch", files[0], "--queue", "--dry-run", "--json").stdout)  # says it would wait
+    assert dry["queued"]["waiting_for"] == [f"GPU 0 held by job {holder}"] and dry["queued"]["ticket"] is None
     results: list = [None, None]
 
     def go(k: int) -> None:

@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 
-from .common import STOP_REQUEST, locked, write_atomic
+from .common import STOP_REQUEST, LockTimeout, locked, write_atomic
 from .procs import TMUX, _run
 from .queue import LAUNCH_LOCK, POLL_S, QUEUE, STOP_POLL_S, entry, place, say
 from .starting import claims, our_live_jobs, pane_command
@@ -55,7 +55,10 @@ def wait_then_start(run_dir: str) -> bool:
     while True:
         if _stop_asked(run_dir):
             return False
-        why = _look(run_dir, q)
+        try:
+            why = _look(run_dir, q)
+        except LockTimeout:  # a launch or another waiter held the host lock for minutes: still in line, look again
+            continue
         if why == []:
             return False
         if why is None:
