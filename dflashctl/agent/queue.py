@@ -61,9 +61,9 @@ def next_ticket(wd: str) -> int:
 def enqueue(run_dir: str, wd: str, req: dict, why: list[str], ahead: int) -> dict:
     """Put a just-made run dir in the queue (under the host lock): its ticket, what it waits for, its place."""
     body = {"ticket": next_ticket(wd), "state": "waiting", "since": round(time.time(), 3), "gpus": sorted(req["gpus"]),
-            "waiting_for": why[:8], "position": ahead + 1, "workdir": wd, "job_id": req["job_id"],
-            "name": req["name"], "session": req["session"], "python": req["python"],
-            "tmux_socket": req.get("tmux_socket") or "dflashctl", "project": req.get("project")}  # fmt: skip
+            "waiting_for": why[:8], "position": ahead + 1, "job_id": req["job_id"], "name": req["name"],
+            "session": req["session"], "tmux_socket": req.get("tmux_socket") or "dflashctl",
+            "project": req.get("project")}  # fmt: skip
     write_atomic(os.path.join(run_dir, QUEUE), json.dumps(body).encode())
     return body
 
@@ -79,12 +79,15 @@ def place(live: list[dict], ticket: int) -> int:
 
 
 def say(run_dir: str, line: str) -> None:
-    """A line of ours in the job's train.log (what `logs` and `attach` show of the queue)."""
+    """A line of ours in the job's train.log and its pane (what `logs` and `attach` show of the queue)."""
+    text = f"[dflashctl] {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {line}\n"
+    with contextlib.suppress(OSError, ValueError):
+        print(text, end="", flush=True)
     with contextlib.suppress(OSError):
         fd = open_regular(os.path.join(run_dir, "train.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         if fd is not None:
             with os.fdopen(fd, "a") as f:
-                f.write(f"[dflashctl] {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {line}\n")
+                f.write(text)
 
 
 def dequeue(run_dir: str) -> bool:
