@@ -96,6 +96,7 @@ def test_a_kill_takes_a_queued_job_out_before_anything_of_it_runs(proj, free_gpu
     assert waiting["queued"]["position"] == 1 and behind["queued"]["position"] == 2
     killed = cli_json("kill", waiting["id"])
     assert killed["result"] == "KILLED" and killed["remaining"] == [] and killed["session_closed"], killed
+    assert killed["dequeued"] is True, killed
     run = Path(waiting["run_dir"])
     assert status_json(waiting["id"])["state"] == "KILLED"
     assert not (run / "queue.json").exists() and not started(run) and not (run / "wrapper.pid").exists()

@@ -262,14 +262,18 @@ class Supervisor:
             append_jsonl(os.path.join(self.run, "events.jsonl"), [event])
 
     def facts(self) -> tuple:
-        """What ends or stops an attempt, read cheaply (a few stats): the run dir, a stop request, an exit status,
-        the launcher alive."""
+        """What ends or stops an attempt, or starts its job, read cheaply (a few stats): the run dir, a stop request,
+        an exit status, the launcher alive, the setup step's file (its end starts the job)."""
         run = self.run
         me = read_json(os.path.join(run, WRAPPER_PID)) if not self.scheduled else None
         launcher = (start_time(me["pid"]) == me.get("start")) if isinstance(me, dict) and isinstance(me.get("pid"),
                                                                                                  int) else None
+        try:
+            setup = os.stat(os.path.join(run, "setup.json")).st_mtime_ns
+        except OSError:
+            setup = None
         return (os.path.isdir(run), os.path.exists(os.path.join(run, STOP_REQUEST)),
-                os.path.exists(os.path.join(run, "exit_code")), launcher)  # fmt: skip
+                os.path.exists(os.path.join(run, "exit_code")), launcher, setup)  # fmt: skip
 
     def news(self) -> bool:
         """One of `facts` changed since the last look: the next look is taken now, not at the end of the interval

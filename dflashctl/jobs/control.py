@@ -32,6 +32,7 @@ class KillReport:
     ended_before: int | None = None  # the job's exit status, where it had ended before the kill
     verdict: dict | None = None  # then its own verdict, kept: {state, reason, evidence}
     notices: dict | None = None  # the run dir's outbox after the kill's own notice: waiting, failed, sent
+    dequeued: bool = False  # it was queued (launch --queue): taken out of the queue, it never started
 
     @property
     def clean(self) -> bool:
@@ -68,7 +69,8 @@ def stop(runner: Runner, job: JobRecord, grace_s: float | None = None) -> KillRe
     ended = ans.get("ended_before")
     return KillReport(id=job.id, host=host.name, result=ans["result"], found=ans["found"], term=ans["term"],
                       kill=ans["kill"], remaining=ans["remaining"], gpu_holders=holders, gpu_check=check,
-                      session_closed=ans["session_closed"], ended_before=ended if isinstance(ended, int) else None)
+                      session_closed=ans["session_closed"], ended_before=ended if isinstance(ended, int) else None,
+                      dequeued=ans.get("dequeued") is True)
 
 
 @dataclass
@@ -129,6 +131,7 @@ def stop_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], grace_
         gpu_check="; ".join(f"{r.host}: {r.gpu_check}" for r in reports),
         session_closed=all(r.session_closed for r in reports),
         ended_before=ended[0] if all(e is not None for e in ended) else None,
+        dequeued=all(r.dequeued for r in reports),
     )
 
 

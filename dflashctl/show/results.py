@@ -54,6 +54,9 @@ def killed(report) -> None:
         v = report.verdict
         out.print(f"{report.id} had already ended (exit {report.ended_before}): {v['state']}: {v['reason']}; its "
                   "verdict is kept, and no watcher or supervisor will restart it", markup=False)  # fmt: skip
+    elif report.clean and report.dequeued and not report.term:
+        out.print(f"took {report.id} out of the queue on {report.host}: it never started; nothing of it is left",
+                  markup=False)  # fmt: skip
     elif report.clean:
         out.print(f"killed {report.id} on {report.host}: SIGTERM to {len(report.term)} processes {report.term}, "
                   f"SIGKILL to {len(report.kill)} {report.kill}")  # fmt: skip
