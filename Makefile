@@ -55,6 +55,7 @@ venv: $(VENV)/.installed
 
 lint: venv
 	$(VENV)/bin/ruff check dflashctl trainer tests bench
+	$(VENV)/bin/ruff format --check dflashctl trainer tests bench
 
 # Two workers, one test module at a time each: the end-to-end tests spend much of their time waiting on processes,
 # so two run side by side on a 2-core machine (about 1.5 cores busy on average).

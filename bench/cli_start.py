@@ -55,8 +55,13 @@ def main() -> None:
     print(f"| command | median s ({args.repeat} runs) |\n| --- | --- |")
     for name, s in rows.items():
         print(f"| `{name}` | {s:.3f} |")
-    out = {"machine": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-           "date": time.strftime("%Y-%m-%d"), "median_s": rows}  # fmt: skip
+    out = {
+        "machine": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "median_s": rows,
+    }
     (ROOT / "bench" / "results" / "cli-start.json").write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -61,8 +61,9 @@ def main() -> None:
         return rep, SshRunner.connections_opened - before
 
     def rsync(dst: str = "dst-rsync", *extra: str):
-        subprocess.run(["rsync", "-a", *extra, "--delete", "-e", ssh_cmd, f"{src}/", f"root@127.0.0.1:{work}/{dst}/"],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            ["rsync", "-a", *extra, "--delete", "-e", ssh_cmd, f"{src}/", f"root@127.0.0.1:{work}/{dst}/"], check=True
+        )
 
     fresh = iter(range(10**6))
 
@@ -118,29 +119,51 @@ def main() -> None:
 
     py = platform.python_version()
     print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores; python {py}")
-    print(f"tree: {args.files} files, {args.mb} MB; median of {args.repeat} ({args.repeat_first} for first deploys); "
-          f"ssh connections per deploy: {conns}")
+    print(
+        f"tree: {args.files} files, {args.mb} MB; median of {args.repeat} ({args.repeat_first} for first deploys); "
+        f"ssh connections per deploy: {conns}"
+    )
     print("| case | dflashctl deploy (s) | rsync -a over ssh (s) |")
     print("| --- | --- | --- |")
     print(f"| first deploy (everything) | {first_s:.3f} | {rsync_first_s:.3f} |")
     print(f"| no change | {nochange_ours:.3f} | {nochange_rsync:.3f} |")
     print(f"| one file changed | {one_change_ours:.3f} | {one_change_rsync:.3f} |")
     print(f"one file changed, ours / rsync paired (median of {args.repeat} alternating pairs): {one_ratio:.3f}")
-    print(f"| first deploy, rsync with --fsync (every file durable, as a release is) | | "
-          f"{statistics.median(firsts['rsync_fsync']):.3f} |")
-    print(f"first deploy sent {first.files_sent} files, {first.bytes_sent / 1e6:.1f} MB; each first deploy (s): "
-          + ", ".join(f"{k} {[round(x, 2) for x in v]}" for k, v in firsts.items()))
-    out = {"machine": f"{platform.node()} {platform.machine()}", "cpu_count": os.cpu_count(), "python": py,
-           "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "files": args.files, "mb": args.mb,
-           "repeat": args.repeat, "repeat_first": args.repeat_first,
-           "first_each_s": {k: [round(x, 3) for x in v] for k, v in firsts.items()},
-           "ssh_connections_per_deploy": conns,
-           "median_s": {"first": {"dflashctl": round(first_s, 3), "rsync": round(rsync_first_s, 3),
-                                  "rsync_fsync": round(statistics.median(firsts["rsync_fsync"]), 3)},
-                        "no_change": {"dflashctl": round(nochange_ours, 3), "rsync": round(nochange_rsync, 3)},
-                        "one_file": {"dflashctl": round(one_change_ours, 3), "rsync": round(one_change_rsync, 3),
-                                     "paired_ratio": round(one_ratio, 3),
-                                     "pairs": [[round(a, 3), round(b, 3)] for a, b in pairs]}}}
+    print(
+        f"| first deploy, rsync with --fsync (every file durable, as a release is) | | "
+        f"{statistics.median(firsts['rsync_fsync']):.3f} |"
+    )
+    print(
+        f"first deploy sent {first.files_sent} files, {first.bytes_sent / 1e6:.1f} MB; each first deploy (s): "
+        + ", ".join(f"{k} {[round(x, 2) for x in v]}" for k, v in firsts.items())
+    )
+    out = {
+        "machine": f"{platform.node()} {platform.machine()}",
+        "cpu_count": os.cpu_count(),
+        "python": py,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+        "files": args.files,
+        "mb": args.mb,
+        "repeat": args.repeat,
+        "repeat_first": args.repeat_first,
+        "first_each_s": {k: [round(x, 3) for x in v] for k, v in firsts.items()},
+        "ssh_connections_per_deploy": conns,
+        "median_s": {
+            "first": {
+                "dflashctl": round(first_s, 3),
+                "rsync": round(rsync_first_s, 3),
+                "rsync_fsync": round(statistics.median(firsts["rsync_fsync"]), 3),
+            },
+            "no_change": {"dflashctl": round(nochange_ours, 3), "rsync": round(nochange_rsync, 3)},
+            "one_file": {
+                "dflashctl": round(one_change_ours, 3),
+                "rsync": round(one_change_rsync, 3),
+                "paired_ratio": round(one_ratio, 3),
+                "pairs": [[round(a, 3), round(b, 3)] for a, b in pairs],
+            },
+        },
+    }
     (Path(__file__).resolve().parent / "results" / "deploy.json").write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -55,9 +55,11 @@ KUBECTL = "[pod/drafter-train-0/trainer] 2026-12-01T05:{:02d}:{:02d}.{:09d}Z "
 def write_log(path: Path, mb: int, prefixed: bool = False) -> None:
     step = "step {}/2000000 epoch 0 loss {:.4f} acc 0.512 lr 5.97e-04 grad_norm 0.402 62,140 tok/s peak 58.1 GiB\n"
     warn = "W1201 05:10:44.118000 77120 torch/_inductor/utils.py:1250] [0/0] Not enough SMs to use max_autotune\n"
-    end = ("Traceback (most recent call last):\n  File \"/opt/venv/lib/torch/_tensor.py\", line 631, in backward\n"
-           "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 46.00 GiB. GPU 0 has a total capacity "
-           "of 139.80 GiB of which 1.05 GiB is free.\n")  # fmt: skip
+    end = (
+        'Traceback (most recent call last):\n  File "/opt/venv/lib/torch/_tensor.py", line 631, in backward\n'
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 46.00 GiB. GPU 0 has a total capacity "
+        "of 139.80 GiB of which 1.05 GiB is free.\n"
+    )
     with path.open("w") as f:
         i = 0
 
@@ -70,8 +72,10 @@ def write_log(path: Path, mb: int, prefixed: bool = False) -> None:
             i += 1
             put(warn if i % 5000 == 0 else step.format(i, 2.5 - (i % 1000) * 1e-4))
             if i == 1_000_000:
-                put("W1130 18:02:10.258000 4976 torch/_dynamo/convert_frame.py:1358] [0/2] torch._dynamo hit "
-                    "config.recompile_limit (2)\n")  # fmt: skip
+                put(
+                    "W1130 18:02:10.258000 4976 torch/_dynamo/convert_frame.py:1358] [0/2] torch._dynamo hit "
+                    "config.recompile_limit (2)\n"
+                )
         put(end)
 
 
@@ -131,10 +135,15 @@ def main() -> None:
     print(f"{'diagnose':24}{o_s:>10.2f}{rows['diagnose_peak_rss_mb']:>14.0f}   {rows['state']}, {rows['ratio']}x")
     if args.gz:
         gb, go = statistics.median(x[0] for x in gz_base), statistics.median(x[0] for x in gz_ours)
-        rows.update(gz_mb=round(packed_size / 2**20, 1), gz_baseline_s=round(gb, 3),
-                    gz_baseline_peak_rss_mb=round(max(x[1] for x in gz_base), 1), gz_diagnose_s=round(go, 3),
-                    gz_diagnose_peak_rss_mb=round(max(x[1] for x in gz_ours), 1), gz_ratio=round(go / gb, 2),
-                    gz_state=gz_ours[0][2])  # fmt: skip
+        rows.update(
+            gz_mb=round(packed_size / 2**20, 1),
+            gz_baseline_s=round(gb, 3),
+            gz_baseline_peak_rss_mb=round(max(x[1] for x in gz_base), 1),
+            gz_diagnose_s=round(go, 3),
+            gz_diagnose_peak_rss_mb=round(max(x[1] for x in gz_ours), 1),
+            gz_ratio=round(go / gb, 2),
+            gz_state=gz_ours[0][2],
+        )
         print(f"{'gzip one-regex loop':24}{gb:>10.2f}{rows['gz_baseline_peak_rss_mb']:>14.0f}")
         print(
             f"{'diagnose (gzip)':24}{go:>10.2f}{rows['gz_diagnose_peak_rss_mb']:>14.0f}   {rows['gz_state']}, "
@@ -142,9 +151,13 @@ def main() -> None:
         )
     if args.prefixed:
         pb, po = statistics.median(x[0] for x in px_base), statistics.median(x[0] for x in px_ours)
-        rows.update(prefixed_baseline_s=round(pb, 3), prefixed_diagnose_s=round(po, 3),
-                    prefixed_diagnose_peak_rss_mb=round(max(x[1] for x in px_ours), 1),
-                    prefixed_ratio=round(po / pb, 2), prefixed_state=px_ours[0][2])  # fmt: skip
+        rows.update(
+            prefixed_baseline_s=round(pb, 3),
+            prefixed_diagnose_s=round(po, 3),
+            prefixed_diagnose_peak_rss_mb=round(max(x[1] for x in px_ours), 1),
+            prefixed_ratio=round(po / pb, 2),
+            prefixed_state=px_ours[0][2],
+        )
         print(f"{'kubectl one-regex loop':24}{pb:>10.2f}{max(x[1] for x in px_base):>14.0f}")
         print(
             f"{'diagnose (kubectl)':24}{po:>10.2f}{rows['prefixed_diagnose_peak_rss_mb']:>14.0f}   "

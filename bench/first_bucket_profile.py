@@ -54,8 +54,11 @@ print("FIXED " + json.dumps({k: round(v, 3) for k, v in T.items()}))
 
 
 def fixed_costs(work: Path) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "fixed-inductor"),
-           "TRITON_CACHE_DIR": str(work / "fixed-triton")}  # fmt: skip
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(work / "fixed-inductor"),
+        "TRITON_CACHE_DIR": str(work / "fixed-triton"),
+    }
     proc = subprocess.run([sys.executable, "-c", FIXED], capture_output=True, text=True, env=env, timeout=300)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("FIXED ")), None)
     return json.loads(line[6:]) if line else {"error": proc.stderr[-2000:]}
@@ -86,8 +89,9 @@ def main() -> None:
     from trainer.config import from_dict
     from trainer.run.build import build, dummy_batch, forward_loss
 
-    cfg = from_dict({**QWEN3_8B_WORKLOAD, "device": "cuda",
-                     "data": {**QWEN3_8B_WORKLOAD["data"], "seq_buckets": args.buckets}})  # fmt: skip
+    cfg = from_dict(
+        {**QWEN3_8B_WORKLOAD, "device": "cuda", "data": {**QWEN3_8B_WORKLOAD["data"], "seq_buckets": args.buckets}}
+    )
     rep["import_s"] = round(time.perf_counter() - t0, 2)
     t0 = time.perf_counter()
     parts = build(cfg, device=torch.device("cuda"))

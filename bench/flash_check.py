@@ -75,16 +75,24 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch._dynamo.config.recompile_limit = 64  # every variant and shape compiles its own graph
-    rep: dict = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-                 "flash_unsupported": flash_unsupported(torch.device("cuda")), "patches": patch_torch()}  # fmt: skip
+    rep: dict = {
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "flash_unsupported": flash_unsupported(torch.device("cuda")),
+        "patches": patch_torch(),
+    }
     try:
         import flash_attn
 
         rep["flash_attn"] = getattr(flash_attn, "__version__", "?")
     except Exception as e:  # report, go on with Triton
         rep["flash_attn"] = f"{type(e).__name__}: {e}"
-    variants = {"triton_expand": FlexBackend("triton", True), "triton_grouped": FlexBackend("triton", False),
-                "flash_grouped": FlexBackend("flash", False), "flash_expand": FlexBackend("flash", True)}  # fmt: skip
+    variants = {
+        "triton_expand": FlexBackend("triton", True),
+        "triton_grouped": FlexBackend("triton", False),
+        "flash_grouped": FlexBackend("flash", False),
+        "flash_expand": FlexBackend("flash", True),
+    }
     # correctness on a small shape (a float64 dense reference fits), then timing at the paper shape
     for tag, (S, A) in (("check", (1024, 64)), ("paper", (3072, 512))):
         bs, H, G, D = 16, 32, 8, 128
@@ -115,8 +123,9 @@ def main() -> None:
                         b(qq, kk, vv, m).backward(go)
 
                     row["fwd_ms"] = round(triton.testing.do_bench(fwd, warmup=50, rep=300, return_mode="median"), 4)
-                    row["fwd_bwd_ms"] = round(triton.testing.do_bench(fwd_bwd, warmup=50, rep=300,
-                                                                      return_mode="median"), 4)  # fmt: skip
+                    row["fwd_bwd_ms"] = round(
+                        triton.testing.do_bench(fwd_bwd, warmup=50, rep=300, return_mode="median"), 4
+                    )
             except Exception as e:  # the error text is the finding
                 row["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
                 row["trace"] = traceback.format_exc()[-3000:]
@@ -132,8 +141,10 @@ def main() -> None:
         c, p = rep["check"].get(name, {}), rep["paper"].get(name, {})
         e = c.get("err_vs_fp64")
         t = c.get("err_vs_triton")
-        print(f"| {name} | {max(e.values()) if e else c.get('error', '')[:80]} | {max(t.values()) if t else ''} | "
-              f"{p.get('fwd_ms', p.get('error', '')[:60])} | {p.get('fwd_bwd_ms', '')} |")
+        print(
+            f"| {name} | {max(e.values()) if e else c.get('error', '')[:80]} | {max(t.values()) if t else ''} | "
+            f"{p.get('fwd_ms', p.get('error', '')[:60])} | {p.get('fwd_bwd_ms', '')} |"
+        )
 
 
 if __name__ == "__main__":

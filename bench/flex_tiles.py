@@ -28,21 +28,51 @@ OPTIONS = {
     "tma_rows_safe": {"USE_TMA": True, "ROWS_GUARANTEED_SAFE": True},
     "fwd_128x128_s2": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8},
     "bwd_s2_w8": {"bwd_num_stages": 2, "bwd_num_warps": 8},
-    "bwd_64x64_s3_w4": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
-                        "bwd_num_stages": 3, "bwd_num_warps": 4},
-    "bwd_32_128_s3_w4": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
-                         "bwd_num_stages": 3, "bwd_num_warps": 4},
-    "bwd_64_128_s2_w8": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
-                         "bwd_num_stages": 2, "bwd_num_warps": 8},
-    "bwd_64_128_s3_w8": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
-                         "bwd_num_stages": 3, "bwd_num_warps": 8},
-    "bwd_32_64_s4_w4": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
-                        "bwd_num_stages": 4, "bwd_num_warps": 4},
+    "bwd_64x64_s3_w4": {
+        "bwd_BLOCK_M1": 64,
+        "bwd_BLOCK_N1": 64,
+        "bwd_BLOCK_M2": 64,
+        "bwd_BLOCK_N2": 64,
+        "bwd_num_stages": 3,
+        "bwd_num_warps": 4,
+    },
+    "bwd_32_128_s3_w4": {
+        "bwd_BLOCK_M1": 32,
+        "bwd_BLOCK_N1": 128,
+        "bwd_BLOCK_M2": 128,
+        "bwd_BLOCK_N2": 32,
+        "bwd_num_stages": 3,
+        "bwd_num_warps": 4,
+    },
+    "bwd_64_128_s2_w8": {
+        "bwd_BLOCK_M1": 64,
+        "bwd_BLOCK_N1": 128,
+        "bwd_BLOCK_M2": 128,
+        "bwd_BLOCK_N2": 64,
+        "bwd_num_stages": 2,
+        "bwd_num_warps": 8,
+    },
+    "bwd_64_128_s3_w8": {
+        "bwd_BLOCK_M1": 64,
+        "bwd_BLOCK_N1": 128,
+        "bwd_BLOCK_M2": 128,
+        "bwd_BLOCK_N2": 64,
+        "bwd_num_stages": 3,
+        "bwd_num_warps": 8,
+    },
+    "bwd_32_64_s4_w4": {
+        "bwd_BLOCK_M1": 32,
+        "bwd_BLOCK_N1": 64,
+        "bwd_BLOCK_M2": 64,
+        "bwd_BLOCK_N2": 32,
+        "bwd_num_stages": 4,
+        "bwd_num_warps": 4,
+    },
     # keys and values repeated to every query head before the call (no GQA inside the kernel): the backward's dK/dV
     # programs become one a query head instead of one a KV head looping over its 4 query heads; autograd sums them
     "expand_kv": {"expand_kv": True},
     "expand_kv_bwd_s2_w8": {"expand_kv": True, "bwd_num_stages": 2, "bwd_num_warps": 8},
-}  # fmt: skip
+}
 
 
 def _expanded(call, groups: int, q, k, v):
@@ -78,8 +108,9 @@ def main() -> None:
             continue
         torch._dynamo.reset()  # each option set is a new compile of the same code, not a recompile against a limit
         kernel = {key: val for key, val in opts.items() if key != "expand_kv"}
-        call = partial(flex_attention, block_mask=mask, enable_gqa=not opts.get("expand_kv"),
-                       kernel_options=kernel or None)  # fmt: skip
+        call = partial(
+            flex_attention, block_mask=mask, enable_gqa=not opts.get("expand_kv"), kernel_options=kernel or None
+        )
         if opts.get("expand_kv"):
             call = partial(_expanded, call, H // G)
         fn = torch.compile(call, dynamic=False, fullgraph=True)
@@ -105,14 +136,23 @@ def main() -> None:
         def fwd_bwd(fn=fn, qg=qg, kg=kg, vg=vg):
             fn(qg, kg, vg).backward(dout)
 
-        row = {"name": name, "options": opts, "compile_s": round(compile_s, 1),
-               "fwd_ms": round(do_bench(fwd, warmup=50, rep=300, return_mode="median"), 3),
-               "fwd_bwd_ms": round(do_bench(fwd_bwd, warmup=50, rep=500, return_mode="median"), 3),
-               "rel_err_out_dq_dk_dv_vs_default": [round(x, 5) for x in err]}  # fmt: skip
+        row = {
+            "name": name,
+            "options": opts,
+            "compile_s": round(compile_s, 1),
+            "fwd_ms": round(do_bench(fwd, warmup=50, rep=300, return_mode="median"), 3),
+            "fwd_bwd_ms": round(do_bench(fwd_bwd, warmup=50, rep=500, return_mode="median"), 3),
+            "rel_err_out_dq_dk_dv_vs_default": [round(x, 5) for x in err],
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
-    report = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
-              "shape": f"Q {A * bs} KV {S + A * bs} H {H} G {G} D {D} bf16, anchors from the trainer", "rows": rows}
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "shape": f"Q {A * bs} KV {S + A * bs} H {H} G {G} D {D} bf16, anchors from the trainer",
+        "rows": rows,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     print("\n| options | compile s | fwd ms | fwd+bwd ms | rel. err vs default |\n| --- | --- | --- | --- | --- |")
@@ -120,8 +160,10 @@ def main() -> None:
         if "error" in r:
             print(f"| {r['name']} | error | | | {r['error'][:60]} |")
         else:
-            print(f"| {r['name']} | {r['compile_s']} | {r['fwd_ms']} | {r['fwd_bwd_ms']} | "
-                  f"{max(r['rel_err_out_dq_dk_dv_vs_default']):.1e} |")  # fmt: skip
+            print(
+                f"| {r['name']} | {r['compile_s']} | {r['fwd_ms']} | {r['fwd_bwd_ms']} | "
+                f"{max(r['rel_err_out_dq_dk_dv_vs_default']):.1e} |"
+            )
 
 
 if __name__ == "__main__":

@@ -35,29 +35,41 @@ CONFIG = {**QWEN3_8B_WORKLOAD, "device": "cuda", "steps": 1000}
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflashctl", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "dflashctl", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def job_file(d: Path, name: str, trainer: dict, env: dict | None = None) -> Path:
     import yaml
 
-    body = {"name": name, "host": "local", "gpus": [0], "trainer": trainer, "kill_grace_s": 30,
-            "watch": {"interval_s": 2, "startup_budget_s": 1200}, "env": env or {}}  # fmt: skip
+    body = {
+        "name": name,
+        "host": "local",
+        "gpus": [0],
+        "trainer": trainer,
+        "kill_grace_s": 30,
+        "watch": {"interval_s": 2, "startup_budget_s": 1200},
+        "env": env or {},
+    }
     path = d / f"{name}.yaml"
     path.write_text(yaml.safe_dump(body))
     return path
 
 
 def gpu_apps() -> list[str]:
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+    ).stdout
     return [ln.strip() for ln in out.splitlines() if ln.strip()]
 
 
 def gpu_mem_used_mib() -> int:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True
+    ).stdout
     return int(out.split()[0])
 
 
@@ -76,8 +88,12 @@ def cli_cycle() -> dict:
     if res.returncode != 0:
         return {**rep, "error": res.stderr[-500:]}
     job_id = json.loads(res.stdout)["id"]
-    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json", "--interval", "2"], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "watch", job_id, "--json", "--interval", "2"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     states = []
     for line in proc.stdout:
         rec = json.loads(line)
@@ -89,19 +105,28 @@ def cli_cycle() -> dict:
     rep["dense_fallback_watch_exit"] = proc.returncode
     rep["dense_fallback_states"] = states
     # 2. a real job: launch, watch with GPU readings until RUNNING, kill, GPU memory freed
-    real = {**CONFIG, "attention": {"backend": "dense", "dense_max_gib": 16},
-            "data": {**CONFIG["data"], "seq_buckets": [1024], "anchors_per_seq": 64}, "steps": 100000}  # fmt: skip
+    real = {
+        **CONFIG,
+        "attention": {"backend": "dense", "dense_max_gib": 16},
+        "data": {**CONFIG["data"], "seq_buckets": [1024], "anchors_per_seq": 64},
+        "steps": 100000,
+    }
     before = gpu_mem_used_mib()
     res = cli("launch", str(job_file(d, "real", real)), "--json")
     job_id = json.loads(res.stdout)["id"]
-    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json", "--interval", "3"], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "watch", job_id, "--json", "--interval", "3"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     t0 = time.perf_counter()
     for line in proc.stdout:
         rec = json.loads(line)
         if rec["state"] == "RUNNING" and rec["gpus"]:
-            rep["watch_running_record"] = {k: rec[k] for k in ("state", "reason", "step", "tokens_per_s", "gpus",
-                                                                "remote_commands")}  # fmt: skip
+            rep["watch_running_record"] = {
+                k: rec[k] for k in ("state", "reason", "step", "tokens_per_s", "gpus", "remote_commands")
+            }
             rep["watch_to_running_s"] = round(time.perf_counter() - t0, 1)
             break
         if time.perf_counter() - t0 > 240 or rec["state"] not in ("STARTING", "RUNNING"):
@@ -110,8 +135,12 @@ def cli_cycle() -> dict:
     proc.terminate()
     proc.wait()
     t = time.perf_counter()
-    once = subprocess.run([sys.executable, "-m", "dflashctl", "watch", job_id, "--once", "--json"], cwd=ROOT,
-                          capture_output=True, text=True)  # fmt: skip
+    once = subprocess.run(
+        [sys.executable, "-m", "dflashctl", "watch", job_id, "--once", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     rep["watch_once_s"] = round(time.perf_counter() - t, 2)
     rep["during_gpu_mem_mib"] = gpu_mem_used_mib()
     res = cli("kill", job_id, "--json")
@@ -163,8 +192,14 @@ def step_flops(parts, S: int, A: int, bs: int, pairs: int) -> dict:
     drafter_bwd = d.num_layers * (2 * (dl_q + dl_kv) + 2.5 * attn) + fc  # dX and dW; flex backward ~2.5x forward
     n_lab = A * (bs - 1)
     head = 2 * n_lab * C * tc.vocab_size
-    return {"target_fwd": target, "drafter_fwd": drafter_fwd, "drafter_bwd": drafter_bwd, "lm_head_loss": 2 * head,
-            "attention_fwd": d.num_layers * attn, "attention_bwd": d.num_layers * 2.5 * attn}  # fmt: skip
+    return {
+        "target_fwd": target,
+        "drafter_fwd": drafter_fwd,
+        "drafter_bwd": drafter_bwd,
+        "lm_head_loss": 2 * head,
+        "attention_fwd": d.num_layers * attn,
+        "attention_bwd": d.num_layers * 2.5 * attn,
+    }
 
 
 def real_step(parts, opt, batch, fold_clip: bool = True) -> float:
@@ -190,8 +225,10 @@ def steady(parts, opt, batch_of, n: int, blocks: int = 3) -> tuple[float, dict]:
         torch.cuda.reset_peak_memory_stats()
         per_step.append(run_steps(parts, opt, [batch_of(3 + k * n + i) for i in range(n)]))
         if k in (0, blocks - 1):
-            mem[3 + (k + 1) * n] = {"allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
-                                    "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3)}  # fmt: skip
+            mem[3 + (k + 1) * n] = {
+                "allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 3),
+                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
+            }
     return statistics.median(per_step), mem
 
 
@@ -337,8 +374,9 @@ def isolated_attention(parts, batch, reps: int = 20) -> dict:
     return out
 
 
-def step_benchmark(steady_steps: int, isolated: bool = True, extras: bool = True,
-                   args_expand_kv: bool | None = None) -> dict:  # fmt: skip
+def step_benchmark(
+    steady_steps: int, isolated: bool = True, extras: bool = True, args_expand_kv: bool | None = None
+) -> dict:
     import torch
 
     from trainer.config import from_dict
@@ -432,15 +470,36 @@ def baseline_run(args) -> dict:
     step, MFU, breakdown and preflight of the code it is compared with, measured in the same run."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "baseline.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--trainer-from", args.baseline, "--skip-cli",
-               "--skip-isolated", "--no-extras", "--steady-steps", str(args.steady_steps),
-               "--out", str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--trainer-from",
+            args.baseline,
+            "--skip-cli",
+            "--skip-isolated",
+            "--no-extras",
+            "--steady-steps",
+            str(args.steady_steps),
+            "--out",
+            str(out),
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0 or not out.is_file():
             return {"error": proc.stderr[-2000:]}
         raw = json.loads(out.read_text())
-    keys = ("trainer_from", "optimizer", "step_ms", "tokens_per_s", "mfu", "peak_matmul_tflops", "memory_by_step",
-            "preflight_bucket_s", "breakdown", "kernel_time", "recompiles_after_preflight")  # fmt: skip
+    keys = (
+        "trainer_from",
+        "optimizer",
+        "step_ms",
+        "tokens_per_s",
+        "mfu",
+        "peak_matmul_tflops",
+        "memory_by_step",
+        "preflight_bucket_s",
+        "breakdown",
+        "kernel_time",
+        "recompiles_after_preflight",
+    )
     return {k: raw.get(k) for k in keys}
 
 
@@ -458,18 +517,38 @@ def cold_reports(paths: str | None) -> dict | None:
     return out
 
 
-RECORD_KEYS = ("date", "torch_version", "gpu", "peak_matmul_tflops", "optimizer", "mfu", "step_ms", "tokens_per_s",
-               "peak_gib", "breakdown", "kernel_time", "preflight_bucket_s", "cold_preflight_s",
-               "launch_to_running_cold_s", "recompiles_after_preflight", "baseline", "against_baseline")
+RECORD_KEYS = (
+    "date",
+    "torch_version",
+    "gpu",
+    "peak_matmul_tflops",
+    "optimizer",
+    "mfu",
+    "step_ms",
+    "tokens_per_s",
+    "peak_gib",
+    "breakdown",
+    "kernel_time",
+    "preflight_bucket_s",
+    "cold_preflight_s",
+    "launch_to_running_cold_s",
+    "recompiles_after_preflight",
+    "baseline",
+    "against_baseline",
+)
 
 
-def record_of(report: dict, source: str, launch_to_running_cold_s: float | None = None,
-              cold: dict | None = None) -> dict:  # fmt: skip
+def record_of(
+    report: dict, source: str, launch_to_running_cold_s: float | None = None, cold: dict | None = None
+) -> dict:
     """The one current record (bench/results/h200.json, what the README quotes) from a run's full report: every key
     always there, None where that run did not measure it, and the raw file it came from. `cold`: cold_reports'."""
     peaks = [m.get("peak_gib") for m in (report.get("memory_by_step") or {}).values() if isinstance(m, dict)]
-    derived = {"peak_gib": max(peaks) if peaks else None, "cold_preflight_s": cold,
-               "launch_to_running_cold_s": launch_to_running_cold_s}  # fmt: skip
+    derived = {
+        "peak_gib": max(peaks) if peaks else None,
+        "cold_preflight_s": cold,
+        "launch_to_running_cold_s": launch_to_running_cold_s,
+    }
     return {**{k: derived[k] if k in derived else report.get(k) for k in RECORD_KEYS}, "source": source}
 
 
@@ -479,25 +558,53 @@ def main() -> None:
     ap.add_argument("--steady-steps", type=int, default=105)
     ap.add_argument("--skip-cli", action="store_true")
     ap.add_argument("--skip-isolated", action="store_true", help="no isolated kernel / SDPA / dense comparison")
-    ap.add_argument("--drafter-compile", choices=["auto", "on", "off"], default="auto",
-                    help="drafter.compile: its layers compiled whole (auto on CUDA), or the flex call alone (off)")
-    ap.add_argument("--buckets", type=int, nargs="+", default=[3072],
-                    help="seq buckets the preflight compiles (the step runs at 3072), timed per bucket")
+    ap.add_argument(
+        "--drafter-compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="drafter.compile: its layers compiled whole (auto on CUDA), or the flex call alone (off)",
+    )
+    ap.add_argument(
+        "--buckets",
+        type=int,
+        nargs="+",
+        default=[3072],
+        help="seq buckets the preflight compiles (the step runs at 3072), timed per bucket",
+    )
     ap.add_argument("--flex-options", default="{}", help="flex_attention kernel_options, JSON (bench/flex_tiles.py)")
-    ap.add_argument("--flex-backend", choices=["auto", "triton", "flash"], default=None,
-                    help="attention.flex_backend (left out: the config's default)")
-    ap.add_argument("--expand-kv", choices=["on", "off"], default=None,
-                    help="keys and values repeated to every query head in training (default: on)")
+    ap.add_argument(
+        "--flex-backend",
+        choices=["auto", "triton", "flash"],
+        default=None,
+        help="attention.flex_backend (left out: the config's default)",
+    )
+    ap.add_argument(
+        "--expand-kv",
+        choices=["on", "off"],
+        default=None,
+        help="keys and values repeated to every query head in training (default: on)",
+    )
     ap.add_argument("--no-extras", action="store_true", help="the step alone: no variants, profile or isolated kernels")
     ap.add_argument("--trainer-from", default=None, help="import the trainer from this tree (a baseline's copy)")
-    ap.add_argument("--baseline", default=None, help="first the same measurement with the trainer from this tree "
-                    "(a copy of an earlier commit), in its own process with its own empty caches, kept as `baseline`")
-    ap.add_argument("--cold-from", default=None, help="bench/cold_preflight.py reports, comma-separated, for the "
-                    "record's cold_preflight_s")
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        help="first the same measurement with the trainer from this tree "
+        "(a copy of an earlier commit), in its own process with its own empty caches, kept as `baseline`",
+    )
+    ap.add_argument(
+        "--cold-from",
+        default=None,
+        help="bench/cold_preflight.py reports, comma-separated, for the record's cold_preflight_s",
+    )
     ap.add_argument("--record", default=None, help="also write the one current record here (bench/results/h200.json)")
     ap.add_argument("--record-from", default=None, help="no run: make --record from this raw report (a JSON file)")
-    ap.add_argument("--launch-to-running-cold-s", type=float, default=None,
-                    help="from bench/time_to_first_step.py's cold launch, for the record")
+    ap.add_argument(
+        "--launch-to-running-cold-s",
+        type=float,
+        default=None,
+        help="from bench/time_to_first_step.py's cold launch, for the record",
+    )
     args = ap.parse_args()
     if args.record_from:
         raw = json.loads(Path(args.record_from).read_text())
@@ -520,8 +627,13 @@ def main() -> None:
     import torch
 
     # no CUDA in this process before the cycle: its context would count as an unknown process on the GPU
-    report: dict = {"date": time.strftime("%Y-%m-%d"), "torch_version": torch.__version__, "two_gpu_speedup": None,
-                    "drafter_compile": args.drafter_compile, "flex_options": attention.KERNEL_OPTIONS}
+    report: dict = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch_version": torch.__version__,
+        "two_gpu_speedup": None,
+        "drafter_compile": args.drafter_compile,
+        "flex_options": attention.KERNEL_OPTIONS,
+    }
     if not args.skip_cli:
         try:
             report["cli"] = cli_cycle()
@@ -539,14 +651,18 @@ def main() -> None:
         base = report["baseline"]
         ceiling = max(base["peak_matmul_tflops"], report["peak_matmul_tflops"])  # one ceiling for both sides
         mfus = [round(r["mfu"] * r["peak_matmul_tflops"] / ceiling, 4) for r in (base, report)]
-        report["against_baseline"] = {"step_ms": [base["step_ms"], report["step_ms"]],
-                                      "mfu_at_one_ceiling": mfus, "ceiling_tflops": ceiling,
-                                      "speedup": round(base["step_ms"] / report["step_ms"], 4)}  # fmt: skip
+        report["against_baseline"] = {
+            "step_ms": [base["step_ms"], report["step_ms"]],
+            "mfu_at_one_ceiling": mfus,
+            "ceiling_tflops": ceiling,
+            "speedup": round(base["step_ms"] / report["step_ms"], 4),
+        }
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     if args.record:
-        rec = record_of(report, args.out or "(this run's output)", args.launch_to_running_cold_s,
-                        cold_reports(args.cold_from))
+        rec = record_of(
+            report, args.out or "(this run's output)", args.launch_to_running_cold_s, cold_reports(args.cold_from)
+        )
         Path(args.record).write_text(json.dumps(rec, indent=1, default=str) + "\n")
     print("\n| measurement | value |\n| --- | --- |")
     for k, v in report.items():

@@ -71,14 +71,19 @@ def main() -> None:
     for chunk in (4096, 8192):
         for block in (2048, 4096, 8192):
             ce_kernel.BLOCK_V = block
+
             def fused(h, c=chunk):
                 return ce_kernel.fused_linear_cross_entropy(h, W, labels, w, c)
 
             ms, peak, (loss, correct, grad) = timed(fused)
             err = ((grad - ref_grad).abs().max() / ref_grad.abs().max()).item()
             rows[f"fused triton, chunk {chunk}, block {block}"] = {
-                "ms": ms, "peak_gib": peak, "loss_rel": abs(loss - ref_loss) / ref_loss,
-                "correct_equal": correct == ref_correct, "grad_max_rel": err}  # fmt: skip
+                "ms": ms,
+                "peak_gib": peak,
+                "loss_rel": abs(loss - ref_loss) / ref_loss,
+                "correct_equal": correct == ref_correct,
+                "grad_max_rel": err,
+            }
     ce_kernel.BLOCK_V = 4096
 
     def floor() -> float:  # the two matmuls alone (logits, then grad_h), no autograd: what any fusion leaves
@@ -96,17 +101,25 @@ def main() -> None:
 
     rows["two matmuls alone (floor)"] = {"ms": floor(), "peak_gib": 0.0}
     tflop = 2 * 2 * N * C * V / 1e12
-    report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": ce_kernel.triton.__version__, "shape": f"{N} x {C} -> {V}, bf16, frozen head",
-              "tflop_two_matmuls": round(tflop, 2), "rows": rows}  # fmt: skip
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": ce_kernel.triton.__version__,
+        "shape": f"{N} x {C} -> {V}, bf16, frozen head",
+        "tflop_two_matmuls": round(tflop, 2),
+        "rows": rows,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     print(f"\n{report['shape']} on {report['gpu']} (torch {report['torch']}, triton {report['triton']})")
     print("| implementation | ms | TFLOP/s (2 matmuls) | peak GiB | loss rel. diff | grad max rel. diff |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, r in rows.items():
-        print(f"| {name} | {r['ms']:.1f} | {tflop / (r['ms'] / 1e3):.0f} | {r['peak_gib']:.2f} | "
-              f"{r.get('loss_rel', 0):.1e} | {r.get('grad_max_rel', 0):.1e} |")  # fmt: skip
+        print(
+            f"| {name} | {r['ms']:.1f} | {tflop / (r['ms'] / 1e3):.0f} | {r['peak_gib']:.2f} | "
+            f"{r.get('loss_rel', 0):.1e} | {r.get('grad_max_rel', 0):.1e} |"
+        )
 
 
 if __name__ == "__main__":

@@ -26,13 +26,18 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import QWEN3_8B_WORKLOAD  # noqa: E402
 
-TRAINER = {**QWEN3_8B_WORKLOAD, "data": {**QWEN3_8B_WORKLOAD["data"], "synthetic_samples": 16}, "steps": 100000,
-           "log_every": 5}  # fmt: skip
+TRAINER = {
+    **QWEN3_8B_WORKLOAD,
+    "data": {**QWEN3_8B_WORKLOAD["data"], "synthetic_samples": 16},
+    "steps": 100000,
+    "log_every": 5,
+}
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflashctl", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "dflashctl", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def smi(query: str) -> list[str]:
@@ -44,8 +49,16 @@ def one(n: int, steps: int, work: Path, cache: Path, reduce_dtype: str = "float3
     env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache)}
     trainer = {**TRAINER, "grad_reduce_dtype": reduce_dtype}
     watch = {"interval_s": 5, "startup_budget_s": 1200}
-    job = {"name": f"scale{n}-{reduce_dtype}", "host": "local", "gpus": n, "trainer": trainer, "env": env,
-           "kill_grace_s": 60, "inductor_cache": "keep", "watch": watch}  # fmt: skip
+    job = {
+        "name": f"scale{n}-{reduce_dtype}",
+        "host": "local",
+        "gpus": n,
+        "trainer": trainer,
+        "env": env,
+        "kill_grace_s": 60,
+        "inductor_cache": "keep",
+        "watch": watch,
+    }
     path = work / f"scale{n}-{reduce_dtype}.yaml"
     path.write_text(yaml.safe_dump(job))
     t0 = time.perf_counter()
@@ -54,8 +67,9 @@ def one(n: int, steps: int, work: Path, cache: Path, reduce_dtype: str = "float3
         return {"ranks": n, "error": res.stderr[-400:]}
     job_id = json.loads(res.stdout)["id"]
     rep: dict = {"ranks": n, "grad_reduce_dtype": reduce_dtype, "job": job_id}
-    watch = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], cwd=ROOT,
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     for line in watch.stdout:
         rec = json.loads(line)
         if rec["state"] == "RUNNING" and "first_running_s" not in rep:
@@ -122,13 +136,25 @@ def main() -> None:
                 r["scaling_efficiency"] = round(r["speedup"] / r["ranks"], 3)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
-    cols = ["ranks", "grad_reduce_dtype", "tokens_per_s", "tokens_per_s_per_gpu", "speedup", "scaling_efficiency",
-            "preflight_s_by_rank", "same_buckets_on_all_ranks", "peak_mem_gib_by_rank",
-            "recompiles_after_preflight_by_rank", "kill_clean", "gpu_apps_after_kill"]  # fmt: skip
+    cols = [
+        "ranks",
+        "grad_reduce_dtype",
+        "tokens_per_s",
+        "tokens_per_s_per_gpu",
+        "speedup",
+        "scaling_efficiency",
+        "preflight_s_by_rank",
+        "same_buckets_on_all_ranks",
+        "peak_mem_gib_by_rank",
+        "recompiles_after_preflight_by_rank",
+        "kill_clean",
+        "gpu_apps_after_kill",
+    ]
     print("\n| " + " | ".join(cols) + " |\n|" + " --- |" * len(cols))
     for r in report["runs"]:
         r["kill_clean"] = r.get("kill", {}).get("clean") if isinstance(r.get("kill"), dict) else False
         print("| " + " | ".join(str(r.get(c)) for c in cols) + " |")
+
 
 if __name__ == "__main__":
     main()

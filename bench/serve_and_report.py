@@ -56,10 +56,16 @@ def export_bench(work: Path) -> dict:
     size = (out / "model.safetensors").stat().st_size
     del parts
     torch.cuda.empty_cache()
-    return {"drafter_params": params, "model_safetensors_bytes": size, "tensors": len(weights),
-            "write_s": round(write_s, 2), "read_and_load_s": round(read_s, 2), "round_trip_byte_identical": same,
-            "mask_token_id": config["dflash_config"]["mask_token_id"],
-            "target_layer_ids": config["dflash_config"]["target_layer_ids"]}  # fmt: skip
+    return {
+        "drafter_params": params,
+        "model_safetensors_bytes": size,
+        "tensors": len(weights),
+        "write_s": round(write_s, 2),
+        "read_and_load_s": round(read_s, 2),
+        "round_trip_byte_identical": same,
+        "mask_token_id": config["dflash_config"]["mask_token_id"],
+        "target_layer_ids": config["dflash_config"]["target_layer_ids"],
+    }
 
 
 def bench_tau_bench(work: Path, prompts: int, max_new: int) -> dict:
@@ -78,9 +84,16 @@ def bench_tau_bench(work: Path, prompts: int, max_new: int) -> dict:
     limit = bench_tau.length_limit([64], 1, max_new, 16)
     target = {**QWEN3_8B_WORKLOAD["target"], "compile": "off"}  # lengths vary while decoding
     drafter = {"num_layers": 5, "block_size": 16, "init_from": str(work / "export")}
-    cfg = from_dict({**QWEN3_8B_WORKLOAD, "target": target, "device": "cuda", "drafter": drafter,
-                     "attention": {"backend": "dense", "dense_max_gib": 64.0},
-                     "data": {"seq_buckets": sorted({*range(512, limit, 512), limit})}})  # fmt: skip
+    cfg = from_dict(
+        {
+            **QWEN3_8B_WORKLOAD,
+            "target": target,
+            "device": "cuda",
+            "drafter": drafter,
+            "attention": {"backend": "dense", "dense_max_gib": 64.0},
+            "data": {"seq_buckets": sorted({*range(512, limit, 512), limit})},
+        }
+    )
     parts = build(cfg, for_training=False)
     parts.drafter.eval()
     args = argparse.Namespace(max_new_tokens=max_new, thinking="off", quiet=True)
@@ -88,33 +101,55 @@ def bench_tau_bench(work: Path, prompts: int, max_new: int) -> dict:
     torch.cuda.synchronize()
     del parts
     torch.cuda.empty_cache()
-    return {"prompt_set": name, "prompts": res.prompts, "max_new_tokens": max_new, "tau_prompt_mean":
-            res.tau_prompt_mean, "tau_pooled": res.tau_pooled, "draft_steps": res.draft_steps, "seconds": res.seconds,
-            "seconds_per_prompt": round(res.seconds / max(res.prompts, 1), 2),
-            "ms_per_draft_step": round(1000 * res.seconds / max(res.draft_steps, 1), 1)}  # fmt: skip
+    return {
+        "prompt_set": name,
+        "prompts": res.prompts,
+        "max_new_tokens": max_new,
+        "tau_prompt_mean": res.tau_prompt_mean,
+        "tau_pooled": res.tau_pooled,
+        "draft_steps": res.draft_steps,
+        "seconds": res.seconds,
+        "seconds_per_prompt": round(res.seconds / max(res.prompts, 1), 2),
+        "ms_per_draft_step": round(1000 * res.seconds / max(res.draft_steps, 1), 1),
+    }
 
 
 def run_bench(run_dir: Path, steps: int) -> dict:
-    cfg = {**QWEN3_8B_WORKLOAD, "steps": steps, "heartbeat_s": 2.0, "log_every": 50,
-           "data": {**QWEN3_8B_WORKLOAD["data"], "synthetic_samples": 32, "holdout": 4},
-           "eval": {"at_end": True, "prompts": 4, "max_new_tokens": 64}, "metrics": {"gpu_history": True}}  # fmt: skip
+    cfg = {
+        **QWEN3_8B_WORKLOAD,
+        "steps": steps,
+        "heartbeat_s": 2.0,
+        "log_every": 50,
+        "data": {**QWEN3_8B_WORKLOAD["data"], "synthetic_samples": 32, "holdout": 4},
+        "eval": {"at_end": True, "prompts": 4, "max_new_tokens": 64},
+        "metrics": {"gpu_history": True},
+    }
     conf = run_dir.parent / "run300.yaml"
     conf.write_text(json.dumps(cfg))
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(conf), "--run-dir", str(run_dir)],
-                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "--config", str(conf), "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     print(proc.stdout[-1500:], proc.stderr[-1500:], sep="\n")
     gpu_file = run_dir / "gpu.jsonl"
     gpu = [json.loads(x) for x in gpu_file.read_text().splitlines()] if gpu_file.exists() else []
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_ = [r for r in recs if "event" not in r]
-    return {"exit": proc.returncode, "wall_s": round(wall, 1), "steps": len(steps_), "gpu_samples": len(gpu),
-            "gpu_sample_fields": sorted(gpu[0]["gpus"][0]) if gpu else [],
-            "mean_tokens_per_s": round(sum(r["tokens_per_s"] for r in steps_[10:]) / max(len(steps_) - 10, 1), 1),
-            "peak_util_pct": max((g["util_pct"] or 0) for s in gpu for g in s["gpus"]) if gpu else None,
-            "max_mem_used_mib": max((g["mem_used_mib"] or 0) for s in gpu for g in s["gpus"]) if gpu else None,
-            "max_power_w": max((g["power_w"] or 0) for s in gpu for g in s["gpus"]) if gpu else None}  # fmt: skip
+    return {
+        "exit": proc.returncode,
+        "wall_s": round(wall, 1),
+        "steps": len(steps_),
+        "gpu_samples": len(gpu),
+        "gpu_sample_fields": sorted(gpu[0]["gpus"][0]) if gpu else [],
+        "mean_tokens_per_s": round(sum(r["tokens_per_s"] for r in steps_[10:]) / max(len(steps_) - 10, 1), 1),
+        "peak_util_pct": max((g["util_pct"] or 0) for s in gpu for g in s["gpus"]) if gpu else None,
+        "max_mem_used_mib": max((g["mem_used_mib"] or 0) for s in gpu for g in s["gpus"]) if gpu else None,
+        "max_power_w": max((g["power_w"] or 0) for s in gpu for g in s["gpus"]) if gpu else None,
+    }
 
 
 def main() -> int:

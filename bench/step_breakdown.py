@@ -26,8 +26,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-STAGES = ["target_fwd", "embed_and_mask", "drafter_fwd", "lm_head_loss_fwd", "lm_head_loss_bwd", "drafter_bwd",
-          "optimizer"]  # fmt: skip
+STAGES = [
+    "target_fwd",
+    "embed_and_mask",
+    "drafter_fwd",
+    "lm_head_loss_fwd",
+    "lm_head_loss_bwd",
+    "drafter_bwd",
+    "optimizer",
+]
 KERNEL_CLASSES = [  # first match wins: a kernel's name says what it computes (cuBLAS/cuDNN/CUTLASS, Inductor's names)
     ("attention", re.compile(r"flex_attention|flash|fmha|attention|sdpa", re.I)),
     ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|\bmm\b|_mm_|addmm|bmm|matmul|wgmma|sm90_", re.I)),
@@ -142,8 +149,9 @@ def run_steps(parts, opt, batches, timelines: list[Timeline] | None = None) -> f
     return 1e3 * (time.perf_counter() - t0) / len(batches)
 
 
-def breakdown(parts, opt, batch_of, steps: int, flops: dict | None = None, ceiling_tflops: float | None = None,
-              warmup: int = 2) -> dict:  # fmt: skip
+def breakdown(
+    parts, opt, batch_of, steps: int, flops: dict | None = None, ceiling_tflops: float | None = None, warmup: int = 2
+) -> dict:
     """`steps` marked steps back to back (after `warmup`): each stage's median time, the device's time from one
     step's start to the next one's (`step_ms`, its median; `mean_step_ms`), the part of it between a step's update
     and the next step's first kernel (`between_steps_ms`: the host preparing the step), the wall time per step of the
@@ -160,19 +168,25 @@ def breakdown(parts, opt, batch_of, steps: int, flops: dict | None = None, ceili
     step_ms, gap_ms = statistics.median(totals), statistics.median(gaps)
     mean_ms = statistics.fmean(totals)  # the wall time is a mean over the same steps: like with like
     out: dict = {
-        "steps": steps, "step_ms": round(step_ms, 3), "stages_ms": {k: round(v, 3) for k, v in stage_ms.items()},
-        "stages_sum_ms": round(sum(stage_ms.values()), 3), "between_steps_ms": round(gap_ms, 3),
-        "mean_step_ms": round(mean_ms, 3), "wall_step_ms": round(wall, 3),
-        "adds_up_within": round(abs(wall - mean_ms) / wall, 4), "adds_up": abs(wall - mean_ms) <= 0.05 * wall,
-    }  # fmt: skip
+        "steps": steps,
+        "step_ms": round(step_ms, 3),
+        "stages_ms": {k: round(v, 3) for k, v in stage_ms.items()},
+        "stages_sum_ms": round(sum(stage_ms.values()), 3),
+        "between_steps_ms": round(gap_ms, 3),
+        "mean_step_ms": round(mean_ms, 3),
+        "wall_step_ms": round(wall, 3),
+        "adds_up_within": round(abs(wall - mean_ms) / wall, 4),
+        "adds_up": abs(wall - mean_ms) <= 0.05 * wall,
+    }
     if flops:
         per_stage = stage_flops(flops)
         out["stage_tflop"] = {k: round(v / 1e12, 3) for k, v in per_stage.items()}
         if ceiling_tflops:
             out["stage_fraction_of_ceiling"] = {
                 k: round(per_stage[k] / 1e12 / ceiling_tflops / (stage_ms[k] / 1e3), 3)
-                for k in per_stage if stage_ms.get(k)
-            }  # fmt: skip
+                for k in per_stage
+                if stage_ms.get(k)
+            }
             out["mfu"] = round(sum(per_stage.values()) / 1e12 / ceiling_tflops / (step_ms / 1e3), 4)
     return out
 
@@ -181,8 +195,12 @@ def stage_flops(flops: dict) -> dict[str, float]:
     """The step's counted FLOPs (bench/h200_perf.py `step_flops`) laid on the stages. The LM head's are all in its
     forward stage: the fused loss kernel (trainer/model/ce_kernel.py) computes the gradient there, and its backward
     only hands it on."""
-    return {"target_fwd": flops.get("target_fwd", 0.0), "drafter_fwd": flops.get("drafter_fwd", 0.0),
-            "lm_head_loss_fwd": flops.get("lm_head_loss", 0.0), "drafter_bwd": flops.get("drafter_bwd", 0.0)}
+    return {
+        "target_fwd": flops.get("target_fwd", 0.0),
+        "drafter_fwd": flops.get("drafter_fwd", 0.0),
+        "lm_head_loss_fwd": flops.get("lm_head_loss", 0.0),
+        "drafter_bwd": flops.get("drafter_bwd", 0.0),
+    }
 
 
 SEPARATOR = "spin_kernel"  # torch.cuda._sleep's kernel: a Timeline's mark in a profile
@@ -192,8 +210,11 @@ def trace_kernels(trace: dict) -> list[tuple[str, float, float]]:
     """(name, start us, duration us) of every kernel, copy and memset on the device in a Chrome trace (torch.profiler's
     export, the same format in every release), by start time."""
     device = ("kernel", "gpu_memcpy", "gpu_memset")
-    rows = [(str(e.get("name", "")), float(e["ts"]), float(e.get("dur", 0.0))) for e in trace.get("traceEvents", [])
-            if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in device and "ts" in e]  # fmt: skip
+    rows = [
+        (str(e.get("name", "")), float(e["ts"]), float(e.get("dur", 0.0)))
+        for e in trace.get("traceEvents", [])
+        if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in device and "ts" in e
+    ]
     return sorted(rows, key=lambda r: r[1])
 
 
@@ -230,9 +251,12 @@ def stage_table(kernels: list[tuple[str, float, float]], marks: list[str], steps
     for stage, r in table.items():
         idle = r["span_ms"] - r["busy_ms"]
         classes = sorted(r["classes"].items(), key=lambda kv: -kv[1])
-        out[stage] = {"span_ms": round(r["span_ms"], 3), "busy_ms": round(r["busy_ms"], 3),
-                      "idle_ms": round(idle, 3),
-                      "classes": {k: round(v, 3) for k, v in classes}}  # fmt: skip
+        out[stage] = {
+            "span_ms": round(r["span_ms"], 3),
+            "busy_ms": round(r["busy_ms"], 3),
+            "idle_ms": round(idle, 3),
+            "classes": {k: round(v, 3) for k, v in classes},
+        }
     return out
 
 
@@ -256,8 +280,7 @@ def largest_gaps(kernels: list[tuple[str, float, float]], marks: list[str], n: i
             if SEPARATOR in name:  # the gap ends at a mark: it is the stage that mark ends
                 mark = marks[bisect.bisect_left(starts, ts)]
                 stage = "between_steps" if mark == "start" else mark
-            gaps.append({"ms": round((ts - end) / 1e3, 3), "stage": stage,
-                         "after": before[:70], "before": name[:70]})  # fmt: skip
+            gaps.append({"ms": round((ts - end) / 1e3, 3), "stage": stage, "after": before[:70], "before": name[:70]})
         if end is None or ts + dur > end:
             end, before = ts + dur, name
     return sorted(gaps, key=lambda g: -g["ms"])[:n]
@@ -300,11 +323,14 @@ def kernel_time(parts, opt, batch_of, steps: int = 3) -> dict:
             cls = kernel_class(name)
             classes[cls] = classes.get(cls, 0.0) + dur / 1e3 / steps
     busy = sum(classes.values())
-    return {"kernel_ms": {k: round(v, 3) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
-            "busy_ms": round(busy, 3), "idle_ms": round(wall - busy, 3) if cuda else None,
-            "by_stage": stage_table(kernels, marks, steps) if cuda else None,
-            "top": top_kernels(kernels, steps) if cuda else None,
-            "largest_gaps": largest_gaps(kernels, marks) if cuda else None}  # fmt: skip
+    return {
+        "kernel_ms": {k: round(v, 3) for k, v in sorted(classes.items(), key=lambda kv: -kv[1])},
+        "busy_ms": round(busy, 3),
+        "idle_ms": round(wall - busy, 3) if cuda else None,
+        "by_stage": stage_table(kernels, marks, steps) if cuda else None,
+        "top": top_kernels(kernels, steps) if cuda else None,
+        "largest_gaps": largest_gaps(kernels, marks) if cuda else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,19 +343,28 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.config import from_dict
     from trainer.run.build import build, dummy_batch
 
-    cfg = from_dict({"target": {"random_preset": "tiny-qwen3", "dtype": "float32"},
-                     "drafter": {"num_layers": 2, "block_size": 8}, "attention": {"backend": "dense"},
-                     "data": {"anchors_per_seq": 16, "seq_buckets": [256], "batch_size": 2, "synthetic_samples": 8},
-                     "device": args.device, "steps": 1})  # fmt: skip
+    cfg = from_dict(
+        {
+            "target": {"random_preset": "tiny-qwen3", "dtype": "float32"},
+            "drafter": {"num_layers": 2, "block_size": 8},
+            "attention": {"backend": "dense"},
+            "data": {"anchors_per_seq": 16, "seq_buckets": [256], "batch_size": 2, "synthetic_samples": 8},
+            "device": args.device,
+            "steps": 1,
+        }
+    )
     parts = build(cfg, device=torch.device(args.device))
     opt = torch.optim.AdamW(parts.drafter.parameters(), lr=1e-4, fused=args.device == "cuda")
     batch = dummy_batch(parts, 256)
     rep = breakdown(parts, opt, lambda i: batch, args.steps)
     print(json.dumps(rep, indent=1))
     if not rep["adds_up"]:  # the check the tests leave to this benchmark: on a busy machine steps vary
-        print(f"the stages and gaps ({rep['mean_step_ms']} ms a step) do not add up to the wall time "
-              f"({rep['wall_step_ms']} ms a step) within 5 %: another process took the CPU, or a stage is "
-              "left out", file=sys.stderr)  # fmt: skip
+        print(
+            f"the stages and gaps ({rep['mean_step_ms']} ms a step) do not add up to the wall time "
+            f"({rep['wall_step_ms']} ms a step) within 5 %: another process took the CPU, or a stage is "
+            "left out",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

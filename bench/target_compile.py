@@ -78,8 +78,10 @@ def main() -> None:
             host.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
         both = event_ms(lambda build_mask=build_mask: (fwd(), build_mask()))
-        mask[f"batch{batch}"] = {"enqueue_ms": round(statistics.median(host) * 1e3, 3),
-                                 "added_gpu_ms": round(both - eager_ms, 3)}  # fmt: skip
+        mask[f"batch{batch}"] = {
+            "enqueue_ms": round(statistics.median(host) * 1e3, 3),
+            "added_gpu_ms": round(both - eager_ms, 3),
+        }
     out["mask_in_step"] = mask
     print(f"mask in step: {mask}", flush=True)
 
@@ -98,8 +100,11 @@ def main() -> None:
         compile_s = time.perf_counter() - t0
         ms = event_ms(fwd)
         gain = eager_ms - ms
-        rows[mode] = {"target_fwd_ms": round(ms, 2), "compile_s": round(compile_s, 1),
-                      "breakeven_steps": round(compile_s * 1e3 / gain) if gain > 0 else None}  # fmt: skip
+        rows[mode] = {
+            "target_fwd_ms": round(ms, 2),
+            "compile_s": round(compile_s, 1),
+            "breakeven_steps": round(compile_s * 1e3 / gain) if gain > 0 else None,
+        }
         print(f"{mode}: {rows[mode]}", flush=True)
         Path(args.out).write_text(json.dumps({**out, "target_compile": rows}, indent=1))
     out["target_compile"] = rows

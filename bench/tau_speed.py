@@ -26,9 +26,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.serve import bench_tau  # noqa: E402
 
-QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
-                  tie_word_embeddings=True, rms_norm_eps=1e-6)  # fmt: skip
+QWEN25_05B = dict(
+    model_type="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
 
 
 def write_random(out: Path, device: str) -> tuple[str, str, list[str]]:
@@ -46,9 +56,18 @@ def write_random(out: Path, device: str) -> tuple[str, str, list[str]]:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out / "target")
     tok.save_pretrained(out / "target")
-    parts = build(from_dict({"target": {"path": str(out / "target"), "dtype": "bfloat16"},
-                             "drafter": {"num_layers": 3, "block_size": 16}, "attention": {"backend": "dense"},
-                             "data": {"seq_buckets": [2048]}, "device": device}), for_training=False)  # fmt: skip
+    parts = build(
+        from_dict(
+            {
+                "target": {"path": str(out / "target"), "dtype": "bfloat16"},
+                "drafter": {"num_layers": 3, "block_size": 16},
+                "attention": {"backend": "dense"},
+                "data": {"seq_buckets": [2048]},
+                "device": device,
+            }
+        ),
+        for_training=False,
+    )
     from trainer.model.drafter import drafter_dims
 
     dims = drafter_dims(parts.target.config, 3, len(parts.target.layer_ids), {})
@@ -61,8 +80,9 @@ def write_random(out: Path, device: str) -> tuple[str, str, list[str]]:
 
     he, mt = out / "humaneval.jsonl", out / "mt_bench.jsonl"
     he.write_text("".join(json.dumps({"task_id": f"t/{i}", "prompt": words(60, 400)}) + "\n" for i in range(164)))
-    mt.write_text("".join(json.dumps({"question_id": i, "turns": [words(20, 200), words(10, 80)]}) + "\n"
-                          for i in range(80)))  # fmt: skip
+    mt.write_text(
+        "".join(json.dumps({"question_id": i, "turns": [words(20, 200), words(10, 80)]}) + "\n" for i in range(80))
+    )
     return str(out / "target"), str(drafter), [str(he), str(mt)]
 
 
@@ -83,8 +103,22 @@ def main() -> int:
         target, drafter, prompts = write_random(args.random, args.device)
     runs = []
     for batch_size in (int(x) for x in args.batch_sizes.split(",")):
-        argv = ["--target", target, "--drafter", drafter, "--max-new-tokens", str(args.max_new_tokens), "--dtype",
-                args.dtype, "--device", args.device, "--batch-size", str(batch_size), "--json", "--quiet"]  # fmt: skip
+        argv = [
+            "--target",
+            target,
+            "--drafter",
+            drafter,
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--dtype",
+            args.dtype,
+            "--device",
+            args.device,
+            "--batch-size",
+            str(batch_size),
+            "--json",
+            "--quiet",
+        ]
         argv += [x for p in prompts for x in ("--prompts", p)]
         if batch_size == 1 and args.limit_one:
             argv += ["--limit", str(args.limit_one)]
@@ -95,12 +129,21 @@ def main() -> int:
             return code
         sets = json.loads(printed.getvalue())["sets"]
         seconds, tokens, steps = (sum(s[k] for s in sets) for k in ("seconds", "tokens", "draft_steps"))
-        runs.append({"batch_size": batch_size, "prompts": sum(s["prompts"] for s in sets),
-                     "decode_s": round(seconds, 2),
-                     "wall_s": round(time.perf_counter() - t0, 2), "tokens": tokens,
-                     "tokens_per_s": round(tokens / seconds, 1), "tau_pooled": round(tokens / steps, 4),
-                     "sets": [{k: s[k] for k in ("prompt_set", "prompts", "tau_pooled", "tau_prompt_mean", "seconds")}
-                              for s in sets]})  # fmt: skip
+        runs.append(
+            {
+                "batch_size": batch_size,
+                "prompts": sum(s["prompts"] for s in sets),
+                "decode_s": round(seconds, 2),
+                "wall_s": round(time.perf_counter() - t0, 2),
+                "tokens": tokens,
+                "tokens_per_s": round(tokens / seconds, 1),
+                "tau_pooled": round(tokens / steps, 4),
+                "sets": [
+                    {k: s[k] for k in ("prompt_set", "prompts", "tau_pooled", "tau_prompt_mean", "seconds")}
+                    for s in sets
+                ],
+            }
+        )
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)  # each batch size as it ends: a cut run keeps it
     print(json.dumps({"target": target, "drafter": drafter, "max_new_tokens": args.max_new_tokens, "runs": runs}))
     return 0

@@ -83,8 +83,9 @@ def mask_bench() -> dict:
     # flex forward + backward with the anchor-built mask against the dense reference, on fresh random inputs
     S2, A2, H, G, D = 1024, 128, 32, 8, 128
     g = torch.Generator().manual_seed(3)
-    anc = torch.stack([sample_anchors(torch.ones(S2, dtype=torch.long), S2, A2, anchor_generator(1, 0, b))
-                       for b in range(2)]).to(dev)  # fmt: skip
+    anc = torch.stack(
+        [sample_anchors(torch.ones(S2, dtype=torch.long), S2, A2, anchor_generator(1, 0, b)) for b in range(2)]
+    ).to(dev)
     val = torch.ones_like(anc, dtype=torch.bool)
     val[1, A2 // 2 :] = False  # padding blocks in the second sequence
     q = torch.randn(2, H, A2 * bs, D, generator=g).to(dev, torch.bfloat16).requires_grad_()
@@ -102,16 +103,21 @@ def mask_bench() -> dict:
     out_ref = ref(q, k, v, ref.build_mask(anc, val, S2, bs, H))
     out_ref.float().square().sum().backward()
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
-    rep["flex_vs_dense_rel_err"] = {"out": rel(out, out_ref), "dq": rel(grads[0], q.grad), "dk": rel(grads[1], k.grad),
-                                    "dv": rel(grads[2], v.grad)}  # fmt: skip
+    rep["flex_vs_dense_rel_err"] = {
+        "out": rel(out, out_ref),
+        "dq": rel(grads[0], q.grad),
+        "dk": rel(grads[1], k.grad),
+        "dv": rel(grads[2], v.grad),
+    }
     rep["flex_vs_dense_max_abs_out"] = float((out.float() - out_ref.float()).abs().max())
     print(f"mask: {rep}", flush=True)
     return rep
 
 
 def cli(env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflashctl", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "dflashctl", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def launch_to_running(env: dict, job: Path, label: str) -> dict:
@@ -123,8 +129,13 @@ def launch_to_running(env: dict, job: Path, label: str) -> dict:
     if res.returncode != 0:
         return {"error": res.stderr[-400:]}
     job_id = json.loads(res.stdout)["id"]
-    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json", "--interval", "1"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "watch", job_id, "--json", "--interval", "1"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     rep: dict = {"id": job_id, "states": []}
     for line in proc.stdout:
         rec = json.loads(line)
@@ -151,19 +162,39 @@ def dflashctl_runs() -> dict:
     import yaml
 
     work = Path(tempfile.mkdtemp(prefix="ttfs-"))
-    env = {**os.environ, "DFLASHCTL_STATE_DIR": str(work / "state"), "DFLASHCTL_TMUX_SOCKET": "dflashctl-bench",
-           "DFLASHCTL_HOSTS": str(work / "hosts.yaml")}  # fmt: skip
+    env = {
+        **os.environ,
+        "DFLASHCTL_STATE_DIR": str(work / "state"),
+        "DFLASHCTL_TMUX_SOCKET": "dflashctl-bench",
+        "DFLASHCTL_HOSTS": str(work / "hosts.yaml"),
+    }
     (work / "hosts.yaml").write_text(f"hosts:\n  gpu: {{python: {sys.executable}, workdir: {work / 'wd'}}}\n")
     res = cli(env, "deploy", "gpu", "--json")
     if res.returncode != 0:
         return {"error": res.stderr[-400:]}
-    trainer = {**QWEN3_8B_WORKLOAD, "device": "cuda", "steps": 20, "log_every": 10, "heartbeat_s": 1,
-               "data": {**QWEN3_8B_WORKLOAD["data"], "seq_buckets": [1024, 2048, 3072], "synthetic_samples": 12},
-               "checkpoint": {"every": 0}}  # fmt: skip
+    trainer = {
+        **QWEN3_8B_WORKLOAD,
+        "device": "cuda",
+        "steps": 20,
+        "log_every": 10,
+        "heartbeat_s": 1,
+        "data": {**QWEN3_8B_WORKLOAD["data"], "seq_buckets": [1024, 2048, 3072], "synthetic_samples": 12},
+        "checkpoint": {"every": 0},
+    }
     job = work / "job.yaml"
-    job.write_text(yaml.safe_dump({"name": "ttfs", "host": "gpu", "gpus": [0], "trainer": trainer,
-                                   "inductor_cache": "keep", "kill_grace_s": 30,
-                                   "watch": {"interval_s": 1, "restart_on": []}}))  # fmt: skip
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "ttfs",
+                "host": "gpu",
+                "gpus": [0],
+                "trainer": trainer,
+                "inductor_cache": "keep",
+                "kill_grace_s": 30,
+                "watch": {"interval_s": 1, "restart_on": []},
+            }
+        )
+    )
     return {"cold": launch_to_running(env, job, "cold"), "warm": launch_to_running(env, job, "warm")}
 
 
@@ -182,15 +213,29 @@ def main() -> None:
         from bench import h200_perf
 
         step = h200_perf.step_benchmark(steady_steps=30, isolated=False)
-        out["step"] = {k: step[k] for k in ("tokens_per_s", "mfu", "step_ms", "preflight_s", "preflight_peak_gib",
-                                            "recompiles_after_preflight", "memory_by_step", "peak_matmul_tflops",
-                                            "build_s") if k in step}  # fmt: skip
+        out["step"] = {
+            k: step[k]
+            for k in (
+                "tokens_per_s",
+                "mfu",
+                "step_ms",
+                "preflight_s",
+                "preflight_peak_gib",
+                "recompiles_after_preflight",
+                "memory_by_step",
+                "peak_matmul_tflops",
+                "build_s",
+            )
+            if k in step
+        }
         Path(args.out).write_text(json.dumps(out, indent=1, default=str))
     c, w = out["dflashctl"].get("cold", {}), out["dflashctl"].get("warm", {})
     print("\n| measure | value |\n| --- | --- |")
     print(f"| mask_build_ms (batch 6, seq 3072, 512 anchors) | {out['mask']['mask_build_ms']} |")
-    print(f"| tiles missed / full-not-allowed / empty-marked | {out['mask']['tiles_missed']} / "
-          f"{out['mask']['full_tiles_not_all_allowed']} / {out['mask']['empty_tiles_marked']} |")  # fmt: skip
+    print(
+        f"| tiles missed / full-not-allowed / empty-marked | {out['mask']['tiles_missed']} / "
+        f"{out['mask']['full_tiles_not_all_allowed']} / {out['mask']['empty_tiles_marked']} |"
+    )
     print(f"| cold_preflight_s per bucket | {c.get('preflight_s')} |")
     print(f"| warm_preflight_s per bucket | {w.get('preflight_s')} |")
     print(f"| launch_to_running_cold_s / warm_s | {c.get('launch_to_running_s')} / {w.get('launch_to_running_s')} |")

@@ -26,14 +26,26 @@ from bench.common import QWEN3_8B_WORKLOAD  # noqa: E402
 
 
 def run(work: Path, name: str, steps: int, extra: dict, env: dict, every: int = 4) -> dict:
-    cfg = {**QWEN3_8B_WORKLOAD, "device": "cuda", "steps": steps, "log_every": 5,
-           "checkpoint": {"every": every, "keep": 3}, **extra}  # fmt: skip
+    cfg = {
+        **QWEN3_8B_WORKLOAD,
+        "device": "cuda",
+        "steps": steps,
+        "log_every": 5,
+        "checkpoint": {"every": every, "keep": 3},
+        **extra,
+    }
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     run_dir = work / name
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(path), "--run-dir", str(run_dir)],
-                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, **env}, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "--config", str(path), "--run-dir", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=900,
+    )
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps_ = [r for r in recs if "event" not in r]
     tps = [r["tokens_per_s"] for r in steps_[3:]]
@@ -43,15 +55,22 @@ def run(work: Path, name: str, steps: int, extra: dict, env: dict, every: int = 
     from trainer.model.dflash_format import nonfinite
 
     ckpts = sorted((run_dir / "checkpoints").glob("step-*")) if (run_dir / "checkpoints").exists() else []
-    return {"exit": proc.returncode, "wall_s": round(time.time() - t0, 1), "steps": len(steps_),
-            "tokens_per_s_median": round(statistics.median(tps)) if tps else None,
-            "peak_mem_gib": max((r.get("peak_mem_gib") or 0) for r in steps_) if steps_ else None,
-            "recompiles": sum(1 for r in recs if r.get("event") == "recompile"),
-            "skipped_steps": sum(1 for r in steps_ if r.get("skipped")), "export": (run_dir / "export").is_dir(),
-            "checkpoints": [p.name for p in ckpts],
-            "checkpoints_finite": all(not nonfinite(load_file(str(p / "drafter.safetensors"))) for p in ckpts),
-            "fatal": {k: fatal.get(k) for k in ("kind", "first_bad_step", "last_finite_step", "checkpoint")}
-            if fatal else None, "stderr_tail": proc.stderr.strip().splitlines()[-2:]}  # fmt: skip
+    return {
+        "exit": proc.returncode,
+        "wall_s": round(time.time() - t0, 1),
+        "steps": len(steps_),
+        "tokens_per_s_median": round(statistics.median(tps)) if tps else None,
+        "peak_mem_gib": max((r.get("peak_mem_gib") or 0) for r in steps_) if steps_ else None,
+        "recompiles": sum(1 for r in recs if r.get("event") == "recompile"),
+        "skipped_steps": sum(1 for r in steps_ if r.get("skipped")),
+        "export": (run_dir / "export").is_dir(),
+        "checkpoints": [p.name for p in ckpts],
+        "checkpoints_finite": all(not nonfinite(load_file(str(p / "drafter.safetensors"))) for p in ckpts),
+        "fatal": {k: fatal.get(k) for k in ("kind", "first_bad_step", "last_finite_step", "checkpoint")}
+        if fatal
+        else None,
+        "stderr_tail": proc.stderr.strip().splitlines()[-2:],
+    }
 
 
 def main() -> None:
@@ -64,10 +83,15 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
-        report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                  "clean": run(work, "clean", args.steps, {}, {}, args.every),
-                  "nan": run(work, "nan", args.steps, {"optim": {"max_nonfinite_steps": 3}}, {"TRAINER_FAULT": "nan@6"},
-                             args.every)}  # fmt: skip
+        report = {
+            "date": time.strftime("%Y-%m-%d"),
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "clean": run(work, "clean", args.steps, {}, {}, args.every),
+            "nan": run(
+                work, "nan", args.steps, {"optim": {"max_nonfinite_steps": 3}}, {"TRAINER_FAULT": "nan@6"}, args.every
+            ),
+        }
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=1))

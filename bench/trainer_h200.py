@@ -74,9 +74,12 @@ def compile_disabled_run(steps: int) -> dict:
         t0 = time.perf_counter()
         proc = subprocess.Popen(
             [sys.executable, "-m", "trainer.train", "--config", str(cfg)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
             cwd=Path(__file__).resolve().parents[1],
-        )  # fmt: skip
+        )
         lines, t_built = [], None
         for line in proc.stdout:
             lines.append(line.rstrip())

@@ -42,15 +42,27 @@ def main() -> None:
     os.environ.update(env)
 
     def cli(*a: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "dflashctl", *a], cwd=project, env=env, capture_output=True,
-                              text=True, check=False)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "dflashctl", *a], cwd=project, env=env, capture_output=True, text=True, check=False
+        )
 
     try:
         assert cli("deploy", "bench").returncode == 0
         job_id = json.loads(cli("launch", "job.yaml", "--json").stdout)["id"]
         known = f"UserKnownHostsFile={home}/.ssh/known_hosts"
-        ssh = ["ssh", "-p", str(server.port), "-i", str(server.user_key), "-o", known, "-o", "BatchMode=yes",
-               "root@127.0.0.1", "true"]  # fmt: skip
+        ssh = [
+            "ssh",
+            "-p",
+            str(server.port),
+            "-i",
+            str(server.user_key),
+            "-o",
+            known,
+            "-o",
+            "BatchMode=yes",
+            "root@127.0.0.1",
+            "true",
+        ]
         ssh_s = timed(lambda: subprocess.run(ssh, check=True), args.repeat)
         once_s = timed(lambda: cli("watch", job_id, "--once", "--json"), args.repeat)
         rec = json.loads(cli("watch", job_id, "--once", "--json").stdout)

@@ -77,12 +77,20 @@ HOSTNAME = re.compile(r"[A-Za-z0-9_.:-]+")  # names, IPv4 and bare IPv6 literals
 SLURM_TIME = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|\d+-\d+")  # sbatch --time: MM, MM:SS, H:MM:SS, D-H[:MM[:SS]]
 SBATCH_OPTION = re.compile(r"--([a-z][a-z-]*)(=[^\s\x00-\x1f]*)?")  # one long option: no space, never a newline
 # what dflashctl sets itself, from the host's and the job's own keys: an extra option may not set it again
-MANAGED_SBATCH = {"partition": "the host's `slurm.partition`", "account": "the host's `slurm.account`",
-                  "time": "`slurm.time`", "nodes": "`slurm.nodes`", "job-name": "the job's name",
-                  "output": "the run dir's slurm-ID.out", "error": "the run dir's slurm-ID.out",
-                  "open-mode": "dflashctl (append)", "chdir": "the run dir",
-                  "ntasks-per-node": "dflashctl (one per node)", "gpus-per-node": "the job's `gpus`",
-                  "array": "dflashctl (one job per submission)"}  # fmt: skip
+MANAGED_SBATCH = {
+    "partition": "the host's `slurm.partition`",
+    "account": "the host's `slurm.account`",
+    "time": "`slurm.time`",
+    "nodes": "`slurm.nodes`",
+    "job-name": "the job's name",
+    "output": "the run dir's slurm-ID.out",
+    "error": "the run dir's slurm-ID.out",
+    "open-mode": "dflashctl (append)",
+    "chdir": "the run dir",
+    "ntasks-per-node": "dflashctl (one per node)",
+    "gpus-per-node": "the job's `gpus`",
+    "array": "dflashctl (one job per submission)",
+}
 
 
 def _sbatch_options(value: list[str]) -> list[str]:
@@ -92,8 +100,10 @@ def _sbatch_options(value: list[str]) -> list[str]:
     for opt in value:
         m = SBATCH_OPTION.fullmatch(opt)
         if not m:
-            raise ValueError(f"{opt!r}: expected one long sbatch option `--name` or `--name=value`, with no space "
-                             "(one option per item)")  # fmt: skip
+            raise ValueError(
+                f"{opt!r}: expected one long sbatch option `--name` or `--name=value`, with no space "
+                "(one option per item)"
+            )
         if m[1] in MANAGED_SBATCH:
             raise ValueError(f"{opt!r}: --{m[1]} is set by {MANAGED_SBATCH[m[1]]}, not by an extra option")
     return value
@@ -128,6 +138,7 @@ class SlurmHost(BaseModel):
         if value is not None and not _destination_ok(value):
             raise ValueError("expected an ssh destination `host` or `user@host` with no shell characters")
         return value
+
     partition: str | None = Field(None, description="sbatch --partition; default: the cluster's default partition")
     account: str | None = Field(None, description="sbatch --account")
     time: SlurmTime = Field(None, description="wall time per submission (sbatch --time), e.g. 24:00:00")
@@ -139,7 +150,6 @@ class SlurmHost(BaseModel):
         if value is not None and not SAFE_NAME.fullmatch(value):
             raise ValueError("expected a name of [A-Za-z0-9._-]")
         return value
-
 
 
 class HostConfig(BaseModel):
@@ -160,9 +170,10 @@ class HostConfig(BaseModel):
     )
     connect_timeout: float = Field(10.0, gt=0, le=300, description="seconds to wait for the ssh handshake")
     rdzv_host: str | None = Field(
-        None, description="the address other nodes reach this host at for a multi-node job's rendezvous (a "
+        None,
+        description="the address other nodes reach this host at for a multi-node job's rendezvous (a "
         "container's own address differs from its host's); default: the ssh HostName, 127.0.0.1 for `local`",
-    )  # fmt: skip
+    )
     slurm: SlurmHost | None = Field(None, description="a Slurm cluster: jobs go through sbatch on its login node")
 
     @model_validator(mode="before")
@@ -378,8 +389,10 @@ def _colon_hint(text: str, line: int) -> tuple[str | None, str]:
             key, value = m[1], m[2] or ""
             if value.startswith(("{", "[")):  # inside a flow mapping or list: only quotes help
                 return key, '; inside `{ }` or `[ ]` a value holding `: ` must be quoted ("x: y")'
-            return key, (f"; the value of `{key}` holds `: `: write it as a block, `{key}: |` with the value on the "
-                         "next lines indented, or quote it")
+            return key, (
+                f"; the value of `{key}` holds `: `: write it as a block, `{key}: |` with the value on the "
+                "next lines indented, or quote it"
+            )
     return None, "; a value holding `: ` must be written as a block (`key: |`, the value on the next lines) or quoted"
 
 
@@ -521,8 +534,10 @@ def misspelt_host(spec: str, named: Iterable[str]) -> str | None:
 def unknown_host_message(spec: str, near: str, command_line: bool = True) -> str:
     """What a misspelt host is told: the nearest name, and how to mean a new host of that name after all."""
     other = f", or give it as user@{spec} or ssh://{spec}" if command_line else ""
-    return (f"no host `{spec}` in dflashctl.yaml, hosts.yaml or ~/.ssh/config: did you mean `{near}`? (a host of that "
-            f"name: add it to dflashctl.yaml's `hosts:`{other})")
+    return (
+        f"no host `{spec}` in dflashctl.yaml, hosts.yaml or ~/.ssh/config: did you mean `{near}`? (a host of that "
+        f"name: add it to dflashctl.yaml's `hosts:`{other})"
+    )
 
 
 def resolve_host(spec: str, project_root: Path | None = None, workdir: str | None = None) -> HostConfig:

@@ -38,8 +38,13 @@ SNIFF = 8192
 # What the middle of a long attempt is searched for (its head and tail are kept whole): the starts of tracebacks (a
 # rank's own error before the others' timeouts) and the causes a later OOM names (the recompile limit, flex run
 # eagerly), the GPU's hardware reports. Plain byte searches: a regex with alternatives costs 10x here.
-MIDDLE_NEEDLES = (b"Traceback (most recent call last)", b"hit config.", b"called without torch.compile", b"NVRM: Xid",
-                  b"ECC error")  # fmt: skip
+MIDDLE_NEEDLES = (
+    b"Traceback (most recent call last)",
+    b"hit config.",
+    b"called without torch.compile",
+    b"NVRM: Xid",
+    b"ECC error",
+)
 ATTEMPT_NEEDLES = (b"[dflashctl] ", b"will restart worker group")
 GZIP_MAGIC = b"\x1f\x8b"
 OVERRUN = 64 * 1024  # how far past a block a traceback found in it is followed
@@ -64,8 +69,9 @@ def _check(path: Path) -> int:
 
 
 def _nul_only(size: int) -> LogFileError:
-    return LogFileError(f"holds only NUL bytes ({size:,}): a hole, as a log truncated under its writer leaves, and no "
-                        "text")  # fmt: skip
+    return LogFileError(
+        f"holds only NUL bytes ({size:,}): a hole, as a log truncated under its writer leaves, and no text"
+    )
 
 
 def lines_of(data: bytes) -> list[str]:

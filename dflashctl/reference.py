@@ -32,8 +32,12 @@ def render() -> str:
 
     root = typer.main.get_command(app)
     ctx = root.make_context("dflashctl", [], resilient_parsing=True)
-    out = ["# Command reference", "", "Generated from the CLI itself by `python -m dflashctl.reference`; "
-           "`dflashctl COMMAND --help` says the same.", ""]  # fmt: skip
+    out = [
+        "# Command reference",
+        "",
+        "Generated from the CLI itself by `python -m dflashctl.reference`; `dflashctl COMMAND --help` says the same.",
+        "",
+    ]
     out += [f"`dflashctl` — {' '.join((root.help or '').split())}", ""]
     for name in root.list_commands(ctx):
         cmd = root.get_command(ctx, name)

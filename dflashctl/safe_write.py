@@ -14,8 +14,11 @@ from dflashctl.errors import ConfigError
 def check_target(path: Path, key: str) -> None:
     """Refuse (exit 2, one line naming the file and the option) a target that is a symlink or a folder."""
     if path.is_symlink():
-        raise ConfigError(str(path), key, "is a symlink: refusing to write through it (its target may be someone's "
-                          "file); give the real path")  # fmt: skip
+        raise ConfigError(
+            str(path),
+            key,
+            "is a symlink: refusing to write through it (its target may be someone's file); give the real path",
+        )
     if path.is_dir():
         raise ConfigError(str(path), key, "is a folder: refusing to write over it")
 

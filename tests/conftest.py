@@ -296,9 +296,21 @@ def _leftovers(marks: tuple[str, ...]) -> list[str]:
 # started last would leave one worker idle while the other finishes it.
 # the Slurm tests first: much of their time is spent waiting on the scheduler (a wall time, a queue), which the other
 # worker fills with CPU work
-RUN_FIRST = ("test_slurm", "test_watch", "test_multinode", "test_trainer_data_eval", "test_trainer_run", "test_launch",
-             "test_safety", "test_trainer_flex", "test_failures_e2e", "test_trainer_export", "test_trainer_parallel",
-             "test_transport", "test_pull")  # fmt: skip
+RUN_FIRST = (
+    "test_slurm",
+    "test_watch",
+    "test_multinode",
+    "test_trainer_data_eval",
+    "test_trainer_run",
+    "test_launch",
+    "test_safety",
+    "test_trainer_flex",
+    "test_failures_e2e",
+    "test_trainer_export",
+    "test_trainer_parallel",
+    "test_transport",
+    "test_pull",
+)
 
 
 def pytest_collection_modifyitems(session, config, items):

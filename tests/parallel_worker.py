@@ -34,15 +34,18 @@ if __name__ == "__main__":
         parallel = {"tensor": 2} if mode == "tensor" else mode
         # one global batch of 2 in every mode: two ranks of one sample, or one tensor group of two samples
         batch = 2 if mode == "tensor" else 1
-        cfg = from_dict({**BASE, "target": {**BASE["target"], "parallel": parallel},
-                         "data": {**BASE["data"], "batch_size": batch}})  # fmt: skip
+        cfg = from_dict(
+            {**BASE, "target": {**BASE["target"], "parallel": parallel}, "data": {**BASE["data"], "batch_size": batch}}
+        )
         layout = make_layout(*parse_parallel(parallel), world)
         parts = build(cfg, device=world.device, layout=layout, for_training=False)
         ids = torch.randint(0, 250, (1, 128), generator=torch.Generator().manual_seed(7))
         hidden = parts.target.hidden_states(ids)
         logits = parts.target.logits(ids[:, :32])
         result = train(cfg, log=lambda s: None, world=world, run_dir=out / f"{mode}-run")
-        torch.save({"hidden": hidden, "logits": logits, "losses": result.losses, "layout": layout.describe()},
-                   out / f"{mode}-rank{world.rank}.pt")  # fmt: skip
+        torch.save(
+            {"hidden": hidden, "logits": logits, "losses": result.losses, "layout": layout.describe()},
+            out / f"{mode}-rank{world.rank}.pt",
+        )
     shutdown(world)
     end_process(0)

@@ -56,8 +56,9 @@ class Cluster:
         return {"SLURM_CONF": str(self.conf)}
 
     def scontrol(self, *args: str) -> str:
-        res = subprocess.run(["scontrol", *args], env={**os.environ, **self.env}, capture_output=True, text=True,
-                             timeout=30)  # fmt: skip
+        res = subprocess.run(
+            ["scontrol", *args], env={**os.environ, **self.env}, capture_output=True, text=True, timeout=30
+        )
         if res.returncode != 0:
             raise RuntimeError(f"scontrol {' '.join(args)}: {res.stderr.strip()}")
         return res.stdout
@@ -78,12 +79,17 @@ class Cluster:
         """slurmctld comes back and reads its saved state: the jobs it knew are known again, and every node has
         registered with it again (a loaded machine's slurmd takes a while: a kill before that waits on it)."""
         log = open(self.dir / "log" / "daemons.log", "ab")  # noqa: SIM115 - kept open for the daemon's lifetime
-        self.procs[1] = subprocess.Popen([_find("slurmctld"), "-D", "-i", "-f", str(self.conf)], stdout=log,
-                                         stderr=log, env={**os.environ, **self.env})  # fmt: skip
+        self.procs[1] = subprocess.Popen(
+            [_find("slurmctld"), "-D", "-i", "-f", str(self.conf)],
+            stdout=log,
+            stderr=log,
+            env={**os.environ, **self.env},
+        )
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
-            res = subprocess.run(["scontrol", "ping"], env={**os.environ, **self.env}, capture_output=True, text=True,
-                                 timeout=30)  # fmt: skip
+            res = subprocess.run(
+                ["scontrol", "ping"], env={**os.environ, **self.env}, capture_output=True, text=True, timeout=30
+            )
             if "UP" in res.stdout:
                 self.wait_idle()
                 return
@@ -140,16 +146,17 @@ def _free_port() -> int:
 
 
 def _find(name: str) -> str | None:
-    return shutil.which(name) or next((p for p in (f"/usr/sbin/{name}", f"/usr/bin/{name}") if Path(p).exists()),
-                                      None)  # fmt: skip
+    return shutil.which(name) or next((p for p in (f"/usr/sbin/{name}", f"/usr/bin/{name}") if Path(p).exists()), None)
 
 
 def start_cluster(d: Path, cpus: int = 2, kill_wait_s: int = 2) -> Cluster:
     """Write the config under `d` and start the daemons; both nodes are idle when this returns."""
     missing = [n for n in (*DAEMONS, *CLIENTS) if _find(n) is None]
     if missing:
-        raise ClusterUnavailable(f"Slurm is not installed here ({', '.join(missing)} missing): `make test` installs "
-                                 "slurmctld, slurmd, slurm-client and munge")  # fmt: skip
+        raise ClusterUnavailable(
+            f"Slurm is not installed here ({', '.join(missing)} missing): `make test` installs "
+            "slurmctld, slurmd, slurm-client and munge"
+        )
     if os.geteuid() != 0:
         raise ClusterUnavailable("the test cluster runs its daemons as root (SlurmUser=root); this user is not")
     host = socket.gethostname().split(".")[0]
@@ -168,62 +175,83 @@ def start_cluster(d: Path, cpus: int = 2, kill_wait_s: int = 2) -> Cluster:
     if len(str(sock)) > 100:
         raise ClusterUnavailable(f"the munge socket's path is too long for a unix socket: {sock}")
     conf = d / "slurm.conf"
-    conf.write_text("\n".join([
-        "ClusterName=dflashtest",
-        f"SlurmctldHost={host}(127.0.0.1)",
-        f"SlurmctldPort={_free_port()}",
-        "SlurmUser=root",
-        "AuthType=auth/munge",
-        f"AuthInfo=socket={sock}",
-        "CredType=cred/munge",
-        f"StateSaveLocation={d / 'state'}",
-        f"SlurmdSpoolDir={d / 'spool'}/%n",
-        f"SlurmctldPidFile={d / 'slurmctld.pid'}",
-        f"SlurmdPidFile={d / 'slurmd-%n.pid'}",
-        f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}",
-        f"SlurmdLogFile={d / 'log' / 'slurmd-%n.log'}",
-        "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none",
-        "JobAcctGatherType=jobacct_gather/none",
-        "AccountingStorageType=accounting_storage/none",
-        "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_CPU",
-        "MinJobAge=3600",  # ended jobs stay in the controller's memory: their final state is read with scontrol
-        f"KillWait={kill_wait_s}",
-        "MessageTimeout=3",  # a client's wait on a controller that is away (default 10 s, retried)
-        "ReturnToService=2",
-        "MpiDefault=none",
-        "SchedulerType=sched/backfill",
-        "SlurmdParameters=config_overrides",  # a node has the CPUs the config says: jobs that sleep share cores
-        *(f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} State=UNKNOWN"
-          for n in NODES),
-        # a job of partition `high` preempts (cancels) the jobs of `debug` it needs the nodes of
-        "PreemptType=preempt/partition_prio",
-        "PreemptMode=CANCEL",
-        f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP PriorityTier=1",
-        f"PartitionName=high Nodes={','.join(NODES)} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF",
-    ]) + "\n")  # fmt: skip
+    conf.write_text(
+        "\n".join(
+            [
+                "ClusterName=dflashtest",
+                f"SlurmctldHost={host}(127.0.0.1)",
+                f"SlurmctldPort={_free_port()}",
+                "SlurmUser=root",
+                "AuthType=auth/munge",
+                f"AuthInfo=socket={sock}",
+                "CredType=cred/munge",
+                f"StateSaveLocation={d / 'state'}",
+                f"SlurmdSpoolDir={d / 'spool'}/%n",
+                f"SlurmctldPidFile={d / 'slurmctld.pid'}",
+                f"SlurmdPidFile={d / 'slurmd-%n.pid'}",
+                f"SlurmctldLogFile={d / 'log' / 'slurmctld.log'}",
+                f"SlurmdLogFile={d / 'log' / 'slurmd-%n.log'}",
+                "ProctrackType=proctrack/linuxproc",
+                "TaskPlugin=task/none",
+                "JobAcctGatherType=jobacct_gather/none",
+                "AccountingStorageType=accounting_storage/none",
+                "SelectType=select/cons_tres",
+                "SelectTypeParameters=CR_CPU",
+                "MinJobAge=3600",  # ended jobs stay in the controller's memory: their final state is read with scontrol
+                f"KillWait={kill_wait_s}",
+                "MessageTimeout=3",  # a client's wait on a controller that is away (default 10 s, retried)
+                "ReturnToService=2",
+                "MpiDefault=none",
+                "SchedulerType=sched/backfill",
+                "SlurmdParameters=config_overrides",  # a node has the CPUs the config says: jobs that sleep share cores
+                *(
+                    f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} State=UNKNOWN"
+                    for n in NODES
+                ),
+                # a job of partition `high` preempts (cancels) the jobs of `debug` it needs the nodes of
+                "PreemptType=preempt/partition_prio",
+                "PreemptMode=CANCEL",
+                f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP PriorityTier=1",
+                f"PartitionName=high Nodes={','.join(NODES)} MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF",
+            ]
+        )
+        + "\n"
+    )
     for n in NODES:
         (d / "spool" / n).mkdir(parents=True, exist_ok=True)
     cluster = Cluster(d, conf)
     env = {**os.environ, **cluster.env}
     log = open(d / "log" / "daemons.log", "ab")  # noqa: SIM115 - kept open for the daemons' lifetime
     try:
-        cluster.procs.append(subprocess.Popen(
-            [_find("munged"), "-F", "-f", f"--socket={sock}", f"--key-file={key}", f"--pid-file={d / 'munge.pid'}",
-             f"--log-file={d / 'log' / 'munged.log'}", f"--seed-file={d / 'munge' / 'seed'}"],
-            stdout=log, stderr=log, env=env,
-        ))  # fmt: skip
+        cluster.procs.append(
+            subprocess.Popen(
+                [
+                    _find("munged"),
+                    "-F",
+                    "-f",
+                    f"--socket={sock}",
+                    f"--key-file={key}",
+                    f"--pid-file={d / 'munge.pid'}",
+                    f"--log-file={d / 'log' / 'munged.log'}",
+                    f"--seed-file={d / 'munge' / 'seed'}",
+                ],
+                stdout=log,
+                stderr=log,
+                env=env,
+            )
+        )
         deadline = time.monotonic() + 30
         while not sock.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         if not sock.exists():
             raise ClusterUnavailable(f"munged did not start: see {d / 'log'}")
-        cluster.procs.append(subprocess.Popen([_find("slurmctld"), "-D", "-i", "-f", str(conf)], stdout=log,
-                                              stderr=log, env=env))  # fmt: skip
+        cluster.procs.append(
+            subprocess.Popen([_find("slurmctld"), "-D", "-i", "-f", str(conf)], stdout=log, stderr=log, env=env)
+        )
         for n in NODES:
-            cluster.procs.append(subprocess.Popen([_find("slurmd"), "-D", "-f", str(conf), "-N", n], stdout=log,
-                                                  stderr=log, env=env))  # fmt: skip
+            cluster.procs.append(
+                subprocess.Popen([_find("slurmd"), "-D", "-f", str(conf), "-N", n], stdout=log, stderr=log, env=env)
+            )
         cluster.wait_idle()
     except BaseException:
         cluster.stop()

@@ -15,7 +15,7 @@ from tests.conftest import run_trainer_cli
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("triton")
 
-CHECK = r'''
+CHECK = r"""
 import torch, torch.nn.functional as F
 from trainer.model.ce_kernel import available, fused_linear_cross_entropy
 from trainer.model.drafter import block_loss
@@ -56,20 +56,21 @@ a = block_loss(hid, head, lab, wts, kernel="fused")
 b = block_loss(hid, head, lab, wts, kernel="plain")
 assert torch.allclose(a[0], b[0], rtol=1e-4) and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2]), (a, b)
 print("ok")
-'''
+"""
 
 
 def test_the_kernel_matches_the_plain_path_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
 def test_fused_is_a_config_error_where_it_cannot_run(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("target: {random_preset: tiny-qwen3, dtype: float32}\ndrafter: {num_layers: 1, block_size: 8}\n"
-                   "attention: {backend: dense}\ndata: {anchors_per_seq: 16, seq_buckets: [128]}\ndevice: cpu\n"
-                   "optim: {loss_kernel: fused}\nsteps: 1\n")  # fmt: skip
+    cfg.write_text(
+        "target: {random_preset: tiny-qwen3, dtype: float32}\ndrafter: {num_layers: 1, block_size: 8}\n"
+        "attention: {backend: dense}\ndata: {anchors_per_seq: 16, seq_buckets: [128]}\ndevice: cpu\n"
+        "optim: {loss_kernel: fused}\nsteps: 1\n"
+    )
     proc = run_trainer_cli(cfg, unset=("TRITON_INTERPRET",))
     assert proc.returncode == 2 and "optim.loss_kernel" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

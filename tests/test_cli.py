@@ -13,8 +13,14 @@ from dflashctl.model.record import JobRecord
 from tests.conftest import run_cli
 
 
-@pytest.mark.parametrize("args, expect", [(["statuss"], "No such command 'statuss'"),
-                                          (["launch"], "Missing argument"), (["ls", "--colour"], "No such option")])
+@pytest.mark.parametrize(
+    "args, expect",
+    [
+        (["statuss"], "No such command 'statuss'"),
+        (["launch"], "Missing argument"),
+        (["ls", "--colour"], "No such option"),
+    ],
+)
 def test_usage_errors_are_one_line_exit_2(args, expect):
     res = run_cli(*args)
     lines = res.stderr.strip().splitlines()
@@ -23,8 +29,10 @@ def test_usage_errors_are_one_line_exit_2(args, expect):
 
 def test_errors_under_json_are_also_an_object_on_stdout(client):
     res = run_cli("status", "nope", "--json")
-    assert res.code == 2 and json.loads(res.stdout) == {"error": res.stderr.strip().removeprefix("dflashctl: error: "),
-                                                        "exit": 2}  # fmt: skip
+    assert res.code == 2 and json.loads(res.stdout) == {
+        "error": res.stderr.strip().removeprefix("dflashctl: error: "),
+        "exit": 2,
+    }
 
 
 def test_help_reads_well():
@@ -34,10 +42,22 @@ def test_help_reads_well():
 
 
 def record(client, job_id: str, state: str = "RUNNING", project: str | None = None) -> None:
-    registry.record(JobRecord(id=job_id, name=job_id.rsplit("-", 2)[0], project=project or str(client.project),
-                              job_file="/x.yaml", host_name="testbox", host={"name": "testbox", "ssh": "testbox"},
-                              release="r1", command="sleep 1", run_dir=f"/tmp/runs/{job_id}", session=job_id,
-                              launched_at=time.time(), state=state))  # fmt: skip
+    registry.record(
+        JobRecord(
+            id=job_id,
+            name=job_id.rsplit("-", 2)[0],
+            project=project or str(client.project),
+            job_file="/x.yaml",
+            host_name="testbox",
+            host={"name": "testbox", "ssh": "testbox"},
+            release="r1",
+            command="sleep 1",
+            run_dir=f"/tmp/runs/{job_id}",
+            session=job_id,
+            launched_at=time.time(),
+            state=state,
+        )
+    )
 
 
 def test_ls_json_is_an_object_and_prefixes_must_be_unique(client, monkeypatch):
@@ -86,12 +106,31 @@ def test_completion_offers_job_ids_and_hosts(client, monkeypatch):
 def test_records_of_the_previous_version_still_read(client, monkeypatch):
     """A jobs.json written before releases (`code_version`, no `release`) is read, not refused as corrupt."""
     monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
-    old = {"old-20261129T100000Z": {
-        "id": "old-20261129T100000Z", "name": "old", "project": str(client.project), "job_file": "/x.yaml",
-        "host_name": "local", "host": {"name": "local"}, "code_version": "abc123", "command": "sleep 1",
-        "run_dir": "/tmp/r", "session": "old-20261129T100000Z", "pane_pid": 1, "gpus": [], "launched_at": 1.0,
-        "state": "FINISHED", "restarts": 0, "kill_grace_s": 40.0, "is_trainer": False, "overrides": [],
-        "watch": {"interval_s": 60.0, "startup_budget_s": 3600.0}, "tmux_socket": "dflashctl", "steps": None}}
+    old = {
+        "old-20261129T100000Z": {
+            "id": "old-20261129T100000Z",
+            "name": "old",
+            "project": str(client.project),
+            "job_file": "/x.yaml",
+            "host_name": "local",
+            "host": {"name": "local"},
+            "code_version": "abc123",
+            "command": "sleep 1",
+            "run_dir": "/tmp/r",
+            "session": "old-20261129T100000Z",
+            "pane_pid": 1,
+            "gpus": [],
+            "launched_at": 1.0,
+            "state": "FINISHED",
+            "restarts": 0,
+            "kill_grace_s": 40.0,
+            "is_trainer": False,
+            "overrides": [],
+            "watch": {"interval_s": 60.0, "startup_budget_s": 3600.0},
+            "tmux_socket": "dflashctl",
+            "steps": None,
+        }
+    }
     (client.home / "state").mkdir(parents=True)
     (client.home / "state" / "jobs.json").write_text(json.dumps(old))
     listed = json.loads(run_cli("ls", "--json").stdout)["jobs"]
@@ -130,9 +169,27 @@ def test_ls_fits_80_columns_and_is_one_plain_line_per_job_in_a_pipe(client, monk
     assert lines[0].split("\t")[:3] == ["a-rather-long-job-name-20261130T100002Z-aaa2", "testbox", "RUNNING"]
     sock, done = f"ls-{tmp_path.name}", tmp_path / "done"
     tmux = ["tmux", "-L", sock]
-    subprocess.run([*tmux, "new-session", "-d", "-x", "80", "-y", "30", "-s", "l", "-c", str(client.project),
-                    "-e", f"HOME={client.home}", "-e", f"DFLASHCTL_STATE_DIR={client.home / 'state'}",
-                    f"{sys.executable} -m dflashctl ls; echo $? > {done}; sleep 60"], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            *tmux,
+            "new-session",
+            "-d",
+            "-x",
+            "80",
+            "-y",
+            "30",
+            "-s",
+            "l",
+            "-c",
+            str(client.project),
+            "-e",
+            f"HOME={client.home}",
+            "-e",
+            f"DFLASHCTL_STATE_DIR={client.home / 'state'}",
+            f"{sys.executable} -m dflashctl ls; echo $? > {done}; sleep 60",
+        ],
+        check=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not done.exists() and time.monotonic() < deadline:
@@ -154,16 +211,20 @@ def test_help_starts_without_the_rich_parts_it_never_draws():
     import sys
 
     never = "('markdown_it', 'rich.traceback', 'pygments')"
-    code = ("import sys; from dflashctl.cli import main; main(['--help']); "
-            f"print(sorted(m for m in {never} if hasattr(sys.modules.get(m), '__file__')), "
-            "file=sys.stderr)")  # fmt: skip
+    code = (
+        "import sys; from dflashctl.cli import main; main(['--help']); "
+        f"print(sorted(m for m in {never} if hasattr(sys.modules.get(m), '__file__')), "
+        "file=sys.stderr)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "Usage: dflashctl" in proc.stdout and proc.stderr.strip().splitlines()[-1] == "[]", proc.stderr
-    code = ("import io; import dflashctl.cli; from rich.markdown import Markdown; "
-            "from rich.traceback import Traceback; from rich.console import Console; "
-            "c = Console(file=io.StringIO(), width=40); m = Markdown('# Title'); c.print(m); "
-            "print(type(m).__module__, type(m).__name__, 'Title' in c.file.getvalue(), "
-            "Traceback.from_exception.__qualname__)")  # fmt: skip
+    code = (
+        "import io; import dflashctl.cli; from rich.markdown import Markdown; "
+        "from rich.traceback import Traceback; from rich.console import Console; "
+        "c = Console(file=io.StringIO(), width=40); m = Markdown('# Title'); c.print(m); "
+        "print(type(m).__module__, type(m).__name__, 'Title' in c.file.getvalue(), "
+        "Traceback.from_exception.__qualname__)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["rich.markdown", "Markdown", "True", "Traceback.from_exception"], proc.stderr
 
@@ -176,18 +237,24 @@ def test_ls_starts_without_scanning_installed_distributions_for_pydantic_plugins
     import sys
 
     env = {**os.environ, "DFLASHCTL_STATE_DIR": str(tmp_path / "state")}
-    code = ("import sys; from dflashctl.cli import main\n"
-            "try: main(['ls', '--json'])\nexcept SystemExit: pass\n"
-            "from dflashctl.config import HostConfig\n"
-            "print('importlib.metadata' in sys.modules, HostConfig(python='py3').python, file=sys.stderr)")  # fmt: skip
+    code = (
+        "import sys; from dflashctl.cli import main\n"
+        "try: main(['ls', '--json'])\nexcept SystemExit: pass\n"
+        "from dflashctl.config import HostConfig\n"
+        "print('importlib.metadata' in sys.modules, HostConfig(python='py3').python, file=sys.stderr)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert proc.stdout.strip() == '{"jobs":[]}' and proc.stderr.split() == ["False", "py3"], proc.stderr
-    code = ("import sys; from pydantic.plugin import _loader; import dflashctl.config as c\n"
-            "print(sys.modules['pydantic.plugin._loader'] is _loader, _loader._plugins, c.HostConfig().python)")
+    code = (
+        "import sys; from pydantic.plugin import _loader; import dflashctl.config as c\n"
+        "print(sys.modules['pydantic.plugin._loader'] is _loader, _loader._plugins, c.HostConfig().python)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert proc.stdout.split() == ["True", "{}", "python3"], proc.stderr
-    code = ("import dflashctl.config\nfrom pydantic.plugin._loader import PYDANTIC_ENTRY_POINT_GROUP, get_plugins\n"
-            "print(PYDANTIC_ENTRY_POINT_GROUP, list(get_plugins()))")  # a name the stand-in lacks: the real loader
+    code = (
+        "import dflashctl.config\nfrom pydantic.plugin._loader import PYDANTIC_ENTRY_POINT_GROUP, get_plugins\n"
+        "print(PYDANTIC_ENTRY_POINT_GROUP, list(get_plugins()))"
+    )  # a name the stand-in lacks: the real loader
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert proc.stdout.split() == ["pydantic", "[]"], proc.stderr
 
@@ -247,12 +314,14 @@ def test_every_commands_help_reads_well_at_80_columns():
     assert len(commands) >= 17 and "exec" in commands
     env = {**os.environ, "COLUMNS": "80"}
     for command in commands:
-        out = subprocess.run([sys.executable, "-m", "dflashctl", command, "--help"], capture_output=True, text=True,
-                             env=env, timeout=60).stdout  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "dflashctl", command, "--help"], capture_output=True, text=True, env=env, timeout=60
+        ).stdout
         for bad in ("<str>", "<int", "<path>", "<bool>", "<float", "<=x<=", "{host}", "{job"):
             assert bad not in out, (command, bad)
-    watch = subprocess.run([sys.executable, "-m", "dflashctl", "watch", "--help"], capture_output=True, text=True,
-                           env=env, timeout=60).stdout  # fmt: skip
+    watch = subprocess.run(
+        [sys.executable, "-m", "dflashctl", "watch", "--help"], capture_output=True, text=True, env=env, timeout=60
+    ).stdout
     for code in ("22 DIVERGED", "25 DISK_FULL", "29 CANCELLED"):
         assert code in " ".join(watch.split()), code
 
@@ -263,11 +332,29 @@ def test_the_plain_watch_line_says_each_thing_once():
     from dflashctl.show.view import line
 
     base = dict(id="j", host="h", time=1.0, since=0.0, epoch=0, loss=2.0)
-    running = PollRecord(Report(**base, state="RUNNING", reason="step 391, 19,147 tok/s, loss 4.6456",
-                                evidence=["x"], step=391, tokens_per_s=19147.0), 1)  # fmt: skip
+    running = PollRecord(
+        Report(
+            **base,
+            state="RUNNING",
+            reason="step 391, 19,147 tok/s, loss 4.6456",
+            evidence=["x"],
+            step=391,
+            tokens_per_s=19147.0,
+        ),
+        1,
+    )
     text = line(running)
     assert text.count("391") == 1 and text.count("tok/s") == 1, text
-    done = PollRecord(Report(**base, state="FINISHED", reason="exit 0 at step 1000",
-                             evidence=["exit_code 0, step 1000"], step=1000, tokens_per_s=6717.0), 1)  # fmt: skip
+    done = PollRecord(
+        Report(
+            **base,
+            state="FINISHED",
+            reason="exit 0 at step 1000",
+            evidence=["exit_code 0, step 1000"],
+            step=1000,
+            tokens_per_s=6717.0,
+        ),
+        1,
+    )
     text = line(done)
     assert text.count("1000") == 1 and "tok/s" not in text, text

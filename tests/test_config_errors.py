@@ -17,8 +17,10 @@ from dflashctl.errors import ConfigError
         ("hosts:\n  box:\n    ssh: testbox\n    colour: red\n", "hosts.box.colour: unknown key"),
         ("hostz:\n  box: {}\n", "hostz: unknown key (did you mean `hosts`?)"),
         ("hosts:\n  box:\n    ssh: testbox\n    prot: 22\n", "hosts.box.prot: unknown key (did you mean `port`?)"),
-        ("hosts:\n  box:\n    ssh: testbox\n    slurm: {partion: a}\n",
-         "hosts.box.slurm.partion: unknown key (did you mean `partition`?)"),
+        (
+            "hosts:\n  box:\n    ssh: testbox\n    slurm: {partion: a}\n",
+            "hosts.box.slurm.partion: unknown key (did you mean `partition`?)",
+        ),
         ("hosts:\n  box:\n    ssh: testbox\n    port: many\n", "hosts.box.port"),
         ("hosts:\n  box:\n    ssh: testbox\n    container: lxc:200\n", "hosts.box.container"),
         ("hosts:\n  box:\n    ssh: testbox\n    container: 'pct:200; rm -rf /'\n", "hosts.box.container"),

@@ -12,15 +12,34 @@ from dflashctl.judge.report import SUPERVISOR, Judge
 T0 = 2000.0
 
 
-def snap(wall: float, step: int | None = 5, *, dead: int | None = None, restarts: int = 0, log: str = "",
-         supervisor: dict | None = None, stop: bool = False, started: float = T0 - 10) -> dict:  # fmt: skip
-    s = {"time": wall, "run_dir_exists": True, "restarts": restarts,
-         "session": {"exists": True, "created": started, "pane_dead": dead is not None, "exit_status": dead},
-         "exit_code": dead, "log": {"text": log, "offset": len(log), "size": len(log)},
-         "progress": {"attempt_start": started, "step": step, "step_changed_at": wall, "attempt_age_s": wall - started,
-                      "step_age_s": 0.0 if step is not None else None},
-         "metrics": {"records": [{"time": wall, "step": step, "loss": 2.0, "tokens_per_s": 100.0}] if step else []},
-         "procs": [] if dead is not None else [{"pid": 10, "start": 1, "cmd": "t", "cpu_s": 1.0}]}  # fmt: skip
+def snap(
+    wall: float,
+    step: int | None = 5,
+    *,
+    dead: int | None = None,
+    restarts: int = 0,
+    log: str = "",
+    supervisor: dict | None = None,
+    stop: bool = False,
+    started: float = T0 - 10,
+) -> dict:
+    s = {
+        "time": wall,
+        "run_dir_exists": True,
+        "restarts": restarts,
+        "session": {"exists": True, "created": started, "pane_dead": dead is not None, "exit_status": dead},
+        "exit_code": dead,
+        "log": {"text": log, "offset": len(log), "size": len(log)},
+        "progress": {
+            "attempt_start": started,
+            "step": step,
+            "step_changed_at": wall,
+            "attempt_age_s": wall - started,
+            "step_age_s": 0.0 if step is not None else None,
+        },
+        "metrics": {"records": [{"time": wall, "step": step, "loss": 2.0, "tokens_per_s": 100.0}] if step else []},
+        "procs": [] if dead is not None else [{"pid": 10, "start": 1, "cmd": "t", "cpu_s": 1.0}],
+    }
     if stop:
         s["stop_request"] = {"time": wall}
     if supervisor is not None:
@@ -28,7 +47,7 @@ def snap(wall: float, step: int | None = 5, *, dead: int | None = None, restarts
     return s
 
 
-CRASH_LOG = "step 5\nTraceback (most recent call last):\n  File \"t.py\", line 1\nRuntimeError: boom\n"
+CRASH_LOG = 'step 5\nTraceback (most recent call last):\n  File "t.py", line 1\nRuntimeError: boom\n'
 
 
 def decider(restart_on=("CRASHED",), max_restarts=2, backoff_s=0.0, by="supervisor", nodes=1) -> Decider:
@@ -124,8 +143,14 @@ def test_a_reader_follows_an_answering_supervisor_and_makes_no_notice_of_its_own
     """A watch on the laptop, the supervisor alive and answering: its verdict (verdict.json) is the report, its
     restart is its own (the watch waits), and the watch makes no notice."""
     d = decider(by="watch")
-    verdict = {"state": "CRASHED", "reason": "the supervisor's reason", "evidence": ["RuntimeError: boom"],
-               "restarts": 0, "attempt_start": T0 - 10, "time": T0}  # fmt: skip
+    verdict = {
+        "state": "CRASHED",
+        "reason": "the supervisor's reason",
+        "evidence": ["RuntimeError: boom"],
+        "restarts": 0,
+        "attempt_start": T0 - 10,
+        "time": T0,
+    }
     sup = {"alive": True, "interval_s": 1.0, "heartbeat": {"beat": 3, "age_s": 0.1}, "verdict": verdict}
     turn = d.take([Look(snap(T0, dead=1, log=CRASH_LOG, supervisor=sup))], 0.0)
     r = turn.report
@@ -154,8 +179,16 @@ def test_a_restart_made_elsewhere_is_seen_with_its_cause_and_a_raced_one_is_not_
     moved = {**snap(T0 + 5, restarts=1, started=T0 + 4), "restart_cause": cause}
     turn = d.take([Look(moved)], 5.0)
     seen = [e for e in turn.events if e["decision"] == "restart"]
-    assert seen == [{"decision": "restart", "attempt": 1, "after": "STALLED", "by": "elsewhere (supervisor)",
-                     "reason": "no step", "evidence": []}]  # fmt: skip
+    assert seen == [
+        {
+            "decision": "restart",
+            "attempt": 1,
+            "after": "STALLED",
+            "by": "elsewhere (supervisor)",
+            "reason": "no step",
+            "evidence": [],
+        }
+    ]
     assert d.restarts == 1
     raced = decider(by="watch")
     raced.take([Look(snap(T0, dead=1, log=CRASH_LOG))], 0.0)

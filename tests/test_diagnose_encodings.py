@@ -21,8 +21,13 @@ from dflashctl.judge.diagnosis import diagnose_lines
 from dflashctl.judge.facts import EXIT_BY_STATE
 from dflashctl.logfile import LogFileError, lines_of, read_log
 
-CRASH = ["step 1 loss 2.31", "step 2 loss 2.30", "Traceback (most recent call last):",
-         '  File "/srv/train.py", line 7, in <module>', "KeyError: 'shard'"]  # fmt: skip
+CRASH = [
+    "step 1 loss 2.31",
+    "step 2 loss 2.30",
+    "Traceback (most recent call last):",
+    '  File "/srv/train.py", line 7, in <module>',
+    "KeyError: 'shard'",
+]
 OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB"
 
 
@@ -195,8 +200,9 @@ def test_random_garbage_between_lines_never_raises():
 
 def _cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "dflashctl", "diagnose", *args], input=stdin, capture_output=True,
-                          timeout=120, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "dflashctl", "diagnose", *args], input=stdin, capture_output=True, timeout=120, env=env
+    )
 
 
 def test_the_cli_reads_utf16_and_holes_and_refuses_a_nul_only_file_in_one_line(tmp_path):

@@ -32,50 +32,86 @@ C, E = "\x1b[2m\x1b[36m", "\x1b[0m"
     "line, stream, text",
     [
         # Ray: the worker's prefix, coloured; the deduplication note at the end goes too
-        (f"{C}(RayTrainWorker pid=1942, ip=100.97.252.234){E} [Worker:0] [INFO] done", "pid1942@100.97.252.234",
-         "[Worker:0] [INFO] done"),
-        (f"{C}(RayTrainWorker pid=5522){E} step 3 loss nan \x1b[32m[repeated 3x across cluster] (Ray deduplicates logs "
-         f"by default. Set RAY_DEDUP_LOGS=0 to disable log deduplication, or see https://docs.ray.io/.)\x1b[0m",
-         "pid5522", "step 3 loss nan"),
-        ("(raylet) [2026-12-05 07:31:07,882 E 47811 47811] (raylet) node_manager.cc:3069: 1 Workers (tasks / actors) "
-         "killed due to memory pressure (OOM)", "raylet", "node_manager.cc:3069: 1 Workers (tasks / actors) killed due "
-         "to memory pressure (OOM)"),
+        (
+            f"{C}(RayTrainWorker pid=1942, ip=100.97.252.234){E} [Worker:0] [INFO] done",
+            "pid1942@100.97.252.234",
+            "[Worker:0] [INFO] done",
+        ),
+        (
+            f"{C}(RayTrainWorker pid=5522){E} step 3 loss nan \x1b[32m[repeated 3x across cluster] (Ray deduplicates logs "  # noqa: E501 - the line as the tool prints it
+            f"by default. Set RAY_DEDUP_LOGS=0 to disable log deduplication, or see https://docs.ray.io/.)\x1b[0m",
+            "pid5522",
+            "step 3 loss nan",
+        ),
+        (
+            "(raylet) [2026-12-05 07:31:07,882 E 47811 47811] (raylet) node_manager.cc:3069: 1 Workers (tasks / actors) "  # noqa: E501 - the line as the tool prints it
+            "killed due to memory pressure (OOM)",
+            "raylet",
+            "node_manager.cc:3069: 1 Workers (tasks / actors) killed due to memory pressure (OOM)",
+        ),
         # SkyPilot: multi-node (both orders of ip and pid), single node, setup; its own logger's stamp
         ("\x1b[36m(head, rank=0, pid=3808)\x1b[0m [1,0]<stdout>:# nThread 1", "rank0", "# nThread 1"),
         ("(worker1, rank=1, ip=10.100.10.12, pid=2769) step 1", "rank1", "step 1"),
-        ("(worker1, rank=1, pid=2769, ip=10.100.10.12) [rank11]: Traceback (most recent call last):", "rank11",
-         "Traceback (most recent call last):"),
+        (
+            "(worker1, rank=1, pid=2769, ip=10.100.10.12) [rank11]: Traceback (most recent call last):",
+            "rank11",
+            "Traceback (most recent call last):",
+        ),
         ("(task, pid=7431) Running on public URL", "pid7431", "Running on public URL"),
         ("(setup pid=2383) Running setup.", "pid2383", "Running setup."),
-        ("I 12-07 03:52:17 controller.py:281] Cluster is preempted or failed (status: STOPPED). Recovering...", None,
-         "Cluster is preempted or failed (status: STOPPED). Recovering..."),
+        (
+            "I 12-07 03:52:17 controller.py:281] Cluster is preempted or failed (status: STOPPED). Recovering...",
+            None,
+            "Cluster is preempted or failed (status: STOPPED). Recovering...",
+        ),
         # kubectl logs --prefix --timestamps (RFC 3339, nanoseconds): a frame keeps its indentation
-        ("[pod/llama-ft-worker-1/pytorch] 2026-12-04T10:12:40.118203913Z [rank3]: KeyError: 'x'", "rank3",
-         "KeyError: 'x'"),
-        ('[pod/llama-ft-worker-1/pytorch] 2026-12-04T10:12:40.118203913Z   File "x.py", line 3',
-         "pod/llama-ft-worker-1/pytorch", '  File "x.py", line 3'),
+        (
+            "[pod/llama-ft-worker-1/pytorch] 2026-12-04T10:12:40.118203913Z [rank3]: KeyError: 'x'",
+            "rank3",
+            "KeyError: 'x'",
+        ),
+        (
+            '[pod/llama-ft-worker-1/pytorch] 2026-12-04T10:12:40.118203913Z   File "x.py", line 3',
+            "pod/llama-ft-worker-1/pytorch",
+            '  File "x.py", line 3',
+        ),
         # torchx: `{role}/{replica} ` (green on a terminal), then torchrun's `[{role}{local_rank}]:` with an empty role
-        ("\x1b[32mtrain/0\x1b[0m [1]:Traceback (most recent call last):", "rank1",
-         "Traceback (most recent call last):"),
+        (
+            "\x1b[32mtrain/0\x1b[0m [1]:Traceback (most recent call last):",
+            "rank1",
+            "Traceback (most recent call last):",
+        ),
         ('train/0 [1]:[rank1]:   File "x.py", line 3', "rank1", '  File "x.py", line 3'),
         ("train/0 W1204 09:58:14.101000 51877 torch/distributed/run.py:793] *****", "train/0", "*****"),
-        ('train/0   File "/opt/venv/bin/torchrun", line 8, in <module>', "train/0",
-         '  File "/opt/venv/bin/torchrun", line 8, in <module>'),  # the agent's own traceback, no tee prefix
+        (
+            'train/0   File "/opt/venv/bin/torchrun", line 8, in <module>',
+            "train/0",
+            '  File "/opt/venv/bin/torchrun", line 8, in <module>',
+        ),  # the agent's own traceback, no tee prefix
         # moreutils ts: its default, -s / -i, %.S, %s; syslog and journalctl share the default's shape
         ("Dec 04 10:12:40 step 3 loss 2.0", None, "step 3 loss 2.0"),
-        ("Dec  4 10:12:40.123456   File \"x.py\", line 3", None, '  File "x.py", line 3'),
+        ('Dec  4 10:12:40.123456   File "x.py", line 3', None, '  File "x.py", line 3'),
         ("00:03:12 step 3 loss 2.0", None, "step 3 loss 2.0"),
-        ("2026-12-07 09:14:02.118203 [default1]:[rank1]: torch.OutOfMemoryError: CUDA", "rank1",
-         "torch.OutOfMemoryError: CUDA"),
+        (
+            "2026-12-07 09:14:02.118203 [default1]:[rank1]: torch.OutOfMemoryError: CUDA",
+            "rank1",
+            "torch.OutOfMemoryError: CUDA",
+        ),
         ("1796641200 step 3 loss 2.0", None, "step 3 loss 2.0"),
         # Lightning's rank prefix, dmesg -T, PowerShell's ErrorRecord of a native command's stderr
-        ("[rank: 1] Monitored metric train_loss = tensor(nan) is not finite.", "rank1",
-         "Monitored metric train_loss = tensor(nan) is not finite."),
-        ("[Thu Dec  4 10:12:40 2026] Out of memory: Killed process 7102 (python3)", None,
-         "Out of memory: Killed process 7102 (python3)"),
+        (
+            "[rank: 1] Monitored metric train_loss = tensor(nan) is not finite.",
+            "rank1",
+            "Monitored metric train_loss = tensor(nan) is not finite.",
+        ),
+        (
+            "[Thu Dec  4 10:12:40 2026] Out of memory: Killed process 7102 (python3)",
+            None,
+            "Out of memory: Killed process 7102 (python3)",
+        ),
         ("python.exe : Traceback (most recent call last):", None, "Traceback (most recent call last):"),
     ],
-)  # fmt: skip
+)
 def test_each_launchers_prefix_stamps_and_colours_are_read(line, stream, text):
     assert strip_prefix(line) == (stream, text)
 
@@ -94,7 +130,7 @@ def test_ray_workers_are_named_by_the_rank_ray_train_gave_their_pid():
         "(RayTrainWorker pid=48214) Traceback (most recent call last):",
         '(RayTrainWorker pid=48214)   File "/home/ray/proj/train_ray.py", line 88, in train_loop_per_worker',
         "(RayTrainWorker pid=48214) ValueError: bad shard",
-    ]  # fmt: skip
+    ]
     log = Log.of(lines)
     assert log.streams[0] == "rank0" and log.streams[-1] == "rank1"
     assert diagnose_lines(lines).reason == "ValueError on rank1"
@@ -131,13 +167,17 @@ def test_an_unknown_launchers_prefix_is_learned_as_the_common_leading_span():
     assert learned is not None
     assert strip_prefix("trainer-1    | step 3 loss 2.3", learned) == ("trainer-1", "step 3 loss 2.3")
     assert strip_prefix('evaluator-1  |   File "x.py", line 3', learned) == ("evaluator-1", '  File "x.py", line 3')
-    tb = ["trainer-1    | Traceback (most recent call last):", 'trainer-1    |   File "t.py", line 3, in <module>',
-          "evaluator-1  | waiting", "trainer-1    | KeyError: 'x'"]  # fmt: skip
+    tb = [
+        "trainer-1    | Traceback (most recent call last):",
+        'trainer-1    |   File "t.py", line 3, in <module>',
+        "evaluator-1  | waiting",
+        "trainer-1    | KeyError: 'x'",
+    ]
     v = diagnose_lines(_compose() + tb)
     assert v.state == "CRASHED" and v.reason == "KeyError on trainer-1" and 'File "t.py", line 3' in v.evidence[1]
 
 
-@pytest.mark.parametrize(  # fmt: skip
+@pytest.mark.parametrize(
     "lines, learned",
     [
         ([f"rank{i % 4} | step {i} loss 2.0" for i in range(20)], "rank1"),  # names a rank: the rank

@@ -98,8 +98,12 @@ def _corpus_lines() -> list[str]:
 def test_every_line_a_signature_matches_holds_one_of_its_needles():
     """The needles only narrow where a pattern runs: a match without one of them would be lost."""
     lines = _corpus_lines()
-    missed = [(s.name, ln[:100]) for s in SIGNATURES for ln in lines
-              if s.pattern.search(ln) and not any(n in ln.lower() for n in s.needles)]  # fmt: skip
+    missed = [
+        (s.name, ln[:100])
+        for s in SIGNATURES
+        for ln in lines
+        if s.pattern.search(ln) and not any(n in ln.lower() for n in s.needles)
+    ]
     assert missed == []
 
 
@@ -114,29 +118,64 @@ def test_every_signature_has_needles_and_a_role_and_cascades_rank_below_roots():
     "lines, state",
     [
         # a memory monitor's kill is the root: Ray's word that the worker died, the survivors' timeouts follow it
-        (["(raylet) node_manager.cc:3069: 1 Workers (tasks / actors) killed due to memory pressure (OOM), 0 Workers "
-          "crashed due to other reasons at node (ID: 5c2f, IP: 10.0.0.1) over the last time period.",
-          "[rank0]:[E1204 10:02:44.1 7 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught collective operation timeout",
-          "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task."], "HOST_OOM"),
+        (
+            [
+                "(raylet) node_manager.cc:3069: 1 Workers (tasks / actors) killed due to memory pressure (OOM), 0 Workers "  # noqa: E501 - the line as the tool prints it
+                "crashed due to other reasons at node (ID: 5c2f, IP: 10.0.0.1) over the last time period.",
+                "[rank0]:[E1204 10:02:44.1 7 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught collective operation timeout",  # noqa: E501 - the line as the tool prints it
+                "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.",
+            ],
+            "HOST_OOM",
+        ),
         # a rank's own exception before the monitor's kill is the cause
-        (["Traceback (most recent call last):", '  File "t.py", line 1, in <module>', "KeyError: 'x'",
-          "low memory! at or below SIGTERM limits: mem 10.00%, swap 10.00%"], "CRASHED"),
+        (
+            [
+                "Traceback (most recent call last):",
+                '  File "t.py", line 1, in <module>',
+                "KeyError: 'x'",
+                "low memory! at or below SIGTERM limits: mem 10.00%, swap 10.00%",
+            ],
+            "CRASHED",
+        ),
         # a preemption notice, then the SIGTERM it brought: the notice
-        (['{"action": "terminate", "time": "2026-12-07T11:02:41Z"}', "Traceback (most recent call last):",
-          '  File "/opt/venv/bin/torchrun", line 8, in <module>',
-          "torch.distributed.elastic.multiprocessing.api.SignalException: Process 9 got signal: 15"], "PREEMPTED"),
+        (
+            [
+                '{"action": "terminate", "time": "2026-12-07T11:02:41Z"}',
+                "Traceback (most recent call last):",
+                '  File "/opt/venv/bin/torchrun", line 8, in <module>',
+                "torch.distributed.elastic.multiprocessing.api.SignalException: Process 9 got signal: 15",
+            ],
+            "PREEMPTED",
+        ),
         # a rank's own error before the cloud took the machine: the error
-        (["Traceback (most recent call last):", '  File "t.py", line 1, in <module>', "ValueError: bad shard",
-          "The job cluster is preempted or failed."], "CRASHED"),
+        (
+            [
+                "Traceback (most recent call last):",
+                '  File "t.py", line 1, in <module>',
+                "ValueError: bad shard",
+                "The job cluster is preempted or failed.",
+            ],
+            "CRASHED",
+        ),
         # the trainer's recompile-limit exception outranks the others' timeouts
-        (["[rank1]: torch._dynamo.exc.FailOnRecompileLimitHit: Hard failure due to fullgraph=True",
-          "[rank0]:[E1204 10:02:44.1 7 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught collective operation "
-          "timeout"], "RECOMPILE_LIMIT"),
+        (
+            [
+                "[rank1]: torch._dynamo.exc.FailOnRecompileLimitHit: Hard failure due to fullgraph=True",
+                "[rank0]:[E1204 10:02:44.1 7 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught collective operation "
+                "timeout",
+            ],
+            "RECOMPILE_LIMIT",
+        ),
         # Ray Train's summary alone is a crash (its cause went unprinted), never a pass
-        (["ray.train.base_trainer.TrainingFailedError: The Ray Train run failed. Please inspect the previous error "
-          "messages for a cause."], "CRASHED"),
+        (
+            [
+                "ray.train.base_trainer.TrainingFailedError: The Ray Train run failed. Please inspect the previous error "  # noqa: E501 - the line as the tool prints it
+                "messages for a cause."
+            ],
+            "CRASHED",
+        ),
     ],
-)  # fmt: skip
+)
 def test_the_root_outranks_its_cascade(lines, state):
     v = diagnose_lines(["step 100 loss 2.31", *lines])
     assert v.state == state, v

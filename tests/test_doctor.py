@@ -58,12 +58,13 @@ def test_one_interpreter_says_python_torch_and_nccl_and_a_missing_torch_leaves_i
     from dflashctl.remote.doctor import FACTS_SCRIPT, parse_facts
 
     bare = tmp_path / "python-without-site"  # this Python without site-packages: no torch there
-    bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
     bare.chmod(0o755)
     seen = {}
     for py in (sys.executable, str(bare), str(tmp_path / "no-such-python")):
-        out = subprocess.run(["bash", "-c", FACTS_SCRIPT, "facts", str(tmp_path), py], capture_output=True,
-                             text=True, timeout=120).stdout  # fmt: skip
+        out = subprocess.run(
+            ["bash", "-c", FACTS_SCRIPT, "facts", str(tmp_path), py], capture_output=True, text=True, timeout=120
+        ).stdout
         facts = parse_facts(out)
         seen[py] = (facts.get("python", ""), facts.get("torch", ""), facts.get("nccl", ""), "tmux" in facts)
     version = sys.version.split()[0]
@@ -98,12 +99,17 @@ def _path_without_nvidia_smi(extra: Path | None = None) -> str:
     return os.pathsep.join([*([str(extra)] if extra else []), *dirs])
 
 
-@pytest.mark.parametrize("fake, says", [
-    (None, "nvidia-smi is not installed on local: no GPU can be seen"),
-    ("echo 'No devices were found'; exit 6", "nvidia-smi found no GPU on local"),
-    ("echo \"NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\"; exit 9",
-     "nvidia-smi failed on local (exit 9: NVIDIA-SMI has failed because it couldn't communicate"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fake, says",
+    [
+        (None, "nvidia-smi is not installed on local: no GPU can be seen"),
+        ("echo 'No devices were found'; exit 6", "nvidia-smi found no GPU on local"),
+        (
+            'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the NVIDIA driver."; exit 9',
+            "nvidia-smi failed on local (exit 9: NVIDIA-SMI has failed because it couldn't communicate",
+        ),
+    ],
+)
 def test_no_gpu_says_why_nvidia_smi_missing_failing_or_finding_none(cli, client, tmp_path, fake, says):
     """`nvidia-smi found no GPU` was said when nvidia-smi was not even installed."""
     bin_dir = None

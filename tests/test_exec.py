@@ -17,8 +17,11 @@ from tests.conftest import run_cli
 from tests.test_launch import cli_json, wait_until
 from tests.test_safety import job_file, proj, run_dir_of  # noqa: F401 (proj: the fixture)
 
-TRICKY = {"MULTI": "line one\nline two\n  indented", "AFTER": "after-the-newline",
-          "QUOTED": "it's \"quoted\" $(touch /nonexistent-dir/x) `id` $HOME \\ ;|&"}  # fmt: skip
+TRICKY = {
+    "MULTI": "line one\nline two\n  indented",
+    "AFTER": "after-the-newline",
+    "QUOTED": 'it\'s "quoted" $(touch /nonexistent-dir/x) `id` $HOME \\ ;|&',
+}
 
 
 def env0(data: bytes) -> dict[str, str]:
@@ -89,8 +92,12 @@ def test_a_signal_is_128_plus_n_and_stdin_is_passed_through(job):
     assert res.code == 137, res
     res = run_cli("exec", job_id, "--", "kill -TERM $$")
     assert res.code == 143, res
-    piped = subprocess.run([sys.executable, "-m", "dflashctl", "exec", job_id, "--", "wc", "-l"],
-                           input=b"one\ntwo\nthree\n", capture_output=True, timeout=120)  # fmt: skip
+    piped = subprocess.run(
+        [sys.executable, "-m", "dflashctl", "exec", job_id, "--", "wc", "-l"],
+        input=b"one\ntwo\nthree\n",
+        capture_output=True,
+        timeout=120,
+    )
     assert piped.returncode == 0 and piped.stdout.strip() == b"3", piped
 
 
@@ -118,12 +125,23 @@ def test_a_timeout_ends_what_the_command_left_in_sessions_of_their_own(job):
     output kept the call open (47 s for --timeout 3). Found by the exec's own tag, they end with the call: one that
     ignores SIGTERM and one that holds no output too. Another exec's command, running beside it, is left alone."""
     job_id, _ = job
-    other = subprocess.Popen([sys.executable, "-m", "dflashctl", "exec", job_id, "--", "setsid sleep 4753; :"],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    other = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "exec", job_id, "--", "setsid sleep 4753; :"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_until(lambda: pids_with("4753"), timeout=60)
-        res = run_cli("exec", job_id, "--timeout", "2", "--", "setsid sleep 4747 & setsid bash -c "
-                      "'trap \"\" TERM; sleep 4748; :' & setsid sleep 4750 </dev/null >/dev/null 2>&1 & echo started")
+        res = run_cli(
+            "exec",
+            job_id,
+            "--timeout",
+            "2",
+            "--",
+            "setsid sleep 4747 & setsid bash -c "
+            "'trap \"\" TERM; sleep 4748; :' & setsid sleep 4750 </dev/null >/dev/null 2>&1 & echo started",
+        )
         assert res.code == 124 and res.stdout == "started\n", res
         assert "sessions of their own" in res.stderr, res.stderr
         assert pids_with("4747") == pids_with("4748") == pids_with("4750") == [], "outlived the call"
@@ -145,8 +163,12 @@ def test_a_timeout_not_reached_keeps_the_commands_status_and_leaves_nothing(job)
 
 def test_an_execd_process_survives_a_kill_of_the_job_and_carries_its_own_tag(job):
     job_id, run = job
-    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "exec", job_id, "--", "sleep", "4745"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "exec", job_id, "--", "sleep", "4745"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         pid = wait_until(lambda: pids_with("4745"), timeout=60)[0]
         env = environ_of(pid)
@@ -166,8 +188,12 @@ def test_an_execd_process_survives_a_kill_of_the_job_and_carries_its_own_tag(job
 def test_shell_opens_in_the_jobs_release_with_its_environment(job):
     job_id, run = job
     argv = run_cli("shell", job_id, "--dry-run").stdout.strip()
-    res = subprocess.run(["bash", "-c", argv], input=b'pwd -P; printf "%s|" "$MULTI" "$AFTER" "$DFLASHCTL_RUN_DIR"\n'
-                         b"exit\n", capture_output=True, timeout=60)  # fmt: skip
+    res = subprocess.run(
+        ["bash", "-c", argv],
+        input=b'pwd -P; printf "%s|" "$MULTI" "$AFTER" "$DFLASHCTL_RUN_DIR"\nexit\n',
+        capture_output=True,
+        timeout=60,
+    )
     out = res.stdout.decode()
     assert "/releases/" in out and f"{TRICKY['MULTI']}|{TRICKY['AFTER']}|{run}|" in out, (out, res.stderr)
 
@@ -178,8 +204,10 @@ def test_shell_on_a_host_opens_in_a_workdir_with_a_space_and_runs_no_substitutio
     marker = tmp_path / "F"
     cfg = proj / "dflashctl.yaml"
     py = sys.executable
-    cfg.write_text(cfg.read_text() + f"  spaced: {{ssh: testbox, python: {py}, workdir: '{spaced}'}}\n"
-                   f"  evil: {{ssh: testbox, python: {py}, workdir: '~/w$(touch {marker})'}}\n")  # fmt: skip
+    cfg.write_text(
+        cfg.read_text() + f"  spaced: {{ssh: testbox, python: {py}, workdir: '{spaced}'}}\n"
+        f"  evil: {{ssh: testbox, python: {py}, workdir: '~/w$(touch {marker})'}}\n"
+    )
     argv = run_cli("shell", "--host", "spaced", "--dry-run").stdout.strip()
     res = subprocess.run(["bash", "-c", argv], input=b"pwd\nexit\n", capture_output=True, timeout=60)
     assert f"{spaced}/code\n" in res.stdout.decode(), (res.stdout, res.stderr)

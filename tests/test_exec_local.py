@@ -116,17 +116,24 @@ def test_exec_exits_with_the_commands_own_status_every_time_whatever_stdin_is(lo
     try:
         out = tmp_path / "runs"
         out.mkdir()
-        proc = subprocess.run([sys.executable, "-c", DRIVER, job_id, str(ROUNDS), str(out)], capture_output=True,
-                              text=True, timeout=600)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", DRIVER, job_id, str(ROUNDS), str(out)], capture_output=True, text=True, timeout=600
+        )
         assert proc.returncode == 0, proc.stderr
         res = json.loads(proc.stdout)
         stderr = (out / "stderr").read_text()
         assert res["seen"] == {kind: {code: ROUNDS} for kind, code in WANT.items()}, (res, stderr[-2000:])
         assert res["odd"] == [] and "Fatal Python error" not in stderr, (res["odd"], stderr[-2000:])
         # and a few through the installed entry point itself, a fresh interpreter each, stdin a pipe
-        runs = [subprocess.Popen([sys.executable, "-m", "dflashctl", "exec", job_id, "--", "cat; exit 9"],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                for _ in range(6)]  # fmt: skip
+        runs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "dflashctl", "exec", job_id, "--", "cat; exit 9"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            for _ in range(6)
+        ]
         done = [p.communicate(b"in\n", timeout=120) for p in runs]
         assert [(p.returncode, o) for p, (o, _) in zip(runs, done, strict=True)] == [(9, b"in\n")] * 6, done
     finally:
@@ -140,12 +147,18 @@ def test_an_ended_jobs_scrubbed_secrets_are_unset_and_said(local):
     """The secrets leave the run dir when the job ends (job.env holds MY_API_TOKEN=***): exec unsets them, even one
     this machine's own environment holds, and says so on stderr; an unquoted `$MY_API_TOKEN` globs nothing."""
     env = {"MY_API_TOKEN": SECRET, "COPY_OF_IT": SECRET, "PLAIN": "kept"}
-    job_id, run = launch(local, "ended", "exit 0", f"env: {json.dumps(env)}\nwatch: {{supervise: false, "
-                         "restart_on: []}\n")  # fmt: skip
+    job_id, run = launch(
+        local, "ended", "exit 0", f"env: {json.dumps(env)}\nwatch: {{supervise: false, restart_on: []}}\n"
+    )
     wait_until(lambda: b"MY_API_TOKEN=***\0" in (run / "job.env").read_bytes(), timeout=60)
     assert SECRET.encode() not in (run / "job.env").read_bytes()
-    res = run_cli("exec", job_id, "--", 'echo "${MY_API_TOKEN-unset}|${COPY_OF_IT-unset}|$PLAIN"; echo $MY_API_TOKEN',
-                  env={"MY_API_TOKEN": "from-this-laptop"})  # fmt: skip
+    res = run_cli(
+        "exec",
+        job_id,
+        "--",
+        'echo "${MY_API_TOKEN-unset}|${COPY_OF_IT-unset}|$PLAIN"; echo $MY_API_TOKEN',
+        env={"MY_API_TOKEN": "from-this-laptop"},
+    )
     assert res.code == 0 and res.stdout == "unset|unset|kept\n\n", res
     note = [ln for ln in res.stderr.splitlines() if "scrubbed" in ln]
     assert len(note) == 1 and "MY_API_TOKEN" in note[0] and "COPY_OF_IT" in note[0] and "PLAIN" not in note[0], res
@@ -196,8 +209,21 @@ def test_attach_inside_tmux_gets_a_prefix_of_its_own_and_detaches_the_view_not_t
     outer = ["tmux", "-L", f"dflashctl-outer-{os.getpid()}", "-f", os.devnull]
     session = ["tmux", "-L", TEST_TMUX_SOCKET]
     try:
-        subprocess.run([*outer, "new-session", "-d", "-s", "mine", "-x", "150", "-y", "30",
-                        f"{sys.executable} -m dflashctl attach {job_id}; echo DETACHED:$?; sleep 300"], check=True)
+        subprocess.run(
+            [
+                *outer,
+                "new-session",
+                "-d",
+                "-s",
+                "mine",
+                "-x",
+                "150",
+                "-y",
+                "30",
+                f"{sys.executable} -m dflashctl attach {job_id}; echo DETACHED:$?; sleep 300",
+            ],
+            check=True,
+        )
         clients = [*session, "list-clients", "-F", "#{session_name}"]
         wait_until(lambda: job_id in subprocess.run(clients, capture_output=True, text=True).stdout, timeout=60)
         shown = [*session, "show-options", "-t", f"={job_id}:"]
@@ -205,8 +231,9 @@ def test_attach_inside_tmux_gets_a_prefix_of_its_own_and_detaches_the_view_not_t
         assert "prefix C-a" in options and "detach: Ctrl-a d" in options, options
         subprocess.run([*outer, "send-keys", "-t", "=mine:", "C-a", "d"], check=True)
         pane = [*outer, "capture-pane", "-p", "-t", "=mine:"]
-        seen = wait_until(lambda: "DETACHED:0" in (s := subprocess.run(pane, capture_output=True, text=True).stdout)
-                          and s, timeout=60)  # fmt: skip
+        seen = wait_until(
+            lambda: "DETACHED:0" in (s := subprocess.run(pane, capture_output=True, text=True).stdout) and s, timeout=60
+        )
         assert "detach it with Ctrl-a d" in seen, seen
         assert subprocess.run([*outer, "has-session", "-t", "=mine"]).returncode == 0  # the user's session is still on
         assert job_id not in subprocess.run(clients, capture_output=True, text=True).stdout

@@ -62,8 +62,19 @@ def test_a_passing_nan_is_not_a_divergence(text):
     assert found is None or found.state != "DIVERGED", found
 
 
-@pytest.mark.parametrize("line", ["loss nan", "loss: NaN", "'loss': nan,", '"loss": NaN', "loss=inf", "val_loss=-inf",
-                                  "Loss: Infinity", "loss 1e999"])  # fmt: skip
+@pytest.mark.parametrize(
+    "line",
+    [
+        "loss nan",
+        "loss: NaN",
+        "'loss': nan,",
+        '"loss": NaN',
+        "loss=inf",
+        "val_loss=-inf",
+        "Loss: Infinity",
+        "loss 1e999",
+    ],
+)
 def test_any_scripts_spelling_of_a_non_finite_loss(line):
     text = "\n".join(f"epoch 0 iter {i} {line}" for i in range(3))
     assert classify_log(text).state == "DIVERGED"
@@ -72,8 +83,16 @@ def test_any_scripts_spelling_of_a_non_finite_loss(line):
 def test_the_hardware_error_outranks_the_nccl_timeouts_and_names_the_gpu():
     ecc = log("gpu-ecc-then-nccl.log").splitlines()
     gpus = [{"index": i, "uuid": f"GPU-{i:04d}", "ecc_uncorrected": 0} for i in range(4)]
-    h = History(started_at=0.0, now=900.0, exit_code=1, last_step=1200, log_tail=ecc, gpus=gpus, job_gpus=[0, 1, 2, 3],
-                node="gpu-b")  # fmt: skip
+    h = History(
+        started_at=0.0,
+        now=900.0,
+        exit_code=1,
+        last_step=1200,
+        log_tail=ecc,
+        gpus=gpus,
+        job_gpus=[0, 1, 2, 3],
+        node="gpu-b",
+    )
     v = assess(h, Thresholds())
     assert v.state == "GPU_FAULT"
     assert "GPU 1 (GPU-0001) on gpu-b" in v.reason  # rank 1 runs on the job's second GPU
@@ -103,8 +122,13 @@ def test_host_oom_is_confirmed_by_the_cgroup_or_the_kernel_log_and_only_likely_o
 
 
 def test_our_own_kill_is_never_host_oom():
-    h = History(started_at=0.0, now=100.0, exit_code=137, stop_request={"time": 90.0},
-                stop_result={"result": "KILLED", "gpu_check": "none"})  # fmt: skip
+    h = History(
+        started_at=0.0,
+        now=100.0,
+        exit_code=137,
+        stop_request={"time": 90.0},
+        stop_result={"result": "KILLED", "gpu_check": "none"},
+    )
     assert assess(h, Thresholds()).state == "KILLED"
 
 
@@ -125,8 +149,12 @@ def test_the_trainers_diverged_record_and_exit_status():
 
 def test_an_earlier_attempts_failure_is_not_judged_again():
     old = log("nccl-timeout.log").splitlines()
-    lines = ["[dflashctl] 2026-12-01T01:00:00Z start ", *old, "[dflashctl] 2026-12-01T02:00:00Z start --resume",
-             "step 904/20000 epoch 0 loss 2.2 acc 0.5 lr 5e-4 grad_norm 0.4 62,000 tok/s peak 58.1 GiB"]  # fmt: skip
+    lines = [
+        "[dflashctl] 2026-12-01T01:00:00Z start ",
+        *old,
+        "[dflashctl] 2026-12-01T02:00:00Z start --resume",
+        "step 904/20000 epoch 0 loss 2.2 acc 0.5 lr 5e-4 grad_norm 0.4 62,000 tok/s peak 58.1 GiB",
+    ]
     h = History(started_at=0.0, now=100.0, last_step=904, last_step_time=99.0, log_tail=lines, heartbeat_age_s=1.0)
     assert assess(h, Thresholds()).state == "RUNNING"
 
@@ -134,26 +162,50 @@ def test_an_earlier_attempts_failure_is_not_judged_again():
 @pytest.mark.parametrize(
     "text, state, reason_part",
     [
-        ("step 5 loss 2.0\nTraceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
-         "RuntimeError: DataLoader worker (pid 12345) is killed by signal: Killed.\n", "HOST_OOM", "dataloader worker"),
-        ("NCCL WARN Error while creating shared memory segment /dev/shm/nccl-Ab12 (size 9637888)\n"
-         "include/shm.h:28 NCCL WARN Call to posix_fallocate failed : No space left on device\n", "DISK_FULL",
-         "--shm-size"),
-        ("step 3 loss 2\nTraceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
-         "RuntimeError: CUDA error: out of memory\n", "OOM", "CUDA out of memory"),
-        ("step 3 loss 2.1\nTraceback (most recent call last):\n  File \"x.py\", line 9, in <module>\n"
-         "RuntimeError: Function 'MulBackward0' returned nan values in its 0th output.\n", "DIVERGED", "NaN/inf"),
-        ("Traceback (most recent call last):\n  File \"x.py\", line 9, in <module>\n"
-         "RuntimeError: CUDA error: no kernel image is available for execution on the device\n", "CONFIG_ERROR",
-         "restart repeats it"),
-        ("Traceback (most recent call last):\n  File \"x.py\", line 9, in <module>\n"
-         "OSError: /models/Qwen3-8B does not appear to have a file named config.json.\n", "CONFIG_ERROR",
-         "before its first step"),
-        ("{'loss': 2.1, 'epoch': 0.1}\n" + "{'loss': nan, 'grad_norm': nan, 'epoch': 0.2}\n" * 3, "DIVERGED",
-         "non-finite"),
+        (
+            'step 5 loss 2.0\nTraceback (most recent call last):\n  File "x.py", line 1, in <module>\n'
+            "RuntimeError: DataLoader worker (pid 12345) is killed by signal: Killed.\n",
+            "HOST_OOM",
+            "dataloader worker",
+        ),
+        (
+            "NCCL WARN Error while creating shared memory segment /dev/shm/nccl-Ab12 (size 9637888)\n"
+            "include/shm.h:28 NCCL WARN Call to posix_fallocate failed : No space left on device\n",
+            "DISK_FULL",
+            "--shm-size",
+        ),
+        (
+            'step 3 loss 2\nTraceback (most recent call last):\n  File "x.py", line 1, in <module>\n'
+            "RuntimeError: CUDA error: out of memory\n",
+            "OOM",
+            "CUDA out of memory",
+        ),
+        (
+            'step 3 loss 2.1\nTraceback (most recent call last):\n  File "x.py", line 9, in <module>\n'
+            "RuntimeError: Function 'MulBackward0' returned nan values in its 0th output.\n",
+            "DIVERGED",
+            "NaN/inf",
+        ),
+        (
+            'Traceback (most recent call last):\n  File "x.py", line 9, in <module>\n'
+            "RuntimeError: CUDA error: no kernel image is available for execution on the device\n",
+            "CONFIG_ERROR",
+            "restart repeats it",
+        ),
+        (
+            'Traceback (most recent call last):\n  File "x.py", line 9, in <module>\n'
+            "OSError: /models/Qwen3-8B does not appear to have a file named config.json.\n",
+            "CONFIG_ERROR",
+            "before its first step",
+        ),
+        (
+            "{'loss': 2.1, 'epoch': 0.1}\n" + "{'loss': nan, 'grad_norm': nan, 'epoch': 0.2}\n" * 3,
+            "DIVERGED",
+            "non-finite",
+        ),
         ("Unable to determine the device handle for GPU0000:3B:00.0: Unknown Error\n", "GPU_FAULT", "device handle"),
     ],
-)  # fmt: skip
+)
 def test_more_real_shapes(text, state, reason_part):
     v = diagnose_text(text)
     assert v.state == state and reason_part in v.reason, v
@@ -162,9 +214,19 @@ def test_more_real_shapes(text, state, reason_part):
 def test_an_xid_in_the_hosts_kernel_log_makes_a_timeout_a_gpu_fault():
     lines = log("nccl-timeout.log").splitlines()
     xid = ["NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."]
-    v = assess(History(started_at=0.0, now=900.0, exit_code=1, last_step=9, log_tail=lines, kernel_xid=xid),
-               Thresholds())  # fmt: skip
+    v = assess(
+        History(started_at=0.0, now=900.0, exit_code=1, last_step=9, log_tail=lines, kernel_xid=xid), Thresholds()
+    )
     assert v.state == "GPU_FAULT" and "kernel log" in v.reason and "fallen off the bus" in v.reason
-    v = assess(History(started_at=0.0, now=900.0, exit_code=1, last_step=9, log_tail=lines,
-                       kernel_xid=["NVRM: Xid (PCI:0000:3b:00): 13, Graphics Exception"]), Thresholds())  # fmt: skip
+    v = assess(
+        History(
+            started_at=0.0,
+            now=900.0,
+            exit_code=1,
+            last_step=9,
+            log_tail=lines,
+            kernel_xid=["NVRM: Xid (PCI:0000:3b:00): 13, Graphics Exception"],
+        ),
+        Thresholds(),
+    )
     assert v.state == "NCCL_TIMEOUT"  # Xid 13 is the application's own error, not the GPU's

@@ -20,8 +20,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "nvidia-smi"
 
 @pytest.mark.slow
 def test_a_diverging_trainer_is_diverged_with_no_restart_and_nothing_non_finite(box):  # noqa: F811
-    job = write_job(box, "nan", 40, env={"TRAINER_FAULT": "nan@6"},
-                    trainer_extra="  optim: {max_nonfinite_steps: 3}\n")  # fmt: skip
+    job = write_job(box, "nan", 40, env={"TRAINER_FAULT": "nan@6"}, trainer_extra="  optim: {max_nonfinite_steps: 3}\n")
     job_id = launch(job)
     code, records, err = watch_json(job_id)
     assert code == EXIT_BY_STATE["DIVERGED"] and records[-1]["state"] == "DIVERGED", (records[-1], err)
@@ -35,8 +34,10 @@ def test_a_diverging_trainer_is_diverged_with_no_restart_and_nothing_non_finite(
 
 def _command_job(p: Path, name: str, command: str, watch: str = "") -> Path:
     path = p / "jobs" / f"{name}.yaml"
-    path.write_text(f"name: {name}\nhost: box\ncommand: {json.dumps(command)}\nkill_grace_s: 2\n"
-                    f"watch:\n  interval_s: 1\n  backoff_s: 0\n{watch}")  # fmt: skip
+    path.write_text(
+        f"name: {name}\nhost: box\ncommand: {json.dumps(command)}\nkill_grace_s: 2\n"
+        f"watch:\n  interval_s: 1\n  backoff_s: 0\n{watch}"
+    )
     return path
 
 
@@ -82,8 +83,9 @@ def tiny_disk(tmp_path):
 @pytest.mark.slow
 def test_a_filling_disk_is_disk_full_and_the_restart_is_refused_while_it_is_full(client, tmp_path, tiny_disk):
     p = write_project(client, tmp_path)
-    (p / "dflashctl.yaml").write_text(f"hosts:\n  box: {{ssh: testbox, python: {sys.executable}, workdir: "
-                                      f"{tiny_disk}/wd}}\n")  # fmt: skip
+    (p / "dflashctl.yaml").write_text(
+        f"hosts:\n  box: {{ssh: testbox, python: {sys.executable}, workdir: {tiny_disk}/wd}}\n"
+    )
     fill = 'head -c 2G /dev/zero > "$DFLASHCTL_RUN_DIR/blob"'
     job = _command_job(p, "filler", fill, "  restart_on: [DISK_FULL]\n  max_restarts: 2\n")
     assert run_cli("deploy", "box").code == 0

@@ -133,8 +133,12 @@ def test_a_dry_run_changes_nothing_not_even_a_dead_pane(ended):
     session = json.loads((run / "job.json").read_text())["session"]
 
     def has_session() -> bool:
-        return subprocess.run(["tmux", "-L", TEST_TMUX_SOCKET, "has-session", "-t", f"={session}"],
-                              capture_output=True).returncode == 0  # fmt: skip
+        return (
+            subprocess.run(
+                ["tmux", "-L", TEST_TMUX_SOCKET, "has-session", "-t", f"={session}"], capture_output=True
+            ).returncode
+            == 0
+        )
 
     assert has_session()
     before = sorted((p.name, p.stat().st_mtime_ns) for p in run.rglob("*"))
@@ -154,8 +158,12 @@ def test_at_a_terminal_gc_lists_each_run_dir_before_asking(ended):
     def answer(text: bytes) -> subprocess.CompletedProcess:
         master, slave = pty.openpty()
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "gc", "box", "--older-than", "1"],
-                                    stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dflashctl", "gc", "box", "--older-than", "1"],
+                stdin=slave,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
             os.write(master, text)
             out, err = proc.communicate(timeout=120)
         finally:

@@ -82,9 +82,20 @@ def test_known_hosts_lines_behave_as_in_openssh(client, sshd):
 
 
 def make_watcher(job_id: str = "j", **watch) -> Watcher:
-    rec = JobRecord(id=job_id, name="j", project="/p", job_file="/p/j.yaml", host_name="h", host={"name": "h"},
-                    release="r", command="c", run_dir="/r", session="s", launched_at=0.0,
-                    watch=WatchConfig(**watch))  # fmt: skip
+    rec = JobRecord(
+        id=job_id,
+        name="j",
+        project="/p",
+        job_file="/p/j.yaml",
+        host_name="h",
+        host={"name": "h"},
+        release="r",
+        command="c",
+        run_dir="/r",
+        session="s",
+        launched_at=0.0,
+        watch=WatchConfig(**watch),
+    )
     return Watcher(rec, rec.watch, lambda: None)
 
 
@@ -97,13 +108,17 @@ def test_malformed_metrics_and_heartbeats_are_skipped_and_counted(tmp_path):
     run.mkdir()
     now = time.time()
     lines = [
-        "[1, 2, 3]", "42", '"a string"', "null", "{not json",
+        "[1, 2, 3]",
+        "42",
+        '"a string"',
+        "null",
+        "{not json",
         json.dumps({"time": now, "step": 1, "loss": "high", "tokens_per_s": 100}),
         json.dumps({"time": now, "step": "two", "loss": 1.0}),
         json.dumps({"time": now, "step": 3, "loss": 2.5}),  # no tokens_per_s
         json.dumps({"time": now, "step": 4, "loss": 2.0, "tokens_per_s": [1]}),
         json.dumps({"event": "eval", "tau": "great"}),
-    ]  # fmt: skip
+    ]
     (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     for hb in ("null", "[1, 2]", '{"time": "noon", "step": 3}', '"x"', "{"):
         (run / "heartbeat").write_text(hb)
@@ -168,8 +183,11 @@ def tar_of(root: Path, files: list[str]) -> tuple[bytes, str]:
 
 
 def tree(code: Path) -> dict[str, bytes]:
-    return {p.relative_to(code).as_posix(): p.read_bytes() for p in sorted(code.rglob("*")) if p.is_file()
-            and p.name != sync.MANIFEST_NAME}  # fmt: skip
+    return {
+        p.relative_to(code).as_posix(): p.read_bytes()
+        for p in sorted(code.rglob("*"))
+        if p.is_file() and p.name != sync.MANIFEST_NAME
+    }
 
 
 def test_an_interrupted_stream_leaves_the_previous_release_current(tmp_path):
@@ -455,8 +473,16 @@ def test_first_boots_at_once_all_run_and_an_unwritable_home_falls_back(tmp_path)
     home = tmp_path / "home"
     home.mkdir()
     argv = boot_argv(sys.executable, "probe", json.dumps({"action": "tail", "path": "/proc/version", "lines": 1}))
-    procs = [subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**os.environ, "HOME": str(home)}) for _ in range(6)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "HOME": str(home)},
+        )
+        for _ in range(6)
+    ]
     outs = [p.communicate(AGENT) for p in procs]
     assert all(p.returncode == 0 and json.loads(o)["exists"] for p, (o, _) in zip(procs, outs, strict=True))
     kept = sorted(p.name for p in (home / ".cache" / "dflashctl").iterdir())
@@ -480,8 +506,13 @@ def oldest_python() -> str | None:
 
     pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
     for path in [shutil.which("python3.8"), *map(str, sorted(pyenv.glob("3.8*/bin/python3.8")))]:
-        if path and subprocess.run([path, "-c", "import sys; assert sys.version_info[:2] == (3, 8)"],
-                                   capture_output=True).returncode == 0:  # fmt: skip
+        if (
+            path
+            and subprocess.run(
+                [path, "-c", "import sys; assert sys.version_info[:2] == (3, 8)"], capture_output=True
+            ).returncode
+            == 0
+        ):
             return path
     return None
 
@@ -497,8 +528,9 @@ def test_the_agent_runs_on_python_3_8_probe_with_gpu_readings_and_release(tmp_pa
     req = json.dumps({"run_dir": str(run), "gpus": True})
     gpu_csv = (fixtures / "h200-query-gpu-loaded.csv").read_text()
     argv = boot_argv(py, "probe", req)
-    proc = subprocess.run([*argv, gpu_csv, ""], input=AGENT, capture_output=True, env={**os.environ,
-                          "HOME": str(tmp_path)})  # fmt: skip
+    proc = subprocess.run(
+        [*argv, gpu_csv, ""], input=AGENT, capture_output=True, env={**os.environ, "HOME": str(tmp_path)}
+    )
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     snap = json.loads(proc.stdout)
     assert snap["metrics"]["records"][0]["step"] == 1

@@ -61,8 +61,16 @@ TH = Thresholds(stall_after_s=60, startup_budget_s=300, heartbeat_max_age_s=30, 
 
 
 def running(**kw) -> History:
-    base = dict(started_at=0.0, now=100.0, last_step=50, last_step_time=95.0, tokens_per_s=[1000.0] * 5,
-                heartbeat_age_s=2.0, loss=2.5, phase="train")  # fmt: skip
+    base = dict(
+        started_at=0.0,
+        now=100.0,
+        last_step=50,
+        last_step_time=95.0,
+        tokens_per_s=[1000.0] * 5,
+        heartbeat_age_s=2.0,
+        loss=2.5,
+        phase="train",
+    )
     return History(**{**base, **kw})
 
 
@@ -114,14 +122,19 @@ def test_a_recompile_limit_then_eager_flex_then_oom_names_the_terminal_failure_a
 
 def test_an_oom_on_one_rank_is_the_cause_of_the_others_nccl_timeouts():
     found = classify_log(log("nccl-after-oom.log"))
-    assert found.state == "OOM" and found.reason == ("CUDA out of memory on rank1: asked for 2.32 GiB of a 139.80 GiB "
-                                                     "GPU (then NCCL timeouts on rank0, rank3)")
+    assert found.state == "OOM" and found.reason == (
+        "CUDA out of memory on rank1: asked for 2.32 GiB of a 139.80 GiB GPU (then NCCL timeouts on rank0, rank3)"
+    )
     assert "Tried to allocate 2.32 GiB" in found.evidence[0] and "Watchdog" in found.evidence[-1]
 
 
 def test_a_crash_before_the_first_step_that_would_repeat_is_not_restarted():
-    lines = ["Traceback (most recent call last):", '  File "/x/train.py", line 1, in <module>', "    import torch",
-             "ModuleNotFoundError: No module named 'torch'"]  # fmt: skip
+    lines = [
+        "Traceback (most recent call last):",
+        '  File "/x/train.py", line 1, in <module>',
+        "    import torch",
+        "ModuleNotFoundError: No module named 'torch'",
+    ]
     h = History(started_at=0.0, now=10.0, exit_code=1, log_tail=lines)
     v = assess(h, Thresholds())
     assert v.state == "CONFIG_ERROR" and "before its first step" in v.reason
@@ -131,10 +144,20 @@ def test_a_crash_before_the_first_step_that_would_repeat_is_not_restarted():
 
 
 def test_a_gpu_fault_line_that_progress_outlived_is_a_warning_until_the_job_stops():
-    lines = ["[rank1]: torch.AcceleratorError: CUDA error: uncorrectable ECC error encountered (retried)",
-             "step 500 loss 2.1", "step 510 loss 2.0"]  # fmt: skip
-    h = History(started_at=0.0, now=1000.0, last_step=510, step_changed_at=995.0, heartbeat_age_s=2.0,
-                log_tail=lines, tokens_per_s=[1000.0])  # fmt: skip
+    lines = [
+        "[rank1]: torch.AcceleratorError: CUDA error: uncorrectable ECC error encountered (retried)",
+        "step 500 loss 2.1",
+        "step 510 loss 2.0",
+    ]
+    h = History(
+        started_at=0.0,
+        now=1000.0,
+        last_step=510,
+        step_changed_at=995.0,
+        heartbeat_age_s=2.0,
+        log_tail=lines,
+        tokens_per_s=[1000.0],
+    )
     v = assess(h, TH)
     assert v.state == "RUNNING" and any("warning: GPU hardware error" in e for e in v.evidence)
     h.step_changed_at = 100.0  # no step for 900 s: now the fault is the verdict
@@ -149,9 +172,14 @@ def test_a_restarted_job_is_starting_until_it_passes_its_resumed_step():
     from dflashctl.judge.fold import Job, fold
 
     old = [{"time": 100.0 + i, "step": i, "loss": 2.0, "tokens_per_s": 900.0} for i in range(1, 6)]
-    snap = {"time": 500.0, "run_dir_exists": True, "session": {"exists": True, "created": 400.0},
-            "metrics": {"offset": 10, "records": old}, "heartbeat": {"phase": "load", "time": 499.0},
-            "progress": {"attempt_start": 400.0, "heartbeat_changed_at": 499.0}}  # fmt: skip
+    snap = {
+        "time": 500.0,
+        "run_dir_exists": True,
+        "session": {"exists": True, "created": 400.0},
+        "metrics": {"offset": 10, "records": old},
+        "heartbeat": {"phase": "load", "time": 499.0},
+        "progress": {"attempt_start": 400.0, "heartbeat_changed_at": 499.0},
+    }
     h = History(started_at=0.0)
     fold(h, snap, Job(), deque())
     v = assess(h, TH)
@@ -167,10 +195,20 @@ def test_stamps_a_reader_cannot_prove_are_no_evidence():
     from dflashctl.judge.fold import Job, fold
 
     far = 10**9
-    snap = {"time": 2000.0, "run_dir_exists": True, "session": {"exists": True, "created": 1000.0},
-            "metrics": {"offset": 0, "records": []}, "heartbeat": {"phase": "train", "time": 1999.0},
-            "progress": {"attempt_start": 1000.0, "heartbeat_changed_at": far, "step": 40, "step_changed_at": far,
-                         "activity_at": far}}  # fmt: skip
+    snap = {
+        "time": 2000.0,
+        "run_dir_exists": True,
+        "session": {"exists": True, "created": 1000.0},
+        "metrics": {"offset": 0, "records": []},
+        "heartbeat": {"phase": "train", "time": 1999.0},
+        "progress": {
+            "attempt_start": 1000.0,
+            "heartbeat_changed_at": far,
+            "step": 40,
+            "step_changed_at": far,
+            "activity_at": far,
+        },
+    }
     h = History(started_at=0.0)
     fold(h, snap, Job(), deque())
     assert h.heartbeat_age_s == 1000.0 and h.step_changed_at == 1000.0 and h.activity_at == 1000.0

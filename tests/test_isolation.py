@@ -29,7 +29,7 @@ def plant(where: Path, marks: Path) -> None:
 
 
 def wrapper(path: Path, body: str) -> str:
-    path.write_text(f"#!/bin/sh\n{body}\nexec {sys.executable} \"$@\"\n")
+    path.write_text(f'#!/bin/sh\n{body}\nexec {sys.executable} "$@"\n')
     path.chmod(0o755)
     return str(path)
 
@@ -72,7 +72,7 @@ def planted(client, tmp_path):
 def test_deploy_launch_supervisor_status_and_kill_import_nothing_planted(planted):
     proj, marks, path = planted
     f = proj.parent / "planted.yaml"
-    f.write_text('name: planted\nhost: plantbox\nkill_grace_s: 2\ncommand: \'echo "PP=$PYTHONPATH"; sleep 300\'\n')
+    f.write_text("name: planted\nhost: plantbox\nkill_grace_s: 2\ncommand: 'echo \"PP=$PYTHONPATH\"; sleep 300'\n")
     job_id = cli_json("launch", str(f))["id"]
     run = Path(status_json(job_id)["run_dir"])
     wait_until(lambda: (run / "verdict.json").exists(), timeout=60)  # the supervisor is up and has judged

@@ -31,29 +31,50 @@ def project(tmp_path, monkeypatch) -> Path:
 MARK = "touch ran-it"
 BAD = [  # (the job file after `name: j`, what its one line must say)
     (f"host: local\ncomand: {MARK}\n", "j.yaml: comand: unknown key (did you mean `command`?)"),
-    (f"host: local\ncommand: {MARK}\nwatch: {{notfy: {{bell: false}}}}\n",
-     "j.yaml: watch.notfy: unknown key (did you mean `notify`?)"),
-    (f"hosts:\n  - host: local\n    gpuz: 1\ncommand: {MARK}\n",
-     "j.yaml: hosts.0.gpuz: unknown key (did you mean `gpus`?)"),
+    (
+        f"host: local\ncommand: {MARK}\nwatch: {{notfy: {{bell: false}}}}\n",
+        "j.yaml: watch.notfy: unknown key (did you mean `notify`?)",
+    ),
+    (
+        f"hosts:\n  - host: local\n    gpuz: 1\ncommand: {MARK}\n",
+        "j.yaml: hosts.0.gpuz: unknown key (did you mean `gpus`?)",
+    ),
     (f"host: local\ncommand: {MARK}\nxyzzy: 1\n", "j.yaml: xyzzy: unknown key"),
-    (f"host: lcoal\ncommand: {MARK}\n", "j.yaml: host: no host `lcoal` in dflashctl.yaml, hosts.yaml or ~/.ssh/config: "
-     "did you mean `local`?"),
-    (f"host: gpubx\ncommand: {MARK}\n", "j.yaml: host: no host `gpubx` in dflashctl.yaml, hosts.yaml or "
-     "~/.ssh/config: did you mean `gpubox`?"),
-    (f"hosts:\n  - host: local\n  - host: gpubxo\ncommand: {MARK}\n",
-     "j.yaml: hosts.1.host: no host `gpubxo` in dflashctl.yaml, hosts.yaml or ~/.ssh/config: did you mean `gpubox`?"),
-    (f"host: local\ncommand: {MARK} --note why: because\n", "j.yaml:3: command: malformed YAML: mapping values are "
-     "not allowed here; the value of `command` holds `: `: write it as a block, `command: |`"),
+    (
+        f"host: lcoal\ncommand: {MARK}\n",
+        "j.yaml: host: no host `lcoal` in dflashctl.yaml, hosts.yaml or ~/.ssh/config: did you mean `local`?",
+    ),
+    (
+        f"host: gpubx\ncommand: {MARK}\n",
+        "j.yaml: host: no host `gpubx` in dflashctl.yaml, hosts.yaml or ~/.ssh/config: did you mean `gpubox`?",
+    ),
+    (
+        f"hosts:\n  - host: local\n  - host: gpubxo\ncommand: {MARK}\n",
+        "j.yaml: hosts.1.host: no host `gpubxo` in dflashctl.yaml, hosts.yaml or ~/.ssh/config: did you mean `gpubox`?",
+    ),
+    (
+        f"host: local\ncommand: {MARK} --note why: because\n",
+        "j.yaml:3: command: malformed YAML: mapping values are "
+        "not allowed here; the value of `command` holds `: `: write it as a block, `command: |`",
+    ),
     (f"host: local\ncommand:\n  {MARK}\n  --note why: because\n", "j.yaml:5: command: malformed YAML"),
     (f"host: local\ncommand: {MARK}\nenv: {{A: x: y}}\n", "j.yaml:4: env: malformed YAML"),
-    (f"host: local\ncommand: {MARK}\nwatch: {{notify: {{webhook: 'http://127.0.0.1:0/x'}}}}\n",
-     "j.yaml: watch.notify.webhook: the URL's port is not a number from 1 to 65535"),
-    (f"host: local\ncommand: {MARK}\nwatch: {{notify: {{webhook: 'ftp://h/x'}}}}\n",
-     "j.yaml: watch.notify.webhook: expected an http:// or https:// URL with a host"),
-    (f"host: local\ncommand: {MARK}\nwatch: {{notify: {{webhook: 'https:///x'}}}}\n",
-     "j.yaml: watch.notify.webhook: expected an http:// or https:// URL with a host"),
-    (f"host: local\ncommand: {MARK}\nwatch: {{notify: {{webhook: 'http://h:65536/x'}}}}\n",
-     "j.yaml: watch.notify.webhook: the URL's port"),
+    (
+        f"host: local\ncommand: {MARK}\nwatch: {{notify: {{webhook: 'http://127.0.0.1:0/x'}}}}\n",
+        "j.yaml: watch.notify.webhook: the URL's port is not a number from 1 to 65535",
+    ),
+    (
+        f"host: local\ncommand: {MARK}\nwatch: {{notify: {{webhook: 'ftp://h/x'}}}}\n",
+        "j.yaml: watch.notify.webhook: expected an http:// or https:// URL with a host",
+    ),
+    (
+        f"host: local\ncommand: {MARK}\nwatch: {{notify: {{webhook: 'https:///x'}}}}\n",
+        "j.yaml: watch.notify.webhook: expected an http:// or https:// URL with a host",
+    ),
+    (
+        f"host: local\ncommand: {MARK}\nwatch: {{notify: {{webhook: 'http://h:65536/x'}}}}\n",
+        "j.yaml: watch.notify.webhook: the URL's port",
+    ),
 ]
 
 
@@ -80,8 +101,10 @@ def test_a_webhook_with_credentials_and_real_ports_is_accepted(project, tmp_path
         assert load_job(job, project)[0].watch.notify.webhook == hook
 
 
-@pytest.mark.parametrize("typed, near", [("lcoal", "local"), ("Local", "local"), ("locl", "local"),
-                                         ("gpubx", "gpubox"), ("gpu-box", "gpubox")])  # fmt: skip
+@pytest.mark.parametrize(
+    "typed, near",
+    [("lcoal", "local"), ("Local", "local"), ("locl", "local"), ("gpubx", "gpubox"), ("gpu-box", "gpubox")],
+)
 def test_a_misspelt_host_on_the_command_line_is_pointed_at_the_nearest(project, typed, near):
     res = run_cli("deploy", typed)
     lines = res.stderr.strip().splitlines()
@@ -94,8 +117,14 @@ def test_a_misspelt_host_on_the_command_line_is_pointed_at_the_nearest(project, 
 def test_a_real_destination_near_a_host_name_is_taken_as_written(project):
     """Not typos: a longer name (`localhost`), an address, user@ or ssh://, an alias of ~/.ssh/config."""
     (project.parent / "home" / ".ssh" / "config").write_text("Host gpubx\n  HostName 127.0.0.1\nHost lab-*\n")
-    for spec, ssh in [("localhost", "localhost"), ("10.0.0.1", "10.0.0.1"), ("root@lcoal", "root@lcoal"),
-                      ("ssh://lcoal", "lcoal"), ("gpubx", "gpubx"), ("lab-gpubox", "lab-gpubox")]:  # fmt: skip
+    for spec, ssh in [
+        ("localhost", "localhost"),
+        ("10.0.0.1", "10.0.0.1"),
+        ("root@lcoal", "root@lcoal"),
+        ("ssh://lcoal", "lcoal"),
+        ("gpubx", "gpubx"),
+        ("lab-gpubox", "lab-gpubox"),
+    ]:
         assert resolve_host(spec, project).ssh == ssh, spec
     with pytest.raises(ConfigError, match="did you mean `gpubox`"):
         resolve_host("gpubxo", project)

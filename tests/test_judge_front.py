@@ -56,12 +56,20 @@ def test_next_move_is_the_one_restart_policy(r, restarts, failed_at, now, kind):
 
 
 def snap(wall: float, step: int, beat: int | None = None, alive: bool = True) -> dict:
-    s = {"time": wall, "run_dir_exists": True, "session": {"exists": True, "created": 1000.0},
-         "progress": {"attempt_start": 1000.0, "step": step, "step_changed_at": wall},
-         "metrics": {"records": [{"time": wall, "step": step, "loss": 2.0, "tokens_per_s": 100.0}]}}  # fmt: skip
+    s = {
+        "time": wall,
+        "run_dir_exists": True,
+        "session": {"exists": True, "created": 1000.0},
+        "progress": {"attempt_start": 1000.0, "step": step, "step_changed_at": wall},
+        "metrics": {"records": [{"time": wall, "step": step, "loss": 2.0, "tokens_per_s": 100.0}]},
+    }
     if beat is not None:
-        s["supervisor"] = {"alive": alive, "interval_s": 1.0, "heartbeat": {"beat": beat, "age_s": 0.1},
-                           "verdict": None}  # fmt: skip
+        s["supervisor"] = {
+            "alive": alive,
+            "interval_s": 1.0,
+            "heartbeat": {"beat": beat, "age_s": 0.1},
+            "verdict": None,
+        }
     return s
 
 
@@ -91,9 +99,17 @@ def test_a_heartbeat_that_stands_still_on_the_readers_own_clock_is_not_answering
     assert Judge("j", "h", facts.Thresholds()).take(snap(2000.0, 5)).decided_by == HERE  # no supervisor at all
 
 
-GARBLED = [{"attempt": True, "after": "CRASHED"}, {"attempt": 1.0, "after": "CRASHED"},
-           {"attempt": "1", "after": "CRASHED"}, {"attempt": 1, "after": ["CRASHED"]}, {"attempt": 1, "after": ""},
-           {"attempt": 2, "after": "CRASHED"}, "CRASHED", [], None]  # fmt: skip
+GARBLED = [
+    {"attempt": True, "after": "CRASHED"},
+    {"attempt": 1.0, "after": "CRASHED"},
+    {"attempt": "1", "after": "CRASHED"},
+    {"attempt": 1, "after": ["CRASHED"]},
+    {"attempt": 1, "after": ""},
+    {"attempt": 2, "after": "CRASHED"},
+    "CRASHED",
+    [],
+    None,
+]
 
 
 @pytest.mark.parametrize("cause", GARBLED)

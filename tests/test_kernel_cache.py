@@ -43,11 +43,14 @@ def test_the_host_cache_is_keyed_by_torch_and_triton_versions_and_a_job_s_own_ca
 
 def test_the_trainer_uses_and_reports_the_host_kernel_cache(tmp_path):
     cfg = tmp_path / "t.yaml"
-    cfg.write_text("target: {random_preset: tiny-qwen3, dtype: float32}\ndrafter: {num_layers: 1, block_size: 8}\n"
-                   "attention: {backend: dense}\ndata: {anchors_per_seq: 16, seq_buckets: [128], synthetic_samples: 2, "
-                   "holdout: 0}\neval: {at_end: false}\ndevice: cpu\nsteps: 1\n")  # fmt: skip
-    proc = run_trainer_cli(cfg, "--run-dir", str(tmp_path / "run"), env={ROOT_VARIABLE: str(tmp_path / "kc")},
-                           unset=("TRITON_CACHE_DIR",))  # fmt: skip
+    cfg.write_text(
+        "target: {random_preset: tiny-qwen3, dtype: float32}\ndrafter: {num_layers: 1, block_size: 8}\n"
+        "attention: {backend: dense}\ndata: {anchors_per_seq: 16, seq_buckets: [128], synthetic_samples: 2, "
+        "holdout: 0}\neval: {at_end: false}\ndevice: cpu\nsteps: 1\n"
+    )
+    proc = run_trainer_cli(
+        cfg, "--run-dir", str(tmp_path / "run"), env={ROOT_VARIABLE: str(tmp_path / "kc")}, unset=("TRITON_CACHE_DIR",)
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     pre = next(r for r in recs if r.get("event") == "preflight")
@@ -59,8 +62,9 @@ def test_jobs_launched_on_one_host_share_its_kernel_cache_beside_their_own_induc
     p = write_project(client, tmp_path)
     show = 'echo "KC=$DFLASHCTL_KERNEL_CACHE IC=$TORCHINDUCTOR_CACHE_DIR"; sleep 300'
     for name in ("one", "two"):
-        (p / "jobs" / f"{name}.yaml").write_text(f"name: {name}\nhost: box\ncommand: {json.dumps(show)}\n"
-                                                 "kill_grace_s: 1\n")  # fmt: skip
+        (p / "jobs" / f"{name}.yaml").write_text(
+            f"name: {name}\nhost: box\ncommand: {json.dumps(show)}\nkill_grace_s: 1\n"
+        )
     assert run_cli("deploy", "box").code == 0
     ids = [cli_json("launch", f"jobs/{name}.yaml")["id"] for name in ("one", "two")]
     try:
@@ -77,9 +81,9 @@ def test_jobs_launched_on_one_host_share_its_kernel_cache_beside_their_own_induc
         assert len(seen) == 2, seen
         kernel, inductor = zip(*seen.values(), strict=True)
         assert set(kernel) == {os.path.realpath(workdir / "kernel-cache")}  # one for the host
-        assert len(set(inductor)) == 2 and all(Path(ic).parent == Path(rd).resolve()
-                                               for rd, (_, ic) in seen.items())  # fmt: skip  # each job its own
+        assert len(set(inductor)) == 2 and all(
+            Path(ic).parent == Path(rd).resolve() for rd, (_, ic) in seen.items()
+        )  # each job its own
     finally:
         for job_id in ids:
             run_cli("kill", job_id, "--grace", "1")
-

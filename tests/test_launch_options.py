@@ -19,8 +19,12 @@ NASTY = "$(touch PWNED); `touch PWNED2`; a'b\"c | rm -rf ~ &"
 
 
 def test_overrides_reach_the_job_its_snapshot_and_its_restart_with_secrets_masked(proj, tmp_path, free_gpu):  # noqa: F811
-    f = job_file(proj, "base", 'echo "X=[$X] A=[$A] tok=$HF_TOKEN gpus=[$CUDA_VISIBLE_DEVICES]"; sleep 1; exit 1',
-                 "env: {A: from-file}\nwatch: {interval_s: 0.3, backoff_s: 0, max_restarts: 1}\n")  # fmt: skip
+    f = job_file(
+        proj,
+        "base",
+        'echo "X=[$X] A=[$A] tok=$HF_TOKEN gpus=[$CUDA_VISIBLE_DEVICES]"; sleep 1; exit 1',
+        "env: {A: from-file}\nwatch: {interval_s: 0.3, backoff_s: 0, max_restarts: 1}\n",
+    )
     opts = ["--env", f"X={NASTY}", "--env", "HF_TOKEN=hf_cli_secret_42", "--name", "renamed", "--gpus", "0,"]
     before = remote_tree(tmp_path / "remote")
     dry = run_cli("launch", f, *opts, "--dry-run")

@@ -31,8 +31,9 @@ def free_gpu(sshd):
 def started(run_dir: Path) -> bool:
     """run.sh began the job's command (its start line): a queued job never has one."""
     log = run_dir / "train.log"
-    return log.exists() and any(ln.split()[2:3] == ["start"] for ln in log.read_text().splitlines()
-                                if ln.startswith("[dflashctl] "))  # fmt: skip
+    return log.exists() and any(
+        ln.split()[2:3] == ["start"] for ln in log.read_text().splitlines() if ln.startswith("[dflashctl] ")
+    )
 
 
 def tagged(job_id: str) -> list[int]:
@@ -113,8 +114,9 @@ def test_a_kill_takes_a_queued_job_out_before_anything_of_it_runs(proj, free_gpu
 def test_a_running_job_that_writes_itself_a_ticket_still_holds_its_gpu(proj, free_gpu):  # noqa: F811
     """The job can write its run dir: a ticket it forges (first in line, still waiting) neither makes it QUEUED nor
     lets a queued launch behind it take its GPU."""
-    forged = json.dumps({"ticket": 0, "state": "waiting", "gpus": [0], "session": "x", "position": 1,
-                         "waiting_for": ["nothing"]})  # fmt: skip
+    forged = json.dumps(
+        {"ticket": 0, "state": "waiting", "gpus": [0], "session": "x", "position": 1, "waiting_for": ["nothing"]}
+    )
     forger = cli_json("launch", job_file(proj, "forger", f"echo '{forged}' > \"$RUN/queue.json\"; sleep 300", GPU0))
     wait_until(lambda: (Path(forger["run_dir"]) / "queue.json").exists(), 30)
     assert status_json(forger["id"])["state"] == "RUNNING"

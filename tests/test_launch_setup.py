@@ -20,8 +20,10 @@ def local_job(p: Path, name: str, command: str, setup: str, extra: str = "") -> 
     """A job file on `local` outside the project's tree (writing it leaves the deployed code current)."""
     path = p.parent / "jobfiles" / f"{name}.yaml"
     path.parent.mkdir(exist_ok=True)
-    path.write_text(f"name: {name}\nhost: local\nkill_grace_s: 2\ncommand: {json.dumps(command)}\n"
-                    f"setup: {json.dumps(setup)}\n{extra}")  # fmt: skip
+    path.write_text(
+        f"name: {name}\nhost: local\nkill_grace_s: 2\ncommand: {json.dumps(command)}\n"
+        f"setup: {json.dumps(setup)}\n{extra}"
+    )
     return str(path)
 
 
@@ -66,8 +68,13 @@ def test_setup_runs_once_per_release_however_many_launch_at_once(local_proj, tmp
     for rep in reps:
         assert cli_json("kill", rep["id"])["result"] == "KILLED"
     # a later launch of the same release skips it too, and so does its restart
-    crashing = local_job(local_proj, "once2", "echo job-ran; sleep 1; exit 1", setup,
-                         "watch: {interval_s: 0.3, backoff_s: 0, max_restarts: 1}\n")  # fmt: skip
+    crashing = local_job(
+        local_proj,
+        "once2",
+        "echo job-ran; sleep 1; exit 1",
+        setup,
+        "watch: {interval_s: 0.3, backoff_s: 0, max_restarts: 1}\n",
+    )
     later = cli_json("launch", crashing)["id"]
     assert run_cli("watch", later, "--json", timeout=120).code == 10
     run = Path(status_json(later)["run_dir"])
@@ -76,9 +83,13 @@ def test_setup_runs_once_per_release_however_many_launch_at_once(local_proj, tmp
 
 
 def test_a_failed_setup_is_its_own_verdict_with_evidence_and_never_restarted(local_proj, tmp_path):
-    f = local_job(local_proj, "badsetup", "echo job-ran; sleep 300",
-                  'echo "index $HF_TOKEN"; echo "ERROR: No matching distribution for nosuchpkg==9" >&2; exit 3',
-                  "env: {HF_TOKEN: hf_setup_secret}\nwatch: {interval_s: 0.5, backoff_s: 0, restart_on: [CRASHED]}\n")
+    f = local_job(
+        local_proj,
+        "badsetup",
+        "echo job-ran; sleep 300",
+        'echo "index $HF_TOKEN"; echo "ERROR: No matching distribution for nosuchpkg==9" >&2; exit 3',
+        "env: {HF_TOKEN: hf_setup_secret}\nwatch: {interval_s: 0.5, backoff_s: 0, restart_on: [CRASHED]}\n",
+    )
     job_id = cli_json("launch", f)["id"]
     res = run_cli("watch", job_id, "--json", timeout=120)
     polls = [json.loads(line) for line in res.stdout.splitlines()]

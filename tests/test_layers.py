@@ -44,8 +44,11 @@ def test_the_remote_agent_is_one_package_of_the_standard_library_and_itself():
         assert outside == set(), (path.name, outside)
         assert not any(m.startswith("dflashctl") for m in imports(path, relative=False)), path.name
     graph = import_graph("dflashctl")
-    agent = {m: {d for d in deps if d.startswith("dflashctl.agent")} for m, deps in graph.items()
-             if m.startswith("dflashctl.agent")}  # fmt: skip
+    agent = {
+        m: {d for d in deps if d.startswith("dflashctl.agent")}
+        for m, deps in graph.items()
+        if m.startswith("dflashctl.agent")
+    }
     assert_no_cycle(agent)
     # beyond itself, the agent imports only the pure judge (shipped inside its zipapp for the supervisor)
     assert {d for m in agent for d in graph[m] if not d.startswith("dflashctl.agent")} <= {
@@ -64,8 +67,11 @@ def test_the_judge_is_pure():
         outside = {m for m in imports(path) if m.split(".")[0] not in STDLIB | {"__future__"}}
         assert all(m.startswith("dflashctl.judge") for m in outside), (path.name, outside)
         assert not {m.split(".")[0] for m in imports(path)} & IMPURE_MODULES, path.name
-        calls = {n.func.id for n in ast.walk(ast.parse(path.read_text()))
-                 if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}  # fmt: skip
+        calls = {
+            n.func.id
+            for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+        }
         assert not calls & IMPURE_CALLS, (path.name, calls & IMPURE_CALLS)
 
 
@@ -122,8 +128,15 @@ def test_the_trainer_is_grouped_by_layer_with_no_arrow_up_and_no_circle():
     mods = {module_name(p): p for p in (ROOT / "trainer").rglob("*.py")}
     assert {m.split(".")[1] for m in mods if m.count(".") >= 2} == {"model", "data", "run", "serve"}
     flat = [m for m in mods if m.count(".") == 1 and mods[m].name != "__init__.py"]
-    assert sorted(flat) == ["trainer.bench_tau", "trainer.config", "trainer.errors", "trainer.export",
-                            "trainer.regenerate", "trainer.tiny", "trainer.train"]  # bottom, and the entry points
+    assert sorted(flat) == [
+        "trainer.bench_tau",
+        "trainer.config",
+        "trainer.errors",
+        "trainer.export",
+        "trainer.regenerate",
+        "trainer.tiny",
+        "trainer.train",
+    ]  # bottom, and the entry points
     graph = import_graph("trainer")
     for m, deps in graph.items():
         for d in deps:
@@ -131,8 +144,19 @@ def test_the_trainer_is_grouped_by_layer_with_no_arrow_up_and_no_circle():
     assert_no_cycle(graph)
 
 
-CLI_LAYERS = {"agent": -1, "errors": 0, "config": 0, "outputs": 0, "logfile": 0, "safe_write": 0, "model": 0,
-              "judge": -2, "remote": 1, "jobs": 2, "show": 3}  # fmt: skip
+CLI_LAYERS = {
+    "agent": -1,
+    "errors": 0,
+    "config": 0,
+    "outputs": 0,
+    "logfile": 0,
+    "safe_write": 0,
+    "model": 0,
+    "judge": -2,
+    "remote": 1,
+    "jobs": 2,
+    "show": 3,
+}
 
 
 def test_dflashctl_has_no_arrow_up_between_its_layers():

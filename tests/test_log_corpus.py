@@ -133,8 +133,9 @@ def test_the_watchers_verdict_on_a_torchrun_crash_names_the_ranks_error():
     lines = (CORPUS / "CRASHED" / "torchrun-trainer-crash-unprefixed.log").read_text().splitlines()
     fatal = {"event": "fatal", "kind": "crash", "message": "RuntimeError: injected fault at step 3 (TRAINER_FAULT)"}
     for tail in (lines, lines[-25:]):  # the whole log, and a tail that only holds torchrun's summary
-        v = assess(History(started_at=0.0, now=60.0, exit_code=1, last_step=2, log_tail=tail, fatal=fatal),
-                   Thresholds())  # fmt: skip
+        v = assess(
+            History(started_at=0.0, now=60.0, exit_code=1, last_step=2, log_tail=tail, fatal=fatal), Thresholds()
+        )
         assert v.state == "CRASHED" and "RuntimeError" in v.reason, v
         assert any("injected fault at step 3" in e for e in v.evidence)
 
@@ -144,24 +145,33 @@ def test_the_watchers_verdict_on_a_torchrun_crash_names_the_ranks_error():
     [
         ("slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT 2026-12-03T04:00:12 DUE TO TIME LIMIT ***", "TIMEOUT"),
         ("slurmstepd: error: *** STEP 9.0 ON n1 CANCELLED AT 2026-12-03T04:00:12 DUE TO PREEMPTION ***", "PREEMPTED"),
-        ("slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT 2026-12-03T04:00:12 DUE TO NODE FAILURE, SEE SLURMCTLD LOG "
-         "FOR DETAILS ***", "NODE_FAIL"),
+        (
+            "slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT 2026-12-03T04:00:12 DUE TO NODE FAILURE, SEE SLURMCTLD LOG "  # noqa: E501 - the line as the tool prints it
+            "FOR DETAILS ***",
+            "NODE_FAIL",
+        ),
         ("srun: error: Node failure on n2", "NODE_FAIL"),
         ("slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT 2026-12-03T04:00:12 ***", "CANCELLED"),
     ],
-)  # fmt: skip
+)
 def test_slurms_own_ends_outrank_the_sigterm_tracebacks_after_them(end, state):
-    sigterm = ["0: Traceback (most recent call last):", "0:   File \"/opt/venv/bin/torchrun\", line 8, in <module>",
-               "0: torch.distributed.elastic.multiprocessing.api.SignalException: Process 9 got signal: 15",
-               "srun: error: n1: task 0: Exited with exit code 1"]  # fmt: skip
+    sigterm = [
+        "0: Traceback (most recent call last):",
+        '0:   File "/opt/venv/bin/torchrun", line 8, in <module>',
+        "0: torch.distributed.elastic.multiprocessing.api.SignalException: Process 9 got signal: 15",
+        "srun: error: n1: task 0: Exited with exit code 1",
+    ]
     v = diagnose_lines(["0: step 1 loss 2.0", end, *sigterm])
     assert v.state == state and end in v.evidence
 
 
 def test_a_rank_that_failed_before_the_time_limit_is_the_cause():
-    lines = ["1: Traceback (most recent call last):", "1:   File \"t.py\", line 3, in <module>",
-             "1: ValueError: bad shard", "slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT 2026-12-03T04:00:12 DUE TO "
-             "TIME LIMIT ***"]  # fmt: skip
+    lines = [
+        "1: Traceback (most recent call last):",
+        '1:   File "t.py", line 3, in <module>',
+        "1: ValueError: bad shard",
+        "slurmstepd: error: *** JOB 9 ON n1 CANCELLED AT 2026-12-03T04:00:12 DUE TO TIME LIMIT ***",
+    ]
     v = diagnose_lines(lines)
     assert v.state == "CRASHED" and v.reason == "ValueError on rank1"
 
@@ -221,8 +231,12 @@ def test_a_log_on_stdin_is_refused_as_a_file_would_be():
     from dflashctl.logfile import lines_of
 
     assert lines_of(b"step 1 loss 2\r\nstep 2 loss 1.9\n") == ["step 1 loss 2", "step 2 loss 1.9"]
-    for data, words in ((b"", "empty"), (b" \n\n", "empty"), (b"PK\x03\x04" + bytes(range(256)) * 40, "binary"),
-                        (b"step 1 loss 2\n" * 1000 + bytes(range(1, 256)) * 40, "binary")):  # fmt: skip
+    for data, words in (
+        (b"", "empty"),
+        (b" \n\n", "empty"),
+        (b"PK\x03\x04" + bytes(range(256)) * 40, "binary"),
+        (b"step 1 loss 2\n" * 1000 + bytes(range(1, 256)) * 40, "binary"),
+    ):
         with pytest.raises(LogFileError, match=words):
             lines_of(data)
 
@@ -251,12 +265,18 @@ def _big_log(path: Path, mb: int, tail: list[str], middle: list[str] = ()) -> No
 def test_a_big_log_is_read_in_bounded_memory_and_judged_as_a_whole(tmp_path):
     """60 MB: the middle's recompile-limit warning and the tail's OOM through flex make the chain (DENSE_FALLBACK),
     and the reader keeps a bounded slice of the file in memory, whatever its size."""
-    middle = ["W1130 18:02:10.258000 4976 torch/_dynamo/convert_frame.py:1358] [0/2] torch._dynamo hit "
-              "config.recompile_limit (2)", "W1130 18:02:10.258000 4976 torch/_dynamo/convert_frame.py:1358] [0/2]"
-              "    function: 'flex' (/home/user/proj/trainer/model/attention.py:40)"]  # fmt: skip
-    tail = ["Traceback (most recent call last):", "  File \"/opt/venv/lib/torch/_tensor.py\", line 631, in backward",
-            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 46.00 GiB. GPU 0 has a total capacity of "
-            "139.80 GiB of which 1.05 GiB is free."]  # fmt: skip
+    middle = [
+        "W1130 18:02:10.258000 4976 torch/_dynamo/convert_frame.py:1358] [0/2] torch._dynamo hit "
+        "config.recompile_limit (2)",
+        "W1130 18:02:10.258000 4976 torch/_dynamo/convert_frame.py:1358] [0/2]"
+        "    function: 'flex' (/home/user/proj/trainer/model/attention.py:40)",
+    ]
+    tail = [
+        "Traceback (most recent call last):",
+        '  File "/opt/venv/lib/torch/_tensor.py", line 631, in backward',
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 46.00 GiB. GPU 0 has a total capacity of "
+        "139.80 GiB of which 1.05 GiB is free.",
+    ]
     path = tmp_path / "train.log"
     _big_log(path, 60, tail, middle)
     tracemalloc.start()
@@ -367,15 +387,21 @@ def test_every_launchers_kill_reads_as_torchruns_exitcode_minus_9(line):
     "line, words",
     [
         ("[ERROR] [launch.py:325:sigkill_handler] ['python3', 'train.py'] exits with return code = -11", "-11"),
-        ("mpirun noticed that process rank 1 with PID 31002 on node gpu-a exited on signal 11 (Segmentation fault).",
-         "signal 11"),
-        ("[rank: 1] Child process with PID 9487 terminated with code 1. Forcefully terminating all other processes",
-         "rank1 exited with code 1"),
-        ("[ERROR] [launch.py:325:sigkill_handler] ['python3', 'train.py'] exits with return code = 2",
-         "exited with code 2"),
+        (
+            "mpirun noticed that process rank 1 with PID 31002 on node gpu-a exited on signal 11 (Segmentation fault).",
+            "signal 11",
+        ),
+        (
+            "[rank: 1] Child process with PID 9487 terminated with code 1. Forcefully terminating all other processes",
+            "rank1 exited with code 1",
+        ),
+        (
+            "[ERROR] [launch.py:325:sigkill_handler] ['python3', 'train.py'] exits with return code = 2",
+            "exited with code 2",
+        ),
         ("pdsh@worker-0: worker-1: ssh exited with exit code 1", "worker-1 exited with code 1"),
     ],
-)  # fmt: skip
+)
 def test_a_launchers_other_exits_are_crashes_named_by_the_launcher(line, words):
     v = diagnose_lines(["step 10 loss 2.0", line, "Killed"])  # the launcher's own clean-up kill is no OOM
     assert v.state == "CRASHED" and words in v.reason, v
@@ -386,8 +412,14 @@ def test_lightnings_clean_up_kill_after_an_abort_is_not_a_host_oom():
     assert v.state == "NCCL_TIMEOUT", v
 
 
-@pytest.mark.parametrize("name", ["hf-trainer-eval-oom-retried.log", "lightning-max-steps-after-skipped-oom.log",
-                                  "trainer-finished-after-retried-checkpoint.log"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "hf-trainer-eval-oom-retried.log",
+        "lightning-max-steps-after-skipped-oom.log",
+        "trainer-finished-after-retried-checkpoint.log",
+    ],
+)
 def test_a_failure_the_run_outlived_is_a_warning_not_the_verdict(name):
     lines = _lines("FINISHED", name)
     v = diagnose_lines(lines)
@@ -404,8 +436,10 @@ def test_a_broken_network_is_nccl_error_below_a_ranks_own_failure(name):
     v = diagnose_lines(lines)
     assert v.state == "NCCL_ERROR" and EXIT_BY_STATE["NCCL_ERROR"] == 31 and "broke" in v.reason, v
     assert "interconnect" in v.advice
-    oom = ["[rank1]:torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total "
-           "capacity of 79.19 GiB of which 1.00 GiB is free."]  # fmt: skip
+    oom = [
+        "[rank1]:torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total "
+        "capacity of 79.19 GiB of which 1.00 GiB is free."
+    ]
     assert diagnose_lines([*oom, *lines]).state == "OOM"  # the peer that died first is the cause
 
 
@@ -428,7 +462,7 @@ def test_a_reset_connection_outside_the_collectives_is_not_a_network_failure_bet
         ("cut-mid-traceback-srun.log", "rank1", 'attention.py", line 118'),
     ],
 )
-def test_a_log_cut_mid_traceback_names_the_rank_and_the_last_frame(name, rank, frame):  # fmt: skip
+def test_a_log_cut_mid_traceback_names_the_rank_and_the_last_frame(name, rank, frame):
     v = diagnose_lines(_lines("INCOMPLETE", name))
     assert v.state == "INCOMPLETE" and "inside a traceback" in v.reason
     said = next(e for e in v.evidence if e.startswith("a traceback cut short"))
@@ -436,8 +470,10 @@ def test_a_log_cut_mid_traceback_names_the_rank_and_the_last_frame(name, rank, f
 
 
 def test_a_gzipped_log_is_read_as_the_same_log_in_bounded_memory(tmp_path):
-    tail = ["[2026-12-04 08:03:11,502] [ERROR] [launch.py:325:sigkill_handler] ['python3', 'train.py'] exits with "
-            "return code = -9"]  # fmt: skip
+    tail = [
+        "[2026-12-04 08:03:11,502] [ERROR] [launch.py:325:sigkill_handler] ['python3', 'train.py'] exits with "
+        "return code = -9"
+    ]
     path = tmp_path / "train.log"
     _big_log(path, 20, tail, ["Traceback (most recent call last):", '  File "t.py", line 1, in f', "KeyError: 'x'"])
     packed = tmp_path / "train.log.1.gz"
@@ -456,8 +492,12 @@ def test_gzip_on_stdin_and_broken_gzip_files(tmp_path):
     from conftest import run_cli
 
     packed = CORPUS / "NCCL_ERROR" / "mpirun-socket-closed.log.gz"
-    r = subprocess.run([sys.executable, "-m", "dflashctl", "diagnose", "--json", "-"], input=packed.read_bytes(),
-                       capture_output=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "dflashctl", "diagnose", "--json", "-"],
+        input=packed.read_bytes(),
+        capture_output=True,
+        timeout=120,
+    )
     assert r.returncode == 31 and json.loads(r.stdout)["state"] == "NCCL_ERROR", r
     (tmp_path / "cut.log.gz").write_bytes(packed.read_bytes()[:200])  # a rotation copied halfway
     (tmp_path / "fake.log.gz").write_bytes(b"\x1f\x8b" + b"not gzip at all" * 50)
@@ -469,12 +509,14 @@ def test_gzip_on_stdin_and_broken_gzip_files(tmp_path):
 
 
 def test_an_exception_python_ignored_at_exit_does_not_undo_a_finish():
-    lines = [*_lines("FINISHED", "hf-trainer-eval-oom-retried.log"),
-             "Exception ignored in: <function _MultiProcessingDataLoaderIter.__del__ at 0x7f3a1b642520>",
-             "Traceback (most recent call last):",
-             '  File "/opt/venv/lib/python3.12/site-packages/torch/utils/data/dataloader.py", line 1618, in __del__',
-             "    self._shutdown_workers()", "AttributeError: '_MultiProcessingDataLoaderIter' object has no attribute "
-             "'_workers_status'"]  # fmt: skip
+    lines = [
+        *_lines("FINISHED", "hf-trainer-eval-oom-retried.log"),
+        "Exception ignored in: <function _MultiProcessingDataLoaderIter.__del__ at 0x7f3a1b642520>",
+        "Traceback (most recent call last):",
+        '  File "/opt/venv/lib/python3.12/site-packages/torch/utils/data/dataloader.py", line 1618, in __del__',
+        "    self._shutdown_workers()",
+        "AttributeError: '_MultiProcessingDataLoaderIter' object has no attribute '_workers_status'",
+    ]
     assert diagnose_lines(lines).state == "FINISHED"
     assert diagnose_lines([ln for ln in lines if not ln.startswith("Exception ignored")]).state != "FINISHED"
 
@@ -488,11 +530,14 @@ def test_a_divergence_that_lasts_to_the_finish_line_is_not_outlived():
 
 
 def test_a_lost_peer_the_watchdog_aborted_on_is_a_broken_link_and_a_plain_abort_stays_a_crash():
-    aborted = ["[rank0]: step 5 loss 2", "[rank1]:[E1204 10:02:44.1 7 ProcessGroupNCCL.cpp:1595] [PG ID 0 PG GUID "
-               "0(default_pg) Rank 1] NCCL communicator was aborted on rank 1.",
-               "[rank1]:terminate called after throwing an instance of 'c10::DistBackendError'",
-               "[rank1]:  what():  [PG ID 0 PG GUID 0(default_pg) Rank 1] NCCL communicator was aborted on rank 1.",
-               "  exitcode  : -6 (pid: 60228)"]  # fmt: skip
+    aborted = [
+        "[rank0]: step 5 loss 2",
+        "[rank1]:[E1204 10:02:44.1 7 ProcessGroupNCCL.cpp:1595] [PG ID 0 PG GUID "
+        "0(default_pg) Rank 1] NCCL communicator was aborted on rank 1.",
+        "[rank1]:terminate called after throwing an instance of 'c10::DistBackendError'",
+        "[rank1]:  what():  [PG ID 0 PG GUID 0(default_pg) Rank 1] NCCL communicator was aborted on rank 1.",
+        "  exitcode  : -6 (pid: 60228)",
+    ]
     assert diagnose_lines(aborted).state == "NCCL_ERROR"
     # a broken pipe and an abort with no collective layer in sight: the process's own crash, as before
     assert (

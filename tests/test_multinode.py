@@ -53,9 +53,26 @@ def start_reference(tmp_path: Path) -> subprocess.Popen:
     cfg = tmp_path / "ref.yaml"
     cfg.write_text(yaml.safe_dump(TRAINER))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "-m", "trainer.train", "--config", str(cfg), "--run-dir", str(tmp_path / "ref")],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "trainer.train",
+            "--config",
+            str(cfg),
+            "--run-dir",
+            str(tmp_path / "ref"),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 @pytest.mark.slow
@@ -63,11 +80,24 @@ def test_two_nodes_crash_on_node_b_restart_both_and_finish_like_one_host(two_hos
     for host in ("nodea", "nodeb"):
         assert run_cli("deploy", host, cwd=ROOT).code == 0
     job = tmp_path / "mn.yaml"
-    job.write_text(yaml.safe_dump({
-        "name": "mn", "hosts": [{"host": "nodea"}, {"host": "nodeb", "env": {"TRAINER_FAULT": "crash@5"}}],
-        "nproc_per_node": 1, "env": {"OMP_NUM_THREADS": "1"}, "kill_grace_s": 5, "trainer": TRAINER,
-        "watch": {"interval_s": 1, "restart_on": ["CRASHED", "NCCL_TIMEOUT"], "max_restarts": 1, "backoff_s": 0},
-    }))  # fmt: skip
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "mn",
+                "hosts": [{"host": "nodea"}, {"host": "nodeb", "env": {"TRAINER_FAULT": "crash@5"}}],
+                "nproc_per_node": 1,
+                "env": {"OMP_NUM_THREADS": "1"},
+                "kill_grace_s": 5,
+                "trainer": TRAINER,
+                "watch": {
+                    "interval_s": 1,
+                    "restart_on": ["CRASHED", "NCCL_TIMEOUT"],
+                    "max_restarts": 1,
+                    "backoff_s": 0,
+                },
+            }
+        )
+    )
     reference = start_reference(tmp_path)
     rep = cli_json_in(ROOT, "launch", str(job))
     assert [n["host"] for n in rep["nodes"]] == ["nodea", "nodeb"] and rep["nodes"][1]["node_rank"] == 1
@@ -78,8 +108,9 @@ def test_two_nodes_crash_on_node_b_restart_both_and_finish_like_one_host(two_hos
     assert crashed and crashed[0]["reason"].startswith("node nodeb:"), [p["reason"] for p in polls][-8:]
     assert polls[-1]["state"] == "FINISHED" and res.code == 0, (res.stderr[-2000:], polls[-1])
     head = rep["nodes"][0]["run_dir"]
-    starts = [r for r in map(json.loads, Path(head, "metrics.jsonl").read_text().splitlines())
-              if r.get("event") == "start"]  # fmt: skip
+    starts = [
+        r for r in map(json.loads, Path(head, "metrics.jsonl").read_text().splitlines()) if r.get("event") == "start"
+    ]
     assert [s["resumed_from"] for s in starts] == [None, 4]  # both nodes restarted from their own checkpoint 4
     assert (Path(rep["nodes"][1]["run_dir"]) / "checkpoints" / "step-00000004").is_dir()
     mine = {r["step"]: r["loss"] for r in steps_of(head)}  # the second attempt's steps 5-8 replace nothing
@@ -97,8 +128,10 @@ def test_a_kill_stops_every_node_and_verifies_each(two_hosts, tmp_path):
     for host in ("nodea", "nodeb"):
         assert run_cli("deploy", host, cwd=ROOT).code == 0
     job = tmp_path / "cmd.yaml"
-    job.write_text("name: mncmd\nhost: [nodea, nodeb]\nkill_grace_s: 3\ncommand: echo \"node $NODE_RANK of $NNODES, "
-                   'head $MASTER_ADDR:$MASTER_PORT"; sleep 300\n')  # fmt: skip
+    job.write_text(
+        'name: mncmd\nhost: [nodea, nodeb]\nkill_grace_s: 3\ncommand: echo "node $NODE_RANK of $NNODES, '
+        'head $MASTER_ADDR:$MASTER_PORT"; sleep 300\n'
+    )
     rep = cli_json_in(ROOT, "launch", str(job))
     job_id = rep["id"]
     wait_until(lambda: all(n["state"] == "RUNNING" for n in status_json(job_id, ROOT)["nodes"]), 60)
@@ -141,8 +174,10 @@ def test_doctor_checks_every_node_the_rendezvous_port_and_versions(two_hosts, tm
     got = json.loads(res.stdout)
     assert [r["host"] for r in got["reports"]] == ["nodea", "nodeb", "job"] and res.code == 1, res.stderr
     checks = {c["name"]: c for c in got["reports"][2]["checks"]}
-    assert checks["rendezvous from nodeb"]["status"] == "ok" and "127.0.0.1:29911 reached" in \
-        checks["rendezvous from nodeb"]["detail"]  # fmt: skip
+    assert (
+        checks["rendezvous from nodeb"]["status"] == "ok"
+        and "127.0.0.1:29911 reached" in checks["rendezvous from nodeb"]["detail"]
+    )
     assert checks["torch versions"]["status"] == "ok" and checks["rendezvous port"]["status"] == "fail"
     assert "29911 is in use on nodea" in checks["rendezvous port"]["detail"] and not got["ok"]
 
@@ -152,11 +187,24 @@ def two_node_record():
     from dflashctl.model.record import JobRecord
 
     host = {"name": "nodea", "ssh": "testbox"}
-    members = [{"node": i, "host_name": n, "host": {"name": n, "ssh": "testbox"}, "run_dir": f"/r/{n}",
-                "session": f"s{i}"} for i, n in enumerate(("nodea", "nodeb"))]  # fmt: skip
-    return JobRecord(id="mn-1", name="mn", project="/p", job_file="/j.yaml", host_name="nodea", host=host,
-                     release="r", command="c", run_dir="/r/nodea", session="s0", launched_at=0.0,
-                     members=members)  # fmt: skip
+    members = [
+        {"node": i, "host_name": n, "host": {"name": n, "ssh": "testbox"}, "run_dir": f"/r/{n}", "session": f"s{i}"}
+        for i, n in enumerate(("nodea", "nodeb"))
+    ]
+    return JobRecord(
+        id="mn-1",
+        name="mn",
+        project="/p",
+        job_file="/j.yaml",
+        host_name="nodea",
+        host=host,
+        release="r",
+        command="c",
+        run_dir="/r/nodea",
+        session="s0",
+        launched_at=0.0,
+        members=members,
+    )
 
 
 def test_the_first_node_to_fail_is_named_not_the_one_that_lost_its_peer():
@@ -167,11 +215,13 @@ def test_the_first_node_to_fail_is_named_not_the_one_that_lost_its_peer():
 
     crash = Verdict("CRASHED", "ChildFailedError (exit 1)")
     # the head even wrote its exit code first
-    v = combine([Node("nodea", crash, lost_peer=True, exit_time=100.0), Node("nodeb", crash, exit_time=100.5)], {},
-                50.0)  # fmt: skip
+    v = combine(
+        [Node("nodea", crash, lost_peer=True, exit_time=100.0), Node("nodeb", crash, exit_time=100.5)], {}, 50.0
+    )
     assert v.state == "CRASHED" and v.reason.startswith("node nodeb:")
-    v = combine([Node("nodea", Verdict("RUNNING", "step 3")), Node("nodeb", Verdict("UNREACHABLE", "no route"))], {},
-                50.0)  # fmt: skip
+    v = combine(
+        [Node("nodea", Verdict("RUNNING", "step 3")), Node("nodeb", Verdict("UNREACHABLE", "no route"))], {}, 50.0
+    )
     assert v.state == "RUNNING" and any("node nodeb: UNREACHABLE" in e for e in v.evidence)
 
 

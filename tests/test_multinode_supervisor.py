@@ -25,8 +25,9 @@ SECRET = "hf_multinode_secret_9a8b7c"
 
 
 def sessions() -> set[str]:
-    res = subprocess.run(["tmux", "-L", TEST_TMUX_SOCKET, "ls", "-F", "#{session_name}"], capture_output=True,
-                         text=True, check=False)  # fmt: skip
+    res = subprocess.run(
+        ["tmux", "-L", TEST_TMUX_SOCKET, "ls", "-F", "#{session_name}"], capture_output=True, text=True, check=False
+    )
     return set(res.stdout.split())
 
 
@@ -52,8 +53,10 @@ def deploy_both() -> None:
 def head_ssh_config(tmp_path: Path, sshd, client) -> Path:
     """An ssh config file on the head (this machine) that reaches the suite's sshd: what a cluster's nodes share."""
     cfg = tmp_path / "head-ssh-config"
-    cfg.write_text(f"Host testbox\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User root\n  IdentityFile "
-                   f"{sshd.user_key}\n  UserKnownHostsFile {client.known_hosts}\n")  # fmt: skip
+    cfg.write_text(
+        f"Host testbox\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User root\n  IdentityFile "
+        f"{sshd.user_key}\n  UserKnownHostsFile {client.known_hosts}\n"
+    )
     cfg.chmod(0o600)
     return cfg
 
@@ -64,8 +67,17 @@ def test_a_node_the_head_cannot_reach_is_said_and_the_laptop_decides(two_hosts, 
     key taken on trust). The supervisor says so in verdict.json, and `status` decides here, naming the node."""
     deploy_both()
     job = tmp_path / "cmd.yaml"
-    job.write_text(yaml.safe_dump({"name": "mnunr", "host": ["nodea", "nodeb"], "kill_grace_s": 3,
-                                   "command": "sleep 300", "watch": {"interval_s": 1}}))  # fmt: skip
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "mnunr",
+                "host": ["nodea", "nodeb"],
+                "kill_grace_s": 3,
+                "command": "sleep 300",
+                "watch": {"interval_s": 1},
+            }
+        )
+    )
     rep = cli_json_in(ROOT, "launch", str(job))
     head, member = (Path(n["run_dir"]) for n in rep["nodes"])
     spec = json.loads((head / "supervise.json").read_text())
@@ -75,8 +87,12 @@ def test_a_node_the_head_cannot_reach_is_said_and_the_laptop_decides(two_hosts, 
     assert not (member / "supervise.json").exists(), "a supervisor on a member node too"
     said = wait_until(lambda: read_json(head / "verdict.json").get("unreached"), 60)
     assert said[0].startswith("nodeb: ssh from the head to nodeb:"), said
-    st = wait_until(lambda: (lambda s: s if s["decided_by"] == "here" and "nodeb" in s["decided_why"] else None)(
-        status_json(rep["id"], ROOT)), 60)  # fmt: skip
+    st = wait_until(
+        lambda: (lambda s: s if s["decided_by"] == "here" and "nodeb" in s["decided_why"] else None)(
+            status_json(rep["id"], ROOT)
+        ),
+        60,
+    )
     assert "the job's supervisor cannot reach nodeb" in st["decided_why"] and st["state"] == "RUNNING"
     assert any(e.get("decision") == "warning" and "cannot reach nodeb" in e.get("warning", "") for e in events(head))
     kill = cli_json_in(ROOT, "kill", rep["id"])
@@ -85,29 +101,58 @@ def test_a_node_the_head_cannot_reach_is_said_and_the_laptop_decides(two_hosts, 
 
 
 @pytest.mark.slow
-def test_the_heads_supervisor_sees_node_b_crash_restarts_both_and_cleans_up_every_node(two_hosts, tmp_path,  # noqa: F811
-                                                                                       sshd, client):  # fmt: skip
+def test_the_heads_supervisor_sees_node_b_crash_restarts_both_and_cleans_up_every_node(
+    two_hosts,  # noqa: F811
+    tmp_path,
+    sshd,
+    client,
+):
     """No laptop watch at all: node b's rank crashes at step 5; the head's supervisor, probing node b by ssh from
     the head, names node b as CRASHED, restarts both nodes once (restart_on CRASHED, max_restarts 1), sees the job
     FINISHED on both, then closes both tmux sessions and scrubs the secret from both run dirs."""
     deploy_both()
     cfg = head_ssh_config(tmp_path, sshd, client)
     job = tmp_path / "mn.yaml"
-    job.write_text(yaml.safe_dump({
-        "name": "mnsup", "hosts": [{"host": "nodea"}, {"host": "nodeb", "env": {"TRAINER_FAULT": "crash@5"},
-                                                      "reach": "testbox", "reach_ssh_config": str(cfg)}],
-        "nproc_per_node": 1, "env": {"OMP_NUM_THREADS": "1", "HF_TOKEN": SECRET}, "kill_grace_s": 5,
-        "trainer": TRAINER,
-        "watch": {"interval_s": 1, "restart_on": ["CRASHED", "NCCL_TIMEOUT"], "max_restarts": 1, "backoff_s": 0},
-    }))  # fmt: skip
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "mnsup",
+                "hosts": [
+                    {"host": "nodea"},
+                    {
+                        "host": "nodeb",
+                        "env": {"TRAINER_FAULT": "crash@5"},
+                        "reach": "testbox",
+                        "reach_ssh_config": str(cfg),
+                    },
+                ],
+                "nproc_per_node": 1,
+                "env": {"OMP_NUM_THREADS": "1", "HF_TOKEN": SECRET},
+                "kill_grace_s": 5,
+                "trainer": TRAINER,
+                "watch": {
+                    "interval_s": 1,
+                    "restart_on": ["CRASHED", "NCCL_TIMEOUT"],
+                    "max_restarts": 1,
+                    "backoff_s": 0,
+                },
+            }
+        )
+    )
     rep = cli_json_in(ROOT, "launch", str(job))
     head, member = (Path(n["run_dir"]) for n in rep["nodes"])
-    st = wait_until(lambda: (lambda s: s if s["decided_by"] == "supervisor" else None)(status_json(rep["id"], ROOT)),
-                    120)  # fmt: skip
+    st = wait_until(
+        lambda: (lambda s: s if s["decided_by"] == "supervisor" else None)(status_json(rep["id"], ROOT)), 120
+    )
     assert st["supervisor"]["answering"], st
     # a laptop watch attached from here on reads the supervisor's word and restarts nothing itself
-    watch = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", rep["id"], "--until-done", "--json"],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "watch", rep["id"], "--until-done", "--json"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     ended = wait_until(lambda: read_json(head / "supervisor.json").get("ended"), 600)
     out, err = watch.communicate(timeout=300)
     polls = [json.loads(x) for x in out.splitlines()]
@@ -124,8 +169,9 @@ def test_the_heads_supervisor_sees_node_b_crash_restarts_both_and_cleans_up_ever
     assert [e["attempt"] for e in restarts if e.get("by") == "supervisor"] == [1], restarts
     assert not [e for e in restarts if e.get("by") == "watch"], restarts
     assert [(p / common.RESTARTS).read_text().strip() for p in (head, member)] == ["1", "1"]
-    starts = [r for r in map(json.loads, (head / "metrics.jsonl").read_text().splitlines()) if r.get("event") ==
-              "start"]  # fmt: skip
+    starts = [
+        r for r in map(json.loads, (head / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "start"
+    ]
     assert [s["resumed_from"] for s in starts] == [None, 4]  # both nodes resumed from their own checkpoint 4
     verdict = read_json(head / "verdict.json")
     assert verdict["state"] == "FINISHED" and [n["state"] for n in verdict["nodes"]] == ["FINISHED", "FINISHED"]
@@ -140,20 +186,30 @@ def test_the_heads_supervisor_sees_node_b_crash_restarts_both_and_cleans_up_ever
     assert st["state"] == "FINISHED" and [n["state"] for n in st["nodes"]] == ["FINISHED", "FINISHED"]
 
 
-def test_a_job_that_ends_for_good_leaves_no_session_and_no_secret_on_either_node(two_hosts, tmp_path, sshd,  # noqa: F811
-                                                                                client):  # fmt: skip
+def test_a_job_that_ends_for_good_leaves_no_session_and_no_secret_on_either_node(
+    two_hosts,  # noqa: F811
+    tmp_path,
+    sshd,
+    client,
+):
     """Both nodes exit 1 (CRASHED, which the job's restart_on does not restart, though restarts are left: so no
     node's launcher scrubs by itself). The head's supervisor gives up, then on node b (by ssh from the head) and
     here scrubs the secret and closes the dead pane's session."""
     deploy_both()
     cfg = head_ssh_config(tmp_path, sshd, client)
     job = tmp_path / "end.yaml"
-    job.write_text(yaml.safe_dump({
-        "name": "mnend", "hosts": [{"host": "nodea"}, {"host": "nodeb", "reach": "testbox",
-                                                      "reach_ssh_config": str(cfg)}],
-        "env": {"HF_TOKEN": SECRET}, "kill_grace_s": 3, "command": "sleep 2; echo giving up; exit 1",
-        "watch": {"interval_s": 1, "restart_on": ["OOM"], "max_restarts": 1},
-    }))  # fmt: skip
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "mnend",
+                "hosts": [{"host": "nodea"}, {"host": "nodeb", "reach": "testbox", "reach_ssh_config": str(cfg)}],
+                "env": {"HF_TOKEN": SECRET},
+                "kill_grace_s": 3,
+                "command": "sleep 2; echo giving up; exit 1",
+                "watch": {"interval_s": 1, "restart_on": ["OOM"], "max_restarts": 1},
+            }
+        )
+    )
     rep = cli_json_in(ROOT, "launch", str(job))
     head, member = (Path(n["run_dir"]) for n in rep["nodes"])
     ended = wait_until(lambda: read_json(head / "supervisor.json").get("ended"), 120)
@@ -171,34 +227,48 @@ def test_a_job_that_ends_for_good_leaves_no_session_and_no_secret_on_either_node
     assert st["state"] == "CRASHED" and st["gave_up"] and [n["state"] for n in st["nodes"]] == ["CRASHED", "CRASHED"]
 
 
-@pytest.mark.parametrize(("node", "expect"), [
-    ({"reach": "nodeb;touch /tmp/x"}, "hosts.1.reach: expected an ssh destination"),
-    ({"reach": "-oProxyCommand=x"}, "hosts.1.reach: expected an ssh destination"),
-    ({"reach_ssh_config": "relative/config"}, "hosts.1.reach_ssh_config: expected an absolute path"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("node", "expect"),
+    [
+        ({"reach": "nodeb;touch /tmp/x"}, "hosts.1.reach: expected an ssh destination"),
+        ({"reach": "-oProxyCommand=x"}, "hosts.1.reach: expected an ssh destination"),
+        ({"reach_ssh_config": "relative/config"}, "hosts.1.reach_ssh_config: expected an absolute path"),
+    ],
+)
 def test_a_bad_reach_is_one_line_exit_2_and_nothing_starts(two_hosts, tmp_path, node, expect):  # noqa: F811
     job = tmp_path / "bad.yaml"
-    job.write_text(yaml.safe_dump({"name": "mnbad", "hosts": [{"host": "nodea"}, {"host": "nodeb", **node}],
-                                   "command": "sleep 1"}))  # fmt: skip
+    job.write_text(
+        yaml.safe_dump({"name": "mnbad", "hosts": [{"host": "nodea"}, {"host": "nodeb", **node}], "command": "sleep 1"})
+    )
     res = run_cli("launch", str(job), cwd=ROOT)
     assert res.code == 2 and expect in res.stderr and len(res.stderr.splitlines()) == 1, res.stderr
     assert str(job) in res.stderr
     assert not list(two_hosts.glob("*/runs/mnbad-*")), "something started"
 
 
-def test_node_b_lost_from_the_head_and_found_again_then_the_supervisor_frozen(two_hosts, tmp_path, sshd,  # noqa: F811
-                                                                              client):  # fmt: skip
+def test_node_b_lost_from_the_head_and_found_again_then_the_supervisor_frozen(
+    two_hosts,  # noqa: F811
+    tmp_path,
+    sshd,
+    client,
+):
     """Mid-run the head loses its way to node b (its ssh config file is moved away: ssh exits 255): the verdict says
     node b is not reached and `status` decides here; the file back, the supervisor's word is the job's again. Then the
     head's supervisor is frozen (SIGSTOP): its heartbeat stops, and `status` decides here again, saying why."""
     deploy_both()
     cfg = head_ssh_config(tmp_path, sshd, client)
     job = tmp_path / "lost.yaml"
-    job.write_text(yaml.safe_dump({
-        "name": "mnlost", "hosts": [{"host": "nodea"}, {"host": "nodeb", "reach": "testbox",
-                                                       "reach_ssh_config": str(cfg)}],
-        "kill_grace_s": 3, "command": "sleep 300", "watch": {"interval_s": 1},
-    }))  # fmt: skip
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "mnlost",
+                "hosts": [{"host": "nodea"}, {"host": "nodeb", "reach": "testbox", "reach_ssh_config": str(cfg)}],
+                "kill_grace_s": 3,
+                "command": "sleep 300",
+                "watch": {"interval_s": 1},
+            }
+        )
+    )
     rep = cli_json_in(ROOT, "launch", str(job))
     head = Path(rep["nodes"][0]["run_dir"])
 
@@ -240,10 +310,18 @@ def test_without_a_supervisor_status_scrubs_every_node_once_the_job_ended_for_go
     has the secret scrubbed from every node's run dir, not only the head's."""
     deploy_both()
     job = tmp_path / "nosup.yaml"
-    job.write_text(yaml.safe_dump({
-        "name": "mnnosup", "host": ["nodea", "nodeb"], "env": {"HF_TOKEN": SECRET}, "kill_grace_s": 3,
-        "command": "exit 1", "watch": {"supervise": False, "restart_on": ["OOM"], "max_restarts": 1},
-    }))  # fmt: skip
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "name": "mnnosup",
+                "host": ["nodea", "nodeb"],
+                "env": {"HF_TOKEN": SECRET},
+                "kill_grace_s": 3,
+                "command": "exit 1",
+                "watch": {"supervise": False, "restart_on": ["OOM"], "max_restarts": 1},
+            }
+        )
+    )
     rep = cli_json_in(ROOT, "launch", str(job))
     runs = [Path(n["run_dir"]) for n in rep["nodes"]]
     assert not [r for r in runs if (r / "supervise.json").exists()]

@@ -18,9 +18,21 @@ from dflashctl.judge.notice import Message, body, notice_id
 from dflashctl.judge.redact import redact_url
 from tests.webhook import HOOK_SECRET, Listener, closed_port
 
-MSG = Message("run-1", "gpu8", "CRASHED", "KeyError on rank0", ["KeyError: 'x'", 'File "a.py", line 3'], "fix it",
-              0, 1.0, True, 0, "dflashctl status run-1", "a0-CRASHED", "not restarted: CRASHED is not in the job's "
-              "restart_on")  # fmt: skip
+MSG = Message(
+    "run-1",
+    "gpu8",
+    "CRASHED",
+    "KeyError on rank0",
+    ["KeyError: 'x'", 'File "a.py", line 3'],
+    "fix it",
+    0,
+    1.0,
+    True,
+    0,
+    "dflashctl status run-1",
+    "a0-CRASHED",
+    "not restarted: CRASHED is not in the job's restart_on",
+)
 
 
 def test_bodies_say_the_failure_and_what_is_done_and_carry_the_delivery_id():
@@ -38,8 +50,10 @@ def test_bodies_say_the_failure_and_what_is_done_and_carry_the_delivery_id():
     assert sent["action"].startswith("not restarted") and sent["restarts_left"] == 0
 
 
-@pytest.mark.parametrize("garbage", [{}, [], "x", {"job": "j"}, {"job": "j", "state": "S", "time": "noon",
-                                                                "restarts": 0}, {"job": 1, "state": "S"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "garbage",
+    [{}, [], "x", {"job": "j"}, {"job": "j", "state": "S", "time": "noon", "restarts": 0}, {"job": 1, "state": "S"}],
+)
 def test_a_message_read_back_is_checked_field_by_field(garbage):
     assert Message.of(garbage) is None
     ok = Message.of({**MSG.to_dict(), "evidence": ["a", 3, None], "id": "../../etc/x", "advice": 7})
@@ -47,8 +61,12 @@ def test_a_message_read_back_is_checked_field_by_field(garbage):
 
 
 def test_one_post_delivered_redirected_refused_or_failed_says_so_without_the_secret():
-    ok, moved, gone, busy = Listener(), Listener(mode="redirect"), Listener(mode="status", code=404), \
-        Listener(mode="status", code=503)  # fmt: skip
+    ok, moved, gone, busy = (
+        Listener(),
+        Listener(mode="redirect"),
+        Listener(mode="status", code=404),
+        Listener(mode="status", code=503),
+    )
     try:
         res = outbox.post_once(ok.url(), MSG.to_dict(), "json", 5)
         assert res["ok"] and res["code"] == 200 and HOOK_SECRET not in json.dumps(res)

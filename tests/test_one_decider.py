@@ -53,8 +53,12 @@ def swap_supervisor(run: Path, shift_file: Path) -> subprocess.Popen:
     os.kill(first["pid"], signal.SIGTERM)
     wait_until(lambda: not alive(first["pid"]), 15)
     env = {**os.environ, "DFLASHCTL_TEST_WALL_SHIFT_FILE": str(shift_file)}
-    proc = subprocess.Popen([sys.executable, "-S", str(run / "agent.pyz"), "supervise", str(run)], env=env,
-                            start_new_session=True, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-S", str(run / "agent.pyz"), "supervise", str(run)],
+        env=env,
+        start_new_session=True,
+        stderr=subprocess.DEVNULL,
+    )
     wait_until(lambda: supervisor(run).get("pid") == proc.pid and beat(run) > 0, 30)
     return proc
 
@@ -73,8 +77,9 @@ def test_a_clock_stepped_forward_two_hours_under_a_healthy_job_changes_no_verdic
     A fake wall clock: the supervisor's `time.time` reads a shift from a file (DFLASHCTL_TEST_WALL_SHIFT_FILE, its
     tests-only hook), because a real clock step needs privileges that would disturb every other process here. The
     shift reaches the snapshots the supervisor takes (their `time`, the progress history's stamps)."""
-    extra = ("watch: {interval_s: 0.5, backoff_s: 0, max_restarts: 1, restart_on: [STALLED, CRASHED], "
-             "stall_after_s: 20}\n")
+    extra = (
+        "watch: {interval_s: 0.5, backoff_s: 0, max_restarts: 1, restart_on: [STALLED, CRASHED], stall_after_s: 20}\n"
+    )
     job_id = cli_json("launch", job_file(proj, "steady", TICKING, extra))["id"]
     run = run_dir_of(job_id)
     shift, sup = shifted_supervisor(run, tmp_path)
@@ -100,8 +105,7 @@ def test_a_clock_stepped_forward_two_hours_under_a_healthy_job_changes_no_verdic
         sup.wait(30)
 
 
-def test_a_clock_stepped_back_an_hour_during_the_backoff_delays_the_restart_by_no_more_than_an_interval(
-        proj, tmp_path):  # fmt: skip
+def test_a_clock_stepped_back_an_hour_during_the_backoff_delays_the_restart_by_no_more_than_an_interval(proj, tmp_path):
     """A crash, a 6 s backoff, and the supervisor's wall clock stepped back one hour as soon as it saw the crash:
     the restart still comes after the backoff (measured on the monotonic clock), not an hour later.
 
@@ -140,9 +144,13 @@ def test_a_frozen_supervisor_is_not_answering_and_the_watch_restarts_the_crash(p
     err = open(tmp_path / "watch.err", "w")  # noqa: SIM115 - nobody reads it while the test runs: no pipe to fill
     # started ignoring SIGINT, as a shell's background job is (and the children of a suite started with `&`): the
     # watch takes Ctrl-C back, as `tunnel` does. Before, it ignored it and ended only on its own (past 120 s loaded)
-    watch = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], stdout=subprocess.PIPE,
-                             stderr=err, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # fmt: skip
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "watch", job_id, "--json"],
+        stdout=subprocess.PIPE,
+        stderr=err,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     try:
         go.write_text("")
         records = []
@@ -188,8 +196,9 @@ def test_on_a_full_disk_the_supervisor_status_and_watch_agree_and_nobody_restart
     """A job fills its disk: the supervisor says DISK_FULL and gives up (the restart is refused while the disk is
     full), records it in the run dir, and `status` and a later `watch` say the same and restart nothing."""
     p = write_project(client, tmp_path)
-    (p / "dflashctl.yaml").write_text(f"hosts:\n  box: {{ssh: testbox, python: {sys.executable}, workdir: "
-                                      f"{tiny_disk}/wd}}\n")  # fmt: skip
+    (p / "dflashctl.yaml").write_text(
+        f"hosts:\n  box: {{ssh: testbox, python: {sys.executable}, workdir: {tiny_disk}/wd}}\n"
+    )
     assert run_cli("deploy", "box").code == 0
     fill = 'head -c 2G /dev/zero > "$DFLASHCTL_RUN_DIR/blob"'
     extra = "watch: {interval_s: 0.5, backoff_s: 0, max_restarts: 2, restart_on: [DISK_FULL]}\n"
@@ -217,8 +226,13 @@ def test_every_commands_json_uses_the_one_schemas_names(proj):
     once = json.loads(run_cli("watch", job_id, "--once", "--json").stdout)
     rep = cli_json("report", job_id)
     killed = cli_json("kill", job_id)
-    for command, obj in (("status", st), ("watch", once), ("kill", killed), ("report", rep),
-                         ("report", rep["jobs"][0])):  # fmt: skip
+    for command, obj in (
+        ("status", st),
+        ("watch", once),
+        ("kill", killed),
+        ("report", rep),
+        ("report", rep["jobs"][0]),
+    ):
         assert set(obj) <= json_names(command), (command, set(obj) - json_names(command))
         assert not set(obj) & BANNED, command
     assert st["id"] == once["id"] == killed["id"] == rep["jobs"][0]["id"] == job_id
@@ -243,8 +257,17 @@ def test_a_look_during_a_restart_is_starting_never_lost(proj):
     fd = os.open(run / ".restart.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        (run / "restart_cause.json").write_text(json.dumps({"attempt": 1, "after": "STALLED", "by": "supervisor",
-                                                            "reason": "heartbeat 9 s old", "evidence": ["frozen"]}))
+        (run / "restart_cause.json").write_text(
+            json.dumps(
+                {
+                    "attempt": 1,
+                    "after": "STALLED",
+                    "by": "supervisor",
+                    "reason": "heartbeat 9 s old",
+                    "evidence": ["frozen"],
+                }
+            )
+        )
         subprocess.run([*tmux, "kill-session", "-t", f"={session}"], check=True)
         during = status_json(job_id)
         once = run_cli("watch", job_id, "--once", "--json")

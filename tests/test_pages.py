@@ -34,11 +34,14 @@ def proj(client, tmp_path):
     return p
 
 
-def hooked(url: str, *, restart_on: str = "[]", max_restarts: int = 0, retries: int = 3, timeout_s: float = 5,
-           extra: str = "") -> str:  # fmt: skip
-    return (f"watch: {{interval_s: 0.5, backoff_s: 0, max_restarts: {max_restarts}, restart_on: {restart_on}, "
-            f"stall_after_s: 600,\n        notify: {{webhook: '{url}', format: json, retries: {retries}, "
-            f"timeout_s: {timeout_s}}}}}\n{extra}")  # fmt: skip
+def hooked(
+    url: str, *, restart_on: str = "[]", max_restarts: int = 0, retries: int = 3, timeout_s: float = 5, extra: str = ""
+) -> str:
+    return (
+        f"watch: {{interval_s: 0.5, backoff_s: 0, max_restarts: {max_restarts}, restart_on: {restart_on}, "
+        f"stall_after_s: 600,\n        notify: {{webhook: '{url}', format: json, retries: {retries}, "
+        f"timeout_s: {timeout_s}}}}}\n{extra}"
+    )
 
 
 def supervisor_ended(run: Path) -> bool:
@@ -88,8 +91,11 @@ def test_a_slow_webhook_gets_one_post_per_notice_from_supervisor_watch_and_statu
         extra = hooked(hook.url(), restart_on="[CRASHED]", max_restarts=1, timeout_s=3)
         job_id = cli_json("launch", job_file(proj, "slowhook", FAIL, extra))["id"]
         run = run_dir_of(job_id)
-        watch = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL)  # fmt: skip
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "dflashctl", "watch", job_id, "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             wait_until(lambda: supervisor_ended(run), 120)
             for _ in range(2):
@@ -139,8 +145,21 @@ def test_waiting_notices_and_a_webhook_that_never_answers_do_not_hold_up_status(
         job_id = cli_json("launch", job_file(proj, "backlog", "sleep 300", hooked(hook.url(), timeout_s=20)))["id"]
         run = run_dir_of(job_id)
         for i in range(24):
-            outbox.put(str(run), {"id": f"a0-N{i}", "job": job_id, "host": "box", "state": "STALLED", "reason": "r",
-                                  "evidence": [], "advice": None, "restarts": 0, "time": time.time()}, 4)  # fmt: skip
+            outbox.put(
+                str(run),
+                {
+                    "id": f"a0-N{i}",
+                    "job": job_id,
+                    "host": "box",
+                    "state": "STALLED",
+                    "reason": "r",
+                    "evidence": [],
+                    "advice": None,
+                    "restarts": 0,
+                    "time": time.time(),
+                },
+                4,
+            )
         probe_only = time.monotonic()
         run_cli("exec", job_id, "--", "true")
         one_call = time.monotonic() - probe_only
@@ -158,15 +177,18 @@ def test_files_the_job_writes_into_its_run_dir_stop_no_decider(proj):
     """The job plants a FIFO at restart_cause.json, 60,000 nested `[` in progress.json, two `{}` notices in its
     outbox and a symlink for its heartbeat, then crashes: the supervisor still restarts it by its policy and pages
     each failure, `status` answers and names what it set aside, and `watch --once` agrees."""
-    plant = ('mkfifo "$DFLASHCTL_RUN_DIR/restart_cause.json" 2>/dev/null; '
-             'python3 -c "import sys; sys.stdout.write(\\"[\\" * 60000)" > "$DFLASHCTL_RUN_DIR/progress.json"; '
-             'mkdir -p "$DFLASHCTL_RUN_DIR/outbox"; echo "{}" > "$DFLASHCTL_RUN_DIR/outbox/x1.json"; '
-             'echo "{}" > "$DFLASHCTL_RUN_DIR/outbox/x2.json"; ln -sf /dev/zero "$DFLASHCTL_RUN_DIR/heartbeat"; '
-             f"{FAIL}")  # fmt: skip
+    plant = (
+        'mkfifo "$DFLASHCTL_RUN_DIR/restart_cause.json" 2>/dev/null; '
+        'python3 -c "import sys; sys.stdout.write(\\"[\\" * 60000)" > "$DFLASHCTL_RUN_DIR/progress.json"; '
+        'mkdir -p "$DFLASHCTL_RUN_DIR/outbox"; echo "{}" > "$DFLASHCTL_RUN_DIR/outbox/x1.json"; '
+        'echo "{}" > "$DFLASHCTL_RUN_DIR/outbox/x2.json"; ln -sf /dev/zero "$DFLASHCTL_RUN_DIR/heartbeat"; '
+        f"{FAIL}"
+    )
     hook = Listener()
     try:
-        job_id = cli_json("launch", job_file(proj, "planter", plant, hooked(hook.url(), restart_on="[CRASHED]",
-                                                                             max_restarts=1)))["id"]  # fmt: skip
+        job_id = cli_json(
+            "launch", job_file(proj, "planter", plant, hooked(hook.url(), restart_on="[CRASHED]", max_restarts=1))
+        )["id"]
         run = run_dir_of(job_id)
         wait_until(lambda: supervisor_ended(run), 90)
         assert json.loads((run / "supervisor.json").read_text())["ended"].startswith("CRASHED: max_restarts")
@@ -191,7 +213,7 @@ def test_a_percent_encoded_password_reaches_no_output_and_dry_run_masks_the_webh
     hook = Listener()
     try:
         url = f"postgresql://app:{quote_plus(PASSWORD)}@db:5432/x"
-        cmd = f"echo \"connecting to {url}\"; {sys.executable} -c 'raise RuntimeError(\"cannot reach {url}\")'"
+        cmd = f'echo "connecting to {url}"; {sys.executable} -c \'raise RuntimeError("cannot reach {url}")\''
         extra = hooked(hook.url(), extra=f"env: {{DB_PASSWORD: '{PASSWORD}'}}\n")
         path = job_file(proj, "dburl", cmd, extra)
         dry = run_cli("launch", path, "--dry-run")
@@ -201,8 +223,12 @@ def test_a_percent_encoded_password_reaches_no_output_and_dry_run_masks_the_webh
         run = run_dir_of(job_id)
         wait_until(lambda: supervisor_ended(run), 60)
         wait_until(lambda: hook.posts(), 30)
-        outputs = {"page": json.dumps(hook.bodies()), "status": json.dumps(status_json(job_id)),
-                   "verdict": (run / "verdict.json").read_text(), "events": (run / "events.jsonl").read_text()}
+        outputs = {
+            "page": json.dumps(hook.bodies()),
+            "status": json.dumps(status_json(job_id)),
+            "verdict": (run / "verdict.json").read_text(),
+            "events": (run / "events.jsonl").read_text(),
+        }
         for where, text in outputs.items():
             assert quote_plus(PASSWORD) not in text and PASSWORD not in text, where
         assert "postgresql://app:***@db" in outputs["page"], outputs["page"]
@@ -213,8 +239,9 @@ def test_a_percent_encoded_password_reaches_no_output_and_dry_run_masks_the_webh
 def test_ls_forget_refuses_a_job_whose_restart_is_pending_and_takes_a_name(proj):
     """A job crashed with a restart still owed (no supervisor: `supervise: false`, a watch would restart it):
     `ls --forget NAME` asks the host and refuses, pointing at `kill`; `--force` forgets it."""
-    job_id = cli_json("launch", job_file(proj, "owed", FAIL, "watch: {supervise: false, max_restarts: 2, "
-                                         "restart_on: [CRASHED]}\n"))["id"]  # fmt: skip
+    job_id = cli_json(
+        "launch", job_file(proj, "owed", FAIL, "watch: {supervise: false, max_restarts: 2, restart_on: [CRASHED]}\n")
+    )["id"]
     wait_until(lambda: status_json(job_id)["state"] == "CRASHED", 30)
     res = run_cli("ls", "--forget", "owed")
     assert res.code == 2 and "restart pending" in res.stderr and "dflashctl kill owed" in res.stderr, res.stderr
@@ -232,11 +259,15 @@ def test_a_frozen_supervisor_and_a_watch_page_the_crash_once(proj):
     cmd = f'while [ ! -e "{wait_file}" ]; do sleep 0.2; done; {FAIL}'
     job_id = cli_json("launch", job_file(proj, "frozen", cmd, hooked(hook.url())))["id"]
     run = run_dir_of(job_id)
-    sup = wait_until(lambda: (run / "supervisor.json").exists() and json.loads((run / "supervisor.json").read_text()),
-                     30)  # fmt: skip
+    sup = wait_until(
+        lambda: (run / "supervisor.json").exists() and json.loads((run / "supervisor.json").read_text()), 30
+    )
     os.kill(sup["pid"], signal.SIGSTOP)
-    watch = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json", "--interval", "1"],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)  # fmt: skip
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "watch", job_id, "--json", "--interval", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         time.sleep(14)  # the supervisor's heartbeat goes stale: the watch decides
         wait_file.write_text("go")

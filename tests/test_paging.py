@@ -21,13 +21,19 @@ from tests.test_safety import job_file, run_dir_of
 from tests.webhook import HOOK_SECRET, Listener
 
 TOKEN = "hf_Pg7tokenVALUE42"
-PEM_LINES = ["-----BEGIN PRIVATE KEY-----", "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC", "q1w2e3r4t5y6u7i8o9p0ZXCVBNMasdf",
-             "-----END PRIVATE KEY-----"]  # fmt: skip
+PEM_LINES = [
+    "-----BEGIN PRIVATE KEY-----",
+    "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC",
+    "q1w2e3r4t5y6u7i8o9p0ZXCVBNMasdf",
+    "-----END PRIVATE KEY-----",
+]
 # what must never appear: the token, every line of the key but its armour (the armour is no secret, yet masked too)
 SECRETS = [TOKEN, PEM_LINES[1], PEM_LINES[2], HOOK_SECRET]
 # prints the token and the key, then fails at once with the token in its error
-CRASH = (f"printf '%s\\n' \"token=$HF_TOKEN\" \"$PEM_KEY\"; {sys.executable} -c "
-         "'import os; raise RuntimeError(\"bad token=\" + os.environ[\"HF_TOKEN\"])'")
+CRASH = (
+    f'printf \'%s\\n\' "token=$HF_TOKEN" "$PEM_KEY"; {sys.executable} -c '
+    '\'import os; raise RuntimeError("bad token=" + os.environ["HF_TOKEN"])\''
+)
 
 
 @pytest.fixture
@@ -39,9 +45,11 @@ def proj(client, tmp_path):
 
 def crash_job(proj: Path, name: str, url: str) -> str:
     pem = "\\n".join(PEM_LINES)
-    extra = (f'env: {{HF_TOKEN: {TOKEN}, PEM_KEY: "{pem}\\n"}}\n'
-             "watch: {interval_s: 0.5, backoff_s: 0, max_restarts: 1, restart_on: [CRASHED], stall_after_s: 600,\n"
-             f"        notify: {{webhook: '{url}', format: json, retries: 2, timeout_s: 5}}}}\n")  # fmt: skip
+    extra = (
+        f'env: {{HF_TOKEN: {TOKEN}, PEM_KEY: "{pem}\\n"}}\n'
+        "watch: {interval_s: 0.5, backoff_s: 0, max_restarts: 1, restart_on: [CRASHED], stall_after_s: 600,\n"
+        f"        notify: {{webhook: '{url}', format: json, retries: 2, timeout_s: 5}}}}\n"
+    )
     return job_file(proj, name, CRASH, extra)
 
 
@@ -73,8 +81,9 @@ def test_the_supervisor_pages_once_with_no_watch_and_no_secret_goes_anywhere(pro
     hook = Listener()
     try:
         job_id = cli_json("launch", crash_job(proj, "pager", hook.url()))["id"]
-        watch = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"],
-                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], stdout=subprocess.PIPE, text=True
+        )
         watch.stdout.readline()
         watch.send_signal(signal.SIGKILL)
         watch.wait()
@@ -92,8 +101,14 @@ def test_the_supervisor_pages_once_with_no_watch_and_no_secret_goes_anywhere(pro
         assert not leaks(json.dumps(hook.bodies())), hook.hits
         # every output a user or a script reads
         outputs = {}
-        for args in (("status", job_id, "--json"), ("watch", job_id, "--json", "--once"), ("logs", job_id, "-n", "50"),
-                     ("report", job_id, "--json"), ("kill", job_id, "--json"), ("ls", "--json")):  # fmt: skip
+        for args in (
+            ("status", job_id, "--json"),
+            ("watch", job_id, "--json", "--once"),
+            ("logs", job_id, "-n", "50"),
+            ("report", job_id, "--json"),
+            ("kill", job_id, "--json"),
+            ("ls", "--json"),
+        ):
             res = run_cli(*args)
             outputs[args[0]] = res.stdout + res.stderr
         assert "RuntimeError" in outputs["status"] and "***" in outputs["logs"], outputs
@@ -107,8 +122,9 @@ def test_the_supervisor_pages_once_with_no_watch_and_no_secret_goes_anywhere(pro
         # the registry keeps the webhook URL (0600: the laptop sends what waits through it), never a job's secret
         registry = files_holding(client.home / ".local" / "state")
         assert all(held == [HOOK_SECRET] and name.startswith("dflashctl/jobs.json") for name, held in registry.items())
-        sent = [e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
-                if e.get("decision") == "notify"]  # fmt: skip
+        sent = [
+            e for e in map(json.loads, (run / "events.jsonl").read_text().splitlines()) if e.get("decision") == "notify"
+        ]
         assert [(e["state"], e["by"], e["status"]) for e in sent] == [("CRASHED", "supervisor", "sent")] * 2
         assert b"HF_TOKEN=***\0" in (run / "job.env").read_bytes()  # the environment's one file at rest
     finally:
@@ -141,7 +157,9 @@ def test_a_notice_the_supervisor_cannot_send_waits_and_the_next_status_sends_it_
         assert [n["status"] for n in box.values()] == ["sent", "sent"]
         events = [json.loads(ln) for ln in (run / "events.jsonl").read_text().splitlines()]
         assert sorted(e["id"] for e in events if e.get("decision") == "notify" and e["by"] == "local") == [
-            "a0-CRASHED", "a1-CRASHED"]  # fmt: skip
+            "a0-CRASHED",
+            "a1-CRASHED",
+        ]
     finally:
         hook.close()
 

@@ -18,16 +18,29 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "nvidia-smi"
 def test_gpu_rows_from_the_recorded_h200_query():
     (gpu,) = gpus.parse_gpu_csv((FIXTURES / "h200-query-gpu-loaded.csv").read_text())
     assert gpu == {
-        "index": 0, "uuid": "GPU-a9443500-8c84-a3d4-3c82-88edacab6d97", "name": "NVIDIA H200", "mem_used_mib": 21363,
-        "mem_total_mib": 143771, "util_pct": 2, "power_w": 104.24, "temp_c": 37, "sm_mhz": 1980, "pstate": "P0",
-        "throttle": "0x0000000000000000", "ecc_uncorrected": 0,
-    }  # fmt: skip
+        "index": 0,
+        "uuid": "GPU-a9443500-8c84-a3d4-3c82-88edacab6d97",
+        "name": "NVIDIA H200",
+        "mem_used_mib": 21363,
+        "mem_total_mib": 143771,
+        "util_pct": 2,
+        "power_w": 104.24,
+        "temp_c": 37,
+        "sm_mhz": 1980,
+        "pstate": "P0",
+        "throttle": "0x0000000000000000",
+        "ecc_uncorrected": 0,
+    }
 
 
 def test_compute_apps_from_the_recorded_h200_query():
     (app,) = gpus.parse_apps_csv((FIXTURES / "h200-query-compute-apps.csv").read_text())
-    assert app == {"pid": 854, "name": "python3", "used_mib": 21354,
-                   "gpu_uuid": "GPU-a9443500-8c84-a3d4-3c82-88edacab6d97"}  # fmt: skip
+    assert app == {
+        "pid": 854,
+        "name": "python3",
+        "used_mib": 21354,
+        "gpu_uuid": "GPU-a9443500-8c84-a3d4-3c82-88edacab6d97",
+    }
     assert gpus.parse_apps_csv("No running processes found\n") == []
 
 
@@ -68,13 +81,17 @@ def test_a_launchs_torch_check_is_kept_until_the_interpreter_or_torch_changes(tm
     fake = tmp_path / "site" / "torch"
     fake.mkdir(parents=True)
     (fake / "version.py").write_text("__version__ = '9.9.0'\n")
-    init = "from torch.version import __version__\nclass cuda:\n    is_available = staticmethod(lambda: False)\n" \
-           "    device_count = staticmethod(lambda: 0)\n"  # fmt: skip
+    init = (
+        "from torch.version import __version__\nclass cuda:\n    is_available = staticmethod(lambda: False)\n"
+        "    device_count = staticmethod(lambda: 0)\n"
+    )
     (fake / "__init__.py").write_text(init)
     calls = tmp_path / "calls"
     py = tmp_path / "python"  # the job's Python: this one, seeing the stand-in, counting its `import torch`
-    py.write_text(f'#!/bin/sh\ncase "$2" in "import torch;"*) echo x >> {calls};; esac\n'
-                  f'PYTHONPATH={fake.parent} exec {sys.executable} -S "$@"\n')  # fmt: skip
+    py.write_text(
+        f'#!/bin/sh\ncase "$2" in "import torch;"*) echo x >> {calls};; esac\n'
+        f'PYTHONPATH={fake.parent} exec {sys.executable} -S "$@"\n'
+    )
     py.chmod(0o755)
     home = tmp_path / "agent-home"
     home.mkdir(mode=0o700)
@@ -111,12 +128,19 @@ def test_the_agent_copies_itself_byte_for_byte_from_the_bytes_it_was_sent(tmp_pa
     code = "from dflashctl.agent.pack import own_archive; import sys; sys.stdout.buffer.write(own_archive())"
     argv = boot_argv(sys.executable, "probe", json.dumps({"run_dir": str(tmp_path), "gpus": False}))
     i = argv.index("-c") + 1  # the boot line
-    got = subprocess.run([*argv[:i], argv[i].replace("from dflashctl.agent.__main__ import main\nsys.exit(main())",
-                                                     code), *argv[i + 1 :]],  # fmt: skip
-                         input=AGENT, capture_output=True, env=env, timeout=60)
+    got = subprocess.run(
+        [
+            *argv[:i],
+            argv[i].replace("from dflashctl.agent.__main__ import main\nsys.exit(main())", code),
+            *argv[i + 1 :],
+        ],
+        input=AGENT,
+        capture_output=True,
+        env=env,
+        timeout=60,
+    )
     assert got.returncode == 0, got.stderr
     assert got.stdout == AGENT
-
 
 
 def test_the_fake_nvidia_smi_never_reports_a_recorded_pid_that_is_now_another_program(tmp_path):
@@ -128,11 +152,16 @@ def test_the_fake_nvidia_smi_never_reports_a_recorded_pid_that_is_now_another_pr
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
         rows = tmp_path / "apps.csv"
-        rows.write_text(f"{sleeper.pid}, python3, 100, GPU-x\n{sleeper.pid}, sleep, 100, GPU-x\n"
-                        "999999, python3, 5, GPU-y\n")
-        out = subprocess.run([str(fake), "--query-compute-apps=pid,process_name,used_memory,gpu_uuid",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True,
-                             env={**os.environ, "FAKE_NVIDIA_SMI_APPS": str(rows)}).stdout  # fmt: skip
+        rows.write_text(
+            f"{sleeper.pid}, python3, 100, GPU-x\n{sleeper.pid}, sleep, 100, GPU-x\n999999, python3, 5, GPU-y\n"
+        )
+        out = subprocess.run(
+            [str(fake), "--query-compute-apps=pid,process_name,used_memory,gpu_uuid", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "FAKE_NVIDIA_SMI_APPS": str(rows)},
+        ).stdout
         assert out.splitlines() == [f"{sleeper.pid}, sleep, 100, GPU-x", "999999, python3, 5, GPU-y"]
     finally:
         sleeper.kill()

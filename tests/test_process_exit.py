@@ -29,9 +29,23 @@ end_process(3)
 def test_a_rank_ends_flushed_with_its_code_and_without_the_teardown(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), str(ROOT)], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            str(ROOT),
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "rank 0 sum 2" in proc.stdout and "rank 1 sum 2" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert "teardown ran" not in proc.stdout
     assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stderr[-2000:]  # torchrun's report per rank
@@ -39,11 +53,14 @@ def test_a_rank_ends_flushed_with_its_code_and_without_the_teardown(tmp_path):
 
 
 def test_a_process_alone_exits_as_usual():
-    code = (f"import atexit, sys; sys.path.insert(0, {str(ROOT)!r}); from trainer.run.process_exit import end_process;"
-            " atexit.register(lambda: print('teardown ran')); end_process(5)")  # fmt: skip
+    code = (
+        f"import atexit, sys; sys.path.insert(0, {str(ROOT)!r}); from trainer.run.process_exit import end_process;"
+        " atexit.register(lambda: print('teardown ran')); end_process(5)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"}
     for world_size in (None, "1", "garbage"):
         extra = {"WORLD_SIZE": world_size} if world_size else {}
-        proc = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
-                              timeout=60)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True, timeout=60
+        )
         assert (proc.returncode, proc.stdout) == (5, "teardown ran\n"), (world_size, proc.stderr)

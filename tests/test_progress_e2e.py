@@ -42,8 +42,10 @@ def project(client) -> Path:
     (p / "jobs").mkdir()
     job = p / "jobs" / "bar.yaml"
     # restart_on: [] so that the stall stays to be read; interval 1 s: the supervisor samples often
-    job.write_text(f"name: bar\nhost: local\ncommand: {sys.executable} -u train_like_hf.py\nkill_grace_s: 2\n"
-                   "watch:\n  interval_s: 1\n  stall_after_s: 10\n  restart_on: []\n")  # fmt: skip
+    job.write_text(
+        f"name: bar\nhost: local\ncommand: {sys.executable} -u train_like_hf.py\nkill_grace_s: 2\n"
+        "watch:\n  interval_s: 1\n  stall_after_s: 10\n  restart_on: []\n"
+    )
     return job
 
 

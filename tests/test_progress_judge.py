@@ -34,12 +34,20 @@ class Log:
     def snap(self, now: float, text: str = "", activity_age: float = 0.0, skipped: int = 0, **extra) -> dict:
         start = self.size + skipped
         self.size = start + len(text.encode())
-        return {"time": now, "run_dir_exists": True, "restarts": 0,
-                "session": {"exists": True, "created": 1000.0, "pane_dead": False},
-                "progress": {"attempt_start": 1000.0, "attempt_age_s": now - 1000.0, "activity": "log grew",
-                             "activity_age_s": activity_age},
-                "log": {"exists": True, "text": text, "offset": self.size, "size": self.size, "skipped": skipped},
-                **extra}  # fmt: skip
+        return {
+            "time": now,
+            "run_dir_exists": True,
+            "restarts": 0,
+            "session": {"exists": True, "created": 1000.0, "pane_dead": False},
+            "progress": {
+                "attempt_start": 1000.0,
+                "attempt_age_s": now - 1000.0,
+                "activity": "log grew",
+                "activity_age_s": activity_age,
+            },
+            "log": {"exists": True, "text": text, "offset": self.size, "size": self.size, "skipped": skipped},
+            **extra,
+        }
 
 
 def command_judge(**kw) -> Judge:
@@ -139,8 +147,10 @@ def test_an_evaluation_longer_than_the_stall_limit_is_no_stall():
         eval_bar = f"\n\r{10 * n:3d}%|#         | {n}/10 [00:{n:02d}<00:10,  0.05it/s]\x1b[A"
         r = j.take(log.snap(2000.0 + t, eval_bar), mono_now=t)
         assert r.state == "RUNNING" and r.step == 500, (t, r.reason)
-    r = j.take(log.snap(2000.0 + t + 10, "\r{'eval_loss': '1.2', 'eval_runtime': '220.0', 'epoch': '0.5'}\n"
-                                         + bar(500)), mono_now=t + 10)  # fmt: skip
+    r = j.take(
+        log.snap(2000.0 + t + 10, "\r{'eval_loss': '1.2', 'eval_runtime': '220.0', 'epoch': '0.5'}\n" + bar(500)),
+        mono_now=t + 10,
+    )
     assert r.state == "RUNNING" and "evaluat" in r.reason, r.reason
     r = j.take(log.snap(2000.0 + t + 20, bar(500)), mono_now=t + 20)  # redrawn, not moved
     assert r.state == "RUNNING", r.reason
@@ -173,8 +183,10 @@ def test_the_tail_shows_the_last_redraw_and_one_line_for_a_line_split_across_rea
     assert j.h.loss is None and j.tail[-1] == "{'loss': '2.5', 'grad_n"  # being written
     r = j.take(log.snap(2001.0, "orm': '0.9', 'learning_rate': '5e-05', 'epoch': '0.01'}\n" + bar(3)), mono_now=1.0)
     assert r.loss == 2.5 and r.step == 3
-    assert list(j.tail) == ["{'loss': '2.5', 'grad_norm': '0.9', 'learning_rate': '5e-05', 'epoch': '0.01'}",
-                            bar(3)[1:]]  # fmt: skip
+    assert list(j.tail) == [
+        "{'loss': '2.5', 'grad_norm': '0.9', 'learning_rate': '5e-05', 'epoch': '0.01'}",
+        bar(3)[1:],
+    ]
 
 
 def test_a_new_attempt_reads_on_and_a_restart_line_begins_anew():
@@ -205,9 +217,21 @@ def test_a_step_that_went_back_paces_the_time_left_from_there():
 
 
 def watcher(steps: int | None = None) -> Watcher:
-    rec = JobRecord(id="job", name="job", project="p", job_file="jobs/j.yaml", host_name="local", host=LOCAL,
-                    release="r1", command="python train.py", run_dir="/nonexistent/run", session="s",
-                    launched_at=1000.0, is_trainer=False, steps=steps)  # fmt: skip
+    rec = JobRecord(
+        id="job",
+        name="job",
+        project="p",
+        job_file="jobs/j.yaml",
+        host_name="local",
+        host=LOCAL,
+        release="r1",
+        command="python train.py",
+        run_dir="/nonexistent/run",
+        session="s",
+        launched_at=1000.0,
+        is_trainer=False,
+        steps=steps,
+    )
     return Watcher(rec, rec.watch, open=lambda: None)
 
 

@@ -140,24 +140,33 @@ def test_lightning_validation_and_a_new_epoch_stand_until_the_batch_moves():
         ("25it [00:00, 48.70it/s]", (25, None, None, 48.7, "it/s", None)),
         (" 50%|█████     | 320/640 [00:00<00:00, 1580.41samples/s]", (320, 640, None, 1580.41, "samples/s", 0.0)),
         ("Training:  20%|██        | 4/20 [00:00<00:00, 32.88it/s, loss=2.2]", (4, 20, 2.2, 32.88, "it/s", 0.0)),
-        ("Epoch 0:  45%|████▌     | 450/1000 [00:30<00:36, 15.00it/s, v_num=0, train_loss=0.512]",
-         (450, 1000, 0.512, 15.0, "it/s", 36.0)),
+        (
+            "Epoch 0:  45%|████▌     | 450/1000 [00:30<00:36, 15.00it/s, v_num=0, train_loss=0.512]",
+            (450, 1000, 0.512, 15.0, "it/s", 36.0),
+        ),
         ("Epoch 0: | 50/? [00:10<?, 4.99it/s, train_loss=1e-5]", (50, None, 1e-5, 4.99, "it/s", None)),
         ("desc:  45% 450/1000 [00:30<00:36, 15.00it/s]", (450, 1000, None, 15.0, "it/s", 36.0)),  # ncols=0
         ("  3%|▎         | 3/100 [00:03<01:37,  1.2kit/s]", (3, 100, None, 1.2, "kit/s", 97.0)),
         ("iter 100: loss 2.3456, time 12.34ms, mfu 35.20%", (100, None, 2.3456, 12.34, "ms/step", None)),
         ("step 100: train loss 2.3456, val loss 2.4567", (100, None, 2.3456, None, None, None)),
-        ("[rank0]:[titan] 2025-06-01 12:00:10,123 - root - INFO - step: 10  loss:  9.12340  grad_norm:  1.2345  "
-         "memory: 12.34GiB(15.62%)  tps: 1,234  tflops: 56.78  mfu: 12.34%", (10, None, 9.1234, 1234.0,
-                                                                              "tokens/s/GPU", None)),
-        (" iteration      100/  500000 | elapsed time per iteration (ms): 1234.5 | lm loss: 8.123456E+00 | "
-         "loss scale: 1.0 | grad norm: 1.234 |", (100, 500000, 8.123456, 1234.5, "ms/step", None)),
-        ("step 20/1000 epoch 0 loss 2.3456 acc 0.123 lr 2.00e-03 grad_norm 1.234 12,345 tok/s peak 1.2 GiB",
-         (20, 1000, 2.3456, 12345.0, "tok/s", None)),
+        (
+            "[rank0]:[titan] 2025-06-01 12:00:10,123 - root - INFO - step: 10  loss:  9.12340  grad_norm:  1.2345  "
+            "memory: 12.34GiB(15.62%)  tps: 1,234  tflops: 56.78  mfu: 12.34%",
+            (10, None, 9.1234, 1234.0, "tokens/s/GPU", None),
+        ),
+        (
+            " iteration      100/  500000 | elapsed time per iteration (ms): 1234.5 | lm loss: 8.123456E+00 | "
+            "loss scale: 1.0 | grad norm: 1.234 |",
+            (100, 500000, 8.123456, 1234.5, "ms/step", None),
+        ),
+        (
+            "step 20/1000 epoch 0 loss 2.3456 acc 0.123 lr 2.00e-03 grad_norm 1.234 12,345 tok/s peak 1.2 GiB",
+            (20, 1000, 2.3456, 12345.0, "tok/s", None),
+        ),
         ("Step 7 | loss=0.25 | 812.5 samples/sec", (7, None, 0.25, 812.5, "samples/sec", None)),
         ("global_step=7, train_loss=0.25, 3.5 it/s", (7, None, 0.25, 3.5, "it/s", None)),
     ],
-)  # fmt: skip
+)
 def test_one_report_each_format(segment, expected):
     """Step, total, loss, throughput as printed (its unit too), and the time left as the bar prints it."""
     got = read_segment(segment, whole=True)
@@ -192,8 +201,10 @@ def test_a_hugging_face_dict_gives_the_loss_and_the_epoch_not_a_step(segment):
 @pytest.mark.parametrize(
     ("segment", "kind"),
     [
-        ("{'eval_loss': '3.897', 'eval_runtime': '0.0175', 'eval_samples_per_second': '456.7', 'epoch': '0.4'}",
-         "eval"),
+        (
+            "{'eval_loss': '3.897', 'eval_runtime': '0.0175', 'eval_samples_per_second': '456.7', 'epoch': '0.4'}",
+            "eval",
+        ),
         ("Validation DataLoader 0:  50%|█████     | 2/4 [00:00<00:00, 1234.89it/s]", "eval"),
         ("Sanity Checking DataLoader 0:  50%|█████     | 1/2 [00:00<00:00, 62.49it/s]", "eval"),
         ("Evaluating step 10/100 loss 2.0", "eval"),
@@ -201,7 +212,7 @@ def test_a_hugging_face_dict_gives_the_loss_and_the_epoch_not_a_step(segment):
         ("Loading checkpoint shards: 100%|██████████| 4/4 [00:03<00:00,  1.20it/s]", "aside"),
         ("Generating train split: 1000 examples [00:00, 12345.67examples/s]", "aside"),
     ],
-)  # fmt: skip
+)
 def test_evaluation_and_data_preparation_are_not_the_training_counter(segment, kind):
     assert read_segment(segment, whole=True).kind == kind
 
@@ -248,8 +259,10 @@ def test_a_non_finite_loss_is_read_as_non_finite(value):
 
 def test_the_last_redraw_on_a_line_wins_and_blank_redraws_do_not():
     r = Reader()
-    chunk = r.feed("\r 10%|█         | 1/10 [00:01<00:09,  1.00it/s]\r 20%|██        | 2/10 [00:02<00:08,  1.00it/s]"
-                   "\r                                   \r")  # fmt: skip
+    chunk = r.feed(
+        "\r 10%|█         | 1/10 [00:01<00:09,  1.00it/s]\r 20%|██        | 2/10 [00:02<00:08,  1.00it/s]"
+        "\r                                   \r"
+    )
     assert r.progress.step == 2 and chunk.lines == [] and chunk.open.startswith(" 20%")
     chunk = r.feed("\n")
     assert chunk.lines == [" 20%|██        | 2/10 [00:02<00:08,  1.00it/s]"] and chunk.open is None

@@ -54,8 +54,10 @@ def test_default_is_the_export_and_a_second_pull_fetches_nothing(run, client):
     assert res.code == 0, res.stderr
     got = json.loads(res.stdout)
     dest = client.project / "pulled" / JOB
-    assert got["chose"] == ["export"] and sorted(f["path"] for f in got["files"]) == ["export/config.json",
-                                                                                    "export/model.safetensors"]
+    assert got["chose"] == ["export"] and sorted(f["path"] for f in got["files"]) == [
+        "export/config.json",
+        "export/model.safetensors",
+    ]
     for name in ("config.json", "model.safetensors"):
         assert sha(dest / "export" / name) == sha(run / "export" / name)
     assert not (dest / "export" / "leak").exists() and not list(dest.rglob("*.part"))
@@ -67,8 +69,11 @@ def test_default_is_the_export_and_a_second_pull_fetches_nothing(run, client):
 def test_a_killed_transfer_resumes_and_ends_hash_equal(run, client):
     target = client.project / "pulled" / JOB / "checkpoints" / "step-00000010" / "drafter.safetensors"
     part = target.with_name(target.name + ".part")
-    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "pull", JOB, "--checkpoint", "latest", "--chunk-mib",
-                             "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "pull", JOB, "--checkpoint", "latest", "--chunk-mib", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (part.exists() and part.stat().st_size >= 2 << 20):
         time.sleep(0.02)
@@ -95,9 +100,12 @@ def test_a_damaged_partial_file_is_fetched_again(run, client):
 
 @pytest.mark.parametrize(
     "args, expect",
-    [(["--checkpoint", "7"], "no checkpoint 7: there are 5, 10"), (["--checkpoint", "soon"], "--checkpoint"),
-     (["--export"], "no export yet")],
-)  # fmt: skip
+    [
+        (["--checkpoint", "7"], "no checkpoint 7: there are 5, 10"),
+        (["--checkpoint", "soon"], "--checkpoint"),
+        (["--export"], "no export yet"),
+    ],
+)
 def test_what_the_run_lacks_is_one_line_exit_2(run, client, args, expect):
     if args == ["--export"]:
         for f in (run / "export").iterdir():
@@ -117,8 +125,12 @@ def test_metrics_come_back_as_the_run_dir_has_them(run, client):
 def test_two_pulls_into_one_folder_never_corrupt_a_file(run, client):
     target = client.project / "pulled" / JOB / "checkpoints" / "step-00000010" / "drafter.safetensors"
     part = target.with_name(target.name + ".part")
-    first = subprocess.Popen([sys.executable, "-m", "dflashctl", "pull", JOB, "--checkpoint", "latest", "--chunk-mib",
-                              "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "pull", JOB, "--checkpoint", "latest", "--chunk-mib", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (part.exists() and part.stat().st_size >= 1 << 20):
         time.sleep(0.02)
@@ -131,9 +143,18 @@ def test_two_pulls_into_one_folder_never_corrupt_a_file(run, client):
 
 
 def test_a_pulled_job_json_has_its_secrets_redacted(run, client):
-    (run / "job.json").write_text(json.dumps({"id": JOB, "job": {
-        "env": {"HF_TOKEN": "hf_SECRETSECRET", "LR": "3e-4", "MY_PRIVATE": "p4ss"}, "secret_env": ["MY_PRIVATE"],
-        "watch": {"notify": {"webhook": "https://hooks.slack.com/services/T0/B0/XYZSECRET"}}}}))  # fmt: skip
+    (run / "job.json").write_text(
+        json.dumps(
+            {
+                "id": JOB,
+                "job": {
+                    "env": {"HF_TOKEN": "hf_SECRETSECRET", "LR": "3e-4", "MY_PRIVATE": "p4ss"},
+                    "secret_env": ["MY_PRIVATE"],
+                    "watch": {"notify": {"webhook": "https://hooks.slack.com/services/T0/B0/XYZSECRET"}},
+                },
+            }
+        )
+    )
     os.chmod(run / "job.json", 0o600)
     res = pull("--metrics")
     assert res.code == 0, res.stderr

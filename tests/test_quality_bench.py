@@ -45,9 +45,30 @@ def made(tmp_path_factory):
     outs = []
     for name in ("a", "b"):
         out = tmp_path_factory.mktemp(name)
-        argv = ["--out", str(out), "--size", "tiny", "--roots", str(src), "--steps", "2", "--batch", "2", "--seq", "32",
-                "--heldout-percent", "20", "--eval-tokens", "256", "--device", "cpu", "--train-prompts", "20",
-                "--heldout-prompts", "5"]  # fmt: skip
+        argv = [
+            "--out",
+            str(out),
+            "--size",
+            "tiny",
+            "--roots",
+            str(src),
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--heldout-percent",
+            "20",
+            "--eval-tokens",
+            "256",
+            "--device",
+            "cpu",
+            "--train-prompts",
+            "20",
+            "--heldout-prompts",
+            "5",
+        ]
         assert make_target.main(argv) == 0
         outs.append(out)
     return outs
@@ -103,8 +124,9 @@ def test_the_template_prompt_is_a_token_prefix_of_the_answered_chat(made):
 
     tok = AutoTokenizer.from_pretrained(made[0] / "target")
     for rec in map(json.loads, (made[0] / "prompts" / "train.jsonl").read_text().splitlines()[:10]):
-        asked = tok.apply_chat_template([{"role": "user", "content": rec["prompt"]}], tokenize=False,
-                                        add_generation_prompt=True)  # fmt: skip
+        asked = tok.apply_chat_template(
+            [{"role": "user", "content": rec["prompt"]}], tokenize=False, add_generation_prompt=True
+        )
         fn = make_target.Function(rec["prompt"], rec["response"])
         assert make_target.chat_text(fn).startswith(asked)
         trained = tok(make_target.chat_text(fn), add_special_tokens=False)["input_ids"]
@@ -121,8 +143,21 @@ def test_specforge_features_are_the_target_layers_side_by_side(made, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text((out / "prompts" / "train.jsonl").read_text())
     feat = tmp_path / "feat"
-    argv = ["dump", "--target", str(out / "target"), "--data", str(data), "--layers", "1", "--max-len", "64",
-            "--batch", "3", "--out", str(feat)]  # fmt: skip
+    argv = [
+        "dump",
+        "--target",
+        str(out / "target"),
+        "--data",
+        str(data),
+        "--layers",
+        "1",
+        "--max-len",
+        "64",
+        "--batch",
+        "3",
+        "--out",
+        str(feat),
+    ]
     assert specforge_side.main(argv) == 0
     files = sorted(feat.glob("data_*.ckpt"))
     assert len(files) > 3
@@ -146,8 +181,23 @@ def test_specforge_config_matches_our_drafter_and_a_saved_drafter_converts(made,
 
     out = made[0]
     run = tmp_path / "run"
-    argv = ["config", "--target", str(out / "target"), "--features", str(tmp_path / "feat"), "--layers", "1",
-            "--block", "8", "--steps", "5", "--anchors", "16", "--out", str(run)]  # fmt: skip
+    argv = [
+        "config",
+        "--target",
+        str(out / "target"),
+        "--features",
+        str(tmp_path / "feat"),
+        "--layers",
+        "1",
+        "--block",
+        "8",
+        "--steps",
+        "5",
+        "--anchors",
+        "16",
+        "--out",
+        str(run),
+    ]
     assert specforge_side.main(argv) == 0
     draft = json.loads((run / "draft_config.json").read_text())
     assert draft["block_size"] == 8 and draft["num_hidden_layers"] == 1
@@ -160,8 +210,14 @@ def test_specforge_config_matches_our_drafter_and_a_saved_drafter_converts(made,
     saved = tmp_path / "hf"
     saved.mkdir()
     (saved / "config.json").write_text(json.dumps(draft))
-    save_file({"model.layers.0.mlp.up_proj.weight": torch.ones(2, 2), "fc.weight": torch.ones(2, 3),
-               "embed_tokens.weight": torch.ones(4, 2)}, str(saved / "model.safetensors"))  # fmt: skip
+    save_file(
+        {
+            "model.layers.0.mlp.up_proj.weight": torch.ones(2, 2),
+            "fc.weight": torch.ones(2, 3),
+            "embed_tokens.weight": torch.ones(4, 2),
+        },
+        str(saved / "model.safetensors"),
+    )
     assert specforge_side.main(["convert", "--checkpoint", str(saved), "--out", str(tmp_path / "conv")]) == 0
     tensors = load_file(str(tmp_path / "conv" / "model.safetensors"))
     assert set(tensors) == {"layers.0.mlp.up_proj.weight", "fc.weight"}
@@ -171,8 +227,19 @@ def test_specforge_config_matches_our_drafter_and_a_saved_drafter_converts(made,
 
 def test_prompt_lookup_counts_tokens_per_verifying_forward(made, capsys):
     out = made[0]
-    code = prompt_lookup.main(["--target", str(out / "target"), "--prompts", str(out / "prompts" / "heldout.jsonl"),
-                               "--limit", "2", "--max-new-tokens", "6", "--json"])  # fmt: skip
+    code = prompt_lookup.main(
+        [
+            "--target",
+            str(out / "target"),
+            "--prompts",
+            str(out / "prompts" / "heldout.jsonl"),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ]
+    )
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert result["method"] == "prompt_lookup" and result["prompt_set"] == "heldout"
@@ -187,8 +254,11 @@ def test_specforge_step_times_are_read_from_its_own_progress_lines():
     log = ROOT / "tests" / "fixtures" / "specforge" / "train-0.2.0.log"
     stats = run_quality.specforge_log_stats(log)
     rows = [line for line in log.read_text().splitlines() if line.startswith("step ")]
-    late = sorted(float(line.split("'train/perf/optimizer_step_time_s': ")[1].split(",")[0]) for line in rows
-                  if int(line.split()[1].rstrip(":")) > 600)  # fmt: skip
+    late = sorted(
+        float(line.split("'train/perf/optimizer_step_time_s': ")[1].split(",")[0])
+        for line in rows
+        if int(line.split()[1].rstrip(":")) > 600
+    )
     assert stats["step_time_ms_median"] == round(1000 * late[len(late) // 2], 2)
     assert 20 < stats["step_time_ms_median"] < 200  # one progress line's 3.35 s compile step is in the first half
     steps = [k for k, _ in stats["loss"]]
@@ -198,10 +268,12 @@ def test_specforge_step_times_are_read_from_its_own_progress_lines():
 def test_the_curves_plot_from_a_results_file(tmp_path):
     import plot_quality
 
-    results = {"yardstick": "40 prompts", "prompt_lookup": {"tau_prompt_mean": 3.2},
-               "ours": {"tau_vs_step": [{"step": 300, "tau": 1.4}, {"step": 600, "tau": 2.0}],
-                        "step_time_ms_median": 34},
-               "specforge": {"tau_vs_step": [{"step": 300, "tau": 1.5}], "step_time_ms_median": None}}  # fmt: skip
+    results = {
+        "yardstick": "40 prompts",
+        "prompt_lookup": {"tau_prompt_mean": 3.2},
+        "ours": {"tau_vs_step": [{"step": 300, "tau": 1.4}, {"step": 600, "tau": 2.0}], "step_time_ms_median": 34},
+        "specforge": {"tau_vs_step": [{"step": 300, "tau": 1.5}], "step_time_ms_median": None},
+    }
     source, out = tmp_path / "r.json", tmp_path / "curve.png"
     source.write_text(json.dumps(results))
     assert plot_quality.main([str(source), str(out)]) == 0
@@ -215,8 +287,10 @@ def test_the_curves_plot_from_a_results_file(tmp_path):
 
     drawn = []
     real_savefig = plt.Figure.savefig
-    plt.Figure.savefig = lambda fig, *a, **k: (drawn.extend(t.get_text() for t in fig.axes[0].get_legend().get_texts()),
-                                               real_savefig(fig, *a, **k))  # fmt: skip
+    plt.Figure.savefig = lambda fig, *a, **k: (
+        drawn.extend(t.get_text() for t in fig.axes[0].get_legend().get_texts()),
+        real_savefig(fig, *a, **k),
+    )
     try:
         assert plot_quality.main([str(source), str(out)]) == 0
     finally:
@@ -227,7 +301,7 @@ def test_the_curves_plot_from_a_results_file(tmp_path):
 def test_variant_settings_take_json_or_a_bare_word():
     import run_quality
 
-    sets = run_quality.parse_sets(["tag=-b2", 'betas=[0.9,0.999]', "init_std=0.02", 'tag2="-x"'])
+    sets = run_quality.parse_sets(["tag=-b2", "betas=[0.9,0.999]", "init_std=0.02", 'tag2="-x"'])
     assert sets == {"tag": "-b2", "betas": [0.9, 0.999], "init_std": 0.02, "tag2": "-x"}
     assert run_quality.ours_name(sets) == "ours-b2"
 

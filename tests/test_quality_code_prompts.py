@@ -51,11 +51,17 @@ def short(x):
     return x
 '''
 
-HELDOUT = [{"prompt": "Complete the following Python function.\n\n```python\n"
-                      "def has_close_elements(numbers, threshold):\n    ```",
-            "code": "def has_close_elements(numbers, threshold):\n    return False\n"},
-           {"prompt": "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
-                      "experiences and must-see attractions."}]  # fmt: skip
+HELDOUT = [
+    {
+        "prompt": "Complete the following Python function.\n\n```python\n"
+        "def has_close_elements(numbers, threshold):\n    ```",
+        "code": "def has_close_elements(numbers, threshold):\n    return False\n",
+    },
+    {
+        "prompt": "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
+        "experiences and must-see attractions."
+    },
+]
 
 
 def wheel(tmp_path: Path) -> Path:
@@ -91,8 +97,11 @@ def test_a_twelve_word_run_shared_with_a_held_out_prompt_drops_a_request():
 
 
 def test_the_training_set_mixes_chat_and_code_in_a_seeded_order_without_held_out_text():
-    chat = ["How do I sort a dict by value?", "Compose an engaging travel blog post about a recent trip to Hawaii, "
-            "highlighting cultural experiences and must-see attractions. Thanks!"]  # fmt: skip
+    chat = [
+        "How do I sort a dict by value?",
+        "Compose an engaging travel blog post about a recent trip to Hawaii, "
+        "highlighting cultural experiences and must-see attractions. Thanks!",
+    ]
     code = [{"prompt": f"Explain f{i}", "source": "code:pkg", "kind": "explain"} for i in range(5)]
     rows, counts = real_target.training_set(chat, code, code_prompts.held_out_filter(HELDOUT), seed=0)
     assert counts == {"sharegpt": 1, "sharegpt_held_out_overlap": 1, "code": 5}

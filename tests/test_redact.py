@@ -25,8 +25,11 @@ def test_a_multi_line_value_is_masked_whole_and_line_by_line():
     assert out.startswith(f"token={MASK} and a key:\n{MASK}") and out.endswith(f"one line of it: {MASK} ab")
     # as a JSON string the key's lines are joined by \n: each is still found
     assert "MIIEvQ" not in r(json.dumps({"pem": PEM}))
-    assert r.deep({"a": ["x hf_tokenvalue1"], "n": 3, "hf_tokenvalue1": True}) == {"a": [f"x {MASK}"], "n": 3,
-                                                                                   "hf_tokenvalue1": True}
+    assert r.deep({"a": ["x hf_tokenvalue1"], "n": 3, "hf_tokenvalue1": True}) == {
+        "a": [f"x {MASK}"],
+        "n": 3,
+        "hf_tokenvalue1": True,
+    }
     assert pieces(MASK) == [] and not Redactor([MASK, "", "abc"])
 
 
@@ -52,8 +55,10 @@ def test_fingerprints_find_the_same_pieces_with_no_plain_value_kept():
 def test_a_webhook_urls_path_and_token_are_secret_its_host_is_not():
     parts = url_secrets("https://hooks.slack.com/services/T000/B000/XXXXsecretXXXX?token=abcdefgh12")
     r = Redactor(parts)
-    said = r("posting to https://hooks.slack.com/services/T000/B000/XXXXsecretXXXX?token=abcdefgh12 failed; "
-             "token abcdefgh12, path part XXXXsecretXXXX")  # fmt: skip
+    said = r(
+        "posting to https://hooks.slack.com/services/T000/B000/XXXXsecretXXXX?token=abcdefgh12 failed; "
+        "token abcdefgh12, path part XXXXsecretXXXX"
+    )
     assert "XXXXsecretXXXX" not in said and "abcdefgh12" not in said and "hooks.slack.com" not in said
     assert r("hooks.slack.com is up") == "hooks.slack.com is up"
 
@@ -80,8 +85,14 @@ def test_scrub_leaves_no_line_of_a_multi_line_secret_in_run_sh_or_job_env(tmp_pa
     assert set(common.secret_values(str(run))) >= {"hf_tokenvalue1", PEM, CRED}
     done = common.scrub_secrets(str(run))
     assert done == ["GCP_CREDENTIAL", "HF_TOKEN", "PEM_KEY"]
-    secrets = ["hf_tokenvalue1", "MIIEvQIBADANBgkqhkiG9w0BAQEF", "q1w2e3r4t5y6u7i8o9p0", "ghijklmnop", "1234567890",
-               "s3cretPath99"]  # fmt: skip
+    secrets = [
+        "hf_tokenvalue1",
+        "MIIEvQIBADANBgkqhkiG9w0BAQEF",
+        "q1w2e3r4t5y6u7i8o9p0",
+        "ghijklmnop",
+        "1234567890",
+        "s3cretPath99",
+    ]
     for f in run.iterdir():
         text = f.read_bytes().decode()
         assert [s for s in secrets if s in text] == [], f.name

@@ -14,13 +14,34 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from trainer.data.static_decode import StaticDecoder
 
 SHAPES = {
-    "qwen3": dict(model_type="qwen3", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                  rope_theta=10000.0, tie_word_embeddings=False, initializer_range=0.3),
-    "qwen2": dict(model_type="qwen2", vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512, rope_theta=1e6,
-                  tie_word_embeddings=True, initializer_range=0.3),
-}  # fmt: skip
+    "qwen3": dict(
+        model_type="qwen3",
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+    ),
+}
 
 
 def tiny(kind: str):
@@ -31,8 +52,14 @@ def tiny(kind: str):
 def greedy_alone(model, prompt: list[int], n: int, eos: set[int]) -> list[int]:
     """The reference: one prompt, no padding, generate's own loop with its own cache."""
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                         eos_token_id=sorted(eos) or None, pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        eos_token_id=sorted(eos) or None,
+        pad_token_id=0,
+    )[0, len(prompt) :].tolist()
     return out[: next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]
 
 
@@ -80,13 +107,42 @@ def test_regenerate_cli_static_equals_generate(tmp_path, tiny_dir, capsys):
     outs = {}
     for engine in ("hf", "static"):
         out, stats = tmp_path / f"{engine}.jsonl", tmp_path / f"{engine}.stats.json"
-        code = regen.main(["--config", str(cfg), "--input", str(inp), "--output", str(out), "--max-new-tokens", "7",
-                           "--batch-size", "4", "--engine", engine, "--stats", str(stats), "--quiet"])  # fmt: skip
+        code = regen.main(
+            [
+                "--config",
+                str(cfg),
+                "--input",
+                str(inp),
+                "--output",
+                str(out),
+                "--max-new-tokens",
+                "7",
+                "--batch-size",
+                "4",
+                "--engine",
+                engine,
+                "--stats",
+                str(stats),
+                "--quiet",
+            ]
+        )
         assert code == 0, capsys.readouterr()
         outs[engine] = out.read_text()
         counts = json.loads(stats.read_text())
         assert counts["engine"] == engine and counts["turns"] >= 6 and counts["tokens"] > 0
     assert outs["static"] == outs["hf"]
-    code = regen.main(["--config", str(cfg), "--input", str(inp), "--output", str(tmp_path / "x.jsonl"),
-                       "--engine", "static", "--temperature", "0.7"])  # fmt: skip
+    code = regen.main(
+        [
+            "--config",
+            str(cfg),
+            "--input",
+            str(inp),
+            "--output",
+            str(tmp_path / "x.jsonl"),
+            "--engine",
+            "static",
+            "--temperature",
+            "0.7",
+        ]
+    )
     assert code == 2 and "decodes greedily" in capsys.readouterr().err

@@ -31,30 +31,68 @@ def write_run(run: Path, resume_at: int = 150, steps: int = 300) -> dict:
         resumed = None if attempt == 0 else resume_at
         lines.append({"time": t, "event": "start", "world_size": 2, "resumed_from": resumed, "config": {}})
         for rank, dt in ((0, 11.0), (1, 12.5)):
-            lines.append({"time": t + dt, "event": "preflight", "rank": rank, "buckets": [1024], "seconds": {},
-                          "peak_mem_gib": {}})  # fmt: skip
+            lines.append(
+                {
+                    "time": t + dt,
+                    "event": "preflight",
+                    "rank": rank,
+                    "buckets": [1024],
+                    "seconds": {},
+                    "peak_mem_gib": {},
+                }
+            )
         t += 13
         for step in range(first, last + 1):
             t += 0.5
             losses[step] = 8.0 * math.exp(-step / 80) + 0.5
-            lines.append({"time": t, "step": step, "epoch": 0, "loss": losses[step], "acc": 1 - losses[step] / 9,
-                          "tokens_per_s": 12000.0 + step, "lr": 6e-4, "grad_norm": 1.5})  # fmt: skip
+            lines.append(
+                {
+                    "time": t,
+                    "step": step,
+                    "epoch": 0,
+                    "loss": losses[step],
+                    "acc": 1 - losses[step] / 9,
+                    "tokens_per_s": 12000.0 + step,
+                    "lr": 6e-4,
+                    "grad_norm": 1.5,
+                }
+            )
             if step % 100 == 0:
-                lines.append({"time": t, "event": "eval", "step": step, "prompt_set": "gsm8k", "tau": 1 + step / 100,
-                              "tau_pooled": 1 + step / 100, "prompts": 8, "draft_steps": 40})  # fmt: skip
+                lines.append(
+                    {
+                        "time": t,
+                        "event": "eval",
+                        "step": step,
+                        "prompt_set": "gsm8k",
+                        "tau": 1 + step / 100,
+                        "tau_pooled": 1 + step / 100,
+                        "prompts": 8,
+                        "draft_steps": 40,
+                    }
+                )
         if attempt == 0:
             crash_at = t + 1
             t += 30
     text = "".join(json.dumps(x) + "\n" for x in lines)
     text += '[1, 2, 3]\n"a string"\n{"step": 7, "loss": 1.0}\n{"time": 6, "step": "8", "loss": NaN}\n'
     (run / "metrics.jsonl").write_text(text)
-    gpu = [{"time": T0 + i * 2.5, "source": "trainer",
-            "gpus": [{"index": i_, "util_pct": 90 + i_, "mem_used_mib": 40000 + 1000 * i_, "power_w": 500.0 + i_}
-                     for i_ in (0, 1)]} for i in range(int((t - T0) / 2.5))]  # fmt: skip
+    gpu = [
+        {
+            "time": T0 + i * 2.5,
+            "source": "trainer",
+            "gpus": [
+                {"index": i_, "util_pct": 90 + i_, "mem_used_mib": 40000 + 1000 * i_, "power_w": 500.0 + i_}
+                for i_ in (0, 1)
+            ],
+        }
+        for i in range(int((t - T0) / 2.5))
+    ]
     (run / "gpu.jsonl").write_text("".join(json.dumps(x) + "\n" for x in gpu) + "{cut\n")
-    decisions = [{"time": crash_at, "decision": "state", "state": "CRASHED", "previous": "RUNNING"},
-                 {"time": crash_at + 1, "decision": "restart", "after": "CRASHED", "attempt": 1},
-                 {"time": crash_at + 2, "decision": "state", "state": "RUNNING"}]  # fmt: skip
+    decisions = [
+        {"time": crash_at, "decision": "state", "state": "CRASHED", "previous": "RUNNING"},
+        {"time": crash_at + 1, "decision": "restart", "after": "CRASHED", "attempt": 1},
+        {"time": crash_at + 2, "decision": "state", "state": "RUNNING"},
+    ]
     (run / "events.jsonl").write_text("".join(json.dumps(x) + "\n" for x in decisions))
     (run / "restarts").write_text("1\n")
     kept = [losses[s] for s in sorted(losses)]
@@ -92,8 +130,17 @@ def test_the_figure_has_every_panel_and_marks_the_restart(tmp_path):
     runs = [report.series(n, files.history({"run_dir": str(tmp_path / n)})) for n in ("a", "b")]
     fig = plots.figure(runs)
     axes = {ax.get_title(): ax for ax in fig.axes}
-    assert set(axes) == {"loss", "accuracy", "tokens/s", "tau", "lr", "grad norm", "GPU util %", "GPU memory GiB",
-                         "GPU power W"}  # fmt: skip
+    assert set(axes) == {
+        "loss",
+        "accuracy",
+        "tokens/s",
+        "tau",
+        "lr",
+        "grad norm",
+        "GPU util %",
+        "GPU memory GiB",
+        "GPU power W",
+    }
     loss = axes["loss"]
     labels = [ln.get_label() for ln in loss.get_lines()]
     assert {"a raw", "a smoothed", "b raw", "b smoothed"} <= set(labels)  # two runs overlaid
@@ -124,8 +171,17 @@ def test_report_through_the_cli_json_png_html(client, monkeypatch, tmp_path):
     assert res.code == 0, res.stderr
     got = json.loads(res.stdout)
     assert [j["id"] for j in got["jobs"]] == ["one-20261201T100000Z-aaaa", "two-20261201T100000Z-aaaa"]
-    assert set(got["jobs"][0]) >= {"step", "elapsed_s", "first_loss", "loss", "min_loss", "mean_tokens_per_s",
-                                   "best_tau", "restarts", "gpu_hours"}  # fmt: skip
+    assert set(got["jobs"][0]) >= {
+        "step",
+        "elapsed_s",
+        "first_loss",
+        "loss",
+        "min_loss",
+        "mean_tokens_per_s",
+        "best_tau",
+        "restarts",
+        "gpu_hours",
+    }
     # `status` says the same numbers of the same run (one definition, over the whole metrics.jsonl)
     st = json.loads(run_cli("status", "one-20261201T100000Z-aaaa", "--json").stdout)
     one = got["jobs"][0]
@@ -169,15 +225,34 @@ def test_the_terminal_report_fits_80_columns_inside_tmux(client, monkeypatch, tm
     sock, done = f"report-{tmp_path.name}", tmp_path / "done"
     cmd = f"{sys.executable} -m dflashctl report one-2026; echo $? > {done}; sleep 60"
     tmux = ["tmux", "-L", sock]
-    subprocess.run([*tmux, "new-session", "-d", "-x", "80", "-y", "70", "-s", "r", "-c", str(client.project),
-                    "-e", f"HOME={client.home}", "-e", f"DFLASHCTL_STATE_DIR={client.home / 'state'}", cmd],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [
+            *tmux,
+            "new-session",
+            "-d",
+            "-x",
+            "80",
+            "-y",
+            "70",
+            "-s",
+            "r",
+            "-c",
+            str(client.project),
+            "-e",
+            f"HOME={client.home}",
+            "-e",
+            f"DFLASHCTL_STATE_DIR={client.home / 'state'}",
+            cmd,
+        ],
+        check=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not done.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-        screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "r", "-S", "-200"], capture_output=True,
-                                text=True, check=True).stdout  # fmt: skip
+        screen = subprocess.run(
+            [*tmux, "capture-pane", "-p", "-t", "r", "-S", "-200"], capture_output=True, text=True, check=True
+        ).stdout
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)
     assert done.read_text().strip() == "0", screen
@@ -219,9 +294,11 @@ def test_extreme_values_are_skipped_and_counted_and_a_nan_stretch_is_named(tmp_p
             rec.update(loss=None, grad_norm=None, skipped=True)  # the trainer's non-finite steps
         lines.append(rec)
     text = "".join(json.dumps(x) + "\n" for x in lines)
-    text += (f'{{"time": {T0 + 301}, "step": 301, "loss": 1e308}}\n{{"time": {T0 + 302}, "step": 302, "loss": '
-             f'{10**400}}}\n{{"time": {T0 + 303}, "step": {10**30}, "loss": 1.0}}\n'
-             f'{{"time": {T0 + 304}, "step": 303, "loss": NaN}}\n')  # fmt: skip
+    text += (
+        f'{{"time": {T0 + 301}, "step": 301, "loss": 1e308}}\n{{"time": {T0 + 302}, "step": 302, "loss": '
+        f'{10**400}}}\n{{"time": {T0 + 303}, "step": {10**30}, "loss": 1.0}}\n'
+        f'{{"time": {T0 + 304}, "step": 303, "loss": NaN}}\n'
+    )
     (run / "metrics.jsonl").write_text(text)
     s = report.series("x", files.history({"run_dir": str(run)}))
     summ = report.summary(s, {}, 0)

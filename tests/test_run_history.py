@@ -47,9 +47,17 @@ def test_gpu_history_records_the_visible_gpus_every_heartbeat(tmp_path, fake_nvm
     g = lines[0]["gpus"]
     assert [x["index"] for x in g] == [2, 3]  # NVML's index, the one job files name
     # the recorded H200 reading, field by field; what the recording lacks is None, not invented
-    assert g[0] | {"index": 0} == {"index": 0, "util_pct": 2, "mem_used_mib": 21363, "mem_total_mib": 143771,
-                                   "power_w": 104.2, "temp_c": 37, "sm_mhz": 1980, "mem_mhz": None,
-                                   "throttle": "0x0000000000000000"}  # fmt: skip
+    assert g[0] | {"index": 0} == {
+        "index": 0,
+        "util_pct": 2,
+        "mem_used_mib": 21363,
+        "mem_total_mib": 143771,
+        "power_w": 104.2,
+        "temp_c": 37,
+        "sm_mhz": 1980,
+        "mem_mhz": None,
+        "throttle": "0x0000000000000000",
+    }
     assert sorted(x["time"] for x in lines) == [x["time"] for x in lines]
 
 

@@ -47,8 +47,12 @@ def test_kill_during_watch_is_not_undone_by_the_watcher(proj):
     """A watcher with restart_on CRASHED sees exit 143 after a kill: it must say KILLED and never restart."""
     f = job_file(proj, "victim", "sleep 300", "watch: {interval_s: 0.5, backoff_s: 0, restart_on: [CRASHED]}\n")
     job_id = cli_json("launch", f)["id"]
-    watcher = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], stdout=subprocess.PIPE,
-                               text=True, env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "watch", job_id, "--json"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     first = watcher.stdout.readline()  # the watch has had its first look
     killed = cli_json("kill", job_id)
     out, _ = watcher.communicate(timeout=60)
@@ -64,8 +68,12 @@ def test_two_watchers_restart_once_per_failure_and_keep_max_restarts(proj):
     """Two watchers on one crashing job, max_restarts 1: exactly one restart in all (two starts)."""
     f = job_file(proj, "crashy", "sleep 1; exit 1", "watch: {interval_s: 0.3, backoff_s: 0, max_restarts: 1}\n")
     job_id = cli_json("launch", f)["id"]
-    procs = [subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"],
-                              stdout=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     codes = [p.wait(timeout=120) for p in procs]
     run = run_dir_of(job_id)
     assert starts(run) == 2, (run / "train.log").read_text()
@@ -127,7 +135,7 @@ def test_failed_kill_is_kill_failed_and_a_retry_targets_the_same_job(proj):
     """Something outside the job keeps starting processes tagged with its id: the kill cannot verify, says
     KILL_FAILED (exit 1, JSON report too), and `kill` without an id retries that job, not a newer healthy one."""
     victim = cli_json("launch", job_file(proj, "stubborn", "sleep 300"))["id"]
-    respawn = (f"while true; do DFLASHCTL_JOB_ID={victim} sleep 1000 & sleep 0.05; done")
+    respawn = f"while true; do DFLASHCTL_JOB_ID={victim} sleep 1000 & sleep 0.05; done"
     spawner = subprocess.Popen(["bash", "-c", respawn], start_new_session=True)
     try:
         time.sleep(0.5)
@@ -200,8 +208,9 @@ def test_same_name_alive_is_refused_unless_forced(proj):
 def test_restart_uses_the_release_and_job_file_it_launched_with(proj):
     """A deploy and an edited job file while a job runs: its restart still runs its own code and its own command."""
     (proj / "marker.txt").write_text("v1\n")
-    f = job_file(proj, "pinned", "cat marker.txt; sleep 2; exit 1", "watch: {interval_s: 0.3, backoff_s: 0, "
-                 "max_restarts: 1}\n")  # fmt: skip
+    f = job_file(
+        proj, "pinned", "cat marker.txt; sleep 2; exit 1", "watch: {interval_s: 0.3, backoff_s: 0, max_restarts: 1}\n"
+    )
     assert run_cli("deploy", "box").code == 0
     job_id = cli_json("launch", f)["id"]
     (proj / "marker.txt").write_text("v2\n")
@@ -213,8 +222,12 @@ def test_restart_uses_the_release_and_job_file_it_launched_with(proj):
 
 
 def test_remote_files_are_private_and_secrets_never_shown(proj):
-    f = job_file(proj, "secretive", "sleep 300", "env: {HF_TOKEN: hf_abc123, MY_THING: s3cr3t, PLAIN: ok}\n"
-                 "secret_env: [MY_THING]\n")  # fmt: skip
+    f = job_file(
+        proj,
+        "secretive",
+        "sleep 300",
+        "env: {HF_TOKEN: hf_abc123, MY_THING: s3cr3t, PLAIN: ok}\nsecret_env: [MY_THING]\n",
+    )
     dry = run_cli("launch", f, "--dry-run")
     dry_json = run_cli("launch", f, "--dry-run", "--json")
     for out in (dry.stdout, dry_json.stdout):
@@ -228,8 +241,9 @@ def test_remote_files_are_private_and_secrets_never_shown(proj):
     wait_until(lambda: (run / "verdict.json").exists())  # its supervisor and a status write their files too
 
     def holding(secret: str) -> list[str]:
-        return sorted(str(f.relative_to(run)) for f in run.rglob("*") if f.is_file() and secret.encode() in
-                      f.read_bytes())  # fmt: skip
+        return sorted(
+            str(f.relative_to(run)) for f in run.rglob("*") if f.is_file() and secret.encode() in f.read_bytes()
+        )
 
     status_json(job_id)
     assert holding("hf_abc123") == ["job.env"] and holding("s3cr3t") == ["job.env"]  # one file at rest: 0600
@@ -335,22 +349,27 @@ def test_launch_checks_what_the_job_needs_before_starting_it(proj, tmp_path):
     """No tmux on the host, no torch for a trainer job, GPUs asked of a host without any: one line naming the job
     file and key, exit 2, no run dir created."""
     no_tmux = tmp_path / "py-without-tmux"
-    no_tmux.write_text(f"#!/bin/sh\nPATH=/nonexistent exec {sys.executable} \"$@\"\n")
+    no_tmux.write_text(f'#!/bin/sh\nPATH=/nonexistent exec {sys.executable} "$@"\n')
     no_tmux.chmod(0o755)
     remote = proj.parent / "remote" / "plain"
     hosts = proj.parent / "more-hosts.yaml"
-    hosts.write_text(f"hosts:\n  notmux: {{ssh: testbox, python: {no_tmux}, workdir: {remote}}}\n"
-                     f"  notorch: {{ssh: testbox, python: python3, workdir: {remote}}}\n"
-                     f"  here: {{python: {sys.executable}, workdir: {remote}}}\n")  # fmt: skip
+    hosts.write_text(
+        f"hosts:\n  notmux: {{ssh: testbox, python: {no_tmux}, workdir: {remote}}}\n"
+        f"  notorch: {{ssh: testbox, python: python3, workdir: {remote}}}\n"
+        f"  here: {{python: {sys.executable}, workdir: {remote}}}\n"
+    )
     env = {"DFLASHCTL_HOSTS": str(hosts)}
     trainer = "trainer: {steps: 1, target: {random_preset: tiny-qwen3}, attention: {backend: dense}, device: cpu}\n"
     cases = [
         ("name: t1\nhost: notmux\ncommand: sleep 1\n", "host: tmux is not installed", env),
         (f"name: t2\nhost: notorch\n{trainer}", "host.python: python3 cannot import torch", env),
         # this machine itself: no GPU, no nvidia-smi on the test's PATH
-        ("name: t3\nhost: here\ngpus: [0]\ncommand: sleep 1\n", "gpus: GPUs [0] asked for, but this host shows none",
-         env),
-    ]  # fmt: skip
+        (
+            "name: t3\nhost: here\ngpus: [0]\ncommand: sleep 1\n",
+            "gpus: GPUs [0] asked for, but this host shows none",
+            env,
+        ),
+    ]
     runs = remote / "runs"
     before = set(os.listdir(runs)) if runs.exists() else set()
     for i, (body, expect, extra_env) in enumerate(cases):
@@ -370,8 +389,9 @@ def test_a_command_job_that_hangs_is_stalled_and_one_that_works_is_not(proj):
     busy = cli_json("launch", job_file(proj, "ticking", "while true; do echo tick; sleep 0.3; done", watch))["id"]
     try:
         for job_id, want in ((hung, "STALLED"), (busy, "RUNNING")):
-            proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"],
-                                    stdout=subprocess.PIPE, text=True)  # fmt: skip
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], stdout=subprocess.PIPE, text=True
+            )
             seen, start = [], time.monotonic()
             for line in proc.stdout:
                 seen.append(json.loads(line))
@@ -412,8 +432,11 @@ def test_gc_removes_only_ended_old_run_dirs_and_asks_first(proj):
     old_run, new_run = run_dir_of(old), run_dir_of(new)
     wait_until(lambda: (old_run / "exit_code").exists() and (new_run / "exit_code").exists())
     for r in (old_run, new_run):  # their supervisors see the end and stop
-        wait_until(lambda r=r: (r / "supervisor.json").exists() and json.loads((r / "supervisor.json").read_text())
-                   .get("ended"))  # fmt: skip
+        wait_until(
+            lambda r=r: (
+                (r / "supervisor.json").exists() and json.loads((r / "supervisor.json").read_text()).get("ended")
+            )
+        )
     day_ago = time.time() - 2 * 86400
     for f in [old_run, *old_run.iterdir()]:
         os.utime(f, (day_ago, day_ago), follow_symlinks=False)

@@ -7,9 +7,16 @@ import pytest
 from tests.conftest import run_cli
 
 
-@pytest.mark.parametrize("args, ours", [(["queue"], "`dflashctl ls`"), (["jobs"], "`dflashctl ls`"),
-                                        (["cancel", "myjob"], "`dflashctl kill`"), (["status", "-a"], "`dflashctl ls`"),
-                                        (["--debug", "queue"], "`dflashctl ls`")])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, ours",
+    [
+        (["queue"], "`dflashctl ls`"),
+        (["jobs"], "`dflashctl ls`"),
+        (["cancel", "myjob"], "`dflashctl kill`"),
+        (["status", "-a"], "`dflashctl ls`"),
+        (["--debug", "queue"], "`dflashctl ls`"),
+    ],
+)
 def test_skypilots_verbs_are_answered_with_ours(args, ours):
     res = run_cli(*args)
     lines = res.stderr.strip().splitlines()

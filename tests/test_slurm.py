@@ -89,20 +89,39 @@ def walltime(tmp_path_factory, login, cluster):
     env = client_env(d, login)
     assert run_cli("deploy", "cluster", cwd=ROOT, env=env).code == 0
     command = 'if [ -s "$RUN/restarts" ]; then echo second attempt done; else echo first; sleep 600; fi'
-    res = run_cli("launch", str(write_job(d, "walltime", command=command, extra="slurm: {time: '1'}\n")), "--json",
-                  cwd=ROOT, env=env)  # fmt: skip
+    res = run_cli(
+        "launch",
+        str(write_job(d, "walltime", command=command, extra="slurm: {time: '1'}\n")),
+        "--json",
+        cwd=ROOT,
+        env=env,
+    )
     assert res.code == 0, res.stderr
     rep = json.loads(res.stdout)
-    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", rep["id"], "--until-done", "--json"],
-                            cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "watch", rep["id"], "--until-done", "--json"],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     yield {"rep": rep, "proc": proc, "out": None}
     if proc.poll() is None:
         proc.kill()
         proc.wait(10)
 
 
-def write_job(d: Path, name: str, *, steps: int | None = None, command: str | None = None, env: dict | None = None,
-              extra: str = "", watch: str = "", nproc: int = 1) -> Path:  # fmt: skip
+def write_job(
+    d: Path,
+    name: str,
+    *,
+    steps: int | None = None,
+    command: str | None = None,
+    env: dict | None = None,
+    extra: str = "",
+    watch: str = "",
+    nproc: int = 1,
+) -> Path:
     body = f"name: {name}\nhost: cluster\nkill_grace_s: 5\n" + (f"env: {json.dumps(env)}\n" if env else "")
     if command is not None:
         body += f"command: {json.dumps(command)}\n"
@@ -181,7 +200,8 @@ def test_pending_while_drained_then_runs_on_two_nodes_to_finished_in_the_same_ru
     assert all(r["gpus"] == [] for r in records)  # the login node's GPUs (its nvidia-smi has some) are not the job's
     run = Path(rep["run_dir"])
     assert {"sbatch.sh", "command.sh", "job.json", "trainer.yaml", "metrics.jsonl", "train.log"} <= {
-        p.name for p in run.iterdir()}  # fmt: skip
+        p.name for p in run.iterdir()
+    }
     assert (run / "exit_code").read_text().strip() == "0"
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in steps if "step" in r and "event" not in r) == 12
@@ -195,8 +215,7 @@ def test_pending_while_drained_then_runs_on_two_nodes_to_finished_in_the_same_ru
 def test_a_crash_is_resubmitted_with_resume_by_one_of_two_watchers(site, cluster):
     """A crash at step 15: two watchers see it; exactly one resubmits (sbatch once more, --resume), and the run
     continues from its step-10 checkpoint to FINISHED."""
-    rep = launch(write_job(site, "crashy", steps=24, env={"TRAINER_FAULT": "crash@15"},
-                           watch="  max_restarts: 1\n"))  # fmt: skip
+    rep = launch(write_job(site, "crashy", steps=24, env={"TRAINER_FAULT": "crash@15"}, watch="  max_restarts: 1\n"))
     results: list = [None, None]
 
     def one(i: int) -> None:
@@ -238,8 +257,13 @@ def test_kill_is_scancel_verified_by_the_scheduler(site, cluster):
     assert res.code == 0 and report["result"] == "KILLED", report
     assert f"slurm job {rep['slurm_job']}: CANCELLED" in report["gpu_check"]
     assert slurm_state(cluster, rep["slurm_job"]) == "CANCELLED"
-    squeue = subprocess.run(["squeue", "-h", "-j", rep["slurm_job"]], env={**os.environ, **cluster.env},
-                            capture_output=True, text=True, check=True)  # fmt: skip
+    squeue = subprocess.run(
+        ["squeue", "-h", "-j", rep["slurm_job"]],
+        env={**os.environ, **cluster.env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert squeue.stdout.strip() == ""  # not even COMPLETING: nothing of it left on the node
     assert not _leftovers((rep["id"],))  # no process carries the job's tag
     assert status(rep["id"])["state"] == "KILLED"
@@ -265,8 +289,14 @@ def test_a_reused_slurm_id_is_never_trusted_nor_cancelled(site, cluster, tmp_pat
     env = {**os.environ, **cluster.env}
     other = tmp_path / "elsewhere"
     other.mkdir()
-    sub = subprocess.run(["sbatch", "--parsable", "--job-name=stranger", "--wrap", "sleep 300"], cwd=other, env=env,
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    sub = subprocess.run(
+        ["sbatch", "--parsable", "--job-name=stranger", "--wrap", "sleep 300"],
+        cwd=other,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     stranger = sub.stdout.strip().split(";")[0]
     run = Path(rep["run_dir"])
     try:
@@ -284,8 +314,14 @@ def test_dry_run_prints_the_batch_script_and_sbatch_judges_it(site, cluster):
     job = write_job(site, "dry", steps=5, extra="gpus: 0\nslurm: {nodes: 1, extra: ['--comment=drafter']}\n")
     res = run_cli("launch", str(job), "--dry-run", cwd=ROOT)
     assert res.code == 0, res.stderr
-    for line in ("#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=debug",
-                 "#SBATCH --time=10:00", "#SBATCH --comment=drafter", "srun --nodes"):  # fmt: skip
+    for line in (
+        "#SBATCH --nodes=1",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --partition=debug",
+        "#SBATCH --time=10:00",
+        "#SBATCH --comment=drafter",
+        "srun --nodes",
+    ):
         assert line in res.stdout, line
     assert "remote: " in res.stdout and "sbatch" in res.stdout
     runs = site / "shared" / "runs"
@@ -363,8 +399,12 @@ def test_preempted_is_resubmitted_and_runs_once_the_nodes_are_free(site, cluster
     rep = launch(write_job(site, "preemptible", command=command, extra="slurm: {nodes: 2, extra: [--exclusive]}\n"))
     wait_for(lambda: status(rep["id"])["state"] == "RUNNING", 120, "RUNNING")
     env = {**os.environ, **cluster.env}
-    subprocess.run(["sbatch", "-p", "high", "-N", "2", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 4"],
-                   env=env, check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["sbatch", "-p", "high", "-N", "2", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 4"],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     code, records = watch(rep["id"], "--until-done")
     seen = states(records)
     assert code == 0 and seen[-1] == "FINISHED", seen
@@ -400,8 +440,14 @@ def test_a_silent_controller_keeps_the_state_and_a_kill_meanwhile_fails_honestly
     # machine past the kill's wait): the kill verifies what the scheduler says, so it asks once the scheduler knows
     squeue = ["squeue", "-h", "-j", rep["slurm_job"]]
     env = {**os.environ, **cluster.env}
-    wait_for(lambda: (q := subprocess.run(squeue, env=env, capture_output=True, text=True)).returncode == 0
-             and not q.stdout.strip(), 180, "the controller to see the job end")  # fmt: skip
+    wait_for(
+        lambda: (
+            (q := subprocess.run(squeue, env=env, capture_output=True, text=True)).returncode == 0
+            and not q.stdout.strip()
+        ),
+        180,
+        "the controller to see the job end",
+    )
     res = run_cli("kill", "--json", cwd=ROOT)  # no id: the job whose kill failed
     report = json.loads(res.stdout)
     assert res.code == 0 and report["result"] == "KILLED" and report["id"] == rep["id"], report
@@ -431,8 +477,14 @@ def test_a_kill_while_queued_cancels_the_submission(site, cluster):
 def test_with_no_watch_the_login_nodes_supervisor_resubmits_a_crash(site, cluster):
     """No laptop: the job's supervisor on the login node sees the crash through Slurm and resubmits it (once, by
     max_restarts), then ends; the run dir's events say who did it."""
-    rep = launch(write_job(site, "alone", command='echo "attempt"; sleep 1; exit 3',
-                           watch="  restart_on: [CRASHED]\n  max_restarts: 1\n"))  # fmt: skip
+    rep = launch(
+        write_job(
+            site,
+            "alone",
+            command='echo "attempt"; sleep 1; exit 3',
+            watch="  restart_on: [CRASHED]\n  max_restarts: 1\n",
+        )
+    )
     run = Path(rep["run_dir"])
 
     def ended():

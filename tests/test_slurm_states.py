@@ -51,8 +51,12 @@ def test_recorded_scontrol_answers_parse_to_state_reason_and_exit():
     pending = recorded("scontrol-pending-drained.txt")
     assert pending["state"] == "PENDING" and pending["reason"].startswith("Nodes required for job are DOWN, DRAINED")
     failed = recorded("scontrol-failed.txt")
-    assert (failed["state"], failed["reason"], failed["exit"], failed["nodes"]) == ("FAILED", "NonZeroExitCode",
-                                                                                    "3:0", "vm")  # fmt: skip
+    assert (failed["state"], failed["reason"], failed["exit"], failed["nodes"]) == (
+        "FAILED",
+        "NonZeroExitCode",
+        "3:0",
+        "vm",
+    )
     running = recorded("scontrol-running.txt")
     assert running["state"] == "RUNNING" and running["start"].startswith("2026-")
 
@@ -154,56 +158,100 @@ def test_a_stop_request_outranks_slurms_cancelled():
 
 
 def cluster_host(**slurm_cfg) -> HostConfig:
-    return HostConfig.model_validate({"name": "cluster", "slurm": {"login": "login-node", **slurm_cfg},
-                                      "workdir": "/shared/me"})  # fmt: skip
+    return HostConfig.model_validate(
+        {"name": "cluster", "slurm": {"login": "login-node", **slurm_cfg}, "workdir": "/shared/me"}
+    )
 
 
 def test_the_batch_script_asks_for_nodes_gpus_and_the_hosts_options():
     cluster = cluster_host(partition="gpu", account="lab", time="24:00:00", extra=["--qos=high"])
-    job = JobConfig.model_validate({"name": "big", "host": "cluster", "gpus": 8, "trainer": {},
-                                    "env": {"HF_TOKEN": "hf_secret"},
-                                    "slurm": {"nodes": 4, "time": "2:00:00", "extra": ["--exclusive"]}})  # fmt: skip
-    files = session.run_files(job, "big-1", "python3", {"steps": 10}, "abc", cluster=cluster.slurm,
-                              run_dir="/w/runs/big-1")
+    job = JobConfig.model_validate(
+        {
+            "name": "big",
+            "host": "cluster",
+            "gpus": 8,
+            "trainer": {},
+            "env": {"HF_TOKEN": "hf_secret"},
+            "slurm": {"nodes": 4, "time": "2:00:00", "extra": ["--exclusive"]},
+        }
+    )
+    files = session.run_files(
+        job, "big-1", "python3", {"steps": 10}, "abc", cluster=cluster.slurm, run_dir="/w/runs/big-1"
+    )
     assert "run.sh" not in files and "tmux.conf" not in files and json.loads(files["job.json"])["scheduler"] == "slurm"
     script = files["sbatch.sh"]
     header = [ln for ln in script.splitlines() if ln.startswith("#SBATCH")]
-    assert header == ["#SBATCH --job-name=big-1", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1",
-                      "#SBATCH --output=slurm-%j.out", "#SBATCH --open-mode=append", "#SBATCH --no-requeue",
-                      "#SBATCH --gpus-per-node=8",
-                      "#SBATCH --cpus-per-task=8", "#SBATCH --partition=gpu", "#SBATCH --account=lab",
-                      "#SBATCH --time=2:00:00", "#SBATCH --qos=high", "#SBATCH --exclusive"]  # fmt: skip
+    assert header == [
+        "#SBATCH --job-name=big-1",
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --output=slurm-%j.out",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --no-requeue",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --cpus-per-task=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=lab",
+        "#SBATCH --time=2:00:00",
+        "#SBATCH --qos=high",
+        "#SBATCH --exclusive",
+    ]
     assert "CUDA_VISIBLE_DEVICES" not in script  # Slurm gives each node its GPUs
     assert "scontrol show hostnames" in script and "srun --nodes" in script
     assert '--nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID"' in files["command.sh"]
     assert "--nproc-per-node 8" in files["command.sh"]
     # the secret is in job.env (0600 in the run dir), never in the script Slurm copies into its spool; shown: ***
     assert "hf_secret" not in script and 'load_env "$RUN/job.env"' in script and "hf_secret" in files["job.env"]
-    shown = session.run_files(job, "big-1", "python3", {"steps": 10}, "abc", redact=True, cluster=cluster.slurm,
-                              run_dir="/w/runs/big-1")  # fmt: skip
+    shown = session.run_files(
+        job, "big-1", "python3", {"steps": 10}, "abc", redact=True, cluster=cluster.slurm, run_dir="/w/runs/big-1"
+    )
     assert "hf_secret" not in shown["job.env"] and "HF_TOKEN='***'" in shown["job.env"]
 
 
 @pytest.mark.parametrize(
     ("hosts", "job", "key"),
     [
-        ("hosts:\n  cluster: {slurm: {login: testbox, time: soon}}\n", "host: cluster\ncommand: 'true'\n",
-         "hosts.cluster.slurm.time"),
-        ("hosts:\n  cluster: {slurm: {login: testbox, extra: ['-p gpu']}}\n", "host: cluster\ncommand: 'true'\n",
-         "hosts.cluster.slurm.extra"),
+        (
+            "hosts:\n  cluster: {slurm: {login: testbox, time: soon}}\n",
+            "host: cluster\ncommand: 'true'\n",
+            "hosts.cluster.slurm.time",
+        ),
+        (
+            "hosts:\n  cluster: {slurm: {login: testbox, extra: ['-p gpu']}}\n",
+            "host: cluster\ncommand: 'true'\n",
+            "hosts.cluster.slurm.extra",
+        ),
         ("hosts:\n  box: {ssh: testbox}\n", "host: box\ncommand: 'true'\nslurm: {nodes: 2}\n", "slurm"),
-        ("hosts:\n  cluster: {slurm: {login: testbox}}\n  box: {ssh: testbox}\n",
-         "host: [cluster, box]\ncommand: 'true'\n", "hosts"),
-        ("hosts:\n  cluster: {slurm: {login: testbox}}\n", "host: cluster\ncommand: 'true'\nslurm: {nodes: 0}\n",
-         "slurm.nodes"),
-        ("hosts:\n  cluster: {slurm: {login: testbox}}\n", "host: cluster\ncommand: 'true'\nslurm: {nodes: true}\n",
-         "slurm.nodes"),  # a bool is not a count
-        ("hosts:\n  cluster: {slurm: {login: testbox, partition: low}}\n",
-         "host: cluster\ncommand: 'true'\nslurm: {extra: ['--comment=x --partition=high']}\n", "slurm.extra"),
-        ("hosts:\n  cluster: {slurm: {login: testbox, partition: low}}\n",
-         "host: cluster\ncommand: 'true'\nslurm: {extra: ['--partition=high']}\n", "--partition is set by the host"),
-        ("hosts:\n  cluster: {slurm: {login: 'bad host!'}}\n", "host: cluster\ncommand: 'true'\n",
-         "hosts.cluster.slurm.login"),  # the key the file has, not `ssh`
+        (
+            "hosts:\n  cluster: {slurm: {login: testbox}}\n  box: {ssh: testbox}\n",
+            "host: [cluster, box]\ncommand: 'true'\n",
+            "hosts",
+        ),
+        (
+            "hosts:\n  cluster: {slurm: {login: testbox}}\n",
+            "host: cluster\ncommand: 'true'\nslurm: {nodes: 0}\n",
+            "slurm.nodes",
+        ),
+        (
+            "hosts:\n  cluster: {slurm: {login: testbox}}\n",
+            "host: cluster\ncommand: 'true'\nslurm: {nodes: true}\n",
+            "slurm.nodes",
+        ),  # a bool is not a count
+        (
+            "hosts:\n  cluster: {slurm: {login: testbox, partition: low}}\n",
+            "host: cluster\ncommand: 'true'\nslurm: {extra: ['--comment=x --partition=high']}\n",
+            "slurm.extra",
+        ),
+        (
+            "hosts:\n  cluster: {slurm: {login: testbox, partition: low}}\n",
+            "host: cluster\ncommand: 'true'\nslurm: {extra: ['--partition=high']}\n",
+            "--partition is set by the host",
+        ),
+        (
+            "hosts:\n  cluster: {slurm: {login: 'bad host!'}}\n",
+            "host: cluster\ncommand: 'true'\n",
+            "hosts.cluster.slurm.login",
+        ),  # the key the file has, not `ssh`
         ("hosts:\n  cluster: {slurm: {login: testbox}}\n", "host: cluster\ncommand: 'true'\ngpus: true\n", "gpus"),
     ],
 )
@@ -224,8 +272,18 @@ def test_the_agent_refuses_a_slurm_launch_without_the_schedulers_commands(tmp_pa
     from dflashctl.agent import starting
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch, scontrol, scancel here
-    req = {"action": "launch", "workdir": str(tmp_path / "wd"), "job_id": "j-1", "name": "j", "session": "j-1",
-           "gpus": [], "release": "abc", "python": sys.executable, "scheduler": "slurm", "needs": {}}  # fmt: skip
+    req = {
+        "action": "launch",
+        "workdir": str(tmp_path / "wd"),
+        "job_id": "j-1",
+        "name": "j",
+        "session": "j-1",
+        "gpus": [],
+        "release": "abc",
+        "python": sys.executable,
+        "scheduler": "slurm",
+        "needs": {},
+    }
     ans = starting.launch(req, b"{}")
     assert ans["config"] and ans["key"] == "host.slurm" and "sbatch is not on the login node's PATH" in ans["refused"]
     assert not (tmp_path / "wd").exists()
@@ -238,10 +296,23 @@ def test_tunnel_to_a_slurm_job_is_refused_in_one_line(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(tmp_path / "s"))
-    registry.record(JobRecord(id="j-20261201T100000Z-aaaa", name="j", project=str(ROOT), job_file="/j.yaml",
-                              host_name="cluster", host=cluster_host(), release="abc", command="true",
-                              run_dir="/shared/me/runs/j", session="j", launched_at=1.0, state="RUNNING",
-                              slurm_job="7"))  # fmt: skip
+    registry.record(
+        JobRecord(
+            id="j-20261201T100000Z-aaaa",
+            name="j",
+            project=str(ROOT),
+            job_file="/j.yaml",
+            host_name="cluster",
+            host=cluster_host(),
+            release="abc",
+            command="true",
+            run_dir="/shared/me/runs/j",
+            session="j",
+            launched_at=1.0,
+            state="RUNNING",
+            slurm_job="7",
+        )
+    )
     res = run_cli("tunnel", "j-20261201T100000Z-aaaa", "6006", cwd=ROOT)
     assert res.code == 2 and "Slurm cluster" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 

@@ -26,10 +26,15 @@ def quoted_site(request, tmp_path, monkeypatch, login, cluster):  # noqa: F811
     )
     workdir = tmp_path / request.param
     hosts = tmp_path / "hosts.yaml"
-    hosts.write_text("hosts:\n  cluster:\n    slurm: {login: login, partition: debug, time: '10:00'}\n"
-                     f"    python: {sys.executable}\n    workdir: {json.dumps(str(workdir))}\n")  # fmt: skip
-    for key, value in {"HOME": str(home), "DFLASHCTL_HOSTS": str(hosts),
-                       "DFLASHCTL_STATE_DIR": str(tmp_path / "state")}.items():  # fmt: skip
+    hosts.write_text(
+        "hosts:\n  cluster:\n    slurm: {login: login, partition: debug, time: '10:00'}\n"
+        f"    python: {sys.executable}\n    workdir: {json.dumps(str(workdir))}\n"
+    )
+    for key, value in {
+        "HOME": str(home),
+        "DFLASHCTL_HOSTS": str(hosts),
+        "DFLASHCTL_STATE_DIR": str(tmp_path / "state"),
+    }.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     monkeypatch.chdir(ROOT)
@@ -53,9 +58,11 @@ def test_a_job_whose_work_dir_holds_a_quote_and_a_space_is_judged_as_it_ran(quot
 
 
 def test_scontrols_one_line_form_is_read_with_spaces_and_quotes_in_its_paths():
-    line = ("JobId=7 JobName=quoted-1 UserId=root(0) JobState=COMPLETED Reason=None ExitCode=0:0 "
-            "Command=/w/it's here/runs/q\"1/sbatch.sh WorkDir=/w/it's here/runs/q\"1 "
-            "StdErr=/w/it's here/runs/q\"1/slurm-7.out StdIn=/dev/null Power= ")  # fmt: skip
+    line = (
+        "JobId=7 JobName=quoted-1 UserId=root(0) JobState=COMPLETED Reason=None ExitCode=0:0 "
+        "Command=/w/it's here/runs/q\"1/sbatch.sh WorkDir=/w/it's here/runs/q\"1 "
+        "StdErr=/w/it's here/runs/q\"1/slurm-7.out StdIn=/dev/null Power= "
+    )
     info = slurm.parse_scontrol(line)
     assert info["workdir"] == "/w/it's here/runs/q\"1" and info["name"] == "quoted-1" and info["state"] == "COMPLETED"
     assert info["uid"] == 0 and info["exit"] == "0:0"

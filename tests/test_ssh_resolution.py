@@ -33,12 +33,17 @@ def test_proxycommand_and_proxyjump_aliases_go_through_their_hop(client, sshd, t
     HostName that only the hop can reach by that name (`localhost`)."""
     known = client.known_hosts
     known.write_text(known.read_text() + f"[localhost]:{sshd.port} {sshd.host_pubkey}\n")
-    hop = (f"ssh -F /dev/null -i {sshd.user_key} -p {sshd.port} -o UserKnownHostsFile={known} "
-           f"-o StrictHostKeyChecking=yes -W %h:%p root@127.0.0.1")  # fmt: skip
-    add_config(client, f"Host via-cmd\n  HostName localhost\n  Port {sshd.port}\n  User root\n"
-               f"  IdentityFile {sshd.user_key}\n  ProxyCommand {hop}\n"
-               f"Host via-jump\n  HostName localhost\n  Port {sshd.port}\n  User root\n"
-               f"  IdentityFile {sshd.user_key}\n  ProxyJump testbox\n")  # fmt: skip
+    hop = (
+        f"ssh -F /dev/null -i {sshd.user_key} -p {sshd.port} -o UserKnownHostsFile={known} "
+        f"-o StrictHostKeyChecking=yes -W %h:%p root@127.0.0.1"
+    )
+    add_config(
+        client,
+        f"Host via-cmd\n  HostName localhost\n  Port {sshd.port}\n  User root\n"
+        f"  IdentityFile {sshd.user_key}\n  ProxyCommand {hop}\n"
+        f"Host via-jump\n  HostName localhost\n  Port {sshd.port}\n  User root\n"
+        f"  IdentityFile {sshd.user_key}\n  ProxyJump testbox\n",
+    )
     (client.project / "a.py").write_text("A = 1\n")
     for alias in ("via-cmd", "via-jump"):
         res = run_cli("deploy", alias, "--workdir", str(tmp_path / alias), "--json")
@@ -74,8 +79,11 @@ def test_unknown_host_keys_are_shown_as_sha256(client, sshd, tmp_path):
     client.known_hosts.write_text("")
     (client.project / "a.py").write_text("A = 1\n")
     res = run_cli("deploy", "testbox", "--workdir", str(tmp_path / "wd"))
-    fp = __import__("subprocess").run(["ssh-keygen", "-l", "-f", str(sshd.dir / "host_key.pub")], capture_output=True,
-                                      text=True).stdout.split()[1]  # fmt: skip
+    fp = (
+        __import__("subprocess")
+        .run(["ssh-keygen", "-l", "-f", str(sshd.dir / "host_key.pub")], capture_output=True, text=True)
+        .stdout.split()[1]
+    )
     assert res.code == 2 and fp.startswith("SHA256:") and fp in res.stderr
 
 
@@ -102,7 +110,13 @@ def test_without_an_ssh_client_the_fallback_parser_still_runs_match_exec(tmp_pat
     bin_dir.mkdir()
     (bin_dir / "bash").symlink_to(shutil.which("bash"))
     env = {**os.environ, "HOME": str(home), "PATH": str(bin_dir)}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                         stdin=subprocess.DEVNULL, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[:2] == ["False", "10.9.8.7 2200 paramiko"]

@@ -20,18 +20,29 @@ import step_breakdown  # noqa: E402
 from trainer.config import from_dict  # noqa: E402
 from trainer.run.build import build, dummy_batch, forward_loss  # noqa: E402
 
-TINY = {"target": {"random_preset": "tiny-qwen3", "dtype": "float32"}, "drafter": {"num_layers": 1, "block_size": 8},
-        "attention": {"backend": "dense"}, "device": "cpu", "steps": 1,
-        "data": {"anchors_per_seq": 16, "seq_buckets": [128], "batch_size": 2, "synthetic_samples": 4}}  # fmt: skip
+TINY = {
+    "target": {"random_preset": "tiny-qwen3", "dtype": "float32"},
+    "drafter": {"num_layers": 1, "block_size": 8},
+    "attention": {"backend": "dense"},
+    "device": "cpu",
+    "steps": 1,
+    "data": {"anchors_per_seq": 16, "seq_buckets": [128], "batch_size": 2, "synthetic_samples": 4},
+}
 
 
 def test_marked_stages_come_in_stream_order_and_add_up_to_the_step():
     parts = build(from_dict(TINY))
     opt = torch.optim.AdamW(parts.drafter.parameters(), lr=1e-4)
     batch = dummy_batch(parts, 128)
-    rep = step_breakdown.breakdown(parts, opt, lambda i: batch, steps=5, warmup=1,
-                                   flops={"target_fwd": 1e9, "drafter_fwd": 2e9, "drafter_bwd": 4e9,
-                                          "lm_head_loss": 3e9}, ceiling_tflops=1.0)  # fmt: skip
+    rep = step_breakdown.breakdown(
+        parts,
+        opt,
+        lambda i: batch,
+        steps=5,
+        warmup=1,
+        flops={"target_fwd": 1e9, "drafter_fwd": 2e9, "drafter_bwd": 4e9, "lm_head_loss": 3e9},
+        ceiling_tflops=1.0,
+    )
     assert list(rep["stages_ms"]) == step_breakdown.STAGES
     assert all(v > 0 for v in rep["stages_ms"].values())
     # whether they add up on this clock is the benchmark's check (a loaded machine's steps vary): here its form
@@ -86,16 +97,22 @@ def test_kernels_are_sorted_by_what_their_names_say_they_compute():
 
 
 def test_device_work_is_read_from_the_chrome_trace_in_start_order():
-    trace = {"traceEvents": [
-        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1.0, "dur": 9.0},
-        {"ph": "X", "cat": "kernel", "name": "gemm_b", "ts": 30.0, "dur": 4.0},
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 5.0, "dur": 1.0},
-        {"ph": "X", "cat": "kernel", "name": "gemm_a", "ts": 10.0, "dur": 5.0},
-        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 11.0},
-        "garbage", {"ph": "X", "cat": "kernel", "name": "no_start"},
-    ]}  # fmt: skip
-    assert step_breakdown.trace_kernels(trace) == [("Memcpy HtoD", 5.0, 1.0), ("gemm_a", 10.0, 5.0),
-                                                   ("gemm_b", 30.0, 4.0)]  # fmt: skip
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 1.0, "dur": 9.0},
+            {"ph": "X", "cat": "kernel", "name": "gemm_b", "ts": 30.0, "dur": 4.0},
+            {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 5.0, "dur": 1.0},
+            {"ph": "X", "cat": "kernel", "name": "gemm_a", "ts": 10.0, "dur": 5.0},
+            {"ph": "i", "cat": "kernel", "name": "instant", "ts": 11.0},
+            "garbage",
+            {"ph": "X", "cat": "kernel", "name": "no_start"},
+        ]
+    }
+    assert step_breakdown.trace_kernels(trace) == [
+        ("Memcpy HtoD", 5.0, 1.0),
+        ("gemm_a", 10.0, 5.0),
+        ("gemm_b", 30.0, 4.0),
+    ]
     assert step_breakdown.trace_kernels({}) == []
 
 
@@ -106,12 +123,19 @@ def test_a_profile_is_cut_into_the_stages_by_the_marks_separators():
     for step in range(2):  # per step: separators at 0, 10, 20 (+100 a step), each 1 us long
         base = 100.0 * step
         kernels += [(sep, base, 1.0), (sep, base + 10, 1.0), (sep, base + 20, 1.0)]
-        kernels += [("nvjet_gemm", base + 2, 4.0), ("triton_red_fused_rsqrt_0", base + 6, 2.0),
-                    ("multi_tensor_apply_kernel<FusedAdam>", base + 12, 6.0)]  # fmt: skip
+        kernels += [
+            ("nvjet_gemm", base + 2, 4.0),
+            ("triton_red_fused_rsqrt_0", base + 6, 2.0),
+            ("multi_tensor_apply_kernel<FusedAdam>", base + 12, 6.0),
+        ]
     kernels += [("late_copy_kernel", 250.0, 2.0)]  # after the last mark
     table = step_breakdown.stage_table(sorted(kernels, key=lambda k: k[1]), marks, steps=2)
-    assert table["target_fwd"] == {"span_ms": 0.009, "busy_ms": 0.006, "idle_ms": 0.003,
-                                   "classes": {"matmul": 0.004, "norm": 0.002}}  # fmt: skip
+    assert table["target_fwd"] == {
+        "span_ms": 0.009,
+        "busy_ms": 0.006,
+        "idle_ms": 0.003,
+        "classes": {"matmul": 0.004, "norm": 0.002},
+    }
     assert table["optimizer"]["classes"] == {"optimizer": 0.006} and table["optimizer"]["idle_ms"] == 0.003
     # from the first step's last separator (ends at 21) to the second's start (100), over two steps
     between = table["between_steps"]
@@ -126,12 +150,28 @@ def test_a_profile_is_cut_into_the_stages_by_the_marks_separators():
 def test_the_current_record_has_every_key_and_says_where_it_came_from(tmp_path):
     import h200_perf
 
-    raw = {"date": "2026-12-02", "mfu": 0.7, "step_ms": 205.4, "preflight_bucket_s": {"3072": 14.3},
-           "memory_by_step": {"5": {"peak_gib": 37.2}, "20": {"peak_gib": 37.3}}, "split_ms": {"x": 1}}  # fmt: skip
+    raw = {
+        "date": "2026-12-02",
+        "mfu": 0.7,
+        "step_ms": 205.4,
+        "preflight_bucket_s": {"3072": 14.3},
+        "memory_by_step": {"5": {"peak_gib": 37.2}, "20": {"peak_gib": 37.3}},
+        "split_ms": {"x": 1},
+    }
     cold = tmp_path / "cold.json"  # bench/cold_preflight.py's report: one failed run is left out
-    cold.write_text(json.dumps({"buckets": [1024, 3072], "share": "triton", "runs": [
-        {"exit": 0, "preflight_s": [18.4, 11.6]}, {"exit": 1, "preflight_s": [0, 0]},
-        {"exit": 0, "preflight_s": [14.7, 6.4]}]}))  # fmt: skip
+    cold.write_text(
+        json.dumps(
+            {
+                "buckets": [1024, 3072],
+                "share": "triton",
+                "runs": [
+                    {"exit": 0, "preflight_s": [18.4, 11.6]},
+                    {"exit": 1, "preflight_s": [0, 0]},
+                    {"exit": 0, "preflight_s": [14.7, 6.4]},
+                ],
+            }
+        )
+    )
     rec = h200_perf.record_of(raw, "raw.json", 60.5, h200_perf.cold_reports(str(cold)))
     assert list(rec) == [*h200_perf.RECORD_KEYS, "source"]
     assert rec["peak_gib"] == 37.3 and rec["preflight_bucket_s"] == {"3072": 14.3} and rec["source"] == "raw.json"

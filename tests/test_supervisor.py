@@ -21,8 +21,9 @@ from tests.test_safety import job_file, run_dir_of, starts
 
 FAST = "watch: {interval_s: 0.5, backoff_s: 0, max_restarts: 1, restart_on: [CRASHED], stall_after_s: 600}\n"
 AT_GO = 'while [ ! -e "$RUN/go" ]; do sleep 0.1; done'  # a job that fails when the test says, not after a sleep
-BUSY_THEN_HANG = (f"{sys.executable} -c 'import time; t = time.time()\nwhile time.time() - t < 1.2: pass\n"
-                  "time.sleep(600)'")
+BUSY_THEN_HANG = (
+    f"{sys.executable} -c 'import time; t = time.time()\nwhile time.time() - t < 1.2: pass\ntime.sleep(600)'"
+)
 
 
 @pytest.fixture
@@ -44,10 +45,12 @@ def supervisor(run: Path) -> dict:
 def test_a_crash_is_restarted_by_the_supervisor_after_the_laptops_watch_died(proj):
     """A watch is started and SIGKILLed (the laptop slept); the job crashes; its supervisor restarts it once
     (max_restarts 1), then says CRASHED for good and ends. The run dir's events say who restarted it."""
-    job_id = cli_json("launch", job_file(proj, "crashy", f"echo working; {AT_GO}; exit 3",
-                                         FAST + "env: {HF_TOKEN: hf_sup3r}\n"))["id"]  # fmt: skip
-    watch = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], stdout=subprocess.PIPE,
-                             text=True)  # fmt: skip
+    job_id = cli_json(
+        "launch", job_file(proj, "crashy", f"echo working; {AT_GO}; exit 3", FAST + "env: {HF_TOKEN: hf_sup3r}\n")
+    )["id"]
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], stdout=subprocess.PIPE, text=True
+    )
     first = json.loads(watch.stdout.readline())
     assert first["state"] in ("RUNNING", "STARTING")
     watch.send_signal(signal.SIGKILL)
@@ -69,8 +72,9 @@ def test_a_crash_is_restarted_by_the_supervisor_after_the_laptops_watch_died(pro
     assert not [f for f in run.rglob("*") if f.is_file() and b"hf_sup3r" in f.read_bytes()]
     from tests.conftest import TEST_TMUX_SOCKET
 
-    has = subprocess.run(["tmux", "-L", TEST_TMUX_SOCKET, "has-session", "-t", f"={st['run_dir'].split('/')[-1]}"],
-                         capture_output=True)  # fmt: skip
+    has = subprocess.run(
+        ["tmux", "-L", TEST_TMUX_SOCKET, "has-session", "-t", f"={st['run_dir'].split('/')[-1]}"], capture_output=True
+    )
     assert has.returncode != 0, "the ended job's tmux session was left behind"
 
 

@@ -16,8 +16,13 @@ from trainer.run.build import build, drafter_output
 from trainer.serve import bench_tau
 
 BS, MAX_NEW = 8, 30
-CONFIG = {"target": {"random_preset": "tiny-qwen3", "dtype": "float32"}, "drafter": {"num_layers": 2, "block_size": BS},
-          "attention": {"backend": "dense"}, "data": {"seq_buckets": [128]}, "device": "cpu"}  # fmt: skip
+CONFIG = {
+    "target": {"random_preset": "tiny-qwen3", "dtype": "float32"},
+    "drafter": {"num_layers": 2, "block_size": BS},
+    "attention": {"backend": "dense"},
+    "data": {"seq_buckets": [128]},
+    "device": "cpu",
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +43,15 @@ def prompts():
 def reference_draft(parts, drafter, seq: torch.Tensor) -> list[int]:
     bs, p = parts.cfg.drafter.block_size, seq.numel() - 1
     S = bucket_for(seq.numel(), parts.cfg.data.seq_buckets)
-    batch = build_blocks([(seq, torch.ones_like(seq))], S, spec.eval_anchors(bs), bs, parts.mask_token_id,
-                         parts.cfg.optim.gamma, [torch.tensor([p])])  # fmt: skip
+    batch = build_blocks(
+        [(seq, torch.ones_like(seq))],
+        S,
+        spec.eval_anchors(bs),
+        bs,
+        parts.mask_token_id,
+        parts.cfg.optim.gamma,
+        [torch.tensor([p])],
+    )
     out = drafter_output(parts, drafter, batch, parts.eval_backend)
     return parts.target.lm_head(out[0, 1:bs]).argmax(-1).tolist()
 
@@ -123,8 +135,10 @@ def test_the_real_drafter_drafts_from_the_cache_what_it_drafts_from_a_fresh_forw
 
     monkeypatch.setattr(spec, "draft_blocks", checked)
     few, max_new = [prompts[0], prompts[2], prompts[5]], 12  # three lengths, two batches: each step is two forwards
-    ref = [reference_decode(parts, p, max_new, spec.eos_ids(parts),
-                            lambda s: reference_draft(parts, parts.drafter, s)) for p in few]  # fmt: skip
+    ref = [
+        reference_decode(parts, p, max_new, spec.eos_ids(parts), lambda s: reference_draft(parts, parts.drafter, s))
+        for p in few
+    ]
     assert spec.speculative_decode_batch(parts, parts.drafter, few, max_new, 2) == ref
     assert len(seen) == sum(len(g) for _, g in ref) and all(got == want for got, want in seen)
 
@@ -152,9 +166,15 @@ def drafter_dir(tiny_dir, tmp_path_factory):
     from trainer.model.dflash_format import draft_config, write_export
     from trainer.model.drafter import drafter_dims
 
-    cfg = from_dict({"target": {"path": str(tiny_dir / "target"), "dtype": "float32"},
-                     "drafter": {"num_layers": 2, "block_size": BS}, "attention": {"backend": "dense"},
-                     "data": {"seq_buckets": [128]}, "device": "cpu"})  # fmt: skip
+    cfg = from_dict(
+        {
+            "target": {"path": str(tiny_dir / "target"), "dtype": "float32"},
+            "drafter": {"num_layers": 2, "block_size": BS},
+            "attention": {"backend": "dense"},
+            "data": {"seq_buckets": [128]},
+            "device": "cpu",
+        }
+    )
     p = build(cfg, for_training=False)
     dims = drafter_dims(p.target.config, 2, len(p.target.layer_ids), {})
     config = draft_config(dims, BS, p.target.layer_ids, p.mask_token_id, p.target.config)
@@ -163,17 +183,44 @@ def drafter_dir(tiny_dir, tmp_path_factory):
 
 def test_bench_tau_gives_the_same_answer_at_every_batch_size(capsys, tiny_dir, drafter_dir, tmp_path):
     mt = tmp_path / "mt_bench.jsonl"
-    mt.write_text("".join(json.dumps({"question_id": i, "turns": turns}) + "\n" for i, turns in enumerate([
-        ["please count after five .", "then count after nine ."],
-        ["list colours after red ?"],
-        ["tell me about numbers .", "and more ?", "one last thing ."],
-        ["count after one ."]])))  # fmt: skip
+    mt.write_text(
+        "".join(
+            json.dumps({"question_id": i, "turns": turns}) + "\n"
+            for i, turns in enumerate(
+                [
+                    ["please count after five .", "then count after nine ."],
+                    ["list colours after red ?"],
+                    ["tell me about numbers .", "and more ?", "one last thing ."],
+                    ["count after one ."],
+                ]
+            )
+        )
+    )
     runs = []
     for batch_size in (1, 2, 64):
         out = tmp_path / f"per_prompt_{batch_size}.jsonl"
-        code = bench_tau.main(["--target", str(tiny_dir / "target"), "--drafter", str(drafter_dir), "--prompts",
-                               str(mt), "--max-new-tokens", "12", "--dtype", "float32", "--device", "cpu", "--quiet",
-                               "--json", "--out", str(out), "--batch-size", str(batch_size)])  # fmt: skip
+        code = bench_tau.main(
+            [
+                "--target",
+                str(tiny_dir / "target"),
+                "--drafter",
+                str(drafter_dir),
+                "--prompts",
+                str(mt),
+                "--max-new-tokens",
+                "12",
+                "--dtype",
+                "float32",
+                "--device",
+                "cpu",
+                "--quiet",
+                "--json",
+                "--out",
+                str(out),
+                "--batch-size",
+                str(batch_size),
+            ]
+        )
         printed = capsys.readouterr().out
         assert code == 0
         (summary,) = json.loads(printed)["sets"]
@@ -198,8 +245,20 @@ def test_bench_tau_gives_the_same_answer_at_every_batch_size(capsys, tiny_dir, d
 def test_a_batch_size_below_one_is_one_line_exit_2(capsys, tiny_dir, drafter_dir, tmp_path, value):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"question": "count after two ."}) + "\n")
-    code = bench_tau.main(["--target", str(tiny_dir / "target"), "--drafter", str(drafter_dir), "--prompts",
-                           str(prompts), "--batch-size", value, "--device", "cpu"])  # fmt: skip
+    code = bench_tau.main(
+        [
+            "--target",
+            str(tiny_dir / "target"),
+            "--drafter",
+            str(drafter_dir),
+            "--prompts",
+            str(prompts),
+            "--batch-size",
+            value,
+            "--device",
+            "cpu",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "--batch-size" in err
 
@@ -240,9 +299,24 @@ def test_a_sharded_target_decodes_the_same_batches_on_every_rank(tmp_path):
     root = Path(__file__).resolve().parents[1]
     script = tmp_path / "worker.py"
     script.write_text(f"json_cfg = {json.dumps(CONFIG)}\n" + WORKER)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), str(tmp_path), str(root)], cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            str(tmp_path),
+            str(root),
+        ],
+        cwd=root,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = torch.load(tmp_path / "replicate-0.pt")
     assert any(len(g) for _, g in want)

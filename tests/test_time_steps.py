@@ -21,10 +21,12 @@ from tests.test_records import ls
 from tests.test_safety import job_file, run_dir_of, starts
 
 # a healthy job that steps like a trainer: a step record in metrics.jsonl and a heartbeat (written whole) each 0.3 s
-STEPPING = ('i=0; while true; do i=$((i+1)); t=$(date +%s.%N); r="$DFLASHCTL_RUN_DIR"; '
-            'echo "{\\"step\\": $i, \\"time\\": $t, \\"loss\\": 1.0}" >> "$r/metrics.jsonl"; '
-            'echo "{\\"time\\": $t, \\"step\\": $i, \\"phase\\": \\"train\\"}" > "$r/hb.tmp"; '
-            'mv "$r/hb.tmp" "$r/heartbeat"; echo tick; sleep 0.3; done')
+STEPPING = (
+    'i=0; while true; do i=$((i+1)); t=$(date +%s.%N); r="$DFLASHCTL_RUN_DIR"; '
+    'echo "{\\"step\\": $i, \\"time\\": $t, \\"loss\\": 1.0}" >> "$r/metrics.jsonl"; '
+    'echo "{\\"time\\": $t, \\"step\\": $i, \\"phase\\": \\"train\\"}" > "$r/hb.tmp"; '
+    'mv "$r/hb.tmp" "$r/heartbeat"; echo tick; sleep 0.3; done'
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +65,9 @@ def test_status_and_watch_once_right_after_a_clock_step_say_running(proj, shift_
     The wall clock is faked (DFLASHCTL_TEST_WALL_SHIFT_FILE: the agent's tests-only hook, read by the probe and the
     supervisor alike; monotonic time is untouched), because a real clock step cannot be made here without
     disturbing every other process on the machine."""
-    extra = ("watch: {interval_s: 30, backoff_s: 0, max_restarts: 1, restart_on: [STALLED, CRASHED], "
-             "stall_after_s: 20}\n")
+    extra = (
+        "watch: {interval_s: 30, backoff_s: 0, max_restarts: 1, restart_on: [STALLED, CRASHED], stall_after_s: 20}\n"
+    )
     job_id = cli_json("launch", job_file(proj, "steady", STEPPING, extra))["id"]
     run = run_dir_of(job_id)
     sup = swap_supervisor(run, shift_file)
@@ -111,9 +114,14 @@ def test_a_clock_stepped_back_an_hour_hides_no_stall(proj, shift_file):
 def snap(wall: float, **progress) -> dict:
     """A trainer's snapshot at remote wall time `wall`: step 6, its history's wall stamps from before a step."""
     prog = {"attempt_start": 1000.0, "step": 6, "step_changed_at": 2001.0, "heartbeat_changed_at": 2001.0, **progress}
-    return {"time": wall, "run_dir_exists": True, "session": {"exists": True, "created": 1000.0}, "progress": prog,
-            "heartbeat": {"time": 2001.0, "mtime": 2001.0, "step": 6, "phase": "train"},
-            "metrics": {"records": [{"time": 2001.0, "step": 6, "loss": 2.0, "tokens_per_s": 100.0}]}}  # fmt: skip
+    return {
+        "time": wall,
+        "run_dir_exists": True,
+        "session": {"exists": True, "created": 1000.0},
+        "progress": prog,
+        "heartbeat": {"time": 2001.0, "mtime": 2001.0, "step": 6, "phase": "train"},
+        "metrics": {"records": [{"time": 2001.0, "step": 6, "loss": 2.0, "tokens_per_s": 100.0}]},
+    }
 
 
 AGES = {"step_age_s": 1.5, "heartbeat_age_s": 0.5, "attempt_age_s": 1002.0}
@@ -160,8 +168,15 @@ def test_a_long_watch_of_a_frozen_job_stalls_on_the_remotes_ages(trainer):
     states = []
     for i in range(8):  # a poll each 10 s on both clocks; the quiet began 3.3 s before the first
         wall = 2010.0 + 10 * i + (7200 if i >= 4 else 0)
-        s = snap(wall, step_age_s=3.3 + 10 * i, heartbeat_age_s=3.3 + 10 * i, attempt_age_s=1010.0 + 10 * i,
-                 activity_age_s=3.3 + 10 * i, activity="log grew", activity_at=2006.7)  # fmt: skip
+        s = snap(
+            wall,
+            step_age_s=3.3 + 10 * i,
+            heartbeat_age_s=3.3 + 10 * i,
+            attempt_age_s=1010.0 + 10 * i,
+            activity_age_s=3.3 + 10 * i,
+            activity="log grew",
+            activity_at=2006.7,
+        )
         if not trainer:
             s["progress"].pop("step")
             s["metrics"] = {"records": []}
@@ -190,8 +205,11 @@ def test_a_malformed_age_is_no_age(bad):
 
 
 def history_snap(run: Path, now: float) -> dict:
-    return {"session": {"exists": True, "created": now - 100.0}, "procs": [],
-            "log": {"size": (run / "train.log").stat().st_size}}  # fmt: skip
+    return {
+        "session": {"exists": True, "created": now - 100.0},
+        "procs": [],
+        "log": {"size": (run / "train.log").stat().st_size},
+    }
 
 
 def test_the_history_keeps_monotonic_stamps_and_a_changed_boot_id_falls_back_to_the_wall(tmp_path):
@@ -249,8 +267,12 @@ def test_a_clock_stepped_back_under_a_young_attempt_loses_none_of_its_steps(tmp_
     (run / "train.log").write_text("tick\n")
     now, mono = time.time(), time.monotonic()
     metrics = run / "metrics.jsonl"
-    metrics.write_text(json.dumps({"step": 4, "time": now - 700.0}) + "\n"  # an earlier attempt's
-                       + json.dumps({"step": 5, "time": now - 10.0}) + "\n")  # fmt: skip
+    metrics.write_text(
+        json.dumps({"step": 4, "time": now - 700.0})
+        + "\n"  # an earlier attempt's
+        + json.dumps({"step": 5, "time": now - 10.0})
+        + "\n"
+    )
     look = {"session": {"exists": True, "created": now - 600.0}, "procs": [], "log": {"size": 5}}
     first = agent_snapshot.update_progress(str(run), now, look, [], -1, mono)
     assert first["step"] == 5

@@ -19,9 +19,15 @@ MAX_NEW = 10
 @pytest.fixture(scope="module")
 def drafter_dir(tiny_dir, tmp_path_factory):
     """An (untrained) drafter for the tiny target, in the public format."""
-    cfg = from_dict({"target": {"path": str(tiny_dir / "target"), "dtype": "float32"},
-                     "drafter": {"num_layers": 2, "block_size": 8}, "attention": {"backend": "dense"},
-                     "data": {"seq_buckets": [128]}, "device": "cpu"})  # fmt: skip
+    cfg = from_dict(
+        {
+            "target": {"path": str(tiny_dir / "target"), "dtype": "float32"},
+            "drafter": {"num_layers": 2, "block_size": 8},
+            "attention": {"backend": "dense"},
+            "data": {"seq_buckets": [128]},
+            "device": "cpu",
+        }
+    )
     parts = build(cfg, for_training=False)
     from trainer.model.drafter import drafter_dims
 
@@ -33,14 +39,22 @@ def drafter_dir(tiny_dir, tmp_path_factory):
 @pytest.fixture
 def prompt_files(tmp_path):
     files = {
-        "gsm8k": [{"question": "please count after two .", "answer": "three"},
-                  {"question": "list colours after red ?", "answer": "green"}],
+        "gsm8k": [
+            {"question": "please count after two .", "answer": "three"},
+            {"question": "list colours after red ?", "answer": "green"},
+        ],
         "humaneval": [{"task_id": "t/0", "prompt": "tell me about numbers ."}],
         "mt_bench": [{"question_id": 81, "turns": ["please count after five .", "then count after nine ."]}],
-        "chat": [{"messages": [{"role": "system", "content": "say what is next ."},
-                               {"role": "user", "content": "count after one ."},
-                               {"role": "assistant", "content": "two three"}]}],
-    }  # fmt: skip
+        "chat": [
+            {
+                "messages": [
+                    {"role": "system", "content": "say what is next ."},
+                    {"role": "user", "content": "count after one ."},
+                    {"role": "assistant", "content": "two three"},
+                ]
+            }
+        ],
+    }
     paths = {}
     for name, recs in files.items():
         paths[name] = tmp_path / f"{name}.jsonl"
@@ -56,8 +70,22 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 
 def test_every_format_is_measured_and_both_taus_are_named(capsys, tiny_dir, drafter_dir, prompt_files, tmp_path):
     per_prompt = tmp_path / "per_prompt.jsonl"
-    args = ["--target", str(tiny_dir / "target"), "--drafter", str(drafter_dir), "--max-new-tokens", str(MAX_NEW),
-            "--dtype", "float32", "--device", "cpu", "--quiet", "--json", "--out", str(per_prompt)]  # fmt: skip
+    args = [
+        "--target",
+        str(tiny_dir / "target"),
+        "--drafter",
+        str(drafter_dir),
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--quiet",
+        "--json",
+        "--out",
+        str(per_prompt),
+    ]
     for p in prompt_files.values():
         args += ["--prompts", str(p)]
     code, out, _ = run(capsys, *args)
@@ -91,10 +119,14 @@ def test_a_prompt_that_cannot_fit_is_skipped_and_counted_never_cut(capsys, tiny_
 
 @pytest.mark.parametrize(
     "line, where",
-    [("{not json", "p.jsonl:2"), ('{"answer": "4"}', "p.jsonl:2: expected one of"), ('{"turns": []}', "p.jsonl:2"),
-     ('{"messages": [{"role": "assistant", "content": "x"}]}', "p.jsonl:2: messages has no user message"),
-     ("[1, 2]", "p.jsonl:2: expected an object")],
-)  # fmt: skip
+    [
+        ("{not json", "p.jsonl:2"),
+        ('{"answer": "4"}', "p.jsonl:2: expected one of"),
+        ('{"turns": []}', "p.jsonl:2"),
+        ('{"messages": [{"role": "assistant", "content": "x"}]}', "p.jsonl:2: messages has no user message"),
+        ("[1, 2]", "p.jsonl:2: expected an object"),
+    ],
+)
 def test_a_bad_prompt_line_is_one_line_naming_file_and_line_exit_2(capsys, tmp_path, tiny_dir, line, where):
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"question": "count after two ."}) + "\n" + line + "\n")
@@ -103,8 +135,17 @@ def test_a_bad_prompt_line_is_one_line_naming_file_and_line_exit_2(capsys, tmp_p
 
 
 def test_a_drafter_of_another_shape_or_no_export_is_exit_2(capsys, tmp_path, tiny_dir, prompt_files):
-    code, _, err = run(capsys, "--target", str(tiny_dir / "target"), "--drafter", str(tmp_path / "none"),
-                       "--prompts", str(prompt_files["gsm8k"]), "--device", "cpu")  # fmt: skip
+    code, _, err = run(
+        capsys,
+        "--target",
+        str(tiny_dir / "target"),
+        "--drafter",
+        str(tmp_path / "none"),
+        "--prompts",
+        str(prompt_files["gsm8k"]),
+        "--device",
+        "cpu",
+    )
     assert code == 2 and len(err.strip().splitlines()) == 1 and "none" in err
 
 
@@ -122,8 +163,22 @@ def test_one_huge_prompt_is_skipped_and_does_not_set_the_length_limit(capsys, ti
     p = tmp_path / "huge.jsonl"
     lines = [{"question": "count after two ."}, {"question": "count " * 30000}]
     p.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    args = ["--target", str(tiny_dir / "target"), "--drafter", str(drafter_dir), "--max-new-tokens", str(MAX_NEW),
-            "--dtype", "float32", "--device", "cpu", "--quiet", "--json", "--prompts", str(p)]  # fmt: skip
+    args = [
+        "--target",
+        str(tiny_dir / "target"),
+        "--drafter",
+        str(drafter_dir),
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--quiet",
+        "--json",
+        "--prompts",
+        str(p),
+    ]
     code, out, _ = run(capsys, *args)
     assert code == 0
     (s,) = json.loads(out)["sets"]
@@ -143,19 +198,42 @@ def test_the_reference_placement_of_block_size_is_read(capsys, tmp_path, tiny_di
     assert config["block_size"] == 8
     (moved / "config.json").write_text(json.dumps(config))
     (moved / "model.safetensors").symlink_to(drafter_dir / "model.safetensors")
-    args = ["--target", str(tiny_dir / "target"), "--max-new-tokens", str(MAX_NEW), "--dtype", "float32",
-            "--device", "cpu", "--quiet", "--json", "--prompts", str(prompt_files["gsm8k"])]  # fmt: skip
+    args = [
+        "--target",
+        str(tiny_dir / "target"),
+        "--max-new-tokens",
+        str(MAX_NEW),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--quiet",
+        "--json",
+        "--prompts",
+        str(prompt_files["gsm8k"]),
+    ]
     code, out, err = run(capsys, *args, "--drafter", str(moved))
     assert code == 0, err
     assert json.loads(out)["block_size"] == 8
     code, original, _ = run(capsys, *args, "--drafter", str(drafter_dir))
-    assert json.loads(out)["sets"] == [{**s, "seconds": json.loads(out)["sets"][0]["seconds"]}
-                                       for s in json.loads(original)["sets"]]  # fmt: skip
+    assert json.loads(out)["sets"] == [
+        {**s, "seconds": json.loads(out)["sets"][0]["seconds"]} for s in json.loads(original)["sets"]
+    ]
 
 
 def test_a_prompt_file_with_no_prompt_is_exit_2(capsys, tmp_path, tiny_dir, drafter_dir):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    code, out, err = run(capsys, "--target", str(tiny_dir / "target"), "--drafter", str(drafter_dir), "--prompts",
-                         str(empty), "--device", "cpu", "--quiet")  # fmt: skip
+    code, out, err = run(
+        capsys,
+        "--target",
+        str(tiny_dir / "target"),
+        "--drafter",
+        str(drafter_dir),
+        "--prompts",
+        str(empty),
+        "--device",
+        "cpu",
+        "--quiet",
+    )
     assert code == 2 and out == "" and "empty.jsonl: --prompts: no prompts in the file" in err

@@ -51,12 +51,18 @@ def test_malformed_yaml(tmp_path):
     assert proc.returncode == 2 and f"{path}:" in proc.stderr and "malformed YAML" in proc.stderr
 
 
-@pytest.mark.parametrize("extra, key", [
-    ("optim: {learning_rate: 1}\n", "optim.learning_rate: unknown key"),
-    ("attention: {backend: flex}\n", "attention.backend: flex has no backward on the CPU"),  # device: cpu, said
-    ("attention: {backend: dense, flex_backend: flash}\n", "attention.flex_backend: flash (FlashAttention-4) needs"),
-    ("attention: {backend: dense}\ngrad_reduce_dtype: bfloat16\n", "grad_reduce_dtype: a bfloat16 gradient"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "extra, key",
+    [
+        ("optim: {learning_rate: 1}\n", "optim.learning_rate: unknown key"),
+        ("attention: {backend: flex}\n", "attention.backend: flex has no backward on the CPU"),  # device: cpu, said
+        (
+            "attention: {backend: dense, flex_backend: flash}\n",
+            "attention.flex_backend: flash (FlashAttention-4) needs",
+        ),
+        ("attention: {backend: dense}\ngrad_reduce_dtype: bfloat16\n", "grad_reduce_dtype: a bfloat16 gradient"),
+    ],
+)
 def test_a_bad_config_is_refused_before_torch_is_imported(tmp_path, extra, key):
     """`python -m trainer.config` promises validation without torch; the trainer refuses a bad file the same way, so
     a typo costs a fraction of a second, not torch's import (seconds on a loaded login node). So is what the CPU the
@@ -66,10 +72,13 @@ def test_a_bad_config_is_refused_before_torch_is_imported(tmp_path, extra, key):
 
     cfg = tmp_path / "train.yaml"
     cfg.write_text(BASE + extra)
-    code = ("import sys; from trainer.train import main; rc = main(['--config', sys.argv[1]]); "
-            "print(rc, 'torch' in sys.modules)")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code, str(cfg)], capture_output=True, text=True, timeout=60,
-                          cwd=TESTS.parent)  # fmt: skip
+    code = (
+        "import sys; from trainer.train import main; rc = main(['--config', sys.argv[1]]); "
+        "print(rc, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(cfg)], capture_output=True, text=True, timeout=60, cwd=TESTS.parent
+    )
     assert proc.stdout.split() == ["2", "False"], proc.stderr
     assert key in proc.stderr
 
@@ -86,8 +95,16 @@ def test_the_dense_cap_is_checked_from_the_targets_config_before_its_weights_loa
     write_tiny_target(full)
     bare.mkdir()
     (bare / "config.json").write_text((full / "config.json").read_text())  # the config, no weights, no tokenizer
-    cfg = from_dict({"target": {"path": str(bare), "dtype": "float32"}, "drafter": {"num_layers": 1, "block_size": 8},
-                     "attention": {"backend": "dense", "dense_max_gib": 1e-6}, "device": "cpu",
-                     "data": {"anchors_per_seq": 16, "seq_buckets": [128]}, "steps": 1}, "t.yaml")  # fmt: skip
+    cfg = from_dict(
+        {
+            "target": {"path": str(bare), "dtype": "float32"},
+            "drafter": {"num_layers": 1, "block_size": 8},
+            "attention": {"backend": "dense", "dense_max_gib": 1e-6},
+            "device": "cpu",
+            "data": {"anchors_per_seq": 16, "seq_buckets": [128]},
+            "steps": 1,
+        },
+        "t.yaml",
+    )
     with pytest.raises(ConfigError, match="attention.dense_max_gib: the dense reference would allocate"):
         build(cfg, "t.yaml")

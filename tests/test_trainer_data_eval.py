@@ -86,16 +86,35 @@ eval: {{prompts: 2, max_new_tokens: 8, prompt_file: {tmp_path / "gsm8k.jsonl"}}}
 def regenerate(tmp_path, tiny_dir, inp: Path, out: Path, *extra: str) -> list[str]:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"target: {{path: {tiny_dir / 'target'}, dtype: float32}}\ndevice: cpu\n")
-    return [sys.executable, "-m", "trainer.regenerate", "--config", str(cfg), "--input", str(inp), "--output",
-            str(out), "--max-new-tokens", "6", "--quiet", *extra]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "trainer.regenerate",
+        "--config",
+        str(cfg),
+        "--input",
+        str(inp),
+        "--output",
+        str(out),
+        "--max-new-tokens",
+        "6",
+        "--quiet",
+        *extra,
+    ]
 
 
 def multi_turn(first_answer: str) -> list[dict]:
-    return [{"messages": [{"role": "user", "content": "please count after two ."},
-                          {"role": "assistant", "content": first_answer},
-                          {"role": "user", "content": "then count after five ."},
-                          {"role": "assistant", "content": "six seven"}]},
-            {"prompt": "list colours after red ?", "response": "green"}]  # fmt: skip
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": "please count after two ."},
+                {"role": "assistant", "content": first_answer},
+                {"role": "user", "content": "then count after five ."},
+                {"role": "assistant", "content": "six seven"},
+            ]
+        },
+        {"prompt": "list colours after red ?", "response": "green"},
+    ]
 
 
 def regenerate_here(cmd: list[str], capsys) -> tuple[int, str]:

@@ -35,8 +35,14 @@ def train(tmp_path: Path, target: str, steps: int, extra: str = "", env: dict | 
     cfg.write_text(f"target: {target}\nsteps: {steps}\n{CONFIG}{extra}")
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "trainer.train", "--config", str(cfg), "--run-dir", str(run_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})  # fmt: skip
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
     recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return proc, run_dir, recs
 
@@ -78,8 +84,13 @@ def test_a_target_that_overflows_diverges_with_exit_4_and_writes_nothing_non_fin
 
 @pytest.mark.slow
 def test_a_run_that_turns_nan_keeps_its_last_finite_checkpoint_and_resume_starts_there(tmp_path):
-    proc, run_dir, recs = train(tmp_path, "{random_preset: tiny-qwen3, dtype: float32}", 20,
-                                "checkpoint: {every: 2, keep: 3}\n", env={"TRAINER_FAULT": "nan@7"})  # fmt: skip
+    proc, run_dir, recs = train(
+        tmp_path,
+        "{random_preset: tiny-qwen3, dtype: float32}",
+        20,
+        "checkpoint: {every: 2, keep: 3}\n",
+        env={"TRAINER_FAULT": "nan@7"},
+    )
     assert proc.returncode == EXIT_DIVERGED, proc.stderr[-2000:]
     kept = checkpoint.complete(run_dir / "checkpoints")
     assert [p.name for p in kept] == ["step-00000002", "step-00000004", "step-00000006"]  # none after step 6

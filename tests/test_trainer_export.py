@@ -33,9 +33,19 @@ CONFIG = {
 
 
 def public_names(layers: int) -> set[str]:
-    per_layer = ["input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-                 "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj",
-                 "mlp.up_proj", "mlp.down_proj"]  # fmt: skip
+    per_layer = [
+        "input_layernorm",
+        "post_attention_layernorm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ]
     return {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
         f"layers.{i}.{p}.weight" for i in range(layers) for p in per_layer
     }
@@ -80,8 +90,11 @@ def reference_draft(cfg: dict, w: dict, target_hidden, noise_emb, ctx_len: int, 
         o = torch.einsum("hqk,khd->qhd", att.softmax(-1), v).reshape(bs, H * D)
         x = x + o @ w[p + "self_attn.o_proj.weight"].T
         h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
-        x = x + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)) @ w[
-            p + "mlp.down_proj.weight"].T  # fmt: skip
+        x = (
+            x
+            + (F.silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T))
+            @ w[p + "mlp.down_proj.weight"].T
+        )
     return _rms(x, w["norm.weight"], eps)
 
 
@@ -89,8 +102,13 @@ def reference_draft(cfg: dict, w: dict, target_hidden, noise_emb, ctx_len: int, 
 def run_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("export")
     (d / "train.yaml").write_text(json.dumps(CONFIG))
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(d / "train.yaml"), "--run-dir",
-                           str(d / "run")], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "--config", str(d / "train.yaml"), "--run-dir", str(d / "run")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return d / "run"
 
@@ -110,21 +128,38 @@ def test_training_ends_with_an_export_in_the_public_format(run_dir):
 
 def test_the_public_format_drafts_what_the_trainer_drafts(run_dir, tmp_path):
     """fp32: the trainer's drafter and the format-only reference agree on one block (within 1e-4)."""
-    subprocess.run([sys.executable, "-m", "trainer.export", "--run-dir", str(run_dir), "--out", str(tmp_path / "e"),
-                    "--dtype", "float32"], cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.export",
+            "--run-dir",
+            str(run_dir),
+            "--out",
+            str(tmp_path / "e"),
+            "--dtype",
+            "float32",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     cfg = json.loads((tmp_path / "e" / "config.json").read_text())
     w = load_file(str(tmp_path / "e" / "model.safetensors"))
-    parts = build(from_dict({**CONFIG, "drafter": {**CONFIG["drafter"], "init_from": str(tmp_path / "e")}}),
-                  for_training=False)  # fmt: skip
+    parts = build(
+        from_dict({**CONFIG, "drafter": {**CONFIG["drafter"], "init_from": str(tmp_path / "e")}}), for_training=False
+    )
     S, bs, anchor = 128, 8, 57
     ids = torch.randint(0, 256, (S,), generator=torch.Generator().manual_seed(5))
-    b = build_blocks([(ids, torch.ones(S, dtype=torch.long))], S, 16, bs, parts.mask_token_id, 7.0,
-                     [torch.tensor([anchor])])  # fmt: skip
+    b = build_blocks(
+        [(ids, torch.ones(S, dtype=torch.long))], S, 16, bs, parts.mask_token_id, 7.0, [torch.tensor([anchor])]
+    )
     with torch.no_grad():
         hidden = parts.target.hidden_states(b.input_ids)  # [1, S, n*C]
         emb = parts.target.embed(b.block_ids)
-        mine = parts.drafter(hidden, emb, b.block_pos, dense_mask(b.anchors, b.anchor_valid, S, bs),
-                             parts.backend)[0, :bs]  # fmt: skip
+        mine = parts.drafter(hidden, emb, b.block_pos, dense_mask(b.anchors, b.anchor_valid, S, bs), parts.backend)[
+            0, :bs
+        ]
         ref = reference_draft(cfg, w, hidden[0], emb[0, :bs], S, anchor)
     assert (mine - ref).abs().max().item() <= 1e-4
 
@@ -139,14 +174,23 @@ def test_export_import_export_is_byte_identical(run_dir, tmp_path):
 def test_init_from_refuses_a_drafter_of_another_shape(run_dir, tmp_path):
     cfg = {**CONFIG, "drafter": {"num_layers": 3, "block_size": 8, "init_from": str(run_dir / "export")}}
     (tmp_path / "t.yaml").write_text(json.dumps(cfg))
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(tmp_path / "t.yaml")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "--config", str(tmp_path / "t.yaml")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "drafter.init_from" in proc.stderr and "num_hidden_layers is 2" in proc.stderr
 
 
 def test_export_of_something_that_is_no_run_is_one_line_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "trainer.export", "--run-dir", str(tmp_path), "--out",
-                           str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.export", "--run-dir", str(tmp_path), "--out", str(tmp_path / "o")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "metrics.jsonl" in proc.stderr
 
 
@@ -168,8 +212,10 @@ def test_mask_token_is_dedicated_never_pad_or_eos(tiny_dir):
     assert got == tok.mask_token_id == len(tok) - 1 and got not in (tok.pad_token_id, tok.eos_token_id)
     qwen3 = SimpleNamespace(model_type="qwen3", vocab_size=151936, pad_token_id=151643, eos_token_id=151645)
     assert resolve_mask_token(cfg, qwen3, None) == 151669
-    for unknown in (SimpleNamespace(model_type="llama", vocab_size=128256), SimpleNamespace(model_type="qwen3",
-                                                                                            vocab_size=1000)):
+    for unknown in (
+        SimpleNamespace(model_type="llama", vocab_size=128256),
+        SimpleNamespace(model_type="qwen3", vocab_size=1000),
+    ):
         with pytest.raises(ConfigError, match=r"job.yaml: drafter.mask_token_id: no dedicated mask token"):
             resolve_mask_token(cfg, unknown, None, "job.yaml")
     cfg.drafter.mask_token_id = 128256
@@ -187,8 +233,9 @@ def test_export_records_the_mask_token_the_run_trained_with(run_dir):
 
 def _export_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    return subprocess.run([sys.executable, "-m", "trainer.export", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.export", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120
+    )
 
 
 def test_export_out_never_replaces_what_is_not_an_export(tmp_path):
@@ -202,9 +249,15 @@ def test_export_out_never_replaces_what_is_not_an_export(tmp_path):
     a_file.write_text("x")
     link = tmp_path / "link"
     link.symlink_to(other)
-    cases = {str(run): "is the run dir", str(tmp_path): "is the run dir or holds it", str(other): "holds other files",
-             str(a_file): "is not a folder", str(link): "is a symlink", ".": "holds other files",
-             str(run / "checkpoints"): "holds other files"}  # fmt: skip
+    cases = {
+        str(run): "is the run dir",
+        str(tmp_path): "is the run dir or holds it",
+        str(other): "holds other files",
+        str(a_file): "is not a folder",
+        str(link): "is a symlink",
+        ".": "holds other files",
+        str(run / "checkpoints"): "holds other files",
+    }
     for out, why in cases.items():
         res = _export_cli("--run-dir", str(run), "--out", out, cwd=other)
         assert res.returncode == 2, (out, res.stderr)
@@ -213,10 +266,17 @@ def test_export_out_never_replaces_what_is_not_an_export(tmp_path):
     assert (other / "thesis.tex").read_text() == "years of work" and a_file.read_text() == "x"
     assert (run / "metrics.jsonl").exists() and (run / "checkpoints" / "step-00000002").is_dir()
     assert not list(tmp_path.rglob(".*tmp*"))  # nothing left behind
-    code = ("import sys; from trainer.serve.export import main; rc = main(['--run-dir', sys.argv[1], '--out', "
-            "sys.argv[1]]); print(rc, 'torch' in sys.modules)")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code, str(run)], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    code = (
+        "import sys; from trainer.serve.export import main; rc = main(['--run-dir', sys.argv[1], '--out', "
+        "sys.argv[1]]); print(rc, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(run)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert proc.stdout.split() == ["2", "False"], proc.stderr  # refused before torch's import: a fraction of a second
 
 

@@ -169,8 +169,9 @@ def test_compiled_drafter_layers_still_refuse_to_run_flex_eagerly():
     from trainer.model.drafter import Drafter, DrafterDims
     from trainer.run.parallelize import compile_layers
 
-    dims = DrafterDims(hidden=32, intermediate=64, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=2,
-                       num_target_layers=2)  # fmt: skip
+    dims = DrafterDims(
+        hidden=32, intermediate=64, num_heads=4, num_kv_heads=2, head_dim=8, num_layers=2, num_target_layers=2
+    )
     drafter = Drafter(dims)
     compile_layers(drafter.layers)
     flex = FlexBackend()

@@ -38,9 +38,14 @@ def test_block_inputs_labels_and_weights():
     ids = torch.arange(100, 110)  # tokens 100..109
     loss_mask = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1, 0])  # last token is not a response token
     batch = build_blocks(
-        [(ids, loss_mask)], seq_len=12, num_anchors=3, block_size=4, mask_token_id=7, gamma=7.0,
+        [(ids, loss_mask)],
+        seq_len=12,
+        num_anchors=3,
+        block_size=4,
+        mask_token_id=7,
+        gamma=7.0,
         anchors=[torch.tensor([3, 7])],
-    )  # fmt: skip
+    )
     assert batch.block_ids[0].tolist() == [103, 7, 7, 7, 107, 7, 7, 7, 7, 7, 7, 7]
     assert batch.block_pos[0, :8].tolist() == [3, 4, 5, 6, 7, 8, 9, 10]
     # block at 3: labels at 4, 5, 6 (k = 1..3); block at 7: 8 is a response token, 9 is not, 10 is past the end
@@ -107,5 +112,7 @@ def test_every_allowed_entry_lies_in_a_tile_the_block_mask_lists():
     bm = block_mask_from_anchors(anchors, valid, 384, 8)
     dense = dense_mask(anchors, valid, 384, 8)[:, 0]
     assert bm.shape[-2:] == (128, 384 + 128)
-    assert torch.equal(bm.to_dense()[:, 0].bool().repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :128, :512]
-                       | ~dense, torch.ones_like(dense))  # fmt: skip
+    assert torch.equal(
+        bm.to_dense()[:, 0].bool().repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :128, :512] | ~dense,
+        torch.ones_like(dense),
+    )

@@ -21,9 +21,16 @@ def test_load_saved_target_and_capture_hidden_states(tmp_path, family):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(
-        family, vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-    )  # fmt: skip
+        family,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(tmp_path / "tgt")

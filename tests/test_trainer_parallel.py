@@ -23,9 +23,26 @@ ROOT = Path(__file__).resolve().parents[1]
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(ROOT / "tests" / "parallel_worker.py"), str(out), "replicate", "tensor", "fsdp"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "tests" / "parallel_worker.py"),
+            str(out),
+            "replicate",
+            "tensor",
+            "fsdp",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -42,10 +59,12 @@ def test_sharded_targets_give_the_replicated_hidden_states_and_losses(runs, mode
         assert torch.allclose(got["hidden"], ref["hidden"], atol=1e-5), (got["hidden"] - ref["hidden"]).abs().max()
         assert torch.allclose(got["logits"], ref["logits"], atol=1e-5)
         assert got["losses"] == pytest.approx(ref["losses"], abs=1e-4) and len(got["losses"]) == 5
-    assert load(runs, mode, 0)["layout"] == ({"mode": "tensor", "tp": 2, "dp": 1} if mode == "tensor" else
-                                             {"mode": "fsdp", "tp": 1, "dp": 2})  # fmt: skip
-    start = next(json.loads(x) for x in (runs / f"{mode}-run" / "metrics.jsonl").read_text().splitlines()
-                 if '"start"' in x)  # fmt: skip
+    assert load(runs, mode, 0)["layout"] == (
+        {"mode": "tensor", "tp": 2, "dp": 1} if mode == "tensor" else {"mode": "fsdp", "tp": 1, "dp": 2}
+    )
+    start = next(
+        json.loads(x) for x in (runs / f"{mode}-run" / "metrics.jsonl").read_text().splitlines() if '"start"' in x
+    )
     assert start["mesh"]["mode"] == mode  # the mesh is recorded with the run
 
 
@@ -81,14 +100,21 @@ def test_a_70b_target_replicated_on_one_h200_is_refused_by_the_plan_before_loadi
 def test_the_refusal_is_exit_2_in_one_line_through_the_trainer(tmp_path):
     cfg = tmp_path / "70b.yaml"
     cfg.write_text(json.dumps({**LLAMA_70B, "attention": {"backend": "dense"}}))
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", "--config", str(cfg), "--run-dir",
-                           str(tmp_path / "r")], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "--config", str(cfg), "--run-dir", str(tmp_path / "r")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2 and "target.parallel: replicate needs about" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("value, expect", [({"tensor": 0}, "N from 1 to 64"), ("tp2", "expected replicate"),
-                                           ({"tensor": 2, "x": 1}, "expected replicate")])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, expect",
+    [({"tensor": 0}, "N from 1 to 64"), ("tp2", "expected replicate"), ({"tensor": 2, "x": 1}, "expected replicate")],
+)
 def test_bad_parallel_values_name_the_key(value, expect):
     with pytest.raises(ConfigError, match=f"c.yaml: target.parallel: .*{expect}"):
         from_dict({"target": {"random_preset": "tiny-qwen3", "parallel": value}}, "c.yaml")

@@ -42,10 +42,22 @@ def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("parallelize")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(ROOT / "tests" / "parallelize_worker.py"), str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "tests" / "parallelize_worker.py"),
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -53,8 +65,12 @@ def ranks(tmp_path_factory) -> list[dict]:
 def test_checkpointing_wraps_each_layer_then_compile_wraps_that_and_ddp_wraps_last(ranks):
     for found in ranks:
         assert found["parallel"]["wrapping"] == [
-            "DistributedDataParallel", "Drafter", "CompiledLayer", "CheckpointWrapper", "DrafterLayer"
-        ]  # fmt: skip
+            "DistributedDataParallel",
+            "Drafter",
+            "CompiledLayer",
+            "CheckpointWrapper",
+            "DrafterLayer",
+        ]
         assert found["plain"]["wrapping"] == ["DistributedDataParallel", "Drafter", "DrafterLayer"]
 
 

@@ -44,10 +44,18 @@ def test_a_remote_port_answers_on_localhost_until_interrupted(client, monkeypatc
     (tmp_path / "www").mkdir()
     (tmp_path / "www" / "hello.txt").write_text("from the job's machine\n")
     port, local = free_port(), free_port()
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                              cwd=tmp_path / "www", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    tun = subprocess.Popen([sys.executable, "-m", "dflashctl", "tunnel", JOB, str(port), "--local-port", str(local)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=tmp_path / "www",
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    tun = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "tunnel", JOB, str(port), "--local-port", str(local)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         try:
             body = fetch(f"http://127.0.0.1:{local}/hello.txt")
@@ -85,17 +93,29 @@ def test_tensorboard_starts_in_a_window_of_the_jobs_session_and_opens_locally(cl
     sock = f"tbtest-{tmp_path.name}"[-40:]
     run_dir = tmp_path / "run"
     (run_dir / "tensorboard").mkdir(parents=True)
-    registry.update(JOB, tmux_socket=sock, session=JOB, run_dir=str(run_dir),
-                    host={"name": "testbox", "ssh": "testbox", "python": sys.executable})  # fmt: skip
+    registry.update(
+        JOB,
+        tmux_socket=sock,
+        session=JOB,
+        run_dir=str(run_dir),
+        host={"name": "testbox", "ssh": "testbox", "python": sys.executable},
+    )
     subprocess.run(["tmux", "-L", sock, "new-session", "-d", "-s", JOB, "sleep 300"], check=True)
     port, local = free_port(), free_port()
-    tun = subprocess.Popen([sys.executable, "-m", "dflashctl", "tunnel", JOB, str(port), "--local-port", str(local),
-                            "--tensorboard"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    tun = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "tunnel", JOB, str(port), "--local-port", str(local), "--tensorboard"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         body = fetch(f"http://127.0.0.1:{local}/", deadline_s=90)
         assert b"tensorboard" in body.lower()
-        windows = subprocess.run(["tmux", "-L", sock, "list-windows", "-t", f"={JOB}", "-F", "#{window_name}"],
-                                 capture_output=True, text=True).stdout.split()  # fmt: skip
+        windows = subprocess.run(
+            ["tmux", "-L", sock, "list-windows", "-t", f"={JOB}", "-F", "#{window_name}"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
         assert "tensorboard" in windows and len(windows) == 2
     finally:
         tun.kill()
@@ -122,8 +142,12 @@ def test_the_forward_dies_with_the_tool_and_a_busy_port_is_one_line(client, monk
     record(client, JOB)
     port, local = free_port(), free_port()
     for how in (signal.SIGTERM, signal.SIGKILL):
-        tun = subprocess.Popen([sys.executable, "-m", "dflashctl", "tunnel", JOB, str(port), "--local-port",
-                                str(local)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        tun = subprocess.Popen(
+            [sys.executable, "-m", "dflashctl", "tunnel", JOB, str(port), "--local-port", str(local)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         deadline = time.monotonic() + 30
         while not _ssh_forwards(local) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -154,13 +178,19 @@ def test_ctrl_c_ends_even_an_ssh_that_ignores_sigterm(client, monkeypatch, tmp_p
     monkeypatch.setenv("DFLASHCTL_STATE_DIR", str(client.home / "state"))
     record(client, JOB)
     port, local = free_port(), free_port()
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    ignoring = ("import signal, os, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                "os.execv(sys.argv[1], sys.argv[1:])")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    ignoring = (
+        "import signal, os, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); os.execv(sys.argv[1], sys.argv[1:])"
+    )
     argv = [sys.executable, "-m", "dflashctl", "tunnel", JOB, str(port), "--local-port", str(local)]
-    tun = subprocess.Popen([sys.executable, "-c", ignoring, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)  # fmt: skip
+    tun = subprocess.Popen(
+        [sys.executable, "-c", ignoring, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         fetch(f"http://127.0.0.1:{local}/")
         tun.send_signal(signal.SIGINT)
@@ -186,10 +216,18 @@ def test_the_forward_ends_with_its_job_and_says_so(client, tmp_path):
     job_file.write_text("name: served\nhost: box\nkill_grace_s: 2\ncommand: sleep 300\n")
     job_id = json.loads(run_cli("launch", str(job_file), "--json").stdout)["id"]
     port, local = free_port(), free_port()
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    tun = subprocess.Popen([sys.executable, "-m", "dflashctl", "tunnel", job_id, str(port), "--local-port", str(local)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    tun = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "tunnel", job_id, str(port), "--local-port", str(local)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         fetch(f"http://127.0.0.1:{local}/")
         assert run_cli("kill", job_id).code == 0

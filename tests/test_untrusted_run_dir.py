@@ -23,11 +23,35 @@ from dflashctl.judge.policy import Policy
 from dflashctl.judge.report import Judge
 
 # every file of a run dir a look, a decision or a delivery reads
-NAMES = ["restart_cause.json", "verdict.json", "supervisor.json", "supervisor.beat", "supervisor.final",
-         "progress.json", "stop_request", "stop_result", "wrapper.pid", "exit_code", "restarts", "heartbeat",
-         "metrics.jsonl", "train.log", "job.json", "supervise.json", ".redact.json", "job.env", "run.sh",
-         "events.jsonl", "gpu.jsonl", "outbox", "outbox/a0-CRASHED.json", "outbox/.lock", "progress.json.lock",
-         "slurm_job", "agent.pyz"]  # fmt: skip
+NAMES = [
+    "restart_cause.json",
+    "verdict.json",
+    "supervisor.json",
+    "supervisor.beat",
+    "supervisor.final",
+    "progress.json",
+    "stop_request",
+    "stop_result",
+    "wrapper.pid",
+    "exit_code",
+    "restarts",
+    "heartbeat",
+    "metrics.jsonl",
+    "train.log",
+    "job.json",
+    "supervise.json",
+    ".redact.json",
+    "job.env",
+    "run.sh",
+    "events.jsonl",
+    "gpu.jsonl",
+    "outbox",
+    "outbox/a0-CRASHED.json",
+    "outbox/.lock",
+    "progress.json.lock",
+    "slurm_job",
+    "agent.pyz",
+]
 KINDS = ["fifo", "symlink", "dangling", "directory", "deep", "huge", "binary", "types", "empty_object", "empty"]
 
 
@@ -61,9 +85,26 @@ def plant(run: Path, name: str, kind: str) -> None:
     elif kind == "binary":
         path.write_bytes(b"\xff\xfe\x00\x9c garbage \x00" * 100)
     elif kind == "types":
-        path.write_text(json.dumps({"pid": "x", "start": [], "beat": {}, "time": "noon", "mono": None, "state": 7,
-                                    "restarts": "many", "attempt": True, "evidence": "one", "message": [],
-                                    "gave_up": 3, "notify": "x", "watch": [], "secret_names": {}}))  # fmt: skip
+        path.write_text(
+            json.dumps(
+                {
+                    "pid": "x",
+                    "start": [],
+                    "beat": {},
+                    "time": "noon",
+                    "mono": None,
+                    "state": 7,
+                    "restarts": "many",
+                    "attempt": True,
+                    "evidence": "one",
+                    "message": [],
+                    "gave_up": 3,
+                    "notify": "x",
+                    "watch": [],
+                    "secret_names": {},
+                }
+            )
+        )
     elif kind == "empty_object":
         path.write_text("{}")
     else:
@@ -73,16 +114,36 @@ def plant(run: Path, name: str, kind: str) -> None:
 def base_run(root: Path) -> Path:
     run = root / "run"
     run.mkdir()
-    spec = {"session": "dflashctl-nosuch", "job_id": "garbage-job", "host": "box", "grace_s": 1, "args": [],
-            "is_trainer": False, "gpus": [], "watch": {"interval_s": 1, "restart_on": [], "max_restarts": 0},
-            "notify": {"webhook": "http://127.0.0.1:9/x", "retries": 0, "timeout_s": 1}}  # fmt: skip
+    spec = {
+        "session": "dflashctl-nosuch",
+        "job_id": "garbage-job",
+        "host": "box",
+        "grace_s": 1,
+        "args": [],
+        "is_trainer": False,
+        "gpus": [],
+        "watch": {"interval_s": 1, "restart_on": [], "max_restarts": 0},
+        "notify": {"webhook": "http://127.0.0.1:9/x", "retries": 0, "timeout_s": 1},
+    }
     (run / "supervise.json").write_text(json.dumps(spec))
     (run / "train.log").write_text("step 1\nTraceback (most recent call last):\nRuntimeError: boom\n")
     (run / "exit_code").write_text("1\n")
     (run / "job.json").write_text(json.dumps({"id": "garbage-job", "secret_names": ["HF_TOKEN"]}))
     (run / "job.env").write_bytes(b"HF_TOKEN=hf_secretvalue\0")
-    outbox.put(str(run), {"id": "a0-CRASHED", "job": "garbage-job", "host": "box", "state": "CRASHED", "reason": "r",
-                          "evidence": [], "advice": None, "restarts": 0, "time": 1.0})  # fmt: skip
+    outbox.put(
+        str(run),
+        {
+            "id": "a0-CRASHED",
+            "job": "garbage-job",
+            "host": "box",
+            "state": "CRASHED",
+            "reason": "r",
+            "evidence": [],
+            "advice": None,
+            "restarts": 0,
+            "time": 1.0,
+        },
+    )
     return run
 
 
@@ -118,9 +179,26 @@ def test_every_reader_survives_every_garbage_at_every_name(planted):
         run = base_run(Path(tmp))
         for name, kind in sorted(planted.items()):
             plant(run, name, kind)
-        req = {"run_dir": str(run), "session": "dflashctl-nosuch", "job_id": "garbage-job", "gpus": False,
-               "claim_notices": True, "figures": True, "put_notices": [{"id": "a1-X", "job": "garbage-job",
-               "host": "box", "state": "X", "reason": "", "evidence": [], "restarts": 0, "time": 1.0}]}  # fmt: skip
+        req = {
+            "run_dir": str(run),
+            "session": "dflashctl-nosuch",
+            "job_id": "garbage-job",
+            "gpus": False,
+            "claim_notices": True,
+            "figures": True,
+            "put_notices": [
+                {
+                    "id": "a1-X",
+                    "job": "garbage-job",
+                    "host": "box",
+                    "state": "X",
+                    "reason": "",
+                    "evidence": [],
+                    "restarts": 0,
+                    "time": 1.0,
+                }
+            ],
+        }
         snap = bounded(lambda: snapshot.snapshot(req))
         assert isinstance(snap, dict) and snap["run_dir_exists"]
         json.dumps(snap)  # what goes back over the wire is JSON
@@ -130,8 +208,11 @@ def test_every_reader_survives_every_garbage_at_every_name(planted):
             assert any(line in e for e in turn.report.evidence) or len(snap["set_aside"]) > 5, line
         bounded(lambda: outbox.listing(str(run)))
         bounded(lambda: files.tail_lines(str(run / "train.log"), 10, 1 << 20))
-        spec = json.loads((Path(tmp) / "run" / "supervise.json").read_text()) if planted.get(
-            "supervise.json") is None else None  # fmt: skip
+        spec = (
+            json.loads((Path(tmp) / "run" / "supervise.json").read_text())
+            if planted.get("supervise.json") is None
+            else None
+        )
         if spec is not None:  # the supervisor reads its spec once, at its start; a turn after that reads the rest
             sup = Supervisor(str(run), spec)
             ended = bounded(lambda: sup.turn())

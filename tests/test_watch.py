@@ -164,8 +164,13 @@ def test_a_watch_frozen_across_a_crash_names_the_restart_it_never_saw(box):
     saw CRASHED, and its restart event still says after CRASHED, by the supervisor, with the fault as evidence
     (the cause the decider recorded), never its own last state."""
     job_id = launch(write_job(box, "frozen", 30, env={"TRAINER_FAULT": "crash@25"}))
-    watch = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "watch", job_id, "--json"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = json.loads(watch.stdout.readline())
         watch.send_signal(signal.SIGSTOP)
@@ -214,11 +219,17 @@ def trainer_pid(job_id: str) -> int:
 
 @pytest.mark.slow
 def test_sigstop_is_stalled_then_restarted(box):
-    job = write_job(box, "frozen", 100000, env={"TRAINER_FAULT": "pace@100"},  # alive for long, at little CPU
-                    watch="  stall_after_s: 6\n  heartbeat_max_age_s: 4\n  max_restarts: 1\n")  # fmt: skip
+    job = write_job(
+        box,
+        "frozen",
+        100000,
+        env={"TRAINER_FAULT": "pace@100"},  # alive for long, at little CPU
+        watch="  stall_after_s: 6\n  heartbeat_max_age_s: 4\n  max_restarts: 1\n",
+    )
     job_id = launch(job)
-    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     seen: list[dict] = []
     try:
         stopped_at = None
@@ -248,8 +259,9 @@ def test_sigstop_is_stalled_then_restarted(box):
 @pytest.mark.slow
 def test_unreachable_host_then_back_keeps_state_and_does_not_restart(box, sshd):
     job_id = launch(write_job(box, "flaky", 60, env={"TRAINER_FAULT": "pace@250"}))  # 15 s of steps, little CPU
-    proc = subprocess.Popen([sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflashctl", "watch", job_id, "--json"], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
     seen: list[dict] = []
     try:
         for line in proc.stdout:

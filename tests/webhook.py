@@ -29,8 +29,15 @@ class Listener:
                     body = json.loads(data) if data else None
                 except ValueError:
                     body = data.decode(errors="replace")
-                listener.hits.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
-                                      "body": body, "time": time.monotonic()})  # fmt: skip
+                listener.hits.append(
+                    {
+                        "method": self.command,
+                        "path": self.path,
+                        "headers": dict(self.headers),
+                        "body": body,
+                        "time": time.monotonic(),
+                    }
+                )
 
             def do_GET(self) -> None:  # noqa: N802 - a redirect followed as a GET would land here
                 self._take()

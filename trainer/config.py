@@ -167,8 +167,9 @@ def parse_parallel(value: object, source: str = "<config>") -> tuple[str, int]:
         n = int(value[7:])
     if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 64:
         return ("replicate", 1) if n == 1 else ("tensor", n)
-    raise ConfigError(source, "target.parallel", f"expected replicate, fsdp or {{tensor: N}} (N from 1 to 64), got "
-                      f"{value!r}")  # fmt: skip
+    raise ConfigError(
+        source, "target.parallel", f"expected replicate, fsdp or {{tensor: N}} (N from 1 to 64), got {value!r}"
+    )
 
 
 def _check_type(value: Any, tp: Any, source: str, key: str) -> Any:
@@ -239,11 +240,18 @@ def check_device_supports(cfg: TrainConfig, device_type: str, source: str) -> No
     if cfg.grad_reduce_dtype == "bfloat16":
         raise ConfigError(source, "grad_reduce_dtype", "a bfloat16 gradient all-reduce needs NCCL (CUDA); use float32")
     if cfg.attention.backend == "flex":
-        raise ConfigError(source, "attention.backend", "flex has no backward on the CPU in this torch; train "
-                          "with backend: dense on the CPU (flex is for CUDA; evaluation on the CPU may still use it)")
+        raise ConfigError(
+            source,
+            "attention.backend",
+            "flex has no backward on the CPU in this torch; train "
+            "with backend: dense on the CPU (flex is for CUDA; evaluation on the CPU may still use it)",
+        )
     if cfg.attention.flex_backend == "flash":
-        raise ConfigError(source, "attention.flex_backend", "flash (FlashAttention-4) needs a Hopper GPU; use auto or "
-                          "triton on the CPU")
+        raise ConfigError(
+            source,
+            "attention.flex_backend",
+            "flash (FlashAttention-4) needs a Hopper GPU; use auto or triton on the CPU",
+        )
 
 
 def validate(cfg: TrainConfig, source: str) -> TrainConfig:
@@ -257,8 +265,9 @@ def validate(cfg: TrainConfig, source: str) -> TrainConfig:
         raise ConfigError(source, "target.memory_gib", "must be a positive number of GiB")
     d = cfg.drafter
     if d.block_size < 2 or 128 % d.block_size:
-        raise ConfigError(source, "drafter.block_size", "must divide 128 (2, 4, 8, 16, 32, 64 or 128): a flex tile "
-                          "holds whole blocks")  # fmt: skip
+        raise ConfigError(
+            source, "drafter.block_size", "must divide 128 (2, 4, 8, 16, 32, 64 or 128): a flex tile holds whole blocks"
+        )
     if d.num_layers < 1:
         raise ConfigError(source, "drafter.num_layers", "must be at least 1")
     if cfg.data.anchors_per_seq < 1:

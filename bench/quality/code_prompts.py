@@ -54,8 +54,16 @@ def functions(wheel: Path, max_chars: int) -> list[dict]:
                 code = textwrap.dedent("\n".join(lines[node.lineno - 1 - len(node.decorator_list) : node.end_lineno]))
                 if len(code) > max_chars or len(code.splitlines()) < 4:
                     continue
-                out.append({"module": name[:-3].replace("/", "."), "name": node.name, "code": code, "doc": doc,
-                            "sig": signature(node), "bare": without_docstring(code, node)})  # fmt: skip
+                out.append(
+                    {
+                        "module": name[:-3].replace("/", "."),
+                        "name": node.name,
+                        "code": code,
+                        "doc": doc,
+                        "sig": signature(node),
+                        "bare": without_docstring(code, node),
+                    }
+                )
     return out
 
 
@@ -85,8 +93,15 @@ def asks(fn: dict, n: int) -> list[tuple[str, str]]:
         picks.append(i)
     summary = fn["doc"].strip().split("\n\n")[0].replace("\n", " ")
     doc = textwrap.dedent(fn["doc"]).strip()
-    return [(ASKS[i][0], ASKS[i][1].format(name=fn["name"], sig=fn["sig"], summary=summary, doc=doc, code=fn["code"],
-                                           bare=fn["bare"])) for i in picks]  # fmt: skip
+    return [
+        (
+            ASKS[i][0],
+            ASKS[i][1].format(
+                name=fn["name"], sig=fn["sig"], summary=summary, doc=doc, code=fn["code"], bare=fn["bare"]
+            ),
+        )
+        for i in picks
+    ]
 
 
 def runs(text: str, n: int = RUN) -> set[int]:

@@ -34,8 +34,15 @@ def measured_checkpoints(work: Path, name: str) -> list[dict]:
         if not step.isdigit():
             continue
         r = json.loads(f.read_text())["sets"][0]
-        out.append({"step": int(step), "tau": r["tau_prompt_mean"], "tau_pooled": r["tau_pooled"],
-                    "prompts": r["prompts"], "decode_s": r["seconds"]})  # fmt: skip
+        out.append(
+            {
+                "step": int(step),
+                "tau": r["tau_prompt_mean"],
+                "tau_pooled": r["tau_pooled"],
+                "prompts": r["prompts"],
+                "decode_s": r["seconds"],
+            }
+        )
     return sorted(out, key=lambda p: p["step"])
 
 
@@ -53,10 +60,21 @@ def runs_of(work: Path) -> list[dict]:
         r = json.loads(f.read_text())
         ms = r.get("step_time_ms_median")
         for p in measured_checkpoints(work, name) if m.group(3) else r.get("tau_vs_step", []):
-            rows.append({"trainer": m.group(1), "seed": int(m.group(2)), "name": name, "step": p["step"],
-                         "gpu_s": round(p["step"] * ms / 1000, 1) if ms else None, "tau": p["tau"],
-                         "tau_pooled": p["tau_pooled"], "step_ms": ms, "prompts": p.get("prompts"),
-                         "decode_s": p.get("decode_s"), "cut_short": bool(m.group(3))})  # fmt: skip
+            rows.append(
+                {
+                    "trainer": m.group(1),
+                    "seed": int(m.group(2)),
+                    "name": name,
+                    "step": p["step"],
+                    "gpu_s": round(p["step"] * ms / 1000, 1) if ms else None,
+                    "tau": p["tau"],
+                    "tau_pooled": p["tau_pooled"],
+                    "step_ms": ms,
+                    "prompts": p.get("prompts"),
+                    "decode_s": p.get("decode_s"),
+                    "cut_short": bool(m.group(3)),
+                }
+            )
     return rows
 
 
@@ -65,17 +83,28 @@ def lookup_of(work: Path) -> dict:
     measured (`lookup-K.jsonl`; marked partial, with the prompts they cover). Writes lookup-prompts.jsonl then."""
     if (work / "lookup.json").exists():
         return json.loads((work / "lookup.json").read_text())
-    rows = sorted((json.loads(x) for f in sorted(work.glob("lookup-[0-9]*.jsonl")) for x in f.read_text().splitlines()
-                   if x.strip()), key=lambda r: r["index"])  # fmt: skip
+    rows = sorted(
+        (
+            json.loads(x)
+            for f in sorted(work.glob("lookup-[0-9]*.jsonl"))
+            for x in f.read_text().splitlines()
+            if x.strip()
+        ),
+        key=lambda r: r["index"],
+    )
     measured = [r for r in rows if r.get("tau") is not None]
     if not measured:
         return {}
     (work / "lookup-prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tokens, steps = sum(r["tokens"] for r in measured), sum(r["draft_steps"] for r in measured)
-    return {"method": "prompt_lookup", "partial": True, "prompts": len(measured),
-            "shards_done": len(list(work.glob("lookup-[0-9]*.jsonl"))),
-            "tau_prompt_mean": round(sum(r["tau"] for r in measured) / len(measured), 4),
-            "tau_pooled": round(tokens / steps, 4)}  # fmt: skip
+    return {
+        "method": "prompt_lookup",
+        "partial": True,
+        "prompts": len(measured),
+        "shards_done": len(list(work.glob("lookup-[0-9]*.jsonl"))),
+        "tau_prompt_mean": round(sum(r["tau"] for r in measured) / len(measured), 4),
+        "tau_pooled": round(tokens / steps, 4),
+    }
 
 
 def training_of(work: Path) -> dict:
@@ -90,16 +119,24 @@ def training_of(work: Path) -> dict:
         name, r = f"{m.group(1)}-s{m.group(2)}", json.loads(f.read_text())
         if name.startswith("specforge"):
             text = (work / f"{name}-train.log").read_text() if (work / f"{name}-train.log").exists() else ""
-            last = [(r["train/loss"], r["train/acc"]) for _, r in specforge_rows(text)
-                    if "train/loss" in r and "train/acc" in r][-5:]  # fmt: skip
+            last = [
+                (r["train/loss"], r["train/acc"])
+                for _, r in specforge_rows(text)
+                if "train/loss" in r and "train/acc" in r
+            ][-5:]
         else:
             text = (work / f"{name}.log").read_text() if (work / f"{name}.log").exists() else ""
-            last = [(float(a), float(b)) for a, b in re.findall(r"^step \d+/\d+ .*?loss ([0-9.]+) acc ([0-9.]+)", text,
-                                                                 re.M)][-5:]  # fmt: skip
-        out[name] = {"step_time_ms_median": r.get("step_time_ms_median"),
-                     "final_loss": round(statistics.fmean(x for x, _ in last), 4) if last else None,
-                     "final_acc": round(statistics.fmean(y for _, y in last), 4) if last else None,
-                     "in_run_eval_at_end": r.get("in_run_eval_at_end"), "measured": not m.group(3)}  # fmt: skip
+            last = [
+                (float(a), float(b))
+                for a, b in re.findall(r"^step \d+/\d+ .*?loss ([0-9.]+) acc ([0-9.]+)", text, re.M)
+            ][-5:]
+        out[name] = {
+            "step_time_ms_median": r.get("step_time_ms_median"),
+            "final_loss": round(statistics.fmean(x for x, _ in last), 4) if last else None,
+            "final_acc": round(statistics.fmean(y for _, y in last), 4) if last else None,
+            "in_run_eval_at_end": r.get("in_run_eval_at_end"),
+            "measured": not m.group(3),
+        }
     return out
 
 
@@ -129,8 +166,13 @@ def interpolate(curve: list[tuple[float, float]], x: float) -> float | None:
 def curve(rows: list[dict], trainer: str, key: str = "tau") -> list[tuple[float, float]]:
     """(mean GPU seconds, mean `key` over seeds) at each measured step of one trainer."""
     steps = sorted({r["step"] for r in rows if r["trainer"] == trainer})
-    return [(statistics.fmean(r["gpu_s"] for r in rows if r["trainer"] == trainer and r["step"] == s),
-             mean_over_seeds(rows, trainer, s, key)[0]) for s in steps]  # fmt: skip
+    return [
+        (
+            statistics.fmean(r["gpu_s"] for r in rows if r["trainer"] == trainer and r["step"] == s),
+            mean_over_seeds(rows, trainer, s, key)[0],
+        )
+        for s in steps
+    ]
 
 
 def summarise(work: Path, rows: list[dict]) -> dict:
@@ -144,23 +186,37 @@ def summarise(work: Path, rows: list[dict]) -> dict:
         pooled, pooled_sd, _ = mean_over_seeds(rows, t, finals[t], "tau_pooled")
         at = [r for r in rows if r["trainer"] == t and r["step"] == finals[t]]
         ms = [r["step_ms"] for r in at if r["step_ms"]]
-        out[t] = {"seeds": n, "step": finals[t], "tau_mean": round(tau, 4), "tau_sd": round(sd, 4),
-                  "tau_pooled_mean": round(pooled, 4), "tau_pooled_sd": round(pooled_sd, 4),
-                  "gpu_s_mean": _round(statistics.fmean(r["gpu_s"] for r in at if r["gpu_s"] is not None)
-                                       if any(r["gpu_s"] is not None for r in at) else None),
-                  "step_ms_median": round(statistics.median(ms), 2) if ms else None,
-                  "decode_s_max": max((r["decode_s"] for r in at if r.get("decode_s")), default=None)}  # fmt: skip
+        out[t] = {
+            "seeds": n,
+            "step": finals[t],
+            "tau_mean": round(tau, 4),
+            "tau_sd": round(sd, 4),
+            "tau_pooled_mean": round(pooled, 4),
+            "tau_pooled_sd": round(pooled_sd, 4),
+            "gpu_s_mean": _round(
+                statistics.fmean(r["gpu_s"] for r in at if r["gpu_s"] is not None)
+                if any(r["gpu_s"] is not None for r in at)
+                else None
+            ),
+            "step_ms_median": round(statistics.median(ms), 2) if ms else None,
+            "decode_s_max": max((r["decode_s"] for r in at if r.get("decode_s")), default=None),
+        }
     lookup = lookup_of(work)
-    out["lookup"] = {"tau_mean": lookup.get("tau_prompt_mean"), "tau_pooled": lookup.get("tau_pooled"),
-                     "prompts": lookup.get("prompts"), "partial": lookup.get("partial", False)}  # fmt: skip
+    out["lookup"] = {
+        "tau_mean": lookup.get("tau_prompt_mean"),
+        "tau_pooled": lookup.get("tau_pooled"),
+        "prompts": lookup.get("prompts"),
+        "partial": lookup.get("partial", False),
+    }
     names = {t: sorted({r["name"] for r in rows if r["trainer"] == t}) for t in trainers}
     lookup_per = per_prompt(work / "lookup-prompts.jsonl") if (work / "lookup-prompts.jsonl").exists() else {}
     for t in trainers:
         if lookup.get("tau_pooled") is not None:
             out[t]["minus_lookup_pooled"] = round(out[t]["tau_pooled_mean"] - lookup["tau_pooled"], 4)
         if lookup_per:  # each prompt's tau (mean over seeds) against lookup's on the same prompt
-            out[f"paired_{t}_minus_lookup"] = flip(paired(lookup_per, seed_mean_per_prompt(work, names[t], finals[t])),
-                                                   t, "lookup")  # fmt: skip
+            out[f"paired_{t}_minus_lookup"] = flip(
+                paired(lookup_per, seed_mean_per_prompt(work, names[t], finals[t])), t, "lookup"
+            )
     if "specforge" in trainers:
         sf_curve, sf_final = curve(rows, "specforge", "tau_pooled"), finals["specforge"]
         for t in trainers:
@@ -176,17 +232,25 @@ def summarise(work: Path, rows: list[dict]) -> dict:
                 # where this trainer's final step stands (a curve starts at tau 1: no drafting gains nothing)
                 sf_s, t_s = sf_curve[-1][0], ours_curve[-1][0]
                 out[f"equal_gpu_s_{t}"] = {
-                    "specforge_final_gpu_s": round(sf_s, 1), "specforge_tau_pooled": round(sf_curve[-1][1], 4),
+                    "specforge_final_gpu_s": round(sf_s, 1),
+                    "specforge_tau_pooled": round(sf_curve[-1][1], 4),
                     "tau_pooled_at_specforge_final": _round(interpolate([(0.0, 1.0), *ours_curve], sf_s)),
-                    "final_gpu_s": round(t_s, 1), "tau_pooled": round(ours_curve[-1][1], 4),
-                    "specforge_tau_pooled_at_final": _round(interpolate([(0.0, 1.0), *sf_curve], t_s))}  # fmt: skip
+                    "final_gpu_s": round(t_s, 1),
+                    "tau_pooled": round(ours_curve[-1][1], 4),
+                    "specforge_tau_pooled_at_final": _round(interpolate([(0.0, 1.0), *sf_curve], t_s)),
+                }
     return out
 
 
 def flip(p: dict, b: str = "ours", a: str = "specforge") -> dict:
     """`paired(a_taus, b_taus)` reports b - a under names of its own: say which is which."""
-    return {"prompts": p["prompts"], "mean": p["b_minus_a"], "bootstrap_95": p["bootstrap_95"],
-            f"prompts_{b}_higher": p["prompts_b_higher"], f"prompts_{a}_higher": p["prompts_a_higher"]}  # fmt: skip
+    return {
+        "prompts": p["prompts"],
+        "mean": p["b_minus_a"],
+        "bootstrap_95": p["bootstrap_95"],
+        f"prompts_{b}_higher": p["prompts_b_higher"],
+        f"prompts_{a}_higher": p["prompts_a_higher"],
+    }
 
 
 def _round(x: float | None) -> float | None:
@@ -201,8 +265,12 @@ def plot(record: dict, out: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120, sharey=True)
     rows = record["runs"]
-    labels = {"ours": "ours, SpecForge's answers", "specforge": "SpecForge 0.2.0", "ours-full": "ours, all answers",
-              "ours-full-b4": "ours, all answers, 4 length buckets"}  # fmt: skip
+    labels = {
+        "ours": "ours, SpecForge's answers",
+        "specforge": "SpecForge 0.2.0",
+        "ours-full": "ours, all answers",
+        "ours-full-b4": "ours, all answers, 4 length buckets",
+    }
     for k, trainer in enumerate(sorted({r["trainer"] for r in rows})):
         label, color = labels.get(trainer, trainer), f"C{k}"
         steps = sorted({r["step"] for r in rows if r["trainer"] == trainer})
@@ -260,22 +328,44 @@ def collect(argv: list[str] | None) -> int:
         return 2
     lookup = lookup_of(args.work)
     record = {
-        "date": data.get("date") or target.get("date"), "machine": args.machine,
-        "target": {**target, "distinct_4gram": check.get("distinct_4gram_median"),
-                   "loop_fraction": check.get("loop_fraction"), "answers": check.get("answers")},
-        "runs": [{k: r[k] for k in ("trainer", "seed", "step", "gpu_s", "tau", "tau_pooled", "cut_short")}
-                 for r in rows]
-        + ([{"trainer": "lookup", "seed": None, "step": 0, "gpu_s": 0.0, "tau": lookup["tau_prompt_mean"],
-             "tau_pooled": lookup["tau_pooled"], "prompts": lookup.get("prompts"),
-             "cut_short": lookup.get("partial", False)}] if lookup else []),
-    }  # fmt: skip
+        "date": data.get("date") or target.get("date"),
+        "machine": args.machine,
+        "target": {
+            **target,
+            "distinct_4gram": check.get("distinct_4gram_median"),
+            "loop_fraction": check.get("loop_fraction"),
+            "answers": check.get("answers"),
+        },
+        "runs": [
+            {k: r[k] for k in ("trainer", "seed", "step", "gpu_s", "tau", "tau_pooled", "cut_short")} for r in rows
+        ]
+        + (
+            [
+                {
+                    "trainer": "lookup",
+                    "seed": None,
+                    "step": 0,
+                    "gpu_s": 0.0,
+                    "tau": lookup["tau_prompt_mean"],
+                    "tau_pooled": lookup["tau_pooled"],
+                    "prompts": lookup.get("prompts"),
+                    "cut_short": lookup.get("partial", False),
+                }
+            ]
+            if lookup
+            else []
+        ),
+    }
     record["training"] = training
     record["notes"] = args.note
     record["summary"] = summarise(args.work, rows) if rows else {"final_step": None, "note": "no checkpoint measured"}
     # ours read off its curve at SpecForge's final GPU seconds: the same-work runs first, else a run whose curve
     # reaches that far (named)
-    eqs = [(k.removeprefix("equal_gpu_s_"), v) for k, v in sorted(record["summary"].items(), key=lambda kv:
-            kv[0] != "equal_gpu_s_ours") if k.startswith("equal_gpu_s_")]  # fmt: skip
+    eqs = [
+        (k.removeprefix("equal_gpu_s_"), v)
+        for k, v in sorted(record["summary"].items(), key=lambda kv: kv[0] != "equal_gpu_s_ours")
+        if k.startswith("equal_gpu_s_")
+    ]
     hit = next(((t, v) for t, v in eqs if v["tau_pooled_at_specforge_final"] is not None), None)
     record["ours_tau_pooled_at_sf_gpu_s"] = hit[1]["tau_pooled_at_specforge_final"] if hit else None
     record["ours_tau_pooled_at_sf_gpu_s_from"] = hit[0] if hit else None

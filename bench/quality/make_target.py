@@ -41,13 +41,34 @@ CHAT_TEMPLATE = (
     "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 SIZES = {  # Qwen3 shapes: "small" is the benchmark's target, "mini" a CPU rehearsal, "tiny" the tests'
-    "small": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
-              "head_dim": 64, "intermediate_size": 1536, "vocab_size": 8192},
-    "mini": {"hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "head_dim": 32, "intermediate_size": 384, "vocab_size": 2048},
-    "tiny": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-             "head_dim": 16, "intermediate_size": 64, "vocab_size": 512},
-}  # fmt: skip
+    "small": {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+        "vocab_size": 8192,
+    },
+    "mini": {
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "intermediate_size": 384,
+        "vocab_size": 2048,
+    },
+    "tiny": {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "intermediate_size": 64,
+        "vocab_size": 512,
+    },
+}
 QWEN_SPLIT = (  # Qwen2/Qwen3's pre-tokenizer pattern
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -146,16 +167,28 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     # Qwen's split: a newline run is its own piece, apart from the indentation after it. GPT-2's byte-level split
     # glues "\n" to the spaces that follow, so the template's "assistant\n" would end in a token the target never saw
     # before an indented line, and it would answer most requests with an immediate <|im_end|>.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])  # fmt: skip
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   mask_token="<|mask|>", bos_token=None, unk_token=None)  # fmt: skip
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        mask_token="<|mask|>",
+        bos_token=None,
+        unk_token=None,
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -183,8 +216,15 @@ def build_model(shape: dict, seed: int, tok):
 
     torch.manual_seed(seed)
     shape = {**shape, "vocab_size": len(tok)}  # a small corpus gives BPE fewer merges than asked for
-    cfg = Qwen3Config(**shape, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
-                      bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+    cfg = Qwen3Config(
+        **shape,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     cfg._attn_implementation = "sdpa"
     return Qwen3ForCausalLM(cfg)
 
@@ -199,8 +239,9 @@ def mean_loss(model, data, batch: int, device: str, dtype) -> float:
         for i in range(0, len(data), batch):
             x = data[i : i + batch].to(device)
             logits = model(input_ids=x).logits.float()
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                     x[:, 1:].reshape(-1), reduction="sum")  # fmt: skip
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"
+            )
             total += loss.item()
             count += x[:, 1:].numel()
     model.train()
@@ -212,8 +253,9 @@ def train(model, data, steps: int, batch: int, lr: float, seed: int, device: str
     import torch
 
     model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=device.startswith("cuda"))  # fmt: skip
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.startswith("cuda")
+    )
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
@@ -283,13 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     train_files = [(n, t) for n, t in files if not is_heldout(n, args.seed, args.heldout_percent)]
     held_files = [(n, t) for n, t in files if is_heldout(n, args.seed, args.heldout_percent)]
     if not train_files or not held_files:
-        print(f"error: {len(files)} source files under {[str(r) for r in roots]}: too few to hold any out",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: {len(files)} source files under {[str(r) for r in roots]}: too few to hold any out",
+            file=sys.stderr,
+        )
         return 2
     train_fns = [fn for _, t in train_files for fn in functions(t)]
     held_fns = [fn for _, t in held_files for fn in functions(t)]
-    log(f"{len(files)} files ({sum(len(t) for _, t in files) / 1e6:.1f} MB): {len(train_files)} train, "
-        f"{len(held_files)} held out; {len(train_fns)} / {len(held_fns)} documented functions")  # fmt: skip
+    log(
+        f"{len(files)} files ({sum(len(t) for _, t in files) / 1e6:.1f} MB): {len(train_files)} train, "
+        f"{len(held_files)} held out; {len(train_fns)} / {len(held_fns)} documented functions"
+    )
 
     shape = SIZES[args.size]
     tok = train_tokenizer([t for _, t in train_files], shape["vocab_size"])
@@ -319,17 +365,36 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     report = {
-        "seed": args.seed, "size": args.size, "shape": shape, "parameters": params, "device": device,
-        "roots": [str(r) for r in roots], "files": len(files), "train_files": len(train_files),
-        "heldout_files": len(held_files), "corpus_mb": round(sum(len(t) for _, t in files) / 1e6, 2),
-        "train_tokens": data.numel(), "tokens_seen": args.steps * args.batch * args.seq,
-        "steps": args.steps, "batch": args.batch, "seq": args.seq, "lr": args.lr,
-        "train_loss_history": history, "heldout_loss_nats_per_token": round(held_loss, 4),
-        "heldout_eval_tokens": held.numel(), "train_prompts": n_train, "heldout_prompts": n_held,
-        "train_seconds": round(train_s, 1), "total_seconds": round(time.time() - t0, 1),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "tokenizers": tokenizers.__version__, "python": sys.version.split()[0]},
-    }  # fmt: skip
+        "seed": args.seed,
+        "size": args.size,
+        "shape": shape,
+        "parameters": params,
+        "device": device,
+        "roots": [str(r) for r in roots],
+        "files": len(files),
+        "train_files": len(train_files),
+        "heldout_files": len(held_files),
+        "corpus_mb": round(sum(len(t) for _, t in files) / 1e6, 2),
+        "train_tokens": data.numel(),
+        "tokens_seen": args.steps * args.batch * args.seq,
+        "steps": args.steps,
+        "batch": args.batch,
+        "seq": args.seq,
+        "lr": args.lr,
+        "train_loss_history": history,
+        "heldout_loss_nats_per_token": round(held_loss, 4),
+        "heldout_eval_tokens": held.numel(),
+        "train_prompts": n_train,
+        "heldout_prompts": n_held,
+        "train_seconds": round(train_s, 1),
+        "total_seconds": round(time.time() - t0, 1),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+            "python": sys.version.split()[0],
+        },
+    }
     (out / "target.json").write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: report[k] for k in ("parameters", "heldout_loss_nats_per_token", "train_seconds")}))
     return 0

@@ -22,9 +22,13 @@ def paired(a: dict[int, float], b: dict[int, float], resamples: int = 10_000, se
     diffs = [b[k] - a[k] for k in keys]
     rng = random.Random(seed)
     means = sorted(sum(rng.choices(diffs, k=len(diffs))) / len(diffs) for _ in range(resamples))
-    return {"prompts": len(keys), "b_minus_a": round(sum(diffs) / len(diffs), 4),
-            "bootstrap_95": [round(means[int(0.025 * resamples)], 4), round(means[int(0.975 * resamples)], 4)],
-            "prompts_b_higher": sum(d > 0 for d in diffs), "prompts_a_higher": sum(d < 0 for d in diffs)}  # fmt: skip
+    return {
+        "prompts": len(keys),
+        "b_minus_a": round(sum(diffs) / len(diffs), 4),
+        "bootstrap_95": [round(means[int(0.025 * resamples)], 4), round(means[int(0.975 * resamples)], 4)],
+        "prompts_b_higher": sum(d > 0 for d in diffs),
+        "prompts_a_higher": sum(d < 0 for d in diffs),
+    }
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The quality benchmark's tau-versus-step curves, both trainers on one yardstick, from its results file.
 
-    python bench/quality/plot_quality.py bench/results/quality-h200.json docs/quality-tau-vs-step.png
+python bench/quality/plot_quality.py bench/results/quality-h200.json docs/quality-tau-vs-step.png
 """
 
 from __future__ import annotations
@@ -9,9 +9,13 @@ import json
 import sys
 from pathlib import Path
 
-LABELS = {"ours": "dflashctl trainer", "specforge": "SpecForge 0.2.0 (offline)",
-          "ours-b2": "ours, betas (0.9, 0.999)", "ours-i2": "ours, init N(0, 0.02)",
-          "ours-mix": "ours, lengths mixed in a batch"}  # fmt: skip
+LABELS = {
+    "ours": "dflashctl trainer",
+    "specforge": "SpecForge 0.2.0 (offline)",
+    "ours-b2": "ours, betas (0.9, 0.999)",
+    "ours-i2": "ours, init N(0, 0.02)",
+    "ours-mix": "ours, lengths mixed in a batch",
+}
 
 
 def plot(results: dict, out: Path) -> None:
@@ -26,8 +30,12 @@ def plot(results: dict, out: Path) -> None:
     for name, run in runs.items():
         curve, ms = run["tau_vs_step"], run.get("step_time_ms_median")
         label = LABELS.get(name, name)
-        ax.plot([p["step"] for p in curve], [p["tau"] for p in curve], marker="o",
-                label=f"{label}, {ms:.0f} ms/step" if ms else label)  # fmt: skip
+        ax.plot(
+            [p["step"] for p in curve],
+            [p["tau"] for p in curve],
+            marker="o",
+            label=f"{label}, {ms:.0f} ms/step" if ms else label,
+        )
     lookup = results.get("prompt_lookup", {}).get("tau_prompt_mean")
     if lookup:
         ax.axhline(lookup, color="grey", linestyle="--", label=f"prompt lookup (no drafter): {lookup:.2f}")

@@ -41,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tok = AutoTokenizer.from_pretrained(args.target)
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16 if device == "cuda" else
-                                                 torch.float32).to(device).eval()  # fmt: skip
+    model = (
+        AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+        .to(device)
+        .eval()
+    )
     forwards = [0]
     model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     name, convs = read_prompts(args.prompts)
@@ -50,29 +53,52 @@ def main(argv: list[str] | None = None) -> int:
     for index, conv in enumerate(convs[: args.limit]):
         if index % n != k:
             continue
-        ids = torch.tensor([render(tok, conv.history + [{"role": "user", "content": conv.turns[0]}], False)],
-                           device=device)  # fmt: skip
+        ids = torch.tensor(
+            [render(tok, conv.history + [{"role": "user", "content": conv.turns[0]}], False)], device=device
+        )
         forwards[0] = 0
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                                 do_sample=False, prompt_lookup_num_tokens=args.lookup_tokens,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+                prompt_lookup_num_tokens=args.lookup_tokens,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
         new = out.shape[1] - ids.shape[1]
         gained, verify = new - 1, forwards[0] - 1  # the prefill's forward and its token left out
-        rows.append({"index": index, "tokens": max(gained, 0), "draft_steps": max(verify, 0),
-                     "tau": round(gained / verify, 4) if new > 1 and verify > 0 else None})  # fmt: skip
+        rows.append(
+            {
+                "index": index,
+                "tokens": max(gained, 0),
+                "draft_steps": max(verify, 0),
+                "tau": round(gained / verify, 4) if new > 1 and verify > 0 else None,
+            }
+        )
         if new > 1 and forwards[0] > 1:
             per_prompt.append(gained / verify)
             tokens, steps = tokens + gained, steps + verify
-    result = {"method": "prompt_lookup", "prompt_set": name, "prompts": len(per_prompt),
-              "lookup_tokens": args.lookup_tokens, "max_new_tokens": args.max_new_tokens,
-              "tau_prompt_mean": round(sum(per_prompt) / max(len(per_prompt), 1), 4),
-              "tau_pooled": round(tokens / max(steps, 1), 4),
-              "seconds": round(time.perf_counter() - t0, 1), "shard": args.shard}  # fmt: skip
+    result = {
+        "method": "prompt_lookup",
+        "prompt_set": name,
+        "prompts": len(per_prompt),
+        "lookup_tokens": args.lookup_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "tau_prompt_mean": round(sum(per_prompt) / max(len(per_prompt), 1), 4),
+        "tau_pooled": round(tokens / max(steps, 1), 4),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "shard": args.shard,
+    }
     if args.out:
         Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(json.dumps(result) if args.json else f"{name}: prompt lookup tau {result['tau_prompt_mean']} "
-          f"(pooled {result['tau_pooled']}) over {result['prompts']} prompts")  # fmt: skip
+    print(
+        json.dumps(result)
+        if args.json
+        else f"{name}: prompt lookup tau {result['tau_prompt_mean']} "
+        f"(pooled {result['tau_pooled']}) over {result['prompts']} prompts"
+    )
     return 0
 
 

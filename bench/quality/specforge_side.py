@@ -35,13 +35,19 @@ def dump(args) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tok = AutoTokenizer.from_pretrained(args.target)
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16 if device == "cuda" else
-                                                 torch.float32).to(device).eval()  # fmt: skip
+    model = (
+        AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+        .to(device)
+        .eval()
+    )
     layer_ids = default_layer_ids(model.config.num_hidden_layers, args.layers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    samples = [(i, ids[: args.max_len], mask[: args.max_len]) for i, (ids, mask) in
-               enumerate(read_jsonl(args.data, tok)) if int(mask[: args.max_len].sum()) >= 2]  # fmt: skip
+    samples = [
+        (i, ids[: args.max_len], mask[: args.max_len])
+        for i, (ids, mask) in enumerate(read_jsonl(args.data, tok))
+        if int(mask[: args.max_len].sum()) >= 2
+    ]
     samples.sort(key=lambda s: s[1].numel())  # similar lengths share a batch
     for lo in range(0, len(samples), args.batch):
         chunk = samples[lo : lo + args.batch]
@@ -53,8 +59,14 @@ def dump(args) -> int:
             hs = model(input_ids=ids_BL.to(device), output_hidden_states=True).hidden_states
         feat_BLF = torch.cat([hs[k + 1] for k in layer_ids], dim=-1).to(torch.bfloat16).cpu()  # [B, L, n*C]
         for b, (i, ids, mask) in enumerate(chunk):
-            torch.save({"input_ids": ids.clone(), "loss_mask": mask.clone(),
-                        "hidden_states": feat_BLF[b, : ids.numel()].clone()}, out / f"data_{i:08d}.ckpt")  # fmt: skip
+            torch.save(
+                {
+                    "input_ids": ids.clone(),
+                    "loss_mask": mask.clone(),
+                    "hidden_states": feat_BLF[b, : ids.numel()].clone(),
+                },
+                out / f"data_{i:08d}.ckpt",
+            )
     print(json.dumps({"features": len(samples), "layer_ids": layer_ids, "out": str(out)}))
     return 0
 
@@ -76,35 +88,75 @@ def config(args) -> int:
     run = Path(args.out)
     run.mkdir(parents=True, exist_ok=True)
     draft = {
-        "architectures": ["DFlashDraftModel"], "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
-        "hidden_size": tcfg.hidden_size, "intermediate_size": tcfg.intermediate_size,
-        "num_attention_heads": tcfg.num_attention_heads, "num_key_value_heads": tcfg.num_key_value_heads,
-        "head_dim": dims.head_dim, "num_hidden_layers": args.layers, "num_target_layers": tcfg.num_hidden_layers,
-        "layer_types": ["full_attention"] * args.layers, "max_window_layers": args.layers,
-        "max_position_embeddings": tcfg.max_position_embeddings, "rms_norm_eps": tcfg.rms_norm_eps,
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "hidden_size": tcfg.hidden_size,
+        "intermediate_size": tcfg.intermediate_size,
+        "num_attention_heads": tcfg.num_attention_heads,
+        "num_key_value_heads": tcfg.num_key_value_heads,
+        "head_dim": dims.head_dim,
+        "num_hidden_layers": args.layers,
+        "num_target_layers": tcfg.num_hidden_layers,
+        "layer_types": ["full_attention"] * args.layers,
+        "max_window_layers": args.layers,
+        "max_position_embeddings": tcfg.max_position_embeddings,
+        "rms_norm_eps": tcfg.rms_norm_eps,
         "rope_theta": dims.rope_theta,
-        "rope_scaling": None, "sliding_window": None, "use_sliding_window": False, "tie_word_embeddings": False,
-        "vocab_size": tcfg.vocab_size, "block_size": args.block, "initializer_range": 0.02, "dtype": "bfloat16",
-        "eos_token_id": tok.eos_token_id, "use_cache": True,
-        "dflash_config": {"mask_token_id": mask_id,
-                          "target_layer_ids": default_layer_ids(tcfg.num_hidden_layers, args.layers)},
-    }  # fmt: skip
+        "rope_scaling": None,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "vocab_size": tcfg.vocab_size,
+        "block_size": args.block,
+        "initializer_range": 0.02,
+        "dtype": "bfloat16",
+        "eos_token_id": tok.eos_token_id,
+        "use_cache": True,
+        "dflash_config": {
+            "mask_token_id": mask_id,
+            "target_layer_ids": default_layer_ids(tcfg.num_hidden_layers, args.layers),
+        },
+    }
     (run / "draft_config.json").write_text(json.dumps(draft, indent=1) + "\n")
     cfg = {
-        "model": {"target_model_path": str(args.target), "draft_model_config": str(run / "draft_config.json"),
-                  "torch_dtype": "bfloat16", "mask_token_id": mask_id, "trust_remote_code": False},
-        "data": {"hidden_states_path": str(args.features), "max_length": args.max_len, "chat_template": "qwen",
-                 "cache_dir": str(run / "cache"), "dataloader_num_workers": args.workers},
-        "training": {"strategy": "dflash", "num_epochs": 1000, "max_steps": args.steps, "batch_size": args.batch,
-                     "learning_rate": args.lr, "warmup_ratio": args.warmup_ratio, "max_grad_norm": 1.0,
-                     "attention_backend": args.attention, "num_anchors": args.anchors, "loss_decay_gamma": args.gamma,
-                     "save_interval": args.save_interval or args.steps, "log_interval": args.log_interval,
-                     "seed": args.seed},
+        "model": {
+            "target_model_path": str(args.target),
+            "draft_model_config": str(run / "draft_config.json"),
+            "torch_dtype": "bfloat16",
+            "mask_token_id": mask_id,
+            "trust_remote_code": False,
+        },
+        "data": {
+            "hidden_states_path": str(args.features),
+            "max_length": args.max_len,
+            "chat_template": "qwen",
+            "cache_dir": str(run / "cache"),
+            "dataloader_num_workers": args.workers,
+        },
+        "training": {
+            "strategy": "dflash",
+            "num_epochs": 1000,
+            "max_steps": args.steps,
+            "batch_size": args.batch,
+            "learning_rate": args.lr,
+            "warmup_ratio": args.warmup_ratio,
+            "max_grad_norm": 1.0,
+            "attention_backend": args.attention,
+            "num_anchors": args.anchors,
+            "loss_decay_gamma": args.gamma,
+            "save_interval": args.save_interval or args.steps,
+            "log_interval": args.log_interval,
+            "seed": args.seed,
+        },
         "tracking": {"report_to": "tensorboard"},  # its own record; run_quality reads its progress lines
-        "run_id": "quality-specforge", "output_dir": str(run / "output"),
+        "run_id": "quality-specforge",
+        "output_dir": str(run / "output"),
         "deployment": {"mode": "local_colocated", "trainer": {"nnodes": 1, "nproc_per_node": 1}},
-    }  # fmt: skip
+    }
     (run / "run.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
     print(json.dumps({"config": str(run / "run.yaml")}))
     return 0

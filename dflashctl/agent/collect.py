@@ -39,8 +39,11 @@ def mount_points() -> list[str]:
     except OSError:
         return []
     unescape = re.compile(rb"\\([0-7]{3})")
-    return [os.fsdecode(unescape.sub(lambda m: bytes([int(m.group(1), 8) & 0xFF]), line.split(b" ")[4]))
-            for line in lines if len(line.split(b" ")) > 4]  # fmt: skip
+    return [
+        os.fsdecode(unescape.sub(lambda m: bytes([int(m.group(1), 8) & 0xFF]), line.split(b" ")[4]))
+        for line in lines
+        if len(line.split(b" ")) > 4
+    ]
 
 
 def mounts_inside(run: str, points: list[str]) -> list[str]:
@@ -119,8 +122,9 @@ def refusal(req: dict) -> str | None:
     return None
 
 
-def _why_kept(run: str, name: str, live: set, project: str | None, older_than: float, now: float,
-              points: list[str]) -> str | None:  # fmt: skip
+def _why_kept(
+    run: str, name: str, live: set, project: str | None, older_than: float, now: float, points: list[str]
+) -> str | None:
     if os.path.islink(run) or not os.path.isdir(run):
         return "not a directory of ours"
     if name in live:

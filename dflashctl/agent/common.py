@@ -127,8 +127,13 @@ class SetAside(OSError):
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):  # fmt: skip
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -323,8 +328,9 @@ def job_redactor(run_dir: str | None):
         return redact.Redactor()
     rest = read_json(os.path.join(run_dir, AT_REST))
     rest = rest if isinstance(rest, dict) else {}
-    return redact.Redactor(secret_values(run_dir), str(rest.get("salt") or ""), rest.get("hashed") or [],
-                           rest.get("lengths") or [])  # fmt: skip
+    return redact.Redactor(
+        secret_values(run_dir), str(rest.get("salt") or ""), rest.get("hashed") or [], rest.get("lengths") or []
+    )
 
 
 def scrub_secrets(run_dir: str) -> list[str]:
@@ -339,11 +345,17 @@ def scrub_secrets(run_dir: str) -> list[str]:
         return []
     plain = redact.Redactor(values)
     rest = read_json(os.path.join(run_dir, AT_REST))
-    kept = rest if isinstance(rest, dict) and rest.get("salt") else {"salt": os.urandom(16).hex(), "hashed": [],
-                                                                      "lengths": []}  # fmt: skip
+    kept = (
+        rest
+        if isinstance(rest, dict) and rest.get("salt")
+        else {"salt": os.urandom(16).hex(), "hashed": [], "lengths": []}
+    )
     new = plain.fingerprints(bytes.fromhex(kept["salt"]))
-    kept = {"salt": kept["salt"], "hashed": sorted(set(kept["hashed"]) | set(new["hashed"])),
-            "lengths": sorted(set(kept["lengths"]) | set(new["lengths"]))}  # fmt: skip
+    kept = {
+        "salt": kept["salt"],
+        "hashed": sorted(set(kept["hashed"]) | set(new["hashed"])),
+        "lengths": sorted(set(kept["lengths"]) | set(new["lengths"])),
+    }
     write_atomic(os.path.join(run_dir, AT_REST), json.dumps(kept).encode())
     done: list[str] = []
     for name in SECRET_FILES:

@@ -33,8 +33,13 @@ def read_new(path: str, offset: int, limit: int) -> dict:
         start = max(offset, size - limit)
         f.seek(start)
         data = f.read(size - start)
-    return {"exists": True, "offset": start + len(data), "size": size, "text": data.decode(errors="replace"),
-            "skipped": start - offset}  # fmt: skip
+    return {
+        "exists": True,
+        "offset": start + len(data),
+        "size": size,
+        "text": data.decode(errors="replace"),
+        "skipped": start - offset,
+    }
 
 
 def read_metrics(path: str, offset: int, limit: int) -> dict:
@@ -123,10 +128,13 @@ def figures(records: list[dict]) -> dict:
     losses = [x for r in steps if (x := _number(r.get("loss"))) is not None]
     valid = steps + [r for r in records if isinstance(r.get("event"), str)]  # a malformed record's time says nothing
     times = [t for r in valid if (t := _number(r.get("time"))) is not None]
-    return {"step": steps[-1]["step"] if steps else None,
-            "mean_tokens_per_s": round(sum(tps) / len(tps), 1) if tps else None,
-            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-            "elapsed_s": round(max(times) - min(times), 1) if len(times) > 1 else None}  # fmt: skip
+    return {
+        "step": steps[-1]["step"] if steps else None,
+        "mean_tokens_per_s": round(sum(tps) / len(tps), 1) if tps else None,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "elapsed_s": round(max(times) - min(times), 1) if len(times) > 1 else None,
+    }
 
 
 def run_figures(run_dir: str, limit: int = 64 << 20) -> dict:
@@ -178,9 +186,15 @@ def checkpoint_dirs(run: str) -> list[str]:
         names = os.listdir(root)
     except OSError:
         return []
-    return sorted(os.path.join("checkpoints", n) for n in names  # a link (maybe out of the run dir) is no checkpoint
-                  if len(n) == 13 and n.startswith("step-") and n[5:].isdigit()
-                  and not os.path.islink(os.path.join(root, n)) and os.path.isdir(os.path.join(root, n)))  # fmt: skip
+    return sorted(
+        os.path.join("checkpoints", n)
+        for n in names  # a link (maybe out of the run dir) is no checkpoint
+        if len(n) == 13
+        and n.startswith("step-")
+        and n[5:].isdigit()
+        and not os.path.islink(os.path.join(root, n))
+        and os.path.isdir(os.path.join(root, n))
+    )
 
 
 def pull_files(req: dict) -> dict:

@@ -9,13 +9,36 @@ import shutil
 from .procs import _run
 
 GPU_FIELDS = [
-    "index", "uuid", "name", "memory.used", "memory.total", "utilization.gpu", "power.draw", "temperature.gpu",
-    "clocks.sm", "pstate", "clocks_event_reasons.active", "ecc.errors.uncorrected.volatile.total",
-]  # fmt: skip
-GPU_KEYS = ["index", "uuid", "name", "mem_used_mib", "mem_total_mib", "util_pct", "power_w", "temp_c", "sm_mhz",
-            "pstate", "throttle", "ecc_uncorrected"]  # fmt: skip
+    "index",
+    "uuid",
+    "name",
+    "memory.used",
+    "memory.total",
+    "utilization.gpu",
+    "power.draw",
+    "temperature.gpu",
+    "clocks.sm",
+    "pstate",
+    "clocks_event_reasons.active",
+    "ecc.errors.uncorrected.volatile.total",
+]
+GPU_KEYS = [
+    "index",
+    "uuid",
+    "name",
+    "mem_used_mib",
+    "mem_total_mib",
+    "util_pct",
+    "power_w",
+    "temp_c",
+    "sm_mhz",
+    "pstate",
+    "throttle",
+    "ecc_uncorrected",
+]
 TEXT_KEYS = ("uuid", "name", "pstate", "throttle")
 APP_FIELDS = ["pid", "process_name", "used_memory", "gpu_uuid"]
+
 
 def _num(text: str):
     text = text.strip()
@@ -47,8 +70,14 @@ def parse_apps_csv(text: str) -> list[dict]:
     for line in text.strip().splitlines():
         values = [v.strip() for v in line.split(",")]
         if len(values) >= 4 and values[0].isdigit():
-            apps.append({"pid": int(values[0]), "name": ",".join(values[1:-2]), "used_mib": _num(values[-2]),
-                         "gpu_uuid": values[-1]})  # fmt: skip
+            apps.append(
+                {
+                    "pid": int(values[0]),
+                    "name": ",".join(values[1:-2]),
+                    "used_mib": _num(values[-2]),
+                    "gpu_uuid": values[-1],
+                }
+            )
     return apps
 
 
@@ -86,16 +115,25 @@ def gpus_from_nvml() -> tuple[list[dict], list[dict]] | None:
             util = safe(nv.nvmlDeviceGetUtilizationRates, h)
             pending = safe(nv.nvmlDeviceGetRetiredPagesPendingStatus, h)
             remap = safe(nv.nvmlDeviceGetRemappedRows, h)  # (correctable, uncorrectable, pending, failure)
-            gpus.append({
-                "index": i, "uuid": uuid, "name": name.decode() if isinstance(name, bytes) else name,
-                "util_pct": util.gpu if util else None, "mem_used_mib": mem.used // 2**20,
-                "mem_total_mib": mem.total // 2**20, "power_w": power / 1000 if power is not None else None,
-                "temp_c": safe(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
-                "sm_mhz": safe(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
-                "pstate": None, "throttle": f"0x{reasons:016x}" if reasons is not None else None,
-                "ecc_uncorrected": ecc, "retired_pending": bool(pending) if pending is not None else None,
-                "remap_pending": bool(remap[2]) if remap else None, "remap_failed": bool(remap[3]) if remap else None,
-            })  # fmt: skip
+            gpus.append(
+                {
+                    "index": i,
+                    "uuid": uuid,
+                    "name": name.decode() if isinstance(name, bytes) else name,
+                    "util_pct": util.gpu if util else None,
+                    "mem_used_mib": mem.used // 2**20,
+                    "mem_total_mib": mem.total // 2**20,
+                    "power_w": power / 1000 if power is not None else None,
+                    "temp_c": safe(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU),
+                    "sm_mhz": safe(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM),
+                    "pstate": None,
+                    "throttle": f"0x{reasons:016x}" if reasons is not None else None,
+                    "ecc_uncorrected": ecc,
+                    "retired_pending": bool(pending) if pending is not None else None,
+                    "remap_pending": bool(remap[2]) if remap else None,
+                    "remap_failed": bool(remap[3]) if remap else None,
+                }
+            )
             for p in safe(nv.nvmlDeviceGetComputeRunningProcesses, h) or []:
                 used = p.usedGpuMemory // 2**20 if p.usedGpuMemory is not None else None
                 apps.append({"pid": p.pid, "name": None, "used_mib": used, "gpu_uuid": uuid})
@@ -146,7 +184,6 @@ def read_gpus(req: dict) -> dict:
         if got is not None:
             return {"source": source, "gpus": got[0], "apps": got[1]}
     return {"source": "none", "gpus": [], "apps": []}
-
 
 
 def gpu_holders(req: dict) -> dict:

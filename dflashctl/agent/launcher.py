@@ -61,8 +61,10 @@ def oom_baseline() -> dict:
         candidates += [os.path.join("/sys/fs/cgroup", v2.lstrip("/"), "memory.events"), "/sys/fs/cgroup/memory.events"]
     if v1 is not None:
         root = "/sys/fs/cgroup/memory"
-        candidates += [os.path.join(root, v1.lstrip("/"), "memory.oom_control"),
-                       os.path.join(root, "memory.oom_control")]
+        candidates += [
+            os.path.join(root, v1.lstrip("/"), "memory.oom_control"),
+            os.path.join(root, "memory.oom_control"),
+        ]
     for path in candidates:
         try:
             with open(path) as f:
@@ -105,8 +107,13 @@ def main() -> int:
     me = os.getpid()
     os.environ["DFLASHCTL_AGENT_PYTHON"] = sys.executable  # run.sh's setup step runs this agent with it
     child = subprocess.Popen(["bash", "--noprofile", "--norc", os.path.join(run_dir, "run.sh"), *args])
-    record = {"pid": me, "start": start_time(me), "child": child.pid, "child_start": start_time(child.pid),
-              **oom_baseline()}
+    record = {
+        "pid": me,
+        "start": start_time(me),
+        "child": child.pid,
+        "child_start": start_time(child.pid),
+        **oom_baseline(),
+    }
     tmp = os.path.join(run_dir, f"wrapper.pid.tmp{me}")
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as f:
         json.dump(record, f)

@@ -49,8 +49,15 @@ class Member:
 
     def argv(self, req: dict) -> list[str]:
         """The command that runs one agent action on the member, from the head."""
-        inner = [*self.prefix, self.python, "-I", "-S", os.path.join(self.run_dir, AGENT_FILE), "probe",
-                 json.dumps(req, separators=(",", ":"))]  # fmt: skip
+        inner = [
+            *self.prefix,
+            self.python,
+            "-I",
+            "-S",
+            os.path.join(self.run_dir, AGENT_FILE),
+            "probe",
+            json.dumps(req, separators=(",", ":")),
+        ]
         if not self.reach:  # this machine (the head and the member share it)
             return inner
         return [*self.reach, shlex.join(inner)]  # ssh joins its arguments with spaces: quoted once, for its shell
@@ -135,8 +142,13 @@ def act_all(members: list[Member], req: dict, timeout: float) -> list:
 
     def one(m: Member):
         try:
-            return m, m.call({**req, "run_dir": m.run_dir, "session": m.session, "job_id": m.job_id,
-                              "python": m.python}, timeout), None  # fmt: skip
+            return (
+                m,
+                m.call(
+                    {**req, "run_dir": m.run_dir, "session": m.session, "job_id": m.job_id, "python": m.python}, timeout
+                ),
+                None,
+            )
         except (Unreached, ProbeFailed) as e:
             return m, None, str(e)
 

@@ -79,10 +79,17 @@ def _read(d: str, nid: str) -> dict | None:
     status = raw.get("status") if raw.get("status") in ("pending", "sending", *FINAL) else "pending"
     claim = raw.get("claim") if isinstance(raw.get("claim"), dict) else None
     log = [e for e in raw.get("log") or [] if isinstance(e, dict)][-20:] if isinstance(raw.get("log"), list) else []
-    return {"message": msg.to_dict(), "status": status, "posts": posts if type(posts) is int and posts >= 0 else 0,
-            "max_posts": min(most, MAX_POSTS_CAP) if type(most) is int and most > 0 else DEFAULT_POSTS,
-            "claim": claim, "next_at": _num(raw.get("next_at")), "created": _num(raw.get("created")),
-            "url": raw.get("url") if isinstance(raw.get("url"), str) else None, "log": log}  # fmt: skip
+    return {
+        "message": msg.to_dict(),
+        "status": status,
+        "posts": posts if type(posts) is int and posts >= 0 else 0,
+        "max_posts": min(most, MAX_POSTS_CAP) if type(most) is int and most > 0 else DEFAULT_POSTS,
+        "claim": claim,
+        "next_at": _num(raw.get("next_at")),
+        "created": _num(raw.get("created")),
+        "url": raw.get("url") if isinstance(raw.get("url"), str) else None,
+        "log": log,
+    }
 
 
 def _num(v) -> float:
@@ -114,9 +121,16 @@ def put(run_dir: str, message: dict, max_posts: int = DEFAULT_POSTS, now: float 
         path = os.path.join(d, f"{msg.id}.json")
         if os.path.lexists(path):
             return False
-        rec = {"message": msg.to_dict(), "status": "pending", "posts": 0,
-               "max_posts": max(1, min(int(max_posts), MAX_POSTS_CAP)), "claim": None, "next_at": 0.0,
-               "created": round(time.time() if now is None else now, 3), "log": []}  # fmt: skip
+        rec = {
+            "message": msg.to_dict(),
+            "status": "pending",
+            "posts": 0,
+            "max_posts": max(1, min(int(max_posts), MAX_POSTS_CAP)),
+            "claim": None,
+            "next_at": 0.0,
+            "created": round(time.time() if now is None else now, 3),
+            "log": [],
+        }
         _write(d, msg.id, rec)
     return True
 
@@ -133,8 +147,9 @@ def _claimer_gone(claim: dict, now: float) -> bool:
     return not isinstance(who, str)
 
 
-def claim(run_dir: str, who: str, hold_s: float, limit: int = 8, now: float | None = None,
-          another_route: bool = False) -> list[tuple[str, dict]]:  # fmt: skip
+def claim(
+    run_dir: str, who: str, hold_s: float, limit: int = 8, now: float | None = None, another_route: bool = False
+) -> list[tuple[str, dict]]:
     """Notices ready to send (pending, their retry time come, POSTs left), oldest first, at most `limit`, claimed
     for `who` for `hold_s` seconds: (id, message) each. The claim counts as one POST. A claim whose claimer is gone
     goes back to pending (its POST spent); a file that is not a notice is set aside (renamed `.bad`).
@@ -155,8 +170,13 @@ def claim(run_dir: str, who: str, hold_s: float, limit: int = 8, now: float | No
                 continue
             if rec["status"] == "sending" and _claimer_gone(rec["claim"] or {}, now):
                 rec["status"] = "pending" if rec["posts"] < rec["max_posts"] else "failed"
-                rec["log"].append({"time": round(now, 3), "by": str((rec["claim"] or {}).get("by")),
-                                   "result": "no word from its sender (gone, or past its deadline)"})  # fmt: skip
+                rec["log"].append(
+                    {
+                        "time": round(now, 3),
+                        "by": str((rec["claim"] or {}).get("by")),
+                        "result": "no word from its sender (gone, or past its deadline)",
+                    }
+                )
                 rec["claim"], rec["next_at"] = None, now
                 _write(d, nid, rec)
             if len(got) >= limit or rec["status"] != "pending" or (rec["next_at"] > now and not another_route):
@@ -193,16 +213,29 @@ def settle(run_dir: str, nid: str, who: str, result: dict, by: str, now: float |
         else:
             rec["status"], rec["next_at"] = "pending", round(now + RETRY_S * 3 ** (rec["posts"] - 1), 3)
         rec["claim"] = None
-        rec["log"] = [*rec["log"], {"time": round(now, 3), "by": by, "result": line, "code": result.get("code"),
-                                    "ms": result.get("ms")}][-20:]  # fmt: skip
+        rec["log"] = [
+            *rec["log"],
+            {"time": round(now, 3), "by": by, "result": line, "code": result.get("code"), "ms": result.get("ms")},
+        ][-20:]
         if isinstance(result.get("url"), str):
             rec["url"] = result["url"]
         _write(d, nid, rec)
         status = rec["status"]
     with contextlib.suppress(OSError):
-        append_jsonl(os.path.join(run_dir, "events.jsonl"), [{"time": round(now, 3), "by": by,
-                     "decision": "notify" if status in ("sent", "unconfirmed") else "notify_failed", "id": nid,
-                     "state": rec["message"].get("state"), "status": status, "result": line}])  # fmt: skip
+        append_jsonl(
+            os.path.join(run_dir, "events.jsonl"),
+            [
+                {
+                    "time": round(now, 3),
+                    "by": by,
+                    "decision": "notify" if status in ("sent", "unconfirmed") else "notify_failed",
+                    "id": nid,
+                    "state": rec["message"].get("state"),
+                    "status": status,
+                    "result": line,
+                }
+            ],
+        )
     return status
 
 
@@ -215,9 +248,15 @@ def listing(run_dir: str) -> list[dict]:
     for nid in _ids(d):
         rec = _read(d, nid)
         if rec is not None:
-            out.append({"id": nid, **{k: rec[k] for k in ("status", "posts", "max_posts", "created", "url", "log")},
-                        "state": rec["message"]["state"], "action": rec["message"]["action"],
-                        "reason": rec["message"]["reason"]})  # fmt: skip
+            out.append(
+                {
+                    "id": nid,
+                    **{k: rec[k] for k in ("status", "posts", "max_posts", "created", "url", "log")},
+                    "state": rec["message"]["state"],
+                    "action": rec["message"]["action"],
+                    "reason": rec["message"]["reason"],
+                }
+            )
     return out
 
 
@@ -311,14 +350,21 @@ def post_once(url: str, message: dict, fmt: str = "json", timeout_s: float = 10.
         with contextlib.suppress(Exception):
             box["conn"].close()
         sent = box.get("stage") == "answer"
-        return {**out, "unconfirmed": sent, "result": f"no answer from {shown} in {timeout_s:g} s"
-                + (" after the request was sent (unconfirmed, not repeated)" if sent else "")}  # fmt: skip
+        return {
+            **out,
+            "unconfirmed": sent,
+            "result": f"no answer from {shown} in {timeout_s:g} s"
+            + (" after the request was sent (unconfirmed, not repeated)" if sent else ""),
+        }
     if "error" in box:
         err, stage = box["error"], box.get("stage")
         what = type(getattr(err, "reason", err)).__name__
         if stage == "answer":  # the body went out; the answer did not come
-            return {**out, "unconfirmed": True, "result": f"no answer from {shown} after the request was sent "
-                    f"({what}): unconfirmed, not repeated"}  # fmt: skip
+            return {
+                **out,
+                "unconfirmed": True,
+                "result": f"no answer from {shown} after the request was sent ({what}): unconfirmed, not repeated",
+            }
         return {**out, "result": f"not delivered to {shown}: {what} at {stage}"}
     code = box["code"]
     out["code"] = code
@@ -326,8 +372,11 @@ def post_once(url: str, message: dict, fmt: str = "json", timeout_s: float = 10.
         return {**out, "ok": True, "result": f"delivered to {shown} ({code})"}
     if 300 <= code < 400:
         where = redact_url(box["location"]) if box.get("location") else "nowhere"
-        return {**out, "final": True, "result": f"not delivered: {shown} redirected ({code}) to {where}; "
-                "redirects are not followed"}  # fmt: skip
+        return {
+            **out,
+            "final": True,
+            "result": f"not delivered: {shown} redirected ({code}) to {where}; redirects are not followed",
+        }
     return {**out, "final": 400 <= code < 500 and code != 429, "result": f"not delivered to {shown}: HTTP {code}"}
 
 
@@ -419,10 +468,13 @@ def laptop_claim(run_dir: str, req: dict) -> dict:
     got = []
     if req.get("claim_notices"):
         with contextlib.suppress(OSError):
-            got = claim(run_dir, who, float(req.get("hold_s") or 15.0), int(req.get("limit") or 8),
-                        another_route=True)
-    return {"notices": [{"id": n, "message": m} for n, m in got], "claimer": who, "put": put_ok,
-            "counts": counts(run_dir)}  # fmt: skip
+            got = claim(run_dir, who, float(req.get("hold_s") or 15.0), int(req.get("limit") or 8), another_route=True)
+    return {
+        "notices": [{"id": n, "message": m} for n, m in got],
+        "claimer": who,
+        "put": put_ok,
+        "counts": counts(run_dir),
+    }
 
 
 def laptop_settle(req: dict) -> dict:
@@ -437,4 +489,3 @@ def laptop_settle(req: dict) -> dict:
         with contextlib.suppress(OSError):
             done += settle(run_dir, str(item.get("id")), who, result, "local") is not None
     return {"settled": done, "counts": counts(run_dir) if isinstance(run_dir, str) else {}}
-

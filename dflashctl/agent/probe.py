@@ -93,8 +93,12 @@ def main() -> int:
 
         answer = collect(req)
     elif action == "hello":  # doctor: the agent runs here, as a deploy would run it
-        answer = {"python": os.path.realpath(sys.executable), "version": sys.version.split()[0],
-                  "isolated": bool(sys.flags.isolated), "ok": True}  # fmt: skip
+        answer = {
+            "python": os.path.realpath(sys.executable),
+            "version": sys.version.split()[0],
+            "isolated": bool(sys.flags.isolated),
+            "ok": True,
+        }
     elif action == "end_execs":  # `kill --all`: what `exec` started for the job
         from .execs import end_execs
 

@@ -46,10 +46,14 @@ def proc_table() -> dict[int, dict]:
         except (OSError, ValueError):
             continue
         table[int(name)] = {
-            "pid": int(name), "ppid": int(rest[1]), "state": rest[0], "start": int(rest[19]),
+            "pid": int(name),
+            "ppid": int(rest[1]),
+            "state": rest[0],
+            "start": int(rest[19]),
             "cpu_s": round((int(rest[11]) + int(rest[12])) / tick, 2),
-            "rss_mib": round(int(rest[21]) * page / 2**20, 1), "cmd": cmd[:200],
-        }  # fmt: skip
+            "rss_mib": round(int(rest[21]) * page / 2**20, 1),
+            "cmd": cmd[:200],
+        }
     return table
 
 
@@ -125,7 +129,6 @@ def tmux_session(session: str | None, lines: int) -> dict:
         _, text = _run([*TMUX, "capture-pane", "-p", "-J", "-t", f"={session}:", "-S", f"-{lines}"])
         info["lines"] = text.rstrip("\n").splitlines()[-lines:]
     return info
-
 
 
 def list_sessions() -> list[dict]:

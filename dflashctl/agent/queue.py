@@ -60,10 +60,19 @@ def next_ticket(wd: str) -> int:
 
 def enqueue(run_dir: str, wd: str, req: dict, why: list[str], ahead: int) -> dict:
     """Put a just-made run dir in the queue (under the host lock): its ticket, what it waits for, its place."""
-    body = {"ticket": next_ticket(wd), "state": "waiting", "since": round(time.time(), 3), "gpus": sorted(req["gpus"]),
-            "waiting_for": why[:8], "position": ahead + 1, "job_id": req["job_id"], "name": req["name"],
-            "session": req["session"], "tmux_socket": req.get("tmux_socket") or "dflashctl",
-            "project": req.get("project")}  # fmt: skip
+    body = {
+        "ticket": next_ticket(wd),
+        "state": "waiting",
+        "since": round(time.time(), 3),
+        "gpus": sorted(req["gpus"]),
+        "waiting_for": why[:8],
+        "position": ahead + 1,
+        "job_id": req["job_id"],
+        "name": req["name"],
+        "session": req["session"],
+        "tmux_socket": req.get("tmux_socket") or "dflashctl",
+        "project": req.get("project"),
+    }
     write_atomic(os.path.join(run_dir, QUEUE), json.dumps(body).encode())
     return body
 
@@ -102,4 +111,3 @@ def started(run_dir: str) -> None:
     """The job's launcher runs its command: the ticket has done its work."""
     with contextlib.suppress(OSError):
         os.unlink(os.path.join(run_dir, QUEUE))
-

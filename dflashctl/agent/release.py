@@ -368,8 +368,14 @@ def release(req: dict, stream) -> dict:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     seconds = {"stage_and_verify": t_verified - t0, "durable_and_switch": time.monotonic() - t_verified}
-    return {"ok": True, "reused": False, "linked": len(linked), "verified": len(files), "python": sys.executable,
-            "seconds": {k: round(v, 3) for k, v in seconds.items()}}  # fmt: skip
+    return {
+        "ok": True,
+        "reused": False,
+        "linked": len(linked),
+        "verified": len(files),
+        "python": sys.executable,
+        "seconds": {k: round(v, 3) for k, v in seconds.items()},
+    }
 
 
 def collect_after_answer(wd: str, version: str) -> None:

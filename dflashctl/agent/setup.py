@@ -40,8 +40,11 @@ def _tail(run_dir: str) -> list[str]:
         data = read_regular(os.path.join(run_dir, LOG), 16384, max(0, size - 16384)) or b""
     except OSError:
         return []
-    lines = [ln.rstrip()[:300] for ln in data.decode("utf-8", "replace").splitlines()
-             if ln.strip() and not ln.startswith("[dflashctl] ")]  # the setup's own lines, not ours  # fmt: skip
+    lines = [
+        ln.rstrip()[:300]
+        for ln in data.decode("utf-8", "replace").splitlines()
+        if ln.strip() and not ln.startswith("[dflashctl] ")
+    ]  # the setup's own lines, not ours
     return lines[-TAIL_LINES:]
 
 
@@ -50,9 +53,19 @@ class Step:
 
     def __init__(self, run_dir: str, command: str, release: str, timeout_s: float) -> None:
         self.run_dir = run_dir
-        self.body = {"state": "waiting", "command": command[:300], "release": release, "timeout_s": timeout_s,
-                     "since": round(time.time(), 3), "seconds": None, "exit": None, "timed_out": False,
-                     "skipped": False, "by": None, "tail": []}  # fmt: skip
+        self.body = {
+            "state": "waiting",
+            "command": command[:300],
+            "release": release,
+            "timeout_s": timeout_s,
+            "since": round(time.time(), 3),
+            "seconds": None,
+            "exit": None,
+            "timed_out": False,
+            "skipped": False,
+            "by": None,
+            "tail": [],
+        }
         self.t0 = time.monotonic()
 
     def write(self, **changes) -> None:
@@ -83,9 +96,13 @@ def run_command(run_dir: str, timeout_s: float) -> tuple[int, bool]:
     if fd is None:
         raise FileNotFoundError(os.path.join(run_dir, LOG))
     with os.fdopen(fd, "ab") as out:
-        proc = subprocess.Popen(["bash", "--noprofile", "--norc", os.path.join(run_dir, SCRIPT)],
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            ["bash", "--noprofile", "--norc", os.path.join(run_dir, SCRIPT)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         return proc.wait(timeout=timeout_s), False
     except subprocess.TimeoutExpired:
@@ -122,8 +139,10 @@ def main(run_dir: str) -> int:
     step = Step(run_dir, shown, release, timeout_s)
 
     def skipped(rec: dict) -> int:
-        log(run_dir, f"already done for release {release} by job {rec.get('job')} ({rec.get('seconds')} s): not run "
-            "again")  # fmt: skip
+        log(
+            run_dir,
+            f"already done for release {release} by job {rec.get('job')} ({rec.get('seconds')} s): not run again",
+        )
         step.write(state="done", skipped=True, by=rec.get("job"), exit=0)
         return 0
 
@@ -133,8 +152,11 @@ def main(run_dir: str) -> int:
         if rec is not None:
             return skipped(rec)
         step.write(state="waiting")
-        with locked(os.path.join(folder, f"{key}.lock"), timeout=timeout_s + 60,
-                    held_by="another launch's setup of this release"):  # fmt: skip
+        with locked(
+            os.path.join(folder, f"{key}.lock"),
+            timeout=timeout_s + 60,
+            held_by="another launch's setup of this release",
+        ):
             rec = done_record(done, key, release)
             if rec is not None:
                 return skipped(rec)
@@ -142,8 +164,18 @@ def main(run_dir: str) -> int:
             step.write(state="running", by=job_id)
             rc, timed_out = run_command(run_dir, timeout_s)
             if rc == 0:
-                write_atomic(done, json.dumps({"key": key, "release": release, "job": job_id, "time": time.time(),
-                                               "seconds": round(time.monotonic() - step.t0, 2)}).encode())  # fmt: skip
+                write_atomic(
+                    done,
+                    json.dumps(
+                        {
+                            "key": key,
+                            "release": release,
+                            "job": job_id,
+                            "time": time.time(),
+                            "seconds": round(time.monotonic() - step.t0, 2),
+                        }
+                    ).encode(),
+                )
                 step.write(state="done", exit=0)
                 log(run_dir, f"done in {step.body['seconds']:.1f} s")
                 return 0

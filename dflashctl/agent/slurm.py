@@ -20,16 +20,35 @@ import time
 from .common import open_regular, read_json, read_regular, write_atomic
 
 JOB_FILE, EXCLUDE_FILE, SCRIPT = "slurm_job", "slurm_exclude", "sbatch.sh"
-FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-         "DEADLINE", "REVOKED", "SPECIAL_EXIT")  # fmt: skip
+FINAL = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "PREEMPTED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "REVOKED",
+    "SPECIAL_EXIT",
+)
 JOB_ID = re.compile(r"[0-9]+(_[0-9]+)?")  # fullmatch; an array task's id is JOB_TASK
 
 
-def _run(argv: list[str], timeout: float = 30.0, cwd: str | None = None, stdin: str | None = None
-         ) -> tuple[int, str, str]:  # fmt: skip
+def _run(
+    argv: list[str], timeout: float = 30.0, cwd: str | None = None, stdin: str | None = None
+) -> tuple[int, str, str]:
     try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd, input=stdin,
-                           stdin=None if stdin is not None else subprocess.DEVNULL)  # fmt: skip
+        p = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+            input=stdin,
+            stdin=None if stdin is not None else subprocess.DEVNULL,
+        )
         return p.returncode, p.stdout, p.stderr
     except FileNotFoundError:
         return 127, "", f"{argv[0]}: not found"
@@ -101,9 +120,17 @@ def parse_sacct(text: str) -> dict | None:
     if not lines:
         return None
     parts = (lines[0].split("|") + [""] * 9)[:9]
-    return {"state": parts[0].split()[0] if parts[0] else "", "reason": parts[1] or "None", "exit": parts[2],
-            "nodes": parts[3], "start": parts[4], "time_limit": parts[5], "name": parts[6] or None,
-            "uid": int(parts[7]) if parts[7].isdigit() else None, "workdir": parts[8] or None}  # fmt: skip
+    return {
+        "state": parts[0].split()[0] if parts[0] else "",
+        "reason": parts[1] or "None",
+        "exit": parts[2],
+        "nodes": parts[3],
+        "start": parts[4],
+        "time_limit": parts[5],
+        "name": parts[6] or None,
+        "uid": int(parts[7]) if parts[7].isdigit() else None,
+        "workdir": parts[8] or None,
+    }
 
 
 def _epoch(stamp: str | None) -> float | None:
@@ -122,8 +149,18 @@ def query(job_id: str) -> dict:
     info = parse_scontrol(out) if rc == 0 and out.strip() else None
     source = "scontrol"
     if info is None or not info["state"]:
-        rc2, out2, _ = _run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o",
-                             "State,Reason,ExitCode,NodeList,Start,Timelimit,JobName,UID,WorkDir"])  # fmt: skip
+        rc2, out2, _ = _run(
+            [
+                "sacct",
+                "-n",
+                "-P",
+                "-X",
+                "-j",
+                job_id,
+                "-o",
+                "State,Reason,ExitCode,NodeList,Start,Timelimit,JobName,UID,WorkDir",
+            ]
+        )
         info = parse_sacct(out2) if rc2 == 0 else None
         source = "sacct"
     if not info or not info["state"]:
@@ -135,8 +172,16 @@ def query(job_id: str) -> dict:
         if status.isdigit() and signal_no.isdigit():
             code = int(status) if int(signal_no) == 0 else 128 + int(signal_no)
     state = info["state"].rstrip("+")
-    return {**info, "id": job_id, "known": True, "state": state, "final": state in FINAL, "exit_code": code,
-            "started": _epoch(info.get("start")) if state not in ("PENDING",) else None, "source": source}  # fmt: skip
+    return {
+        **info,
+        "id": job_id,
+        "known": True,
+        "state": state,
+        "final": state in FINAL,
+        "exit_code": code,
+        "started": _epoch(info.get("start")) if state not in ("PENDING",) else None,
+        "source": source,
+    }
 
 
 def stranger(run_dir: str, q: dict) -> str | None:
@@ -169,9 +214,14 @@ def session_info(run_dir: str, lines: int) -> dict:
     foreign = stranger(run_dir, q)
     if foreign:  # never trusted: the job of ours under that id is gone
         return {"exists": False, "slurm": {"id": job, "state": "FOREIGN", "reason": foreign}}
-    info = {"exists": True, "pane_pid": None, "pane_dead": q["final"], "exit_status": q["exit_code"],
-            "created": q["started"], "slurm": {k: q.get(k) for k in ("id", "state", "reason", "nodes", "exit",
-                                                                    "time_limit", "source")}}  # fmt: skip
+    info = {
+        "exists": True,
+        "pane_pid": None,
+        "pane_dead": q["final"],
+        "exit_status": q["exit_code"],
+        "created": q["started"],
+        "slurm": {k: q.get(k) for k in ("id", "state", "reason", "nodes", "exit", "time_limit", "source")},
+    }
     if lines > 0:  # what Slurm itself wrote (time limit, cancellation, node failure): the batch output
         try:
             fd = open_regular(os.path.join(run_dir, f"slurm-{job}.out"))

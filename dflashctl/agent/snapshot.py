@@ -75,10 +75,14 @@ def snapshot(req: dict) -> dict:
         except OSError as e:
             snap["events_error"] = e.strerror or str(e)
     if run_dir:
-        snap["log"] = read_new(os.path.join(run_dir, "train.log"), int(req.get("log_offset", 0)),
-                               int(req.get("max_log_bytes", 65536)))  # fmt: skip
-        snap["metrics"] = read_metrics(os.path.join(run_dir, "metrics.jsonl"), int(req.get("metrics_offset", 0)),
-                                       int(req.get("max_metrics_bytes", 1 << 20)))  # fmt: skip
+        snap["log"] = read_new(
+            os.path.join(run_dir, "train.log"), int(req.get("log_offset", 0)), int(req.get("max_log_bytes", 65536))
+        )
+        snap["metrics"] = read_metrics(
+            os.path.join(run_dir, "metrics.jsonl"),
+            int(req.get("metrics_offset", 0)),
+            int(req.get("max_metrics_bytes", 1 << 20)),
+        )
         snap["heartbeat"] = read_heartbeat(run_dir, now)
         snap["exit_code"] = read_int(os.path.join(run_dir, "exit_code"))
         if scheduled and snap["exit_code"] is not None and not snap["session"].get("pane_dead"):
@@ -109,8 +113,9 @@ def snapshot(req: dict) -> dict:
                 append_gpu_sample(run_dir, snap["gpu"], list(req.get("job_gpus") or []))
     if run_dir and snap["run_dir_exists"]:
         snap["supervisor"] = supervision.state(run_dir)
-        snap["progress"] = update_progress(run_dir, now, snap, list(req.get("job_gpus") or []),
-                                           int(req.get("metrics_offset", 0)), mono)  # fmt: skip
+        snap["progress"] = update_progress(
+            run_dir, now, snap, list(req.get("job_gpus") or []), int(req.get("metrics_offset", 0)), mono
+        )
         snap["host_oom"] = host_oom(run_dir, snap)
     if req.get("figures") and run_dir and snap["run_dir_exists"]:  # `status`: the run's numbers, as `report` has them
         snap["figures"] = run_figures(run_dir)
@@ -127,8 +132,20 @@ def snapshot(req: dict) -> dict:
     return redacted(run_dir, snap)
 
 
-JOB_TEXT = ("session", "procs", "metrics", "heartbeat", "stop_request", "stop_result", "figures", "host_oom",
-            "restart_cause", "notices", "supervisor", "setup")
+JOB_TEXT = (
+    "session",
+    "procs",
+    "metrics",
+    "heartbeat",
+    "stop_request",
+    "stop_result",
+    "figures",
+    "host_oom",
+    "restart_cause",
+    "notices",
+    "supervisor",
+    "setup",
+)
 
 
 def redacted(run_dir: str | None, snap: dict) -> dict:
@@ -157,7 +174,6 @@ def checkpoint_gib(run_dir: str) -> float | None:
             if entry.is_file(follow_symlinks=False):
                 total += entry.stat(follow_symlinks=False).st_size
     return round(total / 2**30, 3)
-
 
 
 # ---------------------------------------------------------------------------------------------- progress history
@@ -202,8 +218,12 @@ def launcher_mono(wrapper, mono_now: float) -> float | None:
     """When the attempt's launcher started, on the monotonic clock: its start time in /proc (clock ticks since boot)
     against /proc/uptime, both free of the wall clock; only while it runs (the pid and start time still name it, so
     it is this boot's). Uptime counts a suspend that monotonic time does not: an attempt reads older, never younger."""
-    if not isinstance(wrapper, dict) or not isinstance(wrapper.get("pid"), int) or not isinstance(
-            wrapper.get("start"), int) or start_time(wrapper["pid"]) != wrapper["start"]:  # fmt: skip
+    if (
+        not isinstance(wrapper, dict)
+        or not isinstance(wrapper.get("pid"), int)
+        or not isinstance(wrapper.get("start"), int)
+        or start_time(wrapper["pid"]) != wrapper["start"]
+    ):
         return None
     try:
         with open("/proc/uptime") as f:
@@ -248,8 +268,9 @@ def _cpu_moving(procs: list[dict], launcher, wait_s: float = CPU_SAMPLE_S) -> bo
     return total() > before + 0.02
 
 
-def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], metrics_from: int = -1,
-                    mono: float | None = None) -> dict:  # fmt: skip
+def update_progress(
+    run_dir: str, now: float, snap: dict, job_gpus: list[int], metrics_from: int = -1, mono: float | None = None
+) -> dict:
     """When each sign of progress last changed, kept in RUN/progress.json and updated by every probe (the supervisor,
     status, watch, a second watcher, a cron job): the heartbeat's content, the log's size, the job's CPU time, its
     GPUs' activity, the newest step, the exit status and a stop request. Each change is kept twice: on the wall
@@ -307,9 +328,13 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
         # the signs the previous look noted whenever present: one of them absent then appeared since (an older
         # agent's history did not note them all: there, a sign first seen may be as old as the attempt)
         tracked = clock.get("notes") if isinstance(clock, dict) and isinstance(clock.get("notes"), list) else []
-        cur = dict(prev, attempt=attempt, attempt_start=attempt_start, seen_at=now,
-                   clock={"boot": boot, "seen": round(mono, 3), "attempt": round(attempt_mono, 3),
-                          "notes": list(SIGNS)})  # fmt: skip
+        cur = dict(
+            prev,
+            attempt=attempt,
+            attempt_start=attempt_start,
+            seen_at=now,
+            clock={"boot": boot, "seen": round(mono, 3), "attempt": round(attempt_mono, 3), "notes": list(SIGNS)},
+        )
 
         def placed(changed_at: float, bound: float | None) -> dict:
             """A change's two stamps: the wall one as claimed (clamped), the monotonic one no earlier than `bound`
@@ -320,8 +345,11 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
 
         def note(key: str, value, claimed, moved=None) -> None:
             old = prev.get(key)
-            changed = moved(old["value"]) if moved and isinstance(old, dict) else (
-                not isinstance(old, dict) or old.get("value") != value)
+            changed = (
+                moved(old["value"])
+                if moved and isinstance(old, dict)
+                else (not isinstance(old, dict) or old.get("value") != value)
+            )
             if changed:
                 since, bound = (attempt_start, None) if old is None and key not in tracked else (lo, seen_mono)
                 cur[key] = {"value": value, **placed(_clamp(claimed, since, now), bound)}
@@ -343,8 +371,13 @@ def update_progress(run_dir: str, now: float, snap: dict, job_gpus: list[int], m
             busy = any(5 < u < 99 for u in utils) or bool(utils and max(utils) >= 99 and old_mem not in (None, mem))
             cur["gpu"] = {"value": mem, **placed(now, None)} if busy else {**old_gpu, "value": mem}
             cur["gpu"].setdefault("changed_at", None)
-        step_of(run_dir, prev, cur, snap.get("metrics") if metrics_from == prev.get("metrics_offset", 0) else None,
-                attempt_start)  # fmt: skip
+        step_of(
+            run_dir,
+            prev,
+            cur,
+            snap.get("metrics") if metrics_from == prev.get("metrics_offset", 0) else None,
+            attempt_start,
+        )
         if cur.get("step_value") != prev.get("step_value"):
             since, bound = (attempt_start, None) if "step" not in prev else (lo, seen_mono)
             cur["step"] = {"value": cur.get("step_value"), **placed(_clamp(cur.get("step_time"), since, now), bound)}
@@ -455,8 +488,10 @@ def oom_kill_count(path) -> int | None:
     return None
 
 
-KERNEL_OOM_LINE = re.compile(r"^\[\s*(\d+\.\d+)\]\s*(.*(?:Out of memory: Killed process|oom-kill:|Memory cgroup out of "
-                             r"memory).*)$")  # fmt: skip
+KERNEL_OOM_LINE = re.compile(
+    r"^\[\s*(\d+\.\d+)\]\s*(.*(?:Out of memory: Killed process|oom-kill:|Memory cgroup out of "
+    r"memory).*)$"
+)
 KERNEL_XID_LINE = re.compile(r"^\[\s*(\d+\.\d+)\]\s*(.*NVRM: Xid .*)$")  # the GPU driver's error reports
 
 
@@ -482,7 +517,10 @@ def host_oom(run_dir: str, snap: dict) -> dict:
             boot = None
         recent = text.splitlines()[-2000:]
         for key, pattern in (("kernel_oom", KERNEL_OOM_LINE), ("kernel_xid", KERNEL_XID_LINE)):
-            lines = [m[2] for ln in recent if (m := pattern.match(ln))
-                     and boot is not None and boot + float(m[1]) >= start - 1]  # fmt: skip
+            lines = [
+                m[2]
+                for ln in recent
+                if (m := pattern.match(ln)) and boot is not None and boot + float(m[1]) >= start - 1
+            ]
             out[key] = lines[-5:]
     return out

@@ -48,8 +48,27 @@ def pane_command(run_dir: str, python: str, args: list[str]) -> str:
 def session_argv(run_dir: str, session: str, python: str, args: list[str]) -> list[str]:
     """The tmux command that starts the job's session, its pane running `pane_command`."""
     cmd = pane_command(run_dir, python, args)
-    return [*TMUX, "-f", os.path.join(run_dir, "tmux.conf"), "new-session", "-d", "-s", session, "-x", "200",
-            "-y", "50", cmd, ";", "set-option", "-w", "-t", f"={session}:", "remain-on-exit", "on"]  # fmt: skip
+    return [
+        *TMUX,
+        "-f",
+        os.path.join(run_dir, "tmux.conf"),
+        "new-session",
+        "-d",
+        "-s",
+        session,
+        "-x",
+        "200",
+        "-y",
+        "50",
+        cmd,
+        ";",
+        "set-option",
+        "-w",
+        "-t",
+        f"={session}:",
+        "remain-on-exit",
+        "on",
+    ]
 
 
 def start_session(run_dir: str, session: str, python: str, args: list[str]) -> int:
@@ -94,8 +113,10 @@ def restart_room_gib(state: str, checkpoint_gib: float | None) -> float | None:
 
 TORCH_CHECK = "import torch; print(torch.__version__, int(torch.cuda.is_available()), torch.cuda.device_count())"
 # where torch would come from, without importing it (50 ms against seconds): the key of a cached TORCH_CHECK
-TORCH_WHERE = ("import importlib.util as u, os, sys; s = u.find_spec('torch'); "
-               "print(os.path.realpath(sys.executable), sys.version.split()[0], s.origin if s else '', sep='\\n')")
+TORCH_WHERE = (
+    "import importlib.util as u, os, sys; s = u.find_spec('torch'); "
+    "print(os.path.realpath(sys.executable), sys.version.split()[0], s.origin if s else '', sep='\\n')"
+)
 TORCH_CACHE = "torch-check.json"  # in the agent's state dir (~/.cache/dflashctl, 0700), 0600
 
 
@@ -244,14 +265,20 @@ def claims(req: dict, wd: str, live: list[dict], ticket: int | None = None) -> t
             continue
         q = queue.entry(other["run_dir"])
         in_queue = queue.waiting(q)
-        if in_queue and (ticket is not None and q["ticket"] > ticket
-                         or os.path.exists(os.path.join(other["run_dir"], STOP_REQUEST))):  # fmt: skip
+        if in_queue and (
+            ticket is not None and q["ticket"] > ticket or os.path.exists(os.path.join(other["run_dir"], STOP_REQUEST))
+        ):
             continue  # behind this one, or being taken out of the queue: it never starts
         running += [] if in_queue else [other]
         same_clone = other.get("project") in (None, req.get("project"))  # another clone's job is another job
         if ticket is None and other.get("name") == req["name"] and same_clone:
-            found.append(("name", f"job {oid} of the same name is alive: `dflashctl watch {oid}` follows it, "
-                          f"`dflashctl kill {oid}` stops it, --force launches another beside it"))  # fmt: skip
+            found.append(
+                (
+                    "name",
+                    f"job {oid} of the same name is alive: `dflashctl watch {oid}` follows it, "
+                    f"`dflashctl kill {oid}` stops it, --force launches another beside it",
+                )
+            )
         shared = ",".join(map(str, sorted(wanted & set(other.get("gpus") or []))))
         if shared and in_queue:
             found.append(("queued", f"GPU {shared} promised to job {oid}, queued before this launch"))
@@ -264,12 +291,18 @@ def claims(req: dict, wd: str, live: list[dict], ticket: int | None = None) -> t
     if not gpu["gpus"]:
         if ticket is not None:
             return found, {}
-        return found, {"refused": [f"GPUs {sorted(wanted)} asked for, but this host shows none (NVML, nvidia-smi)"],
-                       "key": "gpus", "config": True}  # fmt: skip
+        return found, {
+            "refused": [f"GPUs {sorted(wanted)} asked for, but this host shows none (NVML, nvidia-smi)"],
+            "key": "gpus",
+            "config": True,
+        }
     bad = sorted(i for i in wanted if i >= len(gpu["gpus"]))
     if bad:
-        return found, {"refused": [f"index {bad[0]} out of range: this host has {len(gpu['gpus'])} GPUs"],
-                       "key": "gpus", "config": True}  # fmt: skip
+        return found, {
+            "refused": [f"index {bad[0]} out of range: this host has {len(gpu['gpus'])} GPUs"],
+            "key": "gpus",
+            "config": True,
+        }
     for i, why in sorted(gpu_faults(gpu["gpus"]).items(), key=lambda kv: str(kv[0])):
         if i is None or i in wanted:
             found.append(("faulty", f"GPU {i if i is not None else '?'} is faulty: {why}"))
@@ -281,8 +314,12 @@ def claims(req: dict, wd: str, live: list[dict], ticket: int | None = None) -> t
             ours |= {p["pid"] for p in job_processes(table, root, other.get("id"))}
     for app in gpu["apps"]:
         if index.get(app["gpu_uuid"]) in wanted and app["pid"] not in ours:
-            found.append(("unknown", f"GPU {index[app['gpu_uuid']]} has unknown process pid {app['pid']} using "
-                          f"{app['used_mib']} MiB"))  # fmt: skip
+            found.append(
+                (
+                    "unknown",
+                    f"GPU {index[app['gpu_uuid']]} has unknown process pid {app['pid']} using {app['used_mib']} MiB",
+                )
+            )
     return found, {}
 
 
@@ -362,8 +399,7 @@ def _restart_refused(req: dict, run: str, count: int) -> dict | None:
     if os.path.exists(os.path.join(run, STOP_REQUEST)):
         return {"restarted": False, "why": "a stop was requested (dflashctl kill)", "stopped": True}
     if count != int(req["attempt"]):
-        return {"restarted": False, "why": f"already restarted by another watcher (restart {count})",
-                "restarts": count}  # fmt: skip
+        return {"restarted": False, "why": f"already restarted by another watcher (restart {count})", "restarts": count}
     if count >= int(req["max_restarts"]):
         return {"restarted": False, "why": f"max_restarts ({req['max_restarts']}) reached", "restarts": count}
     need = req.get("min_free_gib")
@@ -371,8 +407,11 @@ def _restart_refused(req: dict, run: str, count: int) -> dict | None:
         st = os.statvfs(run)
         free = st.f_bavail * st.f_frsize / 2**30
         if free < need:
-            return {"restarted": False, "restarts": count, "why": f"the disk is still full: {free:.2f} GiB free at "
-                    f"the run dir, a checkpoint needs {need:.2f} GiB"}  # fmt: skip
+            return {
+                "restarted": False,
+                "restarts": count,
+                "why": f"the disk is still full: {free:.2f} GiB free at the run dir, a checkpoint needs {need:.2f} GiB",
+            }
     return None
 
 
@@ -426,13 +465,15 @@ def restart(req: dict, agent: bytes | None = None) -> dict:
             q = slurm.cancel(old, grace + 30, run) if old else {}
             if q.get("known") is not False and not q.get("final"):
                 state = q.get("state") or f"unknown ({q.get('why')})"
-                return {"restarted": False, "restarts": count,
-                        "why": f"slurm job {old} is still {state} after scancel"}  # fmt: skip
+                return {"restarted": False, "restarts": count, "why": f"slurm job {old} is still {state} after scancel"}
             slurm.exclude_failed_nodes(run, q)
         stopped = stop_processes(run, None if scheduled else req["session"], req["job_id"], grace)
         if stopped["remaining"]:
-            return {"restarted": False, "why": f"the old attempt survived SIGKILL: pids {stopped['remaining']}",
-                    "restarts": count}  # fmt: skip
+            return {
+                "restarted": False,
+                "why": f"the old attempt survived SIGKILL: pids {stopped['remaining']}",
+                "restarts": count,
+            }
         for stale in ("exit_code", WRAPPER_PID):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(run, stale))
@@ -448,8 +489,13 @@ def restart(req: dict, agent: bytes | None = None) -> dict:
         write_atomic(os.path.join(run, RESTARTS), f"{count + 1}\n".encode())
         replaced = verify_agent_copy(run, agent)  # the pane runs it next: never a copy this agent did not check
         pane_pid = start_session(run, req["session"], req["python"], list(req.get("args", [])))
-    return {"restarted": True, "restarts": count + 1, "pane_pid": pane_pid, "stopped": stopped,
-            "agent_replaced": replaced}  # fmt: skip
+    return {
+        "restarted": True,
+        "restarts": count + 1,
+        "pane_pid": pane_pid,
+        "stopped": stopped,
+        "agent_replaced": replaced,
+    }
 
 
 def restart_action(req: dict, agent: bytes | None = None) -> dict:
@@ -457,6 +503,10 @@ def restart_action(req: dict, agent: bytes | None = None) -> dict:
     dir's count is past the attempt asked for), so that no caller reads it from the words of `why`."""
     ans = restart(req, agent)
     count = ans.get("restarts")
-    ans["raced"] = bool(not ans.get("restarted") and isinstance(count, int) and not isinstance(count, bool)
-                        and count > int(req.get("attempt") or 0))  # fmt: skip
+    ans["raced"] = bool(
+        not ans.get("restarted")
+        and isinstance(count, int)
+        and not isinstance(count, bool)
+        and count > int(req.get("attempt") or 0)
+    )
     return ans

@@ -74,8 +74,11 @@ def stop_processes(run_dir: str | None, session: str | None, job_id: str | None,
     sig = Signaller()
     ident = lambda p: {"pid": p["pid"], "start": p["start"]}  # noqa: E731
     targets = [ident(p) for p in procs if p["pid"] not in wrapper and sig.adopt(ident(p))]
-    report: dict = {"found": [{k: p[k] for k in ("pid", "ppid", "start", "cmd")} for p in procs], "term": [],
-                    "kill": []}  # fmt: skip
+    report: dict = {
+        "found": [{k: p[k] for k in ("pid", "ppid", "start", "cmd")} for p in procs],
+        "term": [],
+        "kill": [],
+    }
     for p in targets:
         if sig.send(p, signal.SIGTERM):
             report["term"].append(p["pid"])
@@ -97,8 +100,9 @@ def stop_processes(run_dir: str | None, session: str | None, job_id: str | None,
     while time.monotonic() < end:
         known = {p["pid"] for p in targets}
         again = job_processes(proc_table(), root, job_id)
-        left = [ident(p) for p in again] + [p for p in targets if same_process(p) and p["pid"] not in
-                                             {q["pid"] for q in again}]  # fmt: skip
+        left = [ident(p) for p in again] + [
+            p for p in targets if same_process(p) and p["pid"] not in {q["pid"] for q in again}
+        ]
         quiet = 0 if left else quiet + 1
         if quiet >= 2:
             break
@@ -140,8 +144,11 @@ def reap(req: dict) -> dict:
         job = slurm.current_job(run_dir)
         q = slurm.cancel(job, grace + 30, run_dir) if job else {"known": False}
         report = stop_processes(run_dir, None, req.get("job_id"), grace)
-        report["slurm"] = {"id": job, "state": q.get("state") or ("gone" if q.get("known") is False else "no answer"),
-                           "source": q.get("source") or q.get("cancel_error") or q.get("why")}  # fmt: skip
+        report["slurm"] = {
+            "id": job,
+            "state": q.get("state") or ("gone" if q.get("known") is False else "no answer"),
+            "source": q.get("source") or q.get("cancel_error") or q.get("why"),
+        }
         report["session_closed"] = q.get("known") is False or bool(q.get("final"))
     else:
         report = stop_processes(run_dir, req.get("session"), req.get("job_id"), grace)

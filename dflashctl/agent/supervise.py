@@ -79,13 +79,40 @@ class Supervisor:
         # a job over several hosts: this supervisor runs on the head and probes the other nodes (agent/members.py)
         self.members = members.members_of(spec) if spec.get("members") else []
         gpus = [g for g in spec.get("gpus") or [] if type(g) is int]
-        judges = [report.Judge(self.job_id, self.head_host, thresholds, is_trainer=bool(spec.get("is_trainer")),
-                               kill_grace_s=self.grace, gpus=gpus, scheduled=self.scheduled,
-                               max_restarts=policy.max_restarts, restarts=restarts)]  # fmt: skip
-        judges += [report.Judge(m.job_id, m.host, thresholds, is_trainer=False, kill_grace_s=self.grace, gpus=m.gpus,
-                                max_restarts=policy.max_restarts, restarts=restarts) for m in self.members]  # fmt: skip
-        self.decider = decider.Decider(judges, [self.head_host, *(m.host for m in self.members)], policy,
-                                       report.SUPERVISOR, self.job_id, self.head_host)  # fmt: skip
+        judges = [
+            report.Judge(
+                self.job_id,
+                self.head_host,
+                thresholds,
+                is_trainer=bool(spec.get("is_trainer")),
+                kill_grace_s=self.grace,
+                gpus=gpus,
+                scheduled=self.scheduled,
+                max_restarts=policy.max_restarts,
+                restarts=restarts,
+            )
+        ]
+        judges += [
+            report.Judge(
+                m.job_id,
+                m.host,
+                thresholds,
+                is_trainer=False,
+                kill_grace_s=self.grace,
+                gpus=m.gpus,
+                max_restarts=policy.max_restarts,
+                restarts=restarts,
+            )
+            for m in self.members
+        ]
+        self.decider = decider.Decider(
+            judges,
+            [self.head_host, *(m.host for m in self.members)],
+            policy,
+            report.SUPERVISOR,
+            self.job_id,
+            self.head_host,
+        )
         notify = spec.get("notify") if isinstance(spec.get("notify"), dict) else {}
         self.posts = outbox.posts_of(notify)
         self.sender = outbox.Sender(run_dir, notify)
@@ -100,16 +127,25 @@ class Supervisor:
         return self.decider.head.h
 
     def request(self) -> dict:
-        return {"run_dir": self.run, "session": self.spec.get("session"), "job_id": self.spec.get("job_id"),
-                **self.decider.request(0), "record_gpu": not self.spec.get("is_trainer") and not self.scheduled,
-                **self.where}  # fmt: skip
+        return {
+            "run_dir": self.run,
+            "session": self.spec.get("session"),
+            "job_id": self.spec.get("job_id"),
+            **self.decider.request(0),
+            "record_gpu": not self.spec.get("is_trainer") and not self.scheduled,
+            **self.where,
+        }
 
     def beat(self) -> None:
         """The heartbeat: a counter rewritten every sample, with this machine's monotonic time (readers on this
         machine compare it with their own monotonic now; readers elsewhere watch the counter on their own clock)."""
         self.beats += 1
-        body = {"beat": self.beats, "mono": round(time.monotonic(), 3), "time": round(time.time(), 3),
-                "pid": os.getpid()}  # fmt: skip
+        body = {
+            "beat": self.beats,
+            "mono": round(time.monotonic(), 3),
+            "time": round(time.time(), 3),
+            "pid": os.getpid(),
+        }
         with contextlib.suppress(OSError):
             write_atomic(os.path.join(self.run, BEAT), json.dumps(body, separators=(",", ":")).encode())
 
@@ -133,9 +169,16 @@ class Supervisor:
         unreached = tuple(self.decider.unreached)
         if unreached != self.unreached_said:
             self.unreached_said = unreached
-            events.append({"time": stamp, "by": "supervisor", "decision": "warning", "warning":
-                           "cannot reach " + "; ".join(unreached) + ": a watch on the laptop decides"
-                           if unreached else "every node is reached again"})  # fmt: skip
+            events.append(
+                {
+                    "time": stamp,
+                    "by": "supervisor",
+                    "decision": "warning",
+                    "warning": "cannot reach " + "; ".join(unreached) + ": a watch on the laptop decides"
+                    if unreached
+                    else "every node is reached again",
+                }
+            )
         if events:
             with contextlib.suppress(OSError):  # a full disk loses an event, never the watch
                 append_jsonl(os.path.join(self.run, "events.jsonl"), events)
@@ -149,10 +192,20 @@ class Supervisor:
 
     def write_verdict(self, r, gave_up: str | None = None) -> None:
         multi = {"nodes": self.decider.node_states, "unreached": self.decider.unreached} if self.members else {}
-        body = {"time": r.time, "state": r.state, "reason": r.reason, "evidence": r.evidence[:12],
-                "advice": r.advice, "step": r.step, "restarts": self.decider.restarts,
-                "attempt_start": self.h.started_at, "by": "supervisor", "pid": os.getpid(),
-                **({"gave_up": gave_up} if gave_up else {}), **multi}  # fmt: skip
+        body = {
+            "time": r.time,
+            "state": r.state,
+            "reason": r.reason,
+            "evidence": r.evidence[:12],
+            "advice": r.advice,
+            "step": r.step,
+            "restarts": self.decider.restarts,
+            "attempt_start": self.h.started_at,
+            "by": "supervisor",
+            "pid": os.getpid(),
+            **({"gave_up": gave_up} if gave_up else {}),
+            **multi,
+        }
         with contextlib.suppress(OSError):
             write_atomic(os.path.join(self.run, VERDICT), json.dumps(body, separators=(",", ":")).encode())
 
@@ -162,21 +215,44 @@ class Supervisor:
         self.write_verdict(r, why)
         ended = f"{r.state}: {why}"
         with contextlib.suppress(OSError):  # in place, into space taken at the start: it holds on a full disk
-            write_final(self.run, {"time": r.time, "state": r.state, "reason": r.reason, "evidence": r.evidence[:12],
-                                   "advice": r.advice, "step": r.step, "restarts": self.decider.restarts,
-                                   "attempt_start": self.h.started_at, "by": "supervisor", "gave_up": why,
-                                   "ended": ended})  # fmt: skip
+            write_final(
+                self.run,
+                {
+                    "time": r.time,
+                    "state": r.state,
+                    "reason": r.reason,
+                    "evidence": r.evidence[:12],
+                    "advice": r.advice,
+                    "step": r.step,
+                    "restarts": self.decider.restarts,
+                    "attempt_start": self.h.started_at,
+                    "by": "supervisor",
+                    "gave_up": why,
+                    "ended": ended,
+                },
+            )
         return ended
 
     def restart(self, ask: dict):
         """The turn's restart, on the head and then every other node: the decider's Outcome."""
         cause = ask["cause"]
         need = restart_room_gib(str(cause.get("after")), self.h.checkpoint_gib)
-        ans = restart_action({"run_dir": self.run, "session": self.spec.get("session"),
-                                    "job_id": self.spec.get("job_id"), "attempt": ask["attempt"],
-                                    "max_restarts": self.decider.policy.max_restarts, "grace_s": self.grace,
-                                    "python": sys.executable, "args": list(self.spec.get("args") or []),
-                                    "min_free_gib": need, "cause": cause, **self.where}, self.agent)  # fmt: skip
+        ans = restart_action(
+            {
+                "run_dir": self.run,
+                "session": self.spec.get("session"),
+                "job_id": self.spec.get("job_id"),
+                "attempt": ask["attempt"],
+                "max_restarts": self.decider.policy.max_restarts,
+                "grace_s": self.grace,
+                "python": sys.executable,
+                "args": list(self.spec.get("args") or []),
+                "min_free_gib": need,
+                "cause": cause,
+                **self.where,
+            },
+            self.agent,
+        )
         count = ans.get("restarts") if type(ans.get("restarts")) is int else ask["attempt"]
         extra = {"agent_replaced": True} if ans.get("agent_replaced") else {}
         if ans.get("restarted") and self.members:  # then every other node, from its own checkpoint
@@ -184,16 +260,29 @@ class Supervisor:
             if refused:
                 self.decider.restarts = count
                 return self.d.Outcome(False, count, why=f"restarted on {self.head_host} but not on {refused}")
-        return self.d.Outcome(bool(ans.get("restarted")), count, bool(ans.get("raced")), str(ans.get("why") or ""),
-                              bool(ans.get("stopped")), extra)  # fmt: skip
+        return self.d.Outcome(
+            bool(ans.get("restarted")),
+            count,
+            bool(ans.get("raced")),
+            str(ans.get("why") or ""),
+            bool(ans.get("stopped")),
+            extra,
+        )
 
     def restart_members(self, attempt: int, need, cause: dict) -> str:
         """The restart action on every other node (its run dir's lock, its own count), once the head's is done:
         the head's new torchrun waits at the rendezvous for them. '' when each restarted (or another decider had
         restarted it); else which refused, and why."""
-        req = {"action": "restart", "attempt": attempt, "max_restarts": self.decider.policy.max_restarts,
-               "grace_s": self.grace, "args": list(self.spec.get("args") or []), "min_free_gib": need,
-               "gpus": False, "cause": cause}  # fmt: skip
+        req = {
+            "action": "restart",
+            "attempt": attempt,
+            "max_restarts": self.decider.policy.max_restarts,
+            "grace_s": self.grace,
+            "args": list(self.spec.get("args") or []),
+            "min_free_gib": need,
+            "gpus": False,
+            "cause": cause,
+        }
         refused = []
         for m, ans, why in members.act_all(self.members, req, self.grace + 150):
             if ans is None or not (ans.get("restarted") or ans.get("raced")):
@@ -204,13 +293,23 @@ class Supervisor:
         """The job ended for good: on every other node it reaches, the secrets leave the run dir and the tmux
         session is closed once its pane is dead (agent/members.end_member, run there)."""
         wait = self.grace + 30  # a node's own end after its peer's
-        for m, ans, why in members.act_all(self.members, {"action": "end_member", "gpus": False, "wait_s": wait},
-                                           wait + 60):  # fmt: skip
+        for m, ans, why in members.act_all(
+            self.members, {"action": "end_member", "gpus": False, "wait_s": wait}, wait + 60
+        ):
             said = {k: (ans or {}).get(k) for k in ("scrubbed", "session_closed", "why")}
             with contextlib.suppress(OSError):
-                append_jsonl(os.path.join(self.run, "events.jsonl"), [{"time": round(time.time(), 3),
-                             "by": "supervisor", "decision": "node_end", "node": m.host,
-                             **({"why": why} if why else said)}])  # fmt: skip
+                append_jsonl(
+                    os.path.join(self.run, "events.jsonl"),
+                    [
+                        {
+                            "time": round(time.time(), 3),
+                            "by": "supervisor",
+                            "decision": "node_end",
+                            "node": m.host,
+                            **({"why": why} if why else said),
+                        }
+                    ],
+                )
 
     def turn(self) -> str | None:
         """One sample: look, decide, act. None: go on; else why the watch ends."""
@@ -266,14 +365,22 @@ class Supervisor:
         an exit status, the launcher alive, the setup step's file (its end starts the job)."""
         run = self.run
         me = read_json(os.path.join(run, WRAPPER_PID)) if not self.scheduled else None
-        launcher = (start_time(me["pid"]) == me.get("start")) if isinstance(me, dict) and isinstance(me.get("pid"),
-                                                                                                 int) else None
+        launcher = (
+            (start_time(me["pid"]) == me.get("start"))
+            if isinstance(me, dict) and isinstance(me.get("pid"), int)
+            else None
+        )
         try:
             setup = os.stat(os.path.join(run, "setup.json")).st_mtime_ns
         except OSError:
             setup = None
-        return (os.path.isdir(run), os.path.exists(os.path.join(run, STOP_REQUEST)),
-                os.path.exists(os.path.join(run, "exit_code")), launcher, setup)  # fmt: skip
+        return (
+            os.path.isdir(run),
+            os.path.exists(os.path.join(run, STOP_REQUEST)),
+            os.path.exists(os.path.join(run, "exit_code")),
+            launcher,
+            setup,
+        )
 
     def news(self) -> bool:
         """One of `facts` changed since the last look: the next look is taken now, not at the end of the interval
@@ -351,6 +458,8 @@ def main() -> int:
     finally:
         with contextlib.suppress(OSError):
             if os.path.isdir(run_dir):
-                write_atomic(os.path.join(run_dir, STATE), json.dumps({**record, "ended": ended,
-                                                                       "ended_at": time.time()}).encode())  # fmt: skip
+                write_atomic(
+                    os.path.join(run_dir, STATE),
+                    json.dumps({**record, "ended": ended, "ended_at": time.time()}).encode(),
+                )
     return 0

@@ -57,6 +57,8 @@ def final(run_dir: str) -> dict | None:
     except ValueError:
         return None
     return body if isinstance(body, dict) else None
+
+
 AGENT_FILE = "agent.pyz"
 
 
@@ -81,8 +83,9 @@ def spawn(run_dir: str) -> None:
         if os.fork():
             os._exit(0)
         null = os.open(os.devnull, os.O_RDWR)
-        err = os.open(os.path.join(run_dir, "supervisor.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
-                      0o600)  # fmt: skip
+        err = os.open(
+            os.path.join(run_dir, "supervisor.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600
+        )
         os.dup2(null, 0)
         os.dup2(null, 1)
         os.dup2(err, 2)
@@ -120,5 +123,11 @@ def state(run_dir: str) -> dict | None:
         verdict = last
         me["ended"] = me.get("ended") or last.get("ended")
         alive = False  # it is ending, or has
-    return {"alive": bool(alive), "pid": pid, "interval_s": me.get("interval_s"), "ended": me.get("ended"),
-            "heartbeat": heartbeat(run_dir), "verdict": verdict if isinstance(verdict, dict) else None}  # fmt: skip
+    return {
+        "alive": bool(alive),
+        "pid": pid,
+        "interval_s": me.get("interval_s"),
+        "ended": me.get("ended"),
+        "heartbeat": heartbeat(run_dir),
+        "verdict": verdict if isinstance(verdict, dict) else None,
+    }

@@ -31,8 +31,10 @@ def _look(run_dir: str, q: dict) -> list[str] | None:
         found, _ = claims(req, wd, live, ticket=q["ticket"])
         why = [what for _, what in found]
         if not why:
-            write_atomic(os.path.join(run_dir, QUEUE), json.dumps({**q, "state": "starting", "waiting_for": [],
-                                                                   "left_at": round(time.time(), 3)}).encode())
+            write_atomic(
+                os.path.join(run_dir, QUEUE),
+                json.dumps({**q, "state": "starting", "waiting_for": [], "left_at": round(time.time(), 3)}).encode(),
+            )
             return None
         ahead = place(live, q["ticket"])
         if why != q.get("waiting_for") or ahead + 1 != q.get("position"):

@@ -9,8 +9,22 @@ import importlib
 from dflashctl.cli.app import app, complete_hosts, complete_jobs, main, reflow_help, run
 
 # the command modules, in the order --help lists them (the order a job's life takes)
-COMMANDS = ("deploy", "doctor", "launch", "kill", "status", "report", "pull", "gc", "exec", "tunnel", "ls", "logs",
-            "watch", "diagnose")  # fmt: skip
+COMMANDS = (
+    "deploy",
+    "doctor",
+    "launch",
+    "kill",
+    "status",
+    "report",
+    "pull",
+    "gc",
+    "exec",
+    "tunnel",
+    "ls",
+    "logs",
+    "watch",
+    "diagnose",
+)
 for _name in COMMANDS:
     importlib.import_module(f"dflashctl.cli.{_name}")
 reflow_help()

@@ -85,13 +85,23 @@ def project() -> str:
     return str(find_project_root())
 
 
-HostArg = typer.Argument(..., metavar="HOST", show_default=False, click_type=Named(),
-                         help="A host from dflashctl.yaml or hosts.yaml, `local`, user@host or ssh://host:port.",
-                         autocompletion=complete_hosts)  # fmt: skip
-JobArg = typer.Argument(None, metavar="[JOB]", show_default=False, click_type=Named(),
-                        help="Job id, a prefix of it, or a job name; default: a job whose kill failed, else the newest "
-                        "alive, else the newest of this project.",
-                        autocompletion=complete_jobs)  # fmt: skip
+HostArg = typer.Argument(
+    ...,
+    metavar="HOST",
+    show_default=False,
+    click_type=Named(),
+    help="A host from dflashctl.yaml or hosts.yaml, `local`, user@host or ssh://host:port.",
+    autocompletion=complete_hosts,
+)
+JobArg = typer.Argument(
+    None,
+    metavar="[JOB]",
+    show_default=False,
+    click_type=Named(),
+    help="Job id, a prefix of it, or a job name; default: a job whose kill failed, else the newest "
+    "alive, else the newest of this project.",
+    autocompletion=complete_jobs,
+)
 JsonOpt = Flag("--json", help="Print one compact JSON object on stdout and nothing else.")
 AcceptNewOpt = Flag("--accept-new-host-key", help="Record an unknown host key in known_hosts (like ssh's accept-new).")
 ProjectOpt = Flag("--all-projects", help="List jobs launched from any project.")

@@ -10,12 +10,13 @@ from dflashctl.cli.app import AcceptNewOpt, Flag, HostArg, JsonOpt, app
 @app.command()
 def deploy(
     host: str = HostArg,
-    workdir: str | None = typer.Option(None, "--workdir", metavar="DIR",
-                                       help="Remote root; the code goes to DIR/code."),
+    workdir: str | None = typer.Option(
+        None, "--workdir", metavar="DIR", help="Remote root; the code goes to DIR/code."
+    ),
     dry_run: bool = Flag("--dry-run", help="List what would change; send nothing."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
-) -> None:  # fmt: skip
+) -> None:
     """Make the project's files (git-tracked, untracked-not-ignored) the current release on HOST, atomically."""
     from dflashctl.config import find_project_root, resolve_host
     from dflashctl.remote.connect import open_runner

@@ -11,11 +11,14 @@ from dflashctl.cli.app import Flag, Named, app
 
 @app.command()
 def diagnose(
-    log_file: str = typer.Argument(..., metavar="LOG", click_type=Named(),
-                                   help="A log file (train.log, a tmux capture, a SLURM output; gzip'd or not), "
-                                        "or - for stdin."),
+    log_file: str = typer.Argument(
+        ...,
+        metavar="LOG",
+        click_type=Named(),
+        help="A log file (train.log, a tmux capture, a SLURM output; gzip'd or not), or - for stdin.",
+    ),
     as_json: bool = Flag("--json", help="Print {state, reason, evidence, advice, exit} as JSON."),
-) -> None:  # fmt: skip
+) -> None:
     """Classify any training log with the same rules `watch` uses, and say what to do next.
 
     Reads through launcher prefixes (torchrun's \\[rankN]:, srun --label, mpirun's \\[1,N]<stdout>:, Ray, SkyPilot,

@@ -26,8 +26,14 @@ def doctor(host: str = HostArg, as_json: bool = JsonOpt, accept_new: bool = Acce
     if as_json:
         # one schema: every report under `reports`, the first one's `host` and `checks` also at the top
         first = reports[0].to_dict()
-        print_json({"ok": all(r.ok for r in reports), "host": first["host"], "checks": first["checks"],
-                    "reports": [r.to_dict() for r in reports]})  # fmt: skip
+        print_json(
+            {
+                "ok": all(r.ok for r in reports),
+                "host": first["host"],
+                "checks": first["checks"],
+                "reports": [r.to_dict() for r in reports],
+            }
+        )
     else:
         results.doctor_tables(reports)
     if not all(r.ok for r in reports):

@@ -11,18 +11,26 @@ from dflashctl.cli.app import AcceptNewOpt, Flag, JobArg, JsonOpt, Named, app, c
 
 @app.command("exec")
 def exec_(
-    target: str = typer.Argument(..., metavar="JOB", click_type=Named(),
-                                 help="A job (its host, release and environment), or with --host "
-                                 "a host.", autocompletion=complete_jobs),
-    command: list[str] | None = typer.Argument(None, metavar="-- COMMAND...", show_default=False, click_type=Named(),
-                                               help="What to run, after `--`."),
+    target: str = typer.Argument(
+        ...,
+        metavar="JOB",
+        click_type=Named(),
+        help="A job (its host, release and environment), or with --host a host.",
+        autocompletion=complete_jobs,
+    ),
+    command: list[str] | None = typer.Argument(
+        None, metavar="-- COMMAND...", show_default=False, click_type=Named(), help="What to run, after `--`."
+    ),
     on_host: bool = Flag("--host", help="JOB names a host: run in its deployed code."),
-    timeout: float | None = typer.Option(None, "--timeout", metavar="S",
-                                         help="End the command and all it started (setsid'd ones too) after S "
-                                         "seconds; exit 124."),
+    timeout: float | None = typer.Option(
+        None,
+        "--timeout",
+        metavar="S",
+        help="End the command and all it started (setsid'd ones too) after S seconds; exit 124.",
+    ),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
-) -> None:  # fmt: skip
+) -> None:
     """Run one command where a job runs (inside its container), in its release with its very environment.
 
     `dflashctl exec JOB -- nvidia-smi`, `dflashctl exec JOB -- 'ls | wc -l'` (one string: run by bash -c),
@@ -45,11 +53,12 @@ def exec_(
 
 @app.command()
 def shell(
-    target: str = typer.Argument(..., metavar="JOB", click_type=Named(), help="A job, or with --host a host.",
-                                 autocompletion=complete_jobs),
+    target: str = typer.Argument(
+        ..., metavar="JOB", click_type=Named(), help="A job, or with --host a host.", autocompletion=complete_jobs
+    ),
     on_host: bool = Flag("--host", help="JOB names a host: a shell in its deployed code."),
     dry_run: bool = Flag("--dry-run", help="Print the command instead of running it."),
-) -> None:  # fmt: skip
+) -> None:
     """Open a login shell where a job runs (inside its container), in its release with its environment."""
     import os
     import shlex

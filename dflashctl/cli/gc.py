@@ -32,12 +32,21 @@ def gc(
     def confirm(plan: dict) -> bool:
         results.gc_plan(plan)
         n, size = len(plan["removed"]), sum(r["bytes"] for r in plan["removed"]) / 2**30
-        return typer.confirm(f"remove the {n} run dir{'s' if n != 1 else ''} listed above on {host} ({size:.2f} "
-                             "GiB)?", default=False)  # fmt: skip
+        return typer.confirm(
+            f"remove the {n} run dir{'s' if n != 1 else ''} listed above on {host} ({size:.2f} GiB)?", default=False
+        )
 
     can_ask = not as_json and sys.stdin.isatty()
-    done = collect(host, find_project_root(), older_than, dry_run=dry_run, yes=yes, accept_new=accept_new,
-                   all_projects=all_projects, confirm=confirm if can_ask else None)  # fmt: skip
+    done = collect(
+        host,
+        find_project_root(),
+        older_than,
+        dry_run=dry_run,
+        yes=yes,
+        accept_new=accept_new,
+        all_projects=all_projects,
+        confirm=confirm if can_ask else None,
+    )
     if done is None:  # the person said no
         raise typer.Exit(1)
     res, listed_only = done

@@ -13,13 +13,14 @@ from dflashctl.errors import EXIT_FAILED
 @app.command()
 def kill(
     job: str | None = JobArg,
-    grace: float | None = typer.Option(None, "--grace", metavar="S",
-                                       help="Seconds between SIGTERM and SIGKILL (job's default 40)."),
+    grace: float | None = typer.Option(
+        None, "--grace", metavar="S", help="Seconds between SIGTERM and SIGKILL (job's default 40)."
+    ),
     yes: bool = Flag("--yes", "-y", help="With no JOB: stop the newest alive job without asking."),
     with_execs: bool = Flag("--all", help="Also end what `dflashctl exec` started for the job (a kill leaves it)."),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
-) -> None:  # fmt: skip
+) -> None:
     """Stop a job: SIGTERM, wait, SIGKILL, verify that nothing of it is left.
 
     With no JOB: a job whose kill failed is retried at once; the newest alive job is stopped only after you confirm

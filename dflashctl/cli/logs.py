@@ -14,16 +14,21 @@ from dflashctl.errors import EXIT_FAILED
 def logs(
     job: str | None = JobArg,
     lines: int = typer.Option(50, "-n", "--lines", metavar="N", help="How many of the last lines to print."),
-    follow: bool | None = typer.Option(None, "--follow/--no-follow", "-f", show_default=False,
-                                       help="Keep printing new lines until the job ends (the default in a terminal, "
-                                       "as `sky logs` does; piped or with --json: the last lines only)."),
+    follow: bool | None = typer.Option(
+        None,
+        "--follow/--no-follow",
+        "-f",
+        show_default=False,
+        help="Keep printing new lines until the job ends (the default in a terminal, "
+        "as `sky logs` does; piped or with --json: the last lines only).",
+    ),
     as_json: bool = Flag("--json", help='One {"id", "text"} object per chunk of the log.'),
     raw: bool = Flag("--raw", help="Pass terminal escape sequences through (default: shown, inert)."),
-    node: str | None = typer.Option(None, "--node", metavar="NODE",
-                                    help="A multi-node job's node (host name or number; default "
-                                    "the head)."),
+    node: str | None = typer.Option(
+        None, "--node", metavar="NODE", help="A multi-node job's node (host name or number; default the head)."
+    ),
     accept_new: bool = AcceptNewOpt,
-) -> None:  # fmt: skip
+) -> None:
     """Print the end of a job's train.log (everything the job printed)."""
     between("--lines", lines, 1, 1_000_000)
     if follow is None:

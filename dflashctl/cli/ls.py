@@ -10,20 +10,34 @@ from dflashctl.cli.app import AcceptNewOpt, Flag, JsonOpt, ProjectOpt, app
 @app.command("ls")
 def list_jobs(
     all_projects: bool = ProjectOpt,
-    state: list[str] | None = typer.Option(None, "--state", "-s", metavar="STATE",
-                                           help="Only jobs in this state (repeat for several; `failed`: any failure)."),
+    state: list[str] | None = typer.Option(
+        None,
+        "--state",
+        "-s",
+        metavar="STATE",
+        help="Only jobs in this state (repeat for several; `failed`: any failure).",
+    ),
     host: str | None = typer.Option(None, "--host", metavar="HOST", help="Only jobs on this host."),
     name: str | None = typer.Option(None, "--name", metavar="GLOB", help="Only jobs whose name matches (fnmatch)."),
-    refresh: bool = Flag("--refresh", "-r", help="Ask the hosts again about every job not done for good (one "
-                         "`status` each) before listing, as `sky queue` does."),
-    forget: str | None = typer.Option(None, "--forget", metavar="JOB", help="Drop the record of an ended job, by "
-                                      "name or id (its run dir is left as it is); lists nothing. The host is asked "
-                                      "first: a job that may still run or restart is refused."),
+    refresh: bool = Flag(
+        "--refresh",
+        "-r",
+        help="Ask the hosts again about every job not done for good (one "
+        "`status` each) before listing, as `sky queue` does.",
+    ),
+    forget: str | None = typer.Option(
+        None,
+        "--forget",
+        metavar="JOB",
+        help="Drop the record of an ended job, by "
+        "name or id (its run dir is left as it is); lists nothing. The host is asked "
+        "first: a job that may still run or restart is refused.",
+    ),
     force: bool = Flag("--force", help="With --forget: forget the record even if the job may still run."),
     as_json: bool = JsonOpt,
     wide: bool = Flag("--wide", help="Every column, however wide the terminal."),
     accept_new: bool = AcceptNewOpt,
-) -> None:  # fmt: skip
+) -> None:
     """Jobs launched from this project, newest first: the state the last look gave (`status`, `watch`, or the
     hosts asked again with --refresh); a run dir removed by `gc` is REMOVED, with when and by whom."""
     from dflashctl.config import find_project_root
@@ -53,8 +67,11 @@ def list_jobs(
         return
     if not listed:
         if jobs and (state or host or name):
-            err.print("no job of this project matches (`dflashctl ls` lists them all)" if not all_projects else
-                      "no job matches (`dflashctl ls --all-projects` lists them all)")  # fmt: skip
+            err.print(
+                "no job of this project matches (`dflashctl ls` lists them all)"
+                if not all_projects
+                else "no job matches (`dflashctl ls --all-projects` lists them all)"
+            )
         elif not all_projects and registry.all_jobs():
             err.print("no jobs launched from this project; `dflashctl ls --all-projects` lists the others")
     show_table(shown.TITLE, shown.COLUMNS, shown.rows(listed), wide)

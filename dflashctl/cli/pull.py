@@ -13,15 +13,17 @@ from dflashctl.cli.app import AcceptNewOpt, Flag, JobArg, JsonOpt, app, between,
 def pull(
     job: str | None = JobArg,
     export: bool = Flag("--export", help="The drafter in the public DFlash format (RUN/export)."),
-    checkpoint: str | None = typer.Option(None, "--checkpoint", metavar="latest|STEP",
-                                          help="'latest' or a step number."),
+    checkpoint: str | None = typer.Option(
+        None, "--checkpoint", metavar="latest|STEP", help="'latest' or a step number."
+    ),
     metrics: bool = Flag("--metrics", help="metrics.jsonl, gpu.jsonl, events.jsonl, train.log, job.json."),
     to: Path = typer.Option(Path("pulled"), "--to", metavar="DIR", help="Directory to pull into (as DIR/JOB-ID/...)."),
-    chunk_mib: int = typer.Option(16, "--chunk-mib", metavar="MIB",
-                                  help="Transfer size of one remote read, 1 to 1024."),
+    chunk_mib: int = typer.Option(
+        16, "--chunk-mib", metavar="MIB", help="Transfer size of one remote read, 1 to 1024."
+    ),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
-) -> None:  # fmt: skip
+) -> None:
     """Bring a run's export, checkpoint or metrics back here: resumable, hash-verified.
 
     Over the job's own transport (through its container too), never a partial file under its final name. Default:
@@ -60,5 +62,13 @@ def export_drafter(
 
     The same as `pull --export`: RUN/export, written at the end of training (or by `python -m trainer.export` on the
     host); resumable and sha256-verified."""
-    pull(job=job, export=True, checkpoint=None, metrics=False, to=to, chunk_mib=16, as_json=as_json,
-         accept_new=accept_new)  # fmt: skip
+    pull(
+        job=job,
+        export=True,
+        checkpoint=None,
+        metrics=False,
+        to=to,
+        chunk_mib=16,
+        as_json=as_json,
+        accept_new=accept_new,
+    )

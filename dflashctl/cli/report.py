@@ -11,14 +11,20 @@ from dflashctl.cli.app import AcceptNewOpt, JsonOpt, Named, app, complete_jobs
 
 @app.command()
 def report(
-    jobs: list[str] | None = typer.Argument(None, metavar="[JOB]...", show_default=False, click_type=Named(),
-                                            help="Job ids or names (default: as for any command); several overlay",
-                                            autocompletion=complete_jobs),
-    out_file: Path | None = typer.Option(None, "--out", "-o", metavar="FILE",
-                                         help="Write FILE.png or FILE.html (needs matplotlib)."),
+    jobs: list[str] | None = typer.Argument(
+        None,
+        metavar="[JOB]...",
+        show_default=False,
+        click_type=Named(),
+        help="Job ids or names (default: as for any command); several overlay",
+        autocompletion=complete_jobs,
+    ),
+    out_file: Path | None = typer.Option(
+        None, "--out", "-o", metavar="FILE", help="Write FILE.png or FILE.html (needs matplotlib)."
+    ),
     as_json: bool = JsonOpt,
     accept_new: bool = AcceptNewOpt,
-) -> None:  # fmt: skip
+) -> None:
     """Draw a run's curves, running or finished (in the terminal, or --out FILE.png|.html).
 
     Loss and accuracy, tokens/s, tau with its prompt set, lr and grad norm by step; each GPU's util, memory and power
@@ -37,8 +43,9 @@ def report(
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise ConfigError(str(out_file), "--out", "drawing a file needs matplotlib: pip install "
-                              "'dflashctl[report]'") from None  # fmt: skip
+            raise ConfigError(
+                str(out_file), "--out", "drawing a file needs matplotlib: pip install 'dflashctl[report]'"
+            ) from None
     got = histories(list(jobs or []), str(find_project_root()), accept_new)
     runs = [reporting.series(job.id, hist) for job, hist in got]
     summaries = [reporting.summary(r, hist, len(job.gpus)) for r, (job, hist) in zip(runs, got, strict=True)]

@@ -22,13 +22,14 @@ WATCH_HELP = (
 @app.command(help=WATCH_HELP)
 def watch(
     job: str | None = JobArg,
-    interval: float | None = typer.Option(None, "--interval", metavar="S",
-                                          help="Seconds between polls (default: the job's, 60)."),
+    interval: float | None = typer.Option(
+        None, "--interval", metavar="S", help="Seconds between polls (default: the job's, 60)."
+    ),
     once: bool = Flag("--once", help="Poll once, print the verdict, exit with its code."),
     until_done: bool = Flag("--until-done", help="Never give up while the host is unreachable."),
     as_json: bool = Flag("--json", help="One verdict object per poll on stdout, nothing else."),
     accept_new: bool = AcceptNewOpt,
-) -> None:  # fmt: skip
+) -> None:
     """Follow a job: a verdict per poll (state, reason, evidence), restarts and notifications by its policy."""
     import signal
 

@@ -48,9 +48,16 @@ def stop(runner: Runner, job: JobRecord, grace_s: float | None = None) -> KillRe
     grace = job.kill_grace_s if grace_s is None else grace_s
     host = runner.host
     on_host = bool(host.container and host.gpu_query == "host")
-    req = {"action": "reap", "run_dir": job.run_dir, "session": job.session, "job_id": job.tag, "grace_s": grace,
-           "tmux_socket": job.tmux_socket, "gpus": not on_host,
-           **session.scheduler_of(job)}  # fmt: skip
+    req = {
+        "action": "reap",
+        "run_dir": job.run_dir,
+        "session": job.session,
+        "job_id": job.tag,
+        "grace_s": grace,
+        "tmux_socket": job.tmux_socket,
+        "gpus": not on_host,
+        **session.scheduler_of(job),
+    }
     ans = session.call_agent(runner, req, timeout=grace + 120)
     holders, check = ans["gpu_holders"], ans["gpu_check"]
     if job.scheduler == "slurm":
@@ -64,13 +71,24 @@ def stop(runner: Runner, job: JobRecord, grace_s: float | None = None) -> KillRe
         if holders and ans["result"] == "KILLED":
             ans["result"] = "KILL_FAILED"
             report = {**ans, "gpu_holders": holders, "gpu_check": check}
-            session.call_agent(runner, {"action": "stop_result", "run_dir": job.run_dir, "report": report,
-                                        "gpus": False})  # fmt: skip
+            session.call_agent(
+                runner, {"action": "stop_result", "run_dir": job.run_dir, "report": report, "gpus": False}
+            )
     ended = ans.get("ended_before")
-    return KillReport(id=job.id, host=host.name, result=ans["result"], found=ans["found"], term=ans["term"],
-                      kill=ans["kill"], remaining=ans["remaining"], gpu_holders=holders, gpu_check=check,
-                      session_closed=ans["session_closed"], ended_before=ended if isinstance(ended, int) else None,
-                      dequeued=ans.get("dequeued") is True)
+    return KillReport(
+        id=job.id,
+        host=host.name,
+        result=ans["result"],
+        found=ans["found"],
+        term=ans["term"],
+        kill=ans["kill"],
+        remaining=ans["remaining"],
+        gpu_holders=holders,
+        gpu_check=check,
+        session_closed=ans["session_closed"],
+        ended_before=ended if isinstance(ended, int) else None,
+        dequeued=ans.get("dequeued") is True,
+    )
 
 
 @dataclass
@@ -84,21 +102,39 @@ class RestartOutcome:
     stopped: bool = False  # refused because a stop was requested (the kill's own notice says it)
 
 
-def restart(runner: Runner, job: JobRecord, attempt: int, min_free_gib: float | None = None,
-            cause: dict | None = None) -> RestartOutcome:  # fmt: skip
+def restart(
+    runner: Runner, job: JobRecord, attempt: int, min_free_gib: float | None = None, cause: dict | None = None
+) -> RestartOutcome:
     """Restart the attempt numbered `attempt` (0 for the first launch) with --resume for the trainer, unless the
     remote says no (stop requested, someone else restarted it, budget spent, less than `min_free_gib` free at the
     run dir: a job that filled its disk is not restarted into the same full disk). `cause` (the failed state, its
     reason and evidence) is kept in the run dir for whoever sees the restart without having seen the failure."""
-    req = {"action": "restart", "run_dir": job.run_dir, "session": job.session, "job_id": job.tag,
-           "tmux_socket": job.tmux_socket, "attempt": attempt, "max_restarts": job.watch.max_restarts,
-           "grace_s": job.kill_grace_s, "python": runner.host.python,
-           "args": ["--resume"] if job.is_trainer else [], "gpus": False, "min_free_gib": min_free_gib,
-           "cause": {**(cause or {}), "by": "watch"}, **session.scheduler_of(job)}  # fmt: skip
+    req = {
+        "action": "restart",
+        "run_dir": job.run_dir,
+        "session": job.session,
+        "job_id": job.tag,
+        "tmux_socket": job.tmux_socket,
+        "attempt": attempt,
+        "max_restarts": job.watch.max_restarts,
+        "grace_s": job.kill_grace_s,
+        "python": runner.host.python,
+        "args": ["--resume"] if job.is_trainer else [],
+        "gpus": False,
+        "min_free_gib": min_free_gib,
+        "cause": {**(cause or {}), "by": "watch"},
+        **session.scheduler_of(job),
+    }
     ans = session.call_agent(runner, req, timeout=job.kill_grace_s + 150)
-    return RestartOutcome(restarted=bool(ans.get("restarted")), restarts=int(ans.get("restarts", attempt)),
-                          why=ans.get("why", ""), pane_pid=ans.get("pane_pid"), slurm_job=ans.get("slurm_job"),
-                          raced=ans.get("raced") is True, stopped=ans.get("stopped") is True)
+    return RestartOutcome(
+        restarted=bool(ans.get("restarted")),
+        restarts=int(ans.get("restarts", attempt)),
+        why=ans.get("why", ""),
+        pane_pid=ans.get("pane_pid"),
+        slurm_job=ans.get("slurm_job"),
+        raced=ans.get("raced") is True,
+        stopped=ans.get("stopped") is True,
+    )
 
 
 def each_member(job: JobRecord, open_runner: Callable[[HostConfig], Runner], fn: Callable[[Runner, JobRecord], object]):
@@ -123,10 +159,13 @@ def stop_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], grace_
     tag = lambda rep, items: [{**x, "node": rep.host} if isinstance(x, dict) else x for x in items]  # noqa: E731
     ended = [r.ended_before for r in reports]
     return KillReport(
-        id=job.id, host=",".join(r.host for r in reports),
+        id=job.id,
+        host=",".join(r.host for r in reports),
         result="KILLED" if all(r.clean for r in reports) else "KILL_FAILED",
-        found=[x for r in reports for x in tag(r, r.found)], term=[p for r in reports for p in r.term],
-        kill=[p for r in reports for p in r.kill], remaining=[p for r in reports for p in r.remaining],
+        found=[x for r in reports for x in tag(r, r.found)],
+        term=[p for r in reports for p in r.term],
+        kill=[p for r in reports for p in r.kill],
+        remaining=[p for r in reports for p in r.remaining],
         gpu_holders=[x for r in reports for x in tag(r, r.gpu_holders)],
         gpu_check="; ".join(f"{r.host}: {r.gpu_check}" for r in reports),
         session_closed=all(r.session_closed for r in reports),
@@ -135,8 +174,13 @@ def stop_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], grace_
     )
 
 
-def restart_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], attempt: int,
-                min_free_gib: float | None = None, cause: dict | None = None) -> RestartOutcome:  # fmt: skip
+def restart_all(
+    job: JobRecord,
+    open_runner: Callable[[HostConfig], Runner],
+    attempt: int,
+    min_free_gib: float | None = None,
+    cause: dict | None = None,
+) -> RestartOutcome:
     """Restart every node of a job (each stopped, then started with --resume, under its run dir's lock), head
     first. The outcome is the head's; a node that refuses is named."""
     outcomes = []
@@ -144,9 +188,16 @@ def restart_all(job: JobRecord, open_runner: Callable[[HostConfig], Runner], att
         with open_runner(rec.host) as runner:
             outcomes.append(restart(runner, rec, attempt, min_free_gib, cause))
     head = outcomes[0]
-    refused = [f"{rec.host_name}: {o.why}" for rec, o in zip(job.member_records(), outcomes, strict=True)
-               if not o.restarted]  # fmt: skip
+    refused = [
+        f"{rec.host_name}: {o.why}" for rec, o in zip(job.member_records(), outcomes, strict=True) if not o.restarted
+    ]
     if refused and head.restarted:
-        return RestartOutcome(False, head.restarts, "; ".join(refused), head.pane_pid, raced=head.raced,
-                              stopped=any(o.stopped for o in outcomes))
+        return RestartOutcome(
+            False,
+            head.restarts,
+            "; ".join(refused),
+            head.pane_pid,
+            raced=head.raced,
+            stopped=any(o.stopped for o in outcomes),
+        )
     return head

@@ -20,8 +20,12 @@ def doctor_reports(spec: str, root: Path, accept_new: bool = False) -> list:
         job, _ = load_job(Path(spec), root)
         hosts = [resolve_host(n.host, root) for n in job.nodes]
         if len(hosts) > 1:
-            return run_nodes_doctor(hosts, lambda h: open_runner(h, accept_new), rendezvous_address(hosts[0]),
-                                    job.rdzv_port or rdzv_port_for(job.name))  # fmt: skip
+            return run_nodes_doctor(
+                hosts,
+                lambda h: open_runner(h, accept_new),
+                rendezvous_address(hosts[0]),
+                job.rdzv_port or rdzv_port_for(job.name),
+            )
         target = hosts[0]
     else:
         target = resolve_host(spec, root)

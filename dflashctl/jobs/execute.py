@@ -32,9 +32,11 @@ def _where(spec: str, root: Path, is_host: bool) -> tuple[HostConfig, str | None
     job = find_job(spec, str(root))
     if job.state == REMOVED:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.removed_at)) if job.removed_at else "a time unknown"
-        raise RefusedError(f"{job.id}: its run dir (environment, logs) was removed by {job.removed_by or 'someone'} "
-                           f"at {when} (`dflashctl gc`): launch the job again, or drop the record with "
-                           f"`dflashctl ls --forget {job.id}`")  # fmt: skip
+        raise RefusedError(
+            f"{job.id}: its run dir (environment, logs) was removed by {job.removed_by or 'someone'} "
+            f"at {when} (`dflashctl gc`): launch the job again, or drop the record with "
+            f"`dflashctl ls --forget {job.id}`"
+        )
     workdir = os.path.dirname(os.path.dirname(job.run_dir))
     return job.host, f"{workdir}/releases/{job.release}", f"{job.run_dir}/{session.ENV_FILE}", job.tag
 
@@ -45,7 +47,9 @@ KILL_AFTER_S = 5  # SIGKILL this long after the SIGTERM, for a command (or a des
 # (`NAME=***` in job.env, their fingerprints in .redact.json beside it; so is any variable that held a secret's
 # value): those are unset, never passed on as the literal `***` (an unquoted `$TOKEN` globs into a file listing),
 # and a note on stderr names them.
-LOAD_JOB_ENV = session.LOAD_ENV + r"""
+LOAD_JOB_ENV = (
+    session.LOAD_ENV
+    + r"""
 load_job_env() {
   local kv scrubbed=""
   [ -f "${1%/*}/.redact.json" ] || { load_env "$1"; return; }
@@ -57,6 +61,7 @@ load_job_env() {
     "unset here:$scrubbed" >&2
 }
 """
+)
 
 # $1 the directory, $2 the job's env file (or ""), $3 the timeout (or ""), $4 the exec's own tag, then the command.
 # The job's DFLASHCTL_JOB_ID is replaced by the exec's own tag (the job's kept in DFLASHCTL_EXEC_OF), so that a stop
@@ -68,7 +73,9 @@ load_job_env() {
 # a group of its own and would hold the channel open (the call returned after 47 s for `--timeout 3`). So once the
 # command has returned, whatever still carries its tag gets the rest of the time (a `sleep` is the clock:
 # monotonic), then SIGTERM, KILL_AFTER_S more, then SIGKILL; the status is then 124.
-EXEC_SCRIPT = LOAD_JOB_ENV + r"""
+EXEC_SCRIPT = (
+    LOAD_JOB_ENV
+    + r"""
 left() {  # the pids that still carry this exec's tag: the command's descendants, in sessions of their own too
   local f; pids=()
   for f in $(grep -lsFxz -e "DFLASHCTL_JOB_ID=$tag" /proc/[0-9]*/environ); do
@@ -105,6 +112,7 @@ fi
 kill "$clock" 2>/dev/null
 exit $rc
 """.replace("KILL_AFTER_S", str(KILL_AFTER_S))
+)
 
 
 def end_execs(spec: str | None, project: str, grace_s: float = 5.0, accept_new: bool = False) -> dict:
@@ -112,8 +120,9 @@ def end_execs(spec: str | None, project: str, grace_s: float = 5.0, accept_new: 
     restart of the job alone leaves running. {id, term, kill, left}."""
     job = find_job(spec, project)
     with open_runner(job.host, accept_new) as runner:
-        ans = session.call_agent(runner, {"action": "end_execs", "job_id": job.tag, "grace_s": grace_s, "gpus": False},
-                                 timeout=grace_s + 60)  # fmt: skip
+        ans = session.call_agent(
+            runner, {"action": "end_execs", "job_id": job.tag, "grace_s": grace_s, "gpus": False}, timeout=grace_s + 60
+        )
     if ans.get("refused"):
         raise ConfigError("kill", "--all", ans["refused"])
     return {"id": job.id, **ans}
@@ -125,8 +134,15 @@ def exec_argv(command: list[str]) -> list[str]:
     return ["bash", "-c", command[0]] if len(command) == 1 else list(command)
 
 
-def exec_command(spec: str, command: list[str], root: Path, is_host: bool = False, accept_new: bool = False,
-                 timeout: float | None = None, stdin=None) -> dict:  # fmt: skip
+def exec_command(
+    spec: str,
+    command: list[str],
+    root: Path,
+    is_host: bool = False,
+    accept_new: bool = False,
+    timeout: float | None = None,
+    stdin=None,
+) -> dict:
     """Run one command on a job's host (in its container) in the job's release with the job's very environment
     (job.env), or on a host in its deployed code: {exit, stdout, stderr}. `timeout` (> 0 s) bounds the whole call:
     the command's process group and its descendants in sessions of their own (by the exec's tag) are ended on the
@@ -142,19 +158,38 @@ def exec_command(spec: str, command: list[str], root: Path, is_host: bool = Fals
         if is_host:
             abs_wd, _, _ = read_remote_state(runner, host.workdir)
             cwd = f"{abs_wd}/code"
-        argv = ["bash", "--noprofile", "--norc", "-c", EXEC_SCRIPT, "dflashctl-exec", cwd or "", env or "",
-                repr(float(timeout)) if timeout else "", own_tag, *exec_argv(command)]  # fmt: skip
+        argv = [
+            "bash",
+            "--noprofile",
+            "--norc",
+            "-c",
+            EXEC_SCRIPT,
+            "dflashctl-exec",
+            cwd or "",
+            env or "",
+            repr(float(timeout)) if timeout else "",
+            own_tag,
+            *exec_argv(command),
+        ]
         local_limit = timeout + 2 * KILL_AFTER_S + 30 if timeout else None  # the remote's own deadline comes first
         with UserStdin(stdin) if stdin is not None else contextlib.nullcontext() as passed:
             res = runner.run(argv, timeout=local_limit, stdin=passed)
-    return {"host": host.name, "cwd": cwd, "exit": res.returncode, "tag": own_tag,
-            "stdout": res.stdout.decode(errors="replace"), "stderr": res.stderr.decode(errors="replace")}  # fmt: skip
+    return {
+        "host": host.name,
+        "cwd": cwd,
+        "exit": res.returncode,
+        "tag": own_tag,
+        "stdout": res.stdout.decode(errors="replace"),
+        "stderr": res.stderr.decode(errors="replace"),
+    }
 
 
 # $1 the directory (a leading ~/ is the remote's $HOME), $2 the job's env file (or ""). The interactive shell's rc
 # file reads the user's ~/.bashrc, then the job's environment (as exec does), then enters the directory: the values
 # travel as arguments and are quoted by printf %q on the remote, never pasted into a script.
-SHELL_SCRIPT = LOAD_JOB_ENV + """
+SHELL_SCRIPT = (
+    LOAD_JOB_ENV
+    + """
 d="$1"; case "$d" in "~") d="$HOME";; "~/"*) d="$HOME/${d#"~/"}";; esac
 if [ -n "$2" ] && ! [ -r "$2" ]; then echo "dflashctl shell: the job's environment $2 cannot be read" >&2; exit 126; fi
 exec bash --rcfile <(
@@ -164,6 +199,7 @@ exec bash --rcfile <(
   printf 'cd -- %q || echo "dflashctl shell: cannot enter that directory" >&2\\n' "$d"
 ) -i
 """
+)
 
 
 def shell_argv(spec: str, root: Path, is_host: bool = False) -> list[str]:
@@ -182,8 +218,14 @@ def shell_argv(spec: str, root: Path, is_host: bool = False) -> list[str]:
         return [*prefix, *inner]
     from dflashctl.remote.ssh import client_options
 
-    ssh = ["ssh", "-t", *client_options(host), *(["-p", str(host.port)] if host.port else []),
-           *(["-l", host.user] if host.user else []), *(["-i", host.identity_file] if host.identity_file else [])]
+    ssh = [
+        "ssh",
+        "-t",
+        *client_options(host),
+        *(["-p", str(host.port)] if host.port else []),
+        *(["-l", host.user] if host.user else []),
+        *(["-i", host.identity_file] if host.identity_file else []),
+    ]
     return [*ssh, host.ssh or "", shlex.join([*prefix, *inner])]
 
 
@@ -197,8 +239,13 @@ def view_prefix() -> str:
     if not os.environ.get("TMUX"):
         return VIEW_PREFIXES[0]
     try:
-        said = subprocess.run(["tmux", "display-message", "-p", "#{prefix} #{prefix2}"], capture_output=True,
-                              text=True, timeout=10, stdin=subprocess.DEVNULL).stdout.split()  # fmt: skip
+        said = subprocess.run(
+            ["tmux", "display-message", "-p", "#{prefix} #{prefix2}"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            stdin=subprocess.DEVNULL,
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         said = []
     taken = set(said) or {"C-b"}  # not asked: tmux's default
@@ -220,8 +267,18 @@ def _view_options(session: str, prefix: str) -> list[str]:
     if prefix == VIEW_PREFIXES[0]:
         return ["set-option", *target, "-u", "prefix", ";", "set-option", *target, "-u", "status-right", ";"]
     key = prefix.replace("C-", "Ctrl-")
-    return ["set-option", *target, "prefix", prefix, ";",
-            "set-option", *target, "status-right", f" detach: {key} d ", ";"]  # fmt: skip
+    return [
+        "set-option",
+        *target,
+        "prefix",
+        prefix,
+        ";",
+        "set-option",
+        *target,
+        "status-right",
+        f" detach: {key} d ",
+        ";",
+    ]
 
 
 def attach_argv(job: JobRecord, write: bool = False, prefix: str = VIEW_PREFIXES[0]) -> list[str]:
@@ -232,12 +289,23 @@ def attach_argv(job: JobRecord, write: bool = False, prefix: str = VIEW_PREFIXES
     `sattach`."""
     from dflashctl.remote.transport import container_prefix
 
-    tmux = ["tmux", "-L", job.tmux_socket, *_view_options(job.session, prefix), "attach", "-t", f"={job.session}",
-            *([] if write else ["-r"])]  # fmt: skip
+    tmux = [
+        "tmux",
+        "-L",
+        job.tmux_socket,
+        *_view_options(job.session, prefix),
+        "attach",
+        "-t",
+        f"={job.session}",
+        *([] if write else ["-r"]),
+    ]
     if job.scheduler == "slurm":  # no pane: follow the log read-only, or (--write) sattach to the newest step 0
         log = shlex.quote(f"{job.run_dir}/train.log")
-        tmux = ["bash", "-c", f'exec sattach "$(cat {shlex.quote(job.run_dir)}/slurm_job).0"' if write
-                else f"exec tail -n 100 -F {log}"]  # fmt: skip
+        tmux = [
+            "bash",
+            "-c",
+            f'exec sattach "$(cat {shlex.quote(job.run_dir)}/slurm_job).0"' if write else f"exec tail -n 100 -F {log}",
+        ]
     host = job.host
     prefix = container_prefix(host)
     if prefix[:2] == ["docker", "exec"]:
@@ -246,7 +314,12 @@ def attach_argv(job: JobRecord, write: bool = False, prefix: str = VIEW_PREFIXES
         return [*prefix, *tmux]
     from dflashctl.remote.ssh import client_options  # the config and known_hosts every other command reads
 
-    ssh = ["ssh", "-t", *client_options(host), *(["-p", str(host.port)] if host.port else []),
-           *(["-l", host.user] if host.user else []),
-           *(["-i", host.identity_file] if host.identity_file else [])]  # fmt: skip
+    ssh = [
+        "ssh",
+        "-t",
+        *client_options(host),
+        *(["-p", str(host.port)] if host.port else []),
+        *(["-l", host.user] if host.user else []),
+        *(["-i", host.identity_file] if host.identity_file else []),
+    ]
     return [*ssh, host.ssh or "", shlex.join([*prefix, *tmux])]

@@ -16,8 +16,11 @@ def check_number(option: str, value: float | None, positive: bool = False) -> No
     if value is None:
         return
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ConfigError(option, None, f"{value:g}: expected a finite number {'above' if positive else '0 or'} "
-                          f"{'0' if positive else 'more'}")  # fmt: skip
+        raise ConfigError(
+            option,
+            None,
+            f"{value:g}: expected a finite number {'above' if positive else '0 or'} {'0' if positive else 'more'}",
+        )
 
 
 def find_job(spec: str | None, project: str | None, live_only: bool = False) -> JobRecord:

@@ -16,8 +16,13 @@ from dflashctl.judge.facts import DONE_FOR_GOOD
 from dflashctl.remote.connect import open_runner
 
 
-def kill(spec: str | None, project: str, grace_s: float | None = None, accept_new: bool = False,
-         confirm: Callable[[JobRecord], bool] | None = None) -> KillReport:  # fmt: skip
+def kill(
+    spec: str | None,
+    project: str,
+    grace_s: float | None = None,
+    accept_new: bool = False,
+    confirm: Callable[[JobRecord], bool] | None = None,
+) -> KillReport:
     """Stop a job and record what was verified: KILLED only when nothing of it is left, else KILL_FAILED. A bare
     `kill` with nothing alive kills nothing and says so; an ended job (CRASHED, ...) keeps its state when the kill
     found nothing of it. A bare `kill` retries a failed kill at once, but stops the newest live job only when
@@ -28,8 +33,11 @@ def kill(spec: str | None, project: str, grace_s: float | None = None, accept_ne
         except NoSuchJobError:
             raise NothingToDoError("no job of this project is alive: nothing to kill (see `dflashctl ls`)") from None
         if job.state != "KILL_FAILED" and not (confirm and confirm(job)):
-            raise ConfigError("kill", None, f"no job named: `dflashctl kill {job.id}` stops the newest alive job "
-                              "(or `dflashctl kill --yes`)")  # fmt: skip
+            raise ConfigError(
+                "kill",
+                None,
+                f"no job named: `dflashctl kill {job.id}` stops the newest alive job (or `dflashctl kill --yes`)",
+            )
     else:
         job = find_job(spec, project)
     if job.state in DONE_FOR_GOOD:  # nothing to stop: say so, rewrite nothing
@@ -43,8 +51,9 @@ def kill(spec: str | None, project: str, grace_s: float | None = None, accept_ne
     if not ended:
         registry.update(job.id, state=report.result, killed_at=time.time())
         report.notices = _page_kill(job, report, accept_new)
-    registry.append_event(job.id, {"decision": "kill", "result": report.result, "signalled": report.term,
-                                   "remaining": report.remaining})  # fmt: skip
+    registry.append_event(
+        job.id, {"decision": "kill", "result": report.result, "signalled": report.term, "remaining": report.remaining}
+    )
     return report
 
 
@@ -57,13 +66,25 @@ def _page_kill(job: JobRecord, report: KillReport, accept_new: bool) -> dict:
     from dflashctl.judge.notice import Message, notice_id
 
     survived = [f"pid {p} survived SIGKILL" for p in report.remaining[:5]]
-    survived += [f"pid {g.get('pid')} still holds GPU {g.get('index')}" for g in report.gpu_holders[:5]
-                 if isinstance(g, dict)]  # fmt: skip
+    survived += [
+        f"pid {g.get('pid')} still holds GPU {g.get('index')}" for g in report.gpu_holders[:5] if isinstance(g, dict)
+    ]
     failed = report.result != "KILLED"
-    msg = Message(job.id, job.host_name, report.result, "stopped by `dflashctl kill`" + (": not everything ended"
-                  if failed else ", verified: nothing of it is left"), survived, ADVICE.get(report.result),
-                  job.restarts, time.time(), failed, 0, f"dflashctl status {job.id}", notice_id(None, report.result),
-                  "killed" if not failed else "kill failed")  # fmt: skip
+    msg = Message(
+        job.id,
+        job.host_name,
+        report.result,
+        "stopped by `dflashctl kill`" + (": not everything ended" if failed else ", verified: nothing of it is left"),
+        survived,
+        ADVICE.get(report.result),
+        job.restarts,
+        time.time(),
+        failed,
+        0,
+        f"dflashctl status {job.id}",
+        notice_id(None, report.result),
+        "killed" if not failed else "kill failed",
+    )
     w = make_watcher(job, accept_new, by="kill")
     try:
         w.links[0].connect()

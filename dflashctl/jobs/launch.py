@@ -56,9 +56,17 @@ class LaunchReport:
 
 
 def launch(
-    job_path: Path, root: Path, *, sync: bool = True, force: bool = False, dry_run: bool = False,
-    accept_new: bool = False, progress=None, overrides: Overrides | None = None, queue: bool = False,
-) -> LaunchReport:  # fmt: skip
+    job_path: Path,
+    root: Path,
+    *,
+    sync: bool = True,
+    force: bool = False,
+    dry_run: bool = False,
+    accept_new: bool = False,
+    progress=None,
+    overrides: Overrides | None = None,
+    queue: bool = False,
+) -> LaunchReport:
     """Validate (with the overrides), sync a stale host's code (unless `sync` is off: then a stale host is refused),
     then one remote action checks the GPUs and the name under a host-wide lock and starts the job, or queues it
     (`queue`). Nothing is written remotely unless every check passes."""
@@ -71,34 +79,77 @@ def launch(
     job_id = new_job_id(job.name)
     local_version = manifest_version(build_manifest(root))
     if job.multi_node:
-        return launch_nodes(job_path, root, job, trainer_cfg, hosts, job_id, local_version, socket, sync=sync,
-                            force=force, dry_run=dry_run, accept_new=accept_new, progress=progress,
-                            overridden=overridden)  # fmt: skip
+        return launch_nodes(
+            job_path,
+            root,
+            job,
+            trainer_cfg,
+            hosts,
+            job_id,
+            local_version,
+            socket,
+            sync=sync,
+            force=force,
+            dry_run=dry_run,
+            accept_new=accept_new,
+            progress=progress,
+            overridden=overridden,
+        )
     host = hosts[0]
     with open_runner(host, accept_new) as runner:
         abs_wd, current, _ = read_remote_state(runner, host.workdir)
         stale = current != local_version
         if stale and not sync:
-            raise RefusedError(f"{host.name}: deployed code is {current or 'nothing'}, the local tree is "
-                               f"{local_version}; --no-sync runs the deployed release only: run `dflashctl deploy "
-                               f"{host.name}`, or launch without --no-sync")  # fmt: skip
+            raise RefusedError(
+                f"{host.name}: deployed code is {current or 'nothing'}, the local tree is "
+                f"{local_version}; --no-sync runs the deployed release only: run `dflashctl deploy "
+                f"{host.name}`, or launch without --no-sync"
+            )
         cluster = host.slurm
         command = job.command or session.trainer_command(job, host.python, slurm=cluster is not None)
         report = LaunchReport(
-            id=job_id, host=host.name, run_dir=f"{abs_wd}/runs/{job_id}", session=session.session_name(job_id),
-            pane_pid=None, release=local_version, command=command, gpus=job.gpu_indices, overrides=[],
-            dry_run=dry_run, overridden=overridden,
-        )  # fmt: skip
-        req = {"action": "launch", "workdir": abs_wd, "job_id": job_id, "name": job.name, "session": report.session,
-               "project": session.project_key(root), "queue": queue,
-               "gpus": job.gpu_indices, "force": force, "release": local_version, "python": host.python,
-               "tmux_socket": socket, "needs": {"torch": job.trainer is not None, "cuda": bool(job.gpu_indices)},
-               **({"scheduler": "slurm"} if cluster else {})}  # fmt: skip
+            id=job_id,
+            host=host.name,
+            run_dir=f"{abs_wd}/runs/{job_id}",
+            session=session.session_name(job_id),
+            pane_pid=None,
+            release=local_version,
+            command=command,
+            gpus=job.gpu_indices,
+            overrides=[],
+            dry_run=dry_run,
+            overridden=overridden,
+        )
+        req = {
+            "action": "launch",
+            "workdir": abs_wd,
+            "job_id": job_id,
+            "name": job.name,
+            "session": report.session,
+            "project": session.project_key(root),
+            "queue": queue,
+            "gpus": job.gpu_indices,
+            "force": force,
+            "release": local_version,
+            "python": host.python,
+            "tmux_socket": socket,
+            "needs": {"torch": job.trainer is not None, "cuda": bool(job.gpu_indices)},
+            **({"scheduler": "slurm"} if cluster else {}),
+        }
 
         def files_for(release: str, redact: bool = False) -> dict[str, str]:
-            return session.run_files(job, job_id, host.python, trainer_cfg, release, redact=redact, cluster=cluster,
-                                     project=None if redact else session.project_key(root), run_dir=report.run_dir,
-                                     overridden=overridden)  # fmt: skip
+            return session.run_files(
+                job,
+                job_id,
+                host.python,
+                trainer_cfg,
+                release,
+                redact=redact,
+                cluster=cluster,
+                project=None if redact else session.project_key(root),
+                run_dir=report.run_dir,
+                overridden=overridden,
+            )
 
         if dry_run or stale:  # every launch check before a dry-run's "would launch" or a stale host's deploy
             # a Slurm dry run sends the batch script along: `sbatch --test-only` judges it, submitting nothing
@@ -124,22 +175,46 @@ def launch(
         ans = session.call_agent(runner, req, payload=json.dumps(files_for(report.release)).encode())
     _raise_refusal(ans, host, job_path)
     report.run_dir, report.pane_pid, report.overrides = ans["run_dir"], ans["pane_pid"], ans.get("overrides", [])
-    report.remote_commands = [runner.describe(shown_argv(host.python, "probe", json.dumps(req))),
-                              *([ans["started"]] if ans.get("started") else []),
-                              *([f"sbatch {report.run_dir}/sbatch.sh"] if cluster else [])]  # fmt: skip
+    report.remote_commands = [
+        runner.describe(shown_argv(host.python, "probe", json.dumps(req))),
+        *([ans["started"]] if ans.get("started") else []),
+        *([f"sbatch {report.run_dir}/sbatch.sh"] if cluster else []),
+    ]
     report.slurm_job = ans.get("slurm_job")
     report.queued = ans.get("queued") if isinstance(ans.get("queued"), dict) else None
     waits = (report.queued or {}).get("waiting_for") or ["its GPUs"]
-    registry.record(JobRecord(
-        id=job_id, name=job.name, project=str(root), job_file=str(job_path.resolve()), host_name=host.name,
-        host=host, release=report.release, command=command, run_dir=report.run_dir, session=report.session,
-        pane_pid=report.pane_pid, gpus=job.gpu_indices, launched_at=time.time(), kill_grace_s=job.kill_grace_s,
-        is_trainer=job.trainer is not None, overrides=report.overrides, tmux_socket=socket,
-        watch=job.watch.model_copy(update={"startup_budget_s": job.startup_budget(trainer_cfg)}),
-        steps=(trainer_cfg or {}).get("steps"), slurm_job=report.slurm_job,
-        **({"state": "QUEUED", "reason": f"place {report.queued.get('position')} in the host's queue, waiting for "
-            f"{waits[0]}"} if report.queued else {}),
-    ))  # fmt: skip
+    registry.record(
+        JobRecord(
+            id=job_id,
+            name=job.name,
+            project=str(root),
+            job_file=str(job_path.resolve()),
+            host_name=host.name,
+            host=host,
+            release=report.release,
+            command=command,
+            run_dir=report.run_dir,
+            session=report.session,
+            pane_pid=report.pane_pid,
+            gpus=job.gpu_indices,
+            launched_at=time.time(),
+            kill_grace_s=job.kill_grace_s,
+            is_trainer=job.trainer is not None,
+            overrides=report.overrides,
+            tmux_socket=socket,
+            watch=job.watch.model_copy(update={"startup_budget_s": job.startup_budget(trainer_cfg)}),
+            steps=(trainer_cfg or {}).get("steps"),
+            slurm_job=report.slurm_job,
+            **(
+                {
+                    "state": "QUEUED",
+                    "reason": f"place {report.queued.get('position')} in the host's queue, waiting for {waits[0]}",
+                }
+                if report.queued
+                else {}
+            ),
+        )
+    )
     return report
 
 
@@ -155,21 +230,33 @@ def _check_scheduler(job, hosts: list[HostConfig], job_path: Path, queue: bool =
     if queue and force:
         raise ConfigError("--queue", None, "--force launches on held GPUs at once; --queue waits for them: not both")
     if queue and hosts[0].slurm is not None:
-        raise ConfigError("--queue", None, f"host {hosts[0].name} is a Slurm cluster: its own queue holds the job "
-                          "(PENDING) until the GPUs free")  # fmt: skip
+        raise ConfigError(
+            "--queue",
+            None,
+            f"host {hosts[0].name} is a Slurm cluster: its own queue holds the job (PENDING) until the GPUs free",
+        )
     if queue and job.multi_node:
-        raise ConfigError("--queue", None, "a job over several hosts cannot wait in their queues: launch it when its "
-                          "GPUs are free")  # fmt: skip
+        raise ConfigError(
+            "--queue", None, "a job over several hosts cannot wait in their queues: launch it when its GPUs are free"
+        )
     if job.setup is not None and hosts[0].slurm is not None:
-        raise ConfigError(str(job_path), "setup", f"host {hosts[0].name} is a Slurm cluster, where `setup:` is not "
-                          "run: put it at the head of `command:`")  # fmt: skip
+        raise ConfigError(
+            str(job_path),
+            "setup",
+            f"host {hosts[0].name} is a Slurm cluster, where `setup:` is not run: put it at the head of `command:`",
+        )
     if job.multi_node and any(h.slurm is not None for h in hosts):
         names = ", ".join(h.name for h in hosts if h.slurm is not None)
-        raise ConfigError(str(job_path), "hosts", f"{names} is a Slurm cluster: name it alone as `host:` and ask for "
-                          "several nodes with `slurm: {nodes: N}`")  # fmt: skip
+        raise ConfigError(
+            str(job_path),
+            "hosts",
+            f"{names} is a Slurm cluster: name it alone as `host:` and ask for "
+            "several nodes with `slurm: {nodes: N}`",
+        )
     if job.slurm is not None and hosts[0].slurm is None:
-        raise ConfigError(str(job_path), "slurm", f"host {hosts[0].name} is not a Slurm host (its entry has no "
-                          "`slurm:`)")  # fmt: skip
+        raise ConfigError(
+            str(job_path), "slurm", f"host {hosts[0].name} is not a Slurm host (its entry has no `slurm:`)"
+        )
 
 
 def rdzv_port_for(name: str) -> int:
@@ -190,9 +277,22 @@ def rendezvous_address(host: HostConfig) -> str:
 
 
 def launch_nodes(
-    job_path: Path, root: Path, job, trainer_cfg: dict | None, hosts: list[HostConfig], job_id: str, version: str,
-    socket: str, *, sync: bool, force: bool, dry_run: bool, accept_new: bool, progress, overridden: dict,
-) -> LaunchReport:  # fmt: skip
+    job_path: Path,
+    root: Path,
+    job,
+    trainer_cfg: dict | None,
+    hosts: list[HostConfig],
+    job_id: str,
+    version: str,
+    socket: str,
+    *,
+    sync: bool,
+    force: bool,
+    dry_run: bool,
+    accept_new: bool,
+    progress,
+    overridden: dict,
+) -> LaunchReport:
     """One job over several hosts: the same release on every node (each stale node synced, after every node's
     launch checks passed), then one tmux session per node (head first); a node that refuses at the start stops the
     nodes already started."""
@@ -200,8 +300,10 @@ def launch_nodes(
 
     port = job.rdzv_port or rdzv_port_for(job.name)
     head = rendezvous_address(hosts[0])
-    places = [NodePlace(i, len(hosts), head, port, tuple(job.node_gpus(n)), tuple(n.env.items()))
-              for i, n in enumerate(job.nodes)]  # fmt: skip
+    places = [
+        NodePlace(i, len(hosts), head, port, tuple(job.node_gpus(n)), tuple(n.env.items()))
+        for i, n in enumerate(job.nodes)
+    ]
     runners = [open_runner(h, accept_new) for h in hosts]
     try:
         workdirs, stale, said = [], [], []
@@ -211,28 +313,63 @@ def launch_nodes(
             stale.append(current != version)
             said += [f"{host.name}: deployed code is {current or 'nothing'}"] if current != version else []
         if said and not sync:
-            raise RefusedError(f"{'; '.join(said)}; the local tree is {version}: --no-sync runs the deployed release "
-                               "only: run `dflashctl deploy` on each host, or launch without --no-sync")  # fmt: skip
+            raise RefusedError(
+                f"{'; '.join(said)}; the local tree is {version}: --no-sync runs the deployed release "
+                "only: run `dflashctl deploy` on each host, or launch without --no-sync"
+            )
         sess = session.session_name(job_id)
         # node i > 0 gets a session name of its own: two nodes may share one machine (and its tmux server)
         sessions = [session.node_session(job_id, pl) for pl in places]
         command = job.command or session.trainer_command(job, hosts[0].python, places[0])
         report = LaunchReport(
-            id=job_id, host=",".join(h.name for h in hosts), run_dir=f"{workdirs[0]}/runs/{job_id}", session=sess,
-            pane_pid=None, release=version, command=command, gpus=list(places[0].gpus), overrides=[], dry_run=dry_run,
+            id=job_id,
+            host=",".join(h.name for h in hosts),
+            run_dir=f"{workdirs[0]}/runs/{job_id}",
+            session=sess,
+            pane_pid=None,
+            release=version,
+            command=command,
+            gpus=list(places[0].gpus),
+            overrides=[],
+            dry_run=dry_run,
             overridden=overridden,
-        )  # fmt: skip
-        report.nodes = [{"host": h.name, "run_dir": f"{wd}/runs/{job_id}", "session": sessions[pl.rank],
-                         "pane_pid": None, "gpus": list(pl.gpus), "node_rank": pl.rank}
-                        for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
+        )
+        report.nodes = [
+            {
+                "host": h.name,
+                "run_dir": f"{wd}/runs/{job_id}",
+                "session": sessions[pl.rank],
+                "pane_pid": None,
+                "gpus": list(pl.gpus),
+                "node_rank": pl.rank,
+            }
+            for h, wd, pl in zip(hosts, workdirs, places, strict=True)
+        ]
         # the head's supervisor probes and restarts the other nodes: how it reaches each, in its supervise.json
-        members = [session.member_spec(job_id, pl, h, n, hosts[0], f"{wd}/runs/{job_id}")
-                   for h, wd, pl, n in zip(hosts, workdirs, places, job.nodes, strict=True)][1:] \
-            if job.watch.supervise else None  # fmt: skip
-        reqs = [{"action": "launch", "workdir": wd, "job_id": job_id, "name": job.name, "session": sessions[pl.rank],
-                 "gpus": list(pl.gpus), "force": force, "release": version, "python": h.python, "tmux_socket": socket,
-                 "needs": {"torch": job.trainer is not None, "cuda": bool(pl.gpus)}}
-                for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
+        members = (
+            [
+                session.member_spec(job_id, pl, h, n, hosts[0], f"{wd}/runs/{job_id}")
+                for h, wd, pl, n in zip(hosts, workdirs, places, job.nodes, strict=True)
+            ][1:]
+            if job.watch.supervise
+            else None
+        )
+        reqs = [
+            {
+                "action": "launch",
+                "workdir": wd,
+                "job_id": job_id,
+                "name": job.name,
+                "session": sessions[pl.rank],
+                "gpus": list(pl.gpus),
+                "force": force,
+                "release": version,
+                "python": h.python,
+                "tmux_socket": socket,
+                "needs": {"torch": job.trainer is not None, "cuda": bool(pl.gpus)},
+            }
+            for h, wd, pl in zip(hosts, workdirs, places, strict=True)
+        ]
         for h, r, req, old in zip(hosts, runners, reqs, stale, strict=True):  # every node must pass before any starts
             ans = session.call_agent(r, {**req, "check_only": True, "skip_release": old})
             _raise_refusal(ans, h, job_path, can_queue=False)
@@ -241,33 +378,70 @@ def launch_nodes(
                 rep = deploy(r, root, h.workdir, dry_run=dry_run, progress=None if dry_run else progress)
                 report.deployed.append(_deployed(rep))
                 if not dry_run and rep.version != version:
-                    raise RefusedError(f"{h.name}: the local tree changed during the launch (now {rep.version}, was "
-                                       f"{version}): launch again")  # fmt: skip
-        files = [session.run_files(job, job_id, h.python, trainer_cfg, version, redact=dry_run, node=pl,
-                                   run_dir=f"{wd}/runs/{job_id}", members=members if pl.rank == 0 else None,
-                                   overridden=overridden)
-                 for h, wd, pl in zip(hosts, workdirs, places, strict=True)]  # fmt: skip
+                    raise RefusedError(
+                        f"{h.name}: the local tree changed during the launch (now {rep.version}, was "
+                        f"{version}): launch again"
+                    )
+        files = [
+            session.run_files(
+                job,
+                job_id,
+                h.python,
+                trainer_cfg,
+                version,
+                redact=dry_run,
+                node=pl,
+                run_dir=f"{wd}/runs/{job_id}",
+                members=members if pl.rank == 0 else None,
+                overridden=overridden,
+            )
+            for h, wd, pl in zip(hosts, workdirs, places, strict=True)
+        ]
         if dry_run:
             report.files = files[0]
-            report.remote_commands = [r.describe(shown_argv(h.python, "probe", json.dumps(req)))
-                                      for h, r, req in zip(hosts, runners, reqs, strict=True)]  # fmt: skip
+            report.remote_commands = [
+                r.describe(shown_argv(h.python, "probe", json.dumps(req)))
+                for h, r, req in zip(hosts, runners, reqs, strict=True)
+            ]
             return report
         members: list[Member] = []
         try:
             for i, (h, r, req, f) in enumerate(zip(hosts, runners, reqs, files, strict=True)):
                 ans = session.call_agent(r, req, payload=json.dumps(f).encode())
                 _raise_refusal(ans, h, job_path, can_queue=False)
-                members.append(Member(node=i, host_name=h.name, host=h, run_dir=ans["run_dir"], session=sessions[i],
-                                      pane_pid=ans["pane_pid"], gpus=list(places[i].gpus)))  # fmt: skip
+                members.append(
+                    Member(
+                        node=i,
+                        host_name=h.name,
+                        host=h,
+                        run_dir=ans["run_dir"],
+                        session=sessions[i],
+                        pane_pid=ans["pane_pid"],
+                        gpus=list(places[i].gpus),
+                    )
+                )
                 report.overrides += [f"{h.name}: {o}" for o in ans.get("overrides", [])]
-                report.remote_commands += [r.describe(shown_argv(h.python, "probe", json.dumps(req))),
-                                           *([ans["started"]] if ans.get("started") else [])]  # fmt: skip
+                report.remote_commands += [
+                    r.describe(shown_argv(h.python, "probe", json.dumps(req))),
+                    *([ans["started"]] if ans.get("started") else []),
+                ]
         except Exception:
             for m, r in zip(members, runners, strict=False):  # never leave half a job running
-                rec = JobRecord(id=job_id, name=job.name, project=str(root), job_file=str(job_path),
-                                host_name=m.host_name, host=m.host, release=version, command=command,
-                                run_dir=m.run_dir, session=m.session, launched_at=time.time(), tmux_socket=socket,
-                                kill_grace_s=5.0)  # fmt: skip
+                rec = JobRecord(
+                    id=job_id,
+                    name=job.name,
+                    project=str(root),
+                    job_file=str(job_path),
+                    host_name=m.host_name,
+                    host=m.host,
+                    release=version,
+                    command=command,
+                    run_dir=m.run_dir,
+                    session=m.session,
+                    launched_at=time.time(),
+                    tmux_socket=socket,
+                    kill_grace_s=5.0,
+                )
                 control.stop(r, rec, 5.0)
             raise
     finally:
@@ -276,14 +450,30 @@ def launch_nodes(
     report.run_dir, report.pane_pid = members[0].run_dir, members[0].pane_pid
     for node, m in zip(report.nodes, members, strict=True):
         node.update(run_dir=m.run_dir, pane_pid=m.pane_pid)
-    registry.record(JobRecord(
-        id=job_id, name=job.name, project=str(root), job_file=str(job_path.resolve()), host_name=hosts[0].name,
-        host=hosts[0], release=version, command=command, run_dir=members[0].run_dir, session=sess,
-        pane_pid=members[0].pane_pid, gpus=members[0].gpus, launched_at=time.time(), kill_grace_s=job.kill_grace_s,
-        is_trainer=job.trainer is not None, overrides=report.overrides, tmux_socket=socket,
-        watch=job.watch.model_copy(update={"startup_budget_s": job.startup_budget(trainer_cfg)}),
-        steps=(trainer_cfg or {}).get("steps"), members=members,
-    ))  # fmt: skip
+    registry.record(
+        JobRecord(
+            id=job_id,
+            name=job.name,
+            project=str(root),
+            job_file=str(job_path.resolve()),
+            host_name=hosts[0].name,
+            host=hosts[0],
+            release=version,
+            command=command,
+            run_dir=members[0].run_dir,
+            session=sess,
+            pane_pid=members[0].pane_pid,
+            gpus=members[0].gpus,
+            launched_at=time.time(),
+            kill_grace_s=job.kill_grace_s,
+            is_trainer=job.trainer is not None,
+            overrides=report.overrides,
+            tmux_socket=socket,
+            watch=job.watch.model_copy(update={"startup_budget_s": job.startup_budget(trainer_cfg)}),
+            steps=(trainer_cfg or {}).get("steps"),
+            members=members,
+        )
+    )
     return report
 
 

@@ -15,9 +15,15 @@ LOG_TAIL_BYTES = 4 << 20  # `logs -n N` reads at most this much from the end, ho
 
 
 def logs(
-    spec: str | None, project: str, lines: int = 50, follow: bool = False, emit: Callable[[str], None] = print,
-    poll_s: float = 2.0, accept_new: bool = False, node: str | None = None,
-) -> dict:  # fmt: skip
+    spec: str | None,
+    project: str,
+    lines: int = 50,
+    follow: bool = False,
+    emit: Callable[[str], None] = print,
+    poll_s: float = 2.0,
+    accept_new: bool = False,
+    node: str | None = None,
+) -> dict:
     """Print the last `lines` lines of train.log (a multi-node job: the head's, or `node`'s); with follow, keep
     printing until the job has ended."""
     job = find_job(spec, project)
@@ -26,8 +32,16 @@ def logs(
     clean = redactor(job)  # the job printed its secrets maybe: never shown
     emit = (lambda text, show=emit: show(clean.chunk(text))) if clean else emit
     with open_runner(job.host, accept_new) as runner:
-        got = session.call_agent(runner, {"action": "tail", "path": f"{job.run_dir}/train.log", "lines": lines,
-                                          "limit": LOG_TAIL_BYTES, "gpus": False})  # fmt: skip
+        got = session.call_agent(
+            runner,
+            {
+                "action": "tail",
+                "path": f"{job.run_dir}/train.log",
+                "lines": lines,
+                "limit": LOG_TAIL_BYTES,
+                "gpus": False,
+            },
+        )
         if not got.get("exists"):
             raise RemoteCommandError(f"{job.id}: cannot read train.log: {got.get('error')}")
         if got["text"]:

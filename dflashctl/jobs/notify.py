@@ -29,8 +29,13 @@ def claim_request(job: JobRecord, put: list[Message] | None = None) -> dict:
     if not n.webhook:
         return {}
     clean = redactor(job)
-    return {"claim_notices": True, "put_notices": [clean.deep(m.to_dict()) for m in put or []],
-            "max_posts": n.retries + 1, "hold_s": SEND_BUDGET_S + 10.0, "limit": CLAIM_LIMIT}  # fmt: skip
+    return {
+        "claim_notices": True,
+        "put_notices": [clean.deep(m.to_dict()) for m in put or []],
+        "max_posts": n.retries + 1,
+        "hold_s": SEND_BUDGET_S + 10.0,
+        "limit": CLAIM_LIMIT,
+    }
 
 
 def send(job: JobRecord, claimed: list[dict], budget_s: float = SEND_BUDGET_S) -> list[dict]:
@@ -51,8 +56,10 @@ def send(job: JobRecord, claimed: list[dict], budget_s: float = SEND_BUDGET_S) -
     end = time.monotonic() + budget_s + 0.5
     for t in threads:
         t.join(max(0.0, end - time.monotonic()))
-    late = {"result": f"no answer from {redact(n.webhook or '')} within this command's {budget_s:g} s",
-            "unconfirmed": True}  # fmt: skip
+    late = {
+        "result": f"no answer from {redact(n.webhook or '')} within this command's {budget_s:g} s",
+        "unconfirmed": True,
+    }
     return [{"id": item.get("id"), "result": res or late} for item, res in zip(items, results, strict=True)]
 
 
@@ -65,8 +72,16 @@ def deliver_claimed(runner, job: JobRecord, answer: dict, call, budget_s: float 
     if not claimed or not job.watch.notify.webhook:
         return [], {}
     settled = send(job, claimed, budget_s)
-    ans = call(runner, {"action": "notices_settled", "run_dir": job.run_dir, "claimer": got.get("claimer"),
-                        "settled": settled, "gpus": False})  # fmt: skip
+    ans = call(
+        runner,
+        {
+            "action": "notices_settled",
+            "run_dir": job.run_dir,
+            "claimer": got.get("claimer"),
+            "settled": settled,
+            "gpus": False,
+        },
+    )
     counts = ans.get("counts") if isinstance(ans, dict) and isinstance(ans.get("counts"), dict) else {}
     return [str(s["result"].get("result") or "") for s in settled], counts
 

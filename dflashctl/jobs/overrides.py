@@ -37,8 +37,9 @@ def parse_env(items: tuple[str, ...]) -> dict[str, str]:
         if not eq:
             raise ConfigError("--env", None, f"expected KEY=VALUE, got {key[:60]!r}")
         if not ENV_NAME.fullmatch(key):
-            raise ConfigError("--env", None, f"{key[:60]!r} is not an environment variable name "
-                              "([A-Za-z_][A-Za-z0-9_]*)")  # fmt: skip
+            raise ConfigError(
+                "--env", None, f"{key[:60]!r} is not an environment variable name ([A-Za-z_][A-Za-z0-9_]*)"
+            )
         if "\0" in value:
             raise ConfigError("--env", None, f"{key}: the value holds a NUL byte")
         env[key] = value
@@ -54,8 +55,9 @@ def parse_gpus(text: str) -> int | list[int]:
             return int(raw)
         return [int(part) for part in raw.split(",") if part.strip() != ""]
     except ValueError:
-        raise ConfigError("--gpus", None, f"{text[:60]!r}: expected a count (2) or GPU indices (0,1; one index: 3,)"
-                          ) from None
+        raise ConfigError(
+            "--gpus", None, f"{text[:60]!r}: expected a count (2) or GPU indices (0,1; one index: 3,)"
+        ) from None
 
 
 def apply(job: JobConfig, o: Overrides, project_root: Path) -> tuple[JobConfig, dict]:
@@ -66,8 +68,11 @@ def apply(job: JobConfig, o: Overrides, project_root: Path) -> tuple[JobConfig, 
         data["name"] = shown["name"] = o.name
     if o.host is not None:
         if job.hosts is not None:
-            raise ConfigError("--host", None, "the job file names its nodes under `hosts:` (each with its own gpus "
-                              "and env): change them there")  # fmt: skip
+            raise ConfigError(
+                "--host",
+                None,
+                "the job file names its nodes under `hosts:` (each with its own gpus and env): change them there",
+            )
         names = [n.strip() for n in o.host.split(",")]
         named = known_hosts(project_root)
         for n in names:

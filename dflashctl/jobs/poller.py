@@ -41,8 +41,13 @@ class PollRecord:
     notices: dict = field(default_factory=dict)  # the run dir's outbox: waiting, failed, sent, unconfirmed
 
     def to_dict(self) -> dict:
-        return {**self.report.to_dict(), "remote_commands": self.remote_commands, "warnings": self.warnings,
-                "events": self.events, "notices": self.notices}  # fmt: skip
+        return {
+            **self.report.to_dict(),
+            "remote_commands": self.remote_commands,
+            "warnings": self.warnings,
+            "events": self.events,
+            "notices": self.notices,
+        }
 
 
 def sparkline(values: list[float], width: int = 30) -> str:
@@ -109,8 +114,14 @@ class Watcher:
         self.links = [Link(rec, op) for rec, op in zip(nodes, opens, strict=True)]
         if self.decider is None:
             judges = [verdicts.judge_for(self.job)] + [verdicts.judge_for(o, is_trainer=False) for o in self.others]
-            self.decider = Decider(judges, [n.host_name for n in nodes], verdicts.policy(self.cfg), self.by,
-                                   self.job.id, self.job.host_name)  # fmt: skip
+            self.decider = Decider(
+                judges,
+                [n.host_name for n in nodes],
+                verdicts.policy(self.cfg),
+                self.by,
+                self.job.id,
+                self.job.host_name,
+            )
 
     # what the live view and the tests read, kept by the head's Judge
     @property
@@ -198,8 +209,11 @@ class Watcher:
         self.remote_commands = sum(link.remote_commands for link in self.links)
         turn = self.decider.take(looks, time.monotonic())
         many = len(self.links) > 1
-        self.gpus = [{**g, "node": n.job.host_name} if many else g
-                     for n, j in zip(self.links, self.decider.judges, strict=True) for g in j.gpus]  # fmt: skip
+        self.gpus = [
+            {**g, "node": n.job.host_name} if many else g
+            for n, j in zip(self.links, self.decider.judges, strict=True)
+            for g in j.gpus
+        ]
         self.absorb(turn)
         return turn
 
@@ -216,8 +230,15 @@ class Watcher:
         if runner is None or not self.job.watch.notify.webhook:
             return {}
         try:
-            ans = session.call_agent(runner, {"action": "notices", "run_dir": self.job.run_dir, "gpus": False,
-                                              **notify.claim_request(self.job, notices)})  # fmt: skip
+            ans = session.call_agent(
+                runner,
+                {
+                    "action": "notices",
+                    "run_dir": self.job.run_dir,
+                    "gpus": False,
+                    **notify.claim_request(self.job, notices),
+                },
+            )
             lines, after = notify.deliver_claimed(runner, self.job, {"notices": ans}, session.call_agent)
         except Exception as e:  # the host stopped answering between the look and the notices
             self.notes.append(f"notices not put: {type(e).__name__}: {str(e)[:120]}")
@@ -238,10 +259,16 @@ class Watcher:
         else:
             out = control.restart(self.links[0].connect(), self.job, ask["attempt"], need, cause)
         if out.restarted:
-            self.job = self.job.model_copy(update={"restarts": out.restarts, "pane_pid": out.pane_pid or
-                                                   self.job.pane_pid})  # fmt: skip
-            registry.update(self.job.id, pane_pid=self.job.pane_pid, restarts=out.restarts, state="STARTING",
-                            **({"slurm_job": out.slurm_job} if out.slurm_job else {}))  # fmt: skip
+            self.job = self.job.model_copy(
+                update={"restarts": out.restarts, "pane_pid": out.pane_pid or self.job.pane_pid}
+            )
+            registry.update(
+                self.job.id,
+                pane_pid=self.job.pane_pid,
+                restarts=out.restarts,
+                state="STARTING",
+                **({"slurm_job": out.slurm_job} if out.slurm_job else {}),
+            )
         return Outcome(out.restarted, out.restarts, out.raced, out.why, out.stopped)
 
     def warnings(self) -> list[str]:
@@ -271,7 +298,8 @@ def make_watcher(job: JobRecord, accept_new: bool = False, by: str = "watch") ->
     if not job.members:
         return Watcher(job, job.watch, lambda: open_runner(job.host, accept_new), accept_new=accept_new, by=by)
     recs = job.member_records()
-    w = Watcher(recs[0], job.watch, lambda: open_runner(recs[0].host, accept_new), others=recs[1:],
-                accept_new=accept_new, by=by)  # fmt: skip
+    w = Watcher(
+        recs[0], job.watch, lambda: open_runner(recs[0].host, accept_new), others=recs[1:], accept_new=accept_new, by=by
+    )
     w.job = job  # the record keeps its members (restarts reach every node)
     return w

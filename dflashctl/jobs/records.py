@@ -30,8 +30,9 @@ def wanted_states(states: list[str] | None) -> set[str]:
         elif up in known:
             wanted.add(up)
         else:
-            raise ConfigError("--state", None, f"{st!r} is not a state a job can be in (one of {', '.join(known)}, "
-                              "or `failed`)")  # fmt: skip
+            raise ConfigError(
+                "--state", None, f"{st!r} is not a state a job can be in (one of {', '.join(known)}, or `failed`)"
+            )
     return wanted
 
 
@@ -57,8 +58,11 @@ def filtered(jobs: list[JobRecord], states: list[str] | None, host: str | None, 
     def on(j: JobRecord) -> bool:
         return host is None or j.host_name == host or any(m.host_name == host for m in j.members)
 
-    return [j for j in jobs if (not wanted or j.state in wanted) and on(j)
-            and (name is None or fnmatch.fnmatchcase(j.name, name))]  # fmt: skip
+    return [
+        j
+        for j in jobs
+        if (not wanted or j.state in wanted) and on(j) and (name is None or fnmatch.fnmatchcase(j.name, name))
+    ]
 
 
 def forget(spec: str, project: str, force: bool = False, accept_new: bool = False) -> JobRecord:
@@ -72,8 +76,9 @@ def forget(spec: str, project: str, force: bool = False, accept_new: bool = Fals
     if not force and job.state != REMOVED:
         why = still_running(job, project, accept_new)
         if why:
-            raise ConfigError("--forget", None, f"{job.id} {why}: `dflashctl kill {job.name}` first (or --force "
-                              "to forget it anyway)")  # fmt: skip
+            raise ConfigError(
+                "--forget", None, f"{job.id} {why}: `dflashctl kill {job.name}` first (or --force to forget it anyway)"
+            )
     return registry.forget(job.id)
 
 

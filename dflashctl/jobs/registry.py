@@ -132,8 +132,14 @@ def mark_removed(host_name: str, ids: list[str], by: str) -> list[str]:
         marked = []
         for job_id, rec in jobs.items():
             if rec.get("host_name") == host_name and os.path.basename(str(rec.get("run_dir") or "")) in ids:
-                jobs[job_id] = {**rec, "state": REMOVED, "reason": f"run dir removed by {by}", "removed_at": now,
-                                "removed_by": by, "checked_at": now}  # fmt: skip
+                jobs[job_id] = {
+                    **rec,
+                    "state": REMOVED,
+                    "reason": f"run dir removed by {by}",
+                    "removed_at": now,
+                    "removed_by": by,
+                    "checked_at": now,
+                }
                 marked.append(job_id)
         if marked:
             _write(d, jobs)

@@ -17,8 +17,13 @@ def values_of(data: dict) -> list[str]:
     `secret_env`, the job's and every node's, and the webhook URL's secret parts."""
     extra = [n for n in data.get("secret_env") or [] if isinstance(n, str)]
     envs = [data.get("env"), *[n.get("env") for n in data.get("hosts") or [] if isinstance(n, dict)]]
-    found = [v for env in envs if isinstance(env, dict) for k, v in env.items()
-             if isinstance(k, str) and isinstance(v, str) and is_secret(k, extra)]  # fmt: skip
+    found = [
+        v
+        for env in envs
+        if isinstance(env, dict)
+        for k, v in env.items()
+        if isinstance(k, str) and isinstance(v, str) and is_secret(k, extra)
+    ]
     watch = data.get("watch") if isinstance(data.get("watch"), dict) else {}
     hook = (watch.get("notify") or {}).get("webhook") if isinstance(watch.get("notify"), dict) else None
     return found + (url_secrets(hook) if isinstance(hook, str) else [])

@@ -59,9 +59,17 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> StatusLo
     picked = picked_how(job, spec)
     if job.state == registry.REMOVED:  # gc removed the run dir: no host can say more than the record
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(job.removed_at or 0))
-        r = Report(job.id, job.host_name, "REMOVED", f"its run dir was removed by {job.removed_by} at {when} "
-                   "(dflashctl gc)", [], ADVICE["REMOVED"], restarts=job.restarts,
-                   max_restarts=job.watch.max_restarts, decided_why="the record: gc removed the run dir")  # fmt: skip
+        r = Report(
+            job.id,
+            job.host_name,
+            "REMOVED",
+            f"its run dir was removed by {job.removed_by} at {when} (dflashctl gc)",
+            [],
+            ADVICE["REMOVED"],
+            restarts=job.restarts,
+            max_restarts=job.watch.max_restarts,
+            decided_why="the record: gc removed the run dir",
+        )
         return StatusLook(r, job.run_dir, picked, session="gone", run_dir_exists=False)
     w = make_watcher(job, accept_new, by="status")
     w.look_extra = {"figures": True, "gpus": False, "capture_lines": 5}
@@ -90,17 +98,25 @@ def status(spec: str | None, project: str, accept_new: bool = False) -> StatusLo
     if isinstance(fig.get("step"), int):  # one look reads metrics.jsonl in part: its newest step and loss are the
         r.step, r.loss = fig["step"], fig.get("last_loss")  # whole file's, as `report` has them
     return StatusLook(
-        r, job.run_dir, picked,
+        r,
+        job.run_dir,
+        picked,
         nodes=[{"host": n["host"], "state": n["state"]} for n in w.decider.node_states] if job.members else None,
-        alive=alive, session="alive" if alive else ("dead" if pane.get("exists") else "gone"),
-        run_dir_exists=bool(snap.get("run_dir_exists")), exit_code=snap.get("exit_code"),
+        alive=alive,
+        session="alive" if alive else ("dead" if pane.get("exists") else "gone"),
+        run_dir_exists=bool(snap.get("run_dir_exists")),
+        exit_code=snap.get("exit_code"),
         last_event=events[-1] if events else None,
         uptime_s=round(time.time() - job.launched_at, 1) if alive else None,
-        processes=len(snap.get("procs") or []), heartbeat_age_s=_heartbeat_age(snap),
-        mean_tokens_per_s=fig.get("mean_tokens_per_s"), first_loss=fig.get("first_loss"),
-        elapsed_s=fig.get("elapsed_s"), notices=notices or None, queue=_picked(snap.get("queue"), QUEUE_KEYS),
+        processes=len(snap.get("procs") or []),
+        heartbeat_age_s=_heartbeat_age(snap),
+        mean_tokens_per_s=fig.get("mean_tokens_per_s"),
+        first_loss=fig.get("first_loss"),
+        elapsed_s=fig.get("elapsed_s"),
+        notices=notices or None,
+        queue=_picked(snap.get("queue"), QUEUE_KEYS),
         setup=_picked(snap.get("setup"), SETUP_KEYS),
-    )  # fmt: skip
+    )
 
 
 QUEUE_KEYS = ("ticket", "position", "waiting_for", "since", "state")
@@ -122,8 +138,12 @@ def notice_log(spec: str | None, project: str, accept_new: bool = False) -> dict
         ans = session.call_agent(runner, {"action": "notice_log", "run_dir": job.run_dir, "gpus": False})
     hook = job.watch.notify.webhook
     notices = ans.get("notices") if isinstance(ans.get("notices"), list) else []
-    return {"id": job.id, "webhook": redact_url(hook) if hook else None, "run_dir_exists": ans.get("run_dir_exists"),
-            "notices": redactor(job).deep(notices)}  # fmt: skip
+    return {
+        "id": job.id,
+        "webhook": redact_url(hook) if hook else None,
+        "run_dir_exists": ans.get("run_dir_exists"),
+        "notices": redactor(job).deep(notices),
+    }
 
 
 def _heartbeat_age(snap: dict) -> float | None:
@@ -138,6 +158,15 @@ def unreachable_status(job: JobRecord, picked: str, why: str) -> StatusLook:
     """`status` of a job whose host does not answer: UNREACHABLE, with the last state recorded and when."""
     seen = job.since if isinstance(job.since, (int, float)) and job.since else None
     when = f", recorded {time.time() - seen:.0f} s ago" if seen else ""
-    r = Report(job.id, job.host_name, "UNREACHABLE", why, [f"last state {job.state}{when}"], ADVICE["UNREACHABLE"],
-               restarts=job.restarts, max_restarts=job.watch.max_restarts, decided_why="the host did not answer")
+    r = Report(
+        job.id,
+        job.host_name,
+        "UNREACHABLE",
+        why,
+        [f"last state {job.state}{when}"],
+        ADVICE["UNREACHABLE"],
+        restarts=job.restarts,
+        max_restarts=job.watch.max_restarts,
+        decided_why="the host did not answer",
+    )
     return StatusLook(r, job.run_dir, picked, session="unknown", last_state=job.state, last_seen=seen)

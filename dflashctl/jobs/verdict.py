@@ -22,9 +22,15 @@ def judge_for(job: JobRecord, is_trainer: bool | None = None) -> Judge:
     """A Judge for one host of the job (`is_trainer` False for the other nodes of a job over several hosts: only
     the head writes metrics and the heartbeat)."""
     return Judge(
-        job.id, job.host_name, thresholds(job.watch), is_trainer=job.is_trainer if is_trainer is None else is_trainer,
-        kill_grace_s=job.kill_grace_s, gpus=list(job.gpus), scheduled=job.scheduler == "slurm", total_steps=job.steps,
-        max_restarts=job.watch.max_restarts, restarts=job.restarts, last_state=job.state,
+        job.id,
+        job.host_name,
+        thresholds(job.watch),
+        is_trainer=job.is_trainer if is_trainer is None else is_trainer,
+        kill_grace_s=job.kill_grace_s,
+        gpus=list(job.gpus),
+        scheduled=job.scheduler == "slurm",
+        total_steps=job.steps,
+        max_restarts=job.watch.max_restarts,
+        restarts=job.restarts,
+        last_state=job.state,
     )
-
-

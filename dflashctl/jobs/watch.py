@@ -44,9 +44,12 @@ class WatchOptions:
 
 
 def run(
-    w: Watcher, opts: WatchOptions, emit: Callable[[Watcher, Report, PollRecord], None],
-    wait: Callable[[float, Watcher], None] = lambda s, w: time.sleep(s), say: Callable[[str], None] = lambda s: None,
-) -> Report:  # fmt: skip
+    w: Watcher,
+    opts: WatchOptions,
+    emit: Callable[[Watcher, Report, PollRecord], None],
+    wait: Callable[[float, Watcher], None] = lambda s, w: time.sleep(s),
+    say: Callable[[str], None] = lambda s: None,
+) -> Report:
     """Poll until the job reaches a final state (or once); restart where this watch decides. Returns the last
     report. Ctrl-C (KeyboardInterrupt) propagates to the caller: it stops the watching, never the job."""
     unreachable_since: float | None = None  # time.monotonic()
@@ -60,8 +63,14 @@ def run(
         if r.state != w.state:
             previous, w.state = w.state, r.state
             if r.state != "UNREACHABLE":
-                registry.update(w.job.id, state=r.state, reason=r.reason, since=time.time(), restarts=w.restarts,
-                                progress=r.progress())  # fmt: skip
+                registry.update(
+                    w.job.id,
+                    state=r.state,
+                    reason=r.reason,
+                    since=time.time(),
+                    restarts=w.restarts,
+                    progress=r.progress(),
+                )
             if opts.notify and w.cfg.notify.bell and r.state in FAILURES:
                 say("\a")
             if r.state == "UNREACHABLE" and previous is not None and opts.notify:
@@ -110,10 +119,19 @@ def page_unreachable(w: Watcher, r: Report, say: Callable[[str], None]) -> None:
     """The host stopped answering: only this laptop can know, so only it pages (no outbox there to keep it)."""
     if not w.cfg.notify.webhook:
         return
-    msg = Message(job=w.job.id, host=w.job.host_name, state="UNREACHABLE", reason=r.reason,
-                  evidence=list(r.evidence[:5]), advice=r.advice, restarts=w.restarts, time=time.time(),
-                  look=f"dflashctl status {w.job.id}", id=f"unreachable-{int(time.time())}",
-                  action="the job's last known state is kept")  # fmt: skip
+    msg = Message(
+        job=w.job.id,
+        host=w.job.host_name,
+        state="UNREACHABLE",
+        reason=r.reason,
+        evidence=list(r.evidence[:5]),
+        advice=r.advice,
+        restarts=w.restarts,
+        time=time.time(),
+        look=f"dflashctl status {w.job.id}",
+        id=f"unreachable-{int(time.time())}",
+        action="the job's last known state is kept",
+    )
     line = notify.post_direct(w.job, msg)
     w.log_event({"decision": "notify", "state": "UNREACHABLE", "result": line})
     say(line)

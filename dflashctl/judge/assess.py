@@ -37,8 +37,11 @@ def _verdict(state: str, reason: str, evidence: list[str], h: History, advice: s
 
 
 FATAL_STATE = {"dense_fallback": "DENSE_FALLBACK", "config": "CONFIG_ERROR", "diverged": "DIVERGED"}
-EXIT_STATE = {3: ("DENSE_FALLBACK", "dense fallback refused"), 2: ("CONFIG_ERROR", "config error"),
-              4: ("DIVERGED", "the loss diverged")}  # the bundled trainer's exit statuses  # fmt: skip
+EXIT_STATE = {
+    3: ("DENSE_FALLBACK", "dense fallback refused"),
+    2: ("CONFIG_ERROR", "config error"),
+    4: ("DIVERGED", "the loss diverged"),
+}  # the bundled trainer's exit statuses
 
 
 def _find(h: History, lines: list[str]) -> Finding | None:
@@ -113,8 +116,12 @@ def _queued(h: History) -> Verdict:
     place = q.get("position")
     where = f"place {place} in the host's queue" if type(place) is int else "in the host's queue"
     held = waiting[0] if waiting else "its GPUs"
-    return _verdict("QUEUED", f"{where}, waiting for {held}", [f"queued{ago} (ticket {q.get('ticket')}) for GPU "
-                    f"{gpus}", *waiting], h)  # fmt: skip
+    return _verdict(
+        "QUEUED",
+        f"{where}, waiting for {held}",
+        [f"queued{ago} (ticket {q.get('ticket')}) for GPU {gpus}", *waiting],
+        h,
+    )
 
 
 def _setup_said(h: History) -> str | None:
@@ -172,8 +179,14 @@ def _ended(h: History, lines: list[str]) -> Verdict:
         reason = f"failed before its first step: {found.evidence[0].split(':')[0]} (exit {code}); a restart repeats it"
         return _verdict("CONFIG_ERROR", reason, found.evidence, h)
     if found is None and code in SIGKILL_CODES:
-        found = _refine(h, Finding("HOST_OOM", f"killed by SIGKILL (exit {code}) with no stop request: likely the "
-                                   "kernel's OOM killer (host RAM)", [f"exit_code {code}"]))  # fmt: skip
+        found = _refine(
+            h,
+            Finding(
+                "HOST_OOM",
+                f"killed by SIGKILL (exit {code}) with no stop request: likely the kernel's OOM killer (host RAM)",
+                [f"exit_code {code}"],
+            ),
+        )
         return _verdict(found.state, found.reason, found.evidence, h)
     if found:
         found = _refine(h, found)
@@ -277,8 +290,10 @@ def _command(h: History, th: Thresholds) -> Verdict:
         return _verdict("RUNNING", f"step {h.last_step}{loss} (its log)", [f"step {h.last_step} {idle:.0f} s ago"], h)
     quiet = h.now - (h.activity_at if h.activity_at is not None else h.now)
     if quiet > th.stall_after_s:
-        ev = [f"no sign of progress for {quiet:.0f} s (limit {th.stall_after_s:.0f}): log unchanged, CPU time "
-              "flat, GPUs idle or pinned at 100% with frozen memory"]  # fmt: skip
+        ev = [
+            f"no sign of progress for {quiet:.0f} s (limit {th.stall_after_s:.0f}): log unchanged, CPU time "
+            "flat, GPUs idle or pinned at 100% with frozen memory"
+        ]
         if h.last_step is not None:
             ev.append(f"last step {h.last_step}: {h.phase}")
         return _verdict("STALLED", "no progress (log, CPU, GPUs)", ev, h)
@@ -323,8 +338,15 @@ def _alive(h: History, th: Thresholds) -> Verdict:
 
 # Slurm's ends that name their cause themselves: they outrank what the log shows (the SIGTERM traceback of a job out of
 # time, the other nodes' NCCL timeouts after a node failed). FAILED and COMPLETED leave the cause to the log.
-SLURM_END_STATE = {"TIMEOUT": "TIMEOUT", "DEADLINE": "TIMEOUT", "PREEMPTED": "PREEMPTED", "NODE_FAIL": "NODE_FAIL",
-                   "BOOT_FAIL": "NODE_FAIL", "OUT_OF_MEMORY": "HOST_OOM", "CANCELLED": "CANCELLED"}  # fmt: skip
+SLURM_END_STATE = {
+    "TIMEOUT": "TIMEOUT",
+    "DEADLINE": "TIMEOUT",
+    "PREEMPTED": "PREEMPTED",
+    "NODE_FAIL": "NODE_FAIL",
+    "BOOT_FAIL": "NODE_FAIL",
+    "OUT_OF_MEMORY": "HOST_OOM",
+    "CANCELLED": "CANCELLED",
+}
 SLURM_QUEUED = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD", "SUSPENDED")
 
 
@@ -375,8 +397,10 @@ def _settling(h: History) -> Verdict | None:
     ago = h.exit_age_s if h.exit_age_s is not None else max(0.0, h.now - ended)  # the remote's monotonic age first
     if ago > SLURM_SETTLE_S:
         return None
-    ev = [f"exit_code {h.exit_code} written {ago:.0f} s ago",
-          f"slurm job {(h.scheduler or {}).get('id')} still {state}"]  # fmt: skip
+    ev = [
+        f"exit_code {h.exit_code} written {ago:.0f} s ago",
+        f"slurm job {(h.scheduler or {}).get('id')} still {state}",
+    ]
     return _verdict("RUNNING", f"the command ended (exit {h.exit_code}); waiting for Slurm's word on the job", ev, h)
 
 
@@ -395,8 +419,11 @@ def _stopped(h: History) -> Verdict:
     if res and res.get("result") == "KILLED":
         return _verdict("KILLED", "stopped by `dflashctl kill` and verified", [f"check: {res.get('gpu_check')}"], h)
     if res:
-        ev = [f"survivors: pids {res.get('remaining')}", f"GPU holders: {res.get('gpu_holders')}",
-              f"session closed: {res.get('session_closed')}"]  # fmt: skip
+        ev = [
+            f"survivors: pids {res.get('remaining')}",
+            f"GPU holders: {res.get('gpu_holders')}",
+            f"session closed: {res.get('session_closed')}",
+        ]
         return _verdict("KILL_FAILED", "`dflashctl kill` could not verify that the job is gone", ev, h)
     asked = h.stop_request.get("time") if h.stop_request else None
     ago = h.stop_age_s if h.stop_age_s is not None else (h.now - asked if isinstance(asked, (int, float)) else None)

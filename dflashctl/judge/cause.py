@@ -12,9 +12,13 @@ def bounded(raw: object, attempt: int) -> dict:
     raw = raw if isinstance(raw, dict) else {}
     after, by, evidence = raw.get("after"), raw.get("by"), raw.get("evidence")
     lines = evidence[:EVIDENCE_LINES] if isinstance(evidence, list) else []
-    return {"attempt": attempt, "after": after[:40] if isinstance(after, str) and after else None,
-            "reason": str(raw.get("reason") or "")[:400], "by": by[:80] if isinstance(by, str) and by else None,
-            "evidence": [str(e)[:400] for e in lines]}  # fmt: skip
+    return {
+        "attempt": attempt,
+        "after": after[:40] if isinstance(after, str) and after else None,
+        "reason": str(raw.get("reason") or "")[:400],
+        "by": by[:80] if isinstance(by, str) and by else None,
+        "evidence": [str(e)[:400] for e in lines],
+    }
 
 
 def recorded(raw: object, attempt: int | None) -> dict | None:

@@ -70,8 +70,14 @@ def seen_restarted(attempt: int, cause: object) -> dict:
     known = recorded(cause, attempt)
     if known is not None:
         by = f"elsewhere ({known['by']})" if known["by"] else ELSEWHERE
-        return {"decision": "restart", "attempt": attempt, "after": known["after"], "by": by,
-                "reason": known["reason"], "evidence": known["evidence"]}  # fmt: skip
+        return {
+            "decision": "restart",
+            "attempt": attempt,
+            "after": known["after"],
+            "by": by,
+            "reason": known["reason"],
+            "evidence": known["evidence"],
+        }
     return {
         "decision": "restart",
         "attempt": attempt,
@@ -107,8 +113,12 @@ class Decider:
     def request(self, node: int = 0) -> dict:
         """What the probe of node `node` is asked: from where to read its log and metrics on."""
         j = self.judges[node]
-        return {"log_offset": j.log_offset, "metrics_offset": j.metrics_offset, "capture_lines": 40,
-                "job_gpus": list(j.job.gpus)}  # fmt: skip
+        return {
+            "log_offset": j.log_offset,
+            "metrics_offset": j.metrics_offset,
+            "capture_lines": 40,
+            "job_gpus": list(j.job.gpus),
+        }
 
     def take(self, looks: list[Look], now: float) -> Turn:
         events: list[dict] = []
@@ -122,8 +132,16 @@ class Decider:
         r = self._look(looks, now)
         previous, self.state = self.state, r.state
         if r.state != previous:
-            events.append({"decision": "state", "state": r.state, "previous": previous, "reason": r.reason,
-                           "evidence": r.evidence[:5], "advice": r.advice})  # fmt: skip
+            events.append(
+                {
+                    "decision": "state",
+                    "state": r.state,
+                    "previous": previous,
+                    "reason": r.reason,
+                    "evidence": r.evidence[:5],
+                    "advice": r.advice,
+                }
+            )
         acting = self.by == SUPERVISOR or r.decided_by == HERE
         failing = r.state in self.policy.restart_on and not r.stop_requested
         self.failed_at = (now if self.failed_at is None else self.failed_at) if failing else None
@@ -141,8 +159,10 @@ class Decider:
         elif move.kind == GIVE_UP and not acting and r.gave_up:
             turn.says.append(f"not restarted: {r.decided_why}")
         if move.kind == WAIT and move.wait_s and acting and r.state in FAILURES:
-            turn.says.append(f"{r.state}: restarting in {move.wait_s:.0f} s (restart {self.restarts + 1} of "
-                             f"{self.policy.max_restarts})")  # fmt: skip
+            turn.says.append(
+                f"{r.state}: restarting in {move.wait_s:.0f} s (restart {self.restarts + 1} of "
+                f"{self.policy.max_restarts})"
+            )
         return turn
 
     def restarted(self, outcome: Outcome) -> Turn:
@@ -155,19 +175,33 @@ class Decider:
         assert report is not None, "restarted() answers a RESTART move of take()"
         if outcome.restarted or outcome.raced:
             by = self.by if outcome.restarted else ELSEWHERE
-            turn = Turn(report, Move(WAIT), [{"decision": "restart", "attempt": outcome.restarts, **cause, "by": by,
-                                               **outcome.extra}])  # fmt: skip
+            turn = Turn(
+                report,
+                Move(WAIT),
+                [{"decision": "restart", "attempt": outcome.restarts, **cause, "by": by, **outcome.extra}],
+            )
             if outcome.raced:
                 turn.says.append(outcome.why)
             elif nid is not None and nid not in self.made:
                 done = outcome.restarts
-                turn.notices.append(self._message(nid, report, f"restarted ({done} of {self.policy.max_restarts})",
-                                                  restarts=done, left=self.policy.max_restarts - done))  # fmt: skip
+                turn.notices.append(
+                    self._message(
+                        nid,
+                        report,
+                        f"restarted ({done} of {self.policy.max_restarts})",
+                        restarts=done,
+                        left=self.policy.max_restarts - done,
+                    )
+                )
             self._new_attempt(outcome.restarts)
             self.state = "STARTING"
             return turn
-        turn = Turn(report, Move(GIVE_UP, outcome.why, refused=True), [{"decision": "no_restart",
-                    "after": report.state, "why": outcome.why}], gave_up=outcome.why)  # fmt: skip
+        turn = Turn(
+            report,
+            Move(GIVE_UP, outcome.why, refused=True),
+            [{"decision": "no_restart", "after": report.state, "why": outcome.why}],
+            gave_up=outcome.why,
+        )
         turn.says.append(f"not restarted: {outcome.why}")
         if not outcome.stopped:
             if nid is None or nid in self.made:  # the failure was said (its restart announced): this is news
@@ -203,11 +237,15 @@ class Decider:
         r = reports[0]
         if not many:
             return r
-        parts = [Node(n, rep.verdict, any(PEER_LOST.search(ln) for ln in j.tail), j.h.exit_time)
-                 for n, rep, j in zip(self.names, reports, self.judges)]  # noqa: B905 (3.8)  # fmt: skip
+        parts = [
+            Node(n, rep.verdict, any(PEER_LOST.search(ln) for ln in j.tail), j.h.exit_time)
+            for n, rep, j in zip(self.names, reports, self.judges)  # noqa: B905 (3.8: no strict=)
+        ]
         v = combine(parts, self.bad_since, now)
-        self.node_states = [{"host": n, "state": rep.state, "reason": rep.reason[:200]}
-                            for n, rep in zip(self.names, reports)]  # noqa: B905 (3.8)  # fmt: skip
+        self.node_states = [
+            {"host": n, "state": rep.state, "reason": rep.reason[:200]}
+            for n, rep in zip(self.names, reports)  # noqa: B905 (3.8: no strict=)
+        ]
         r.state, r.reason, r.evidence, r.advice = v.state, v.reason, v.evidence, v.advice
         r.step = v.step if v.step is not None else r.step
         if self.by != SUPERVISOR:
@@ -222,8 +260,10 @@ class Decider:
             return move
         if self.by == SUPERVISOR and self.unreached:  # not its word alone: it cannot act on what it cannot reach
             if move.kind == GIVE_UP:
-                return Move(HAND_OVER, f"{r.state}, with {len(self.unreached)} node(s) not reached from the head: "
-                            "a watch decides")  # fmt: skip
+                return Move(
+                    HAND_OVER,
+                    f"{r.state}, with {len(self.unreached)} node(s) not reached from the head: a watch decides",
+                )
             if move.kind == RESTART:
                 return Move(WAIT)
         return move
@@ -234,15 +274,31 @@ class Decider:
             return 0
         return max(0, self.policy.max_restarts - self.restarts)
 
-    def _message(self, nid: str, r: Report, action: str, state: str | None = None, restarts: int | None = None,
-                 left: int | None = None) -> Message:  # fmt: skip
+    def _message(
+        self,
+        nid: str,
+        r: Report,
+        action: str,
+        state: str | None = None,
+        restarts: int | None = None,
+        left: int | None = None,
+    ) -> Message:
         self.made.add(nid)
         state = state or r.state
         return Message(
-            job=self.job, host=self.host, state=state, reason=r.reason, evidence=list(r.evidence[:5]), advice=r.advice,
-            restarts=self.restarts if restarts is None else restarts, time=float(r.time or 0.0),
-            failure=state in FAILURES, restarts_left=self._left(r) if left is None else max(0, left),
-            look=f"dflashctl status {self.job}", id=nid, action=action,
+            job=self.job,
+            host=self.host,
+            state=state,
+            reason=r.reason,
+            evidence=list(r.evidence[:5]),
+            advice=r.advice,
+            restarts=self.restarts if restarts is None else restarts,
+            time=float(r.time or 0.0),
+            failure=state in FAILURES,
+            restarts_left=self._left(r) if left is None else max(0, left),
+            look=f"dflashctl status {self.job}",
+            id=nid,
+            action=action,
         )
 
     def _notices(self, turn: Turn, previous: str | None) -> None:
@@ -252,8 +308,9 @@ class Decider:
         if r.state in ENDS:
             nid = notice_id(None, r.state)
             if nid not in self.made:
-                turn.notices.append(self._message(nid, r, "" if r.state == "FINISHED" else
-                                                  "stopped by `dflashctl kill`", left=0))  # fmt: skip
+                turn.notices.append(
+                    self._message(nid, r, "" if r.state == "FINISHED" else "stopped by `dflashctl kill`", left=0)
+                )
             return
         if r.state in FAILURES and r.state not in QUIET:
             nid = notice_id(self.restarts, r.state)
@@ -262,8 +319,11 @@ class Decider:
             if move.kind == RESTART:
                 self.held = (nid, r)
             elif move.kind == WAIT and move.wait_s is not None:
-                turn.notices.append(self._message(nid, r, f"restart {self.restarts + 1} of {policy.max_restarts} "
-                                                  f"in {move.wait_s:.0f} s"))  # fmt: skip
+                turn.notices.append(
+                    self._message(
+                        nid, r, f"restart {self.restarts + 1} of {policy.max_restarts} in {move.wait_s:.0f} s"
+                    )
+                )
             elif move.kind == GIVE_UP:
                 turn.notices.append(self._message(nid, r, f"not restarted: {move.why}", left=0))
             elif move.kind == WAIT and (r.state not in policy.restart_on or r.stop_requested):
@@ -285,14 +345,17 @@ class Decider:
         if self.disk_warned or turn.report.state in TERMINAL:
             return
         self.disk_warned = True
-        line = (f"disk low: {h.disk_free_gib:g} GiB free at the run dir, under two checkpoints "
-                f"({2 * h.checkpoint_gib:g} GiB): the next checkpoints may not fit")  # fmt: skip
+        line = (
+            f"disk low: {h.disk_free_gib:g} GiB free at the run dir, under two checkpoints "
+            f"({2 * h.checkpoint_gib:g} GiB): the next checkpoints may not fit"
+        )
         turn.says.append(f"warning: {line}")
         turn.events.append({"decision": "warning", "warning": line})
         nid = notice_id(self.restarts, "DISK_LOW")
         if nid not in self.made:
-            low_report = Report(turn.report.id, turn.report.host, "DISK_LOW", line, [], ADVICE["DISK_FULL"],
-                                time=turn.report.time)  # fmt: skip
+            low_report = Report(
+                turn.report.id, turn.report.host, "DISK_LOW", line, [], ADVICE["DISK_FULL"], time=turn.report.time
+            )
             turn.notices.append(self._message(nid, low_report, "warning", state="DISK_LOW", left=0))
 
 
@@ -302,5 +365,16 @@ def decider_for(judges: list[Judge], names: list[str], watch: dict, by: str, job
     return Decider(judges, names, Policy.of(watch), by, job, host)
 
 
-__all__ = ["Decider", "ELSEWHERE", "GIVE_UP", "HAND_OVER", "Look", "Outcome", "RESTART", "Turn", "WAIT",
-           "decider_for", "seen_restarted"]  # fmt: skip
+__all__ = [
+    "Decider",
+    "ELSEWHERE",
+    "GIVE_UP",
+    "HAND_OVER",
+    "Look",
+    "Outcome",
+    "RESTART",
+    "Turn",
+    "WAIT",
+    "decider_for",
+    "seen_restarted",
+]

@@ -95,8 +95,9 @@ def line_pieces(raw: bytes, offset: int) -> list[tuple[int, str]]:
     if b"\0" not in raw:
         return [(offset, raw.decode("utf-8", errors="replace").rstrip("\r"))]
     raw = narrow(raw)
-    pieces = [(offset + m.start(), m.group().decode("utf-8", errors="replace").rstrip("\r"))
-              for m in NOT_NUL.finditer(raw)]  # fmt: skip
+    pieces = [
+        (offset + m.start(), m.group().decode("utf-8", errors="replace").rstrip("\r")) for m in NOT_NUL.finditer(raw)
+    ]
     return [(at, text) for at, text in pieces if text.strip()]
 
 
@@ -119,8 +120,11 @@ def hole_note(lines: list[str]) -> str | None:
     if not holes:
         return None
     total = sum(size for _, size in holes)
-    where = f"{len(holes)} holes of NUL bytes ({total:,} bytes; the first at byte {holes[0][0]:,})" if len(
-        holes) > 1 else f"a hole of {total:,} NUL bytes at byte {holes[0][0]:,}"  # fmt: skip
+    where = (
+        f"{len(holes)} holes of NUL bytes ({total:,} bytes; the first at byte {holes[0][0]:,})"
+        if len(holes) > 1
+        else f"a hole of {total:,} NUL bytes at byte {holes[0][0]:,}"
+    )
     return (
         f"read around {where}, skipped: a log truncated under its writer (logrotate's copytruncate) or not "
         "flushed before a crash leaves them"

@@ -21,13 +21,41 @@ class State:
     notice, whatever the attempt). `recorded`: a job's record can hold it (not a log's INCOMPLETE). `record_only`:
     only a record says it (gc removed the run dir), never a look at the host."""
 
-    __slots__ = ("name", "code", "terminal", "failure", "advice", "colour", "restart", "alive", "running", "quiet",
-                 "cascade", "end", "recorded", "record_only")  # fmt: skip
+    __slots__ = (
+        "name",
+        "code",
+        "terminal",
+        "failure",
+        "advice",
+        "colour",
+        "restart",
+        "alive",
+        "running",
+        "quiet",
+        "cascade",
+        "end",
+        "recorded",
+        "record_only",
+    )
 
-    def __init__(self, name: str, code: int, *, terminal: bool = False, failure: bool = False,
-                 advice: str | None = None, colour: str = "bold red", restart: str | None = None, alive: bool = False,
-                 running: bool = False, quiet: bool = False, cascade: bool = False, end: bool = False,
-                 recorded: bool = True, record_only: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        code: int,
+        *,
+        terminal: bool = False,
+        failure: bool = False,
+        advice: str | None = None,
+        colour: str = "bold red",
+        restart: str | None = None,
+        alive: bool = False,
+        running: bool = False,
+        quiet: bool = False,
+        cascade: bool = False,
+        end: bool = False,
+        recorded: bool = True,
+        record_only: bool = False,
+    ) -> None:
         self.name, self.code, self.terminal, self.failure = name, code, terminal, failure
         self.advice, self.colour, self.restart = advice, colour, restart
         self.alive, self.running, self.quiet, self.cascade, self.end = alive, running, quiet, cascade, end
@@ -335,12 +363,14 @@ class Thresholds:
         dir); a key left out or null keeps its default."""
         d = cls()
         floor = watch.get("throughput_floor")
-        return cls(float(watch.get("stall_after_s") or d.stall_after_s),
-                   float(watch.get("startup_budget_s") or d.startup_budget_s),
-                   float(watch.get("heartbeat_max_age_s") or d.heartbeat_max_age_s),
-                   float(floor) if isinstance(floor, (int, float)) else None,
-                   float(watch.get("throughput_drop") or d.throughput_drop),
-                   int(watch.get("slow_polls") or d.slow_polls))  # fmt: skip
+        return cls(
+            float(watch.get("stall_after_s") or d.stall_after_s),
+            float(watch.get("startup_budget_s") or d.startup_budget_s),
+            float(watch.get("heartbeat_max_age_s") or d.heartbeat_max_age_s),
+            float(floor) if isinstance(floor, (int, float)) else None,
+            float(watch.get("throughput_drop") or d.throughput_drop),
+            int(watch.get("slow_polls") or d.slow_polls),
+        )
 
 
 @dataclass

@@ -70,8 +70,15 @@ class Folded:
     restarts: int | None = None  # the run dir's restart count
 
 
-def fold(h: History, snap: dict, job: Job, tail: deque, log_offset: int = 0, metrics_offset: int = 0,
-         last_state: str | None = None) -> Folded:  # fmt: skip
+def fold(
+    h: History,
+    snap: dict,
+    job: Job,
+    tail: deque,
+    log_offset: int = 0,
+    metrics_offset: int = 0,
+    last_state: str | None = None,
+) -> Folded:
     """Take one snapshot into `h` (and its log lines into `tail`). `last_state`: the state the asker saw last, kept
     through a silent scheduler."""
     out = Folded(log_offset, metrics_offset)
@@ -105,8 +112,9 @@ def fold(h: History, snap: dict, job: Job, tail: deque, log_offset: int = 0, met
     h.stop_request = stop if isinstance(stop, dict) else None
     h.stop_result = result if isinstance(result, dict) else None
     h.restarting = snap.get("restarting") is True
-    h.restarting_after = (recorded(snap.get("restart_cause"), out.restarts + 1)
-                          if h.restarting and out.restarts is not None else None)  # fmt: skip
+    h.restarting_after = (
+        recorded(snap.get("restart_cause"), out.restarts + 1) if h.restarting and out.restarts is not None else None
+    )
     log = snap.get("log") or {}
     out.log_offset = log.get("offset", log_offset) if isinstance(log.get("offset"), int) else log_offset
     read = None
@@ -124,8 +132,11 @@ def fold(h: History, snap: dict, job: Job, tail: deque, log_offset: int = 0, met
         h.tokens_per_s.append(sum(out.new_tps) / len(out.new_tps))
     gpu = snap.get("gpu") or {}
     wanted = set(job.gpus)
-    out.gpus = [g for g in gpu.get("gpus", []) if isinstance(g, dict)
-                and (not wanted or g.get("index") in wanted or g.get("lost"))]  # fmt: skip
+    out.gpus = [
+        g
+        for g in gpu.get("gpus", [])
+        if isinstance(g, dict) and (not wanted or g.get("index") in wanted or g.get("lost"))
+    ]
     h.gpus, h.job_gpus = out.gpus, list(job.gpus)
     totals = [g["mem_total_mib"] / 1024 for g in out.gpus if number(g.get("mem_total_mib"))]
     h.gpu_total_gib = max(totals) if totals else None

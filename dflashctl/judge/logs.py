@@ -46,9 +46,11 @@ from .signatures import (  # noqa: F401  (re-exported: `from dflashctl.judge.log
     SIGNATURES,
 )
 
-DENSE_FRAME = re.compile(r"(eager_attention_forward|_scaled_dot_product_attention_math|_attn\(|"
-                         r"attn_weights = torch\.matmul|scores = torch\.matmul|torch\.matmul\(q(?:uery)?\w*, "
-                         r"k(?:ey)?\w*\.transpose)")  # fmt: skip
+DENSE_FRAME = re.compile(
+    r"(eager_attention_forward|_scaled_dot_product_attention_math|_attn\(|"
+    r"attn_weights = torch\.matmul|scores = torch\.matmul|torch\.matmul\(q(?:uery)?\w*, "
+    r"k(?:ey)?\w*\.transpose)"
+)
 SDPA_FRAME = re.compile(r"scaled_dot_product_attention")
 OOM_SIZES = re.compile(r"Tried to allocate ([\d.]+) (MiB|GiB|TiB).*?total capacity of ([\d.]+) (MiB|GiB|TiB)")
 UNITS = {"MiB": 1 / 1024, "GiB": 1.0, "TiB": 1024.0}
@@ -56,8 +58,11 @@ UNITS = {"MiB": 1 / 1024, "GiB": 1.0, "TiB": 1024.0}
 CLEANUP = re.compile(r"Forcefully terminating all other processes|Killing subprocess \d+")
 HARDWARE_XIDS = {48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 121, 140}  # the rest are the application's own
 # A line that reports a training loss, and the value it reports ("loss nan", "loss: inf", "'loss': NaN", "loss=-inf")
-LOSS_VALUE = re.compile(r"(?<![A-Za-z])(?:loss|grad_?norm|grad norm)['\"]?\s*[:=]?\s*['\"]?"
-                        r"(nan|[-+]?inf(?:inity)?|[-+]?\d[\d.eE+-]*)\b", re.I)  # fmt: skip
+LOSS_VALUE = re.compile(
+    r"(?<![A-Za-z])(?:loss|grad_?norm|grad norm)['\"]?\s*[:=]?\s*['\"]?"
+    r"(nan|[-+]?inf(?:inity)?|[-+]?\d[\d.eE+-]*)\b",
+    re.I,
+)
 DIVERGED_LINES = 3  # non-finite loss lines in a row, the newest loss line among them, make a divergence
 STEP_LINE = re.compile(r"^\s*(step|iter(ation)?)\s*[:=]?\s*\d+", re.I)
 FINISHED_LINE = re.compile(
@@ -95,8 +100,9 @@ class Context:
 
 def gpu_fault(log: Log, ctx: Context) -> Finding | None:
     hw = log.hits("gpu_hardware")
-    xids = [(i, m) for i, ln in enumerate(log.plain)
-            if (m := SIG["xid"].pattern.search(ln)) and int(m[2]) in HARDWARE_XIDS]  # fmt: skip
+    xids = [
+        (i, m) for i, ln in enumerate(log.plain) if (m := SIG["xid"].pattern.search(ln)) and int(m[2]) in HARDWARE_XIDS
+    ]
     if not hw and not xids:
         return None
     nccl = [log.plain[i] for i in log.hits("nccl_timeout")]
@@ -114,8 +120,12 @@ def _dense_guard(log: Log, ctx: Context) -> Finding | None:
     dense = log.hits("dense_guard")
     if not dense:
         return None
-    return Finding("DENSE_FALLBACK", "the trainer's guard refused a dense flex_attention fallback",
-                   [log.plain[dense[-1]]], log.rank_of(dense))  # fmt: skip
+    return Finding(
+        "DENSE_FALLBACK",
+        "the trainer's guard refused a dense flex_attention fallback",
+        [log.plain[dense[-1]]],
+        log.rank_of(dense),
+    )
 
 
 def _diverged(log: Log, ctx: Context) -> Finding | None:
@@ -125,8 +135,12 @@ def _diverged(log: Log, ctx: Context) -> Finding | None:
     if stop:
         losses = [ln for ln in log.plain if LOSS_VALUE.search(ln)]
         bad = [ln for ln in losses if not all(_finite_text(m[1]) for m in LOSS_VALUE.finditer(ln))]
-        return Finding("DIVERGED", "the trainer stopped on a divergence (DivergedError)",
-                       [log.plain[stop[-1]], *bad[:1]], log.rank_of(stop))  # fmt: skip
+        return Finding(
+            "DIVERGED",
+            "the trainer stopped on a divergence (DivergedError)",
+            [log.plain[stop[-1]], *bad[:1]],
+            log.rank_of(stop),
+        )
     checked = log.hits("framework_nan")
     if checked:
         return _framework_nan(log, checked)
@@ -152,8 +166,9 @@ def _diverged(log: Log, ctx: Context) -> Finding | None:
 
 def _rank_at(log: Log, i: int) -> str | None:
     """The rank line i came from: its prefix's, or that of the traceback it ends (Ray names a worker's by its pid)."""
-    return log.rank_only([i]) or next((tb.stream for tb in tracebacks(log) if tb.at == i and tb.stream[:4] == "rank"),
-                                      None)  # fmt: skip
+    return log.rank_only([i]) or next(
+        (tb.stream for tb in tracebacks(log) if tb.at == i and tb.stream[:4] == "rank"), None
+    )
 
 
 def _framework_nan(log: Log, checked: list[int]) -> Finding:
@@ -174,8 +189,12 @@ def _disk_full(log: Log, ctx: Context) -> Finding | None:
     full = log.hits("enospc")
     if full:
         if any("/dev/shm" in ln or "shared memory" in ln.lower() for ln in log.plain):
-            return Finding("DISK_FULL", "shared memory (/dev/shm) is full: a container needs a larger --shm-size "
-                           "(NCCL and dataloader workers use it)", [log.plain[full[-1]]])  # fmt: skip
+            return Finding(
+                "DISK_FULL",
+                "shared memory (/dev/shm) is full: a container needs a larger --shm-size "
+                "(NCCL and dataloader workers use it)",
+                [log.plain[full[-1]]],
+            )
         return Finding("DISK_FULL", f"no space left on device{free}", [log.plain[full[-1]]])
     failed = log.hits("write_failed")
     if not failed:
@@ -222,13 +241,20 @@ def _memory(log: Log, ctx: Context) -> Finding | None:
     if eager_attn or sdpa:
         path = "SDPA's math kernel" if sdpa and not eager_attn else "eager attention's score matrix"
         ev = [log.plain[i] for i in unfused[-1:]] + [log.plain[last]] + inner[-3:]
-        return Finding("DENSE_FALLBACK", f"out of memory in dense attention ({path}){asked}", ev,
-                       oom_tbs[0].stream or None, advice=SIG["sdpa_unfused"].what_to_do)  # fmt: skip
+        return Finding(
+            "DENSE_FALLBACK",
+            f"out of memory in dense attention ({path}){asked}",
+            ev,
+            oom_tbs[0].stream or None,
+            advice=SIG["sdpa_unfused"].what_to_do,
+        )
     tb = oom_tbs[0] if oom_tbs else None
     where = f" on {tb.stream}" if tb and tb.stream else ""
     nccl = log.hits("nccl_timeout")
-    waiting = sorted({log.streams[i] for i in nccl if log.streams[i]},
-                     key=lambda s: (not s[4:].isdigit(), int(s[4:]) if s[4:].isdigit() else 0, s))  # fmt: skip
+    waiting = sorted(
+        {log.streams[i] for i in nccl if log.streams[i]},
+        key=lambda s: (not s[4:].isdigit(), int(s[4:]) if s[4:].isdigit() else 0, s),
+    )
     after = f" (then NCCL timeouts on {', '.join(waiting)})" if waiting else ""
     ev = [log.plain[last]] + (tb.frames[-2:] if tb else []) + [log.plain[i] for i in nccl[:1]]
     return Finding("OOM", f"CUDA out of memory{where}{asked}{after}", ev, tb.stream if tb else None)
@@ -254,8 +280,11 @@ def _recompile(log: Log, ctx: Context) -> Finding | None:
         if stance
         else "Dynamo hit its recompile limit and raised FailOnRecompileLimitHit"
     )
-    after = [ln.strip() for ln in log.plain[i + 1 : i + 6] if ln.strip().startswith(("triggered by", "- ", "function:",
-                                                                                      "last reason"))][:3]  # fmt: skip
+    after = [
+        ln.strip()
+        for ln in log.plain[i + 1 : i + 6]
+        if ln.strip().startswith(("triggered by", "- ", "function:", "last reason"))
+    ][:3]
     ev = [log.plain[i], *after, *(log.plain[j] for j in rec[-1:])]
     return Finding("RECOMPILE_LIMIT", f"{why}{f' on {rank}' if rank else ''}", ev, rank)
 
@@ -269,8 +298,12 @@ def _host_oom(log: Log, ctx: Context) -> Finding | None:
         return monitored
     loader = log.hits("dataloader_killed")
     if loader:
-        return Finding("HOST_OOM", "a dataloader worker was killed by SIGKILL: likely the kernel's OOM killer (host "
-                       "RAM; fewer or lighter workers)", [log.plain[loader[-1]]])  # fmt: skip
+        return Finding(
+            "HOST_OOM",
+            "a dataloader worker was killed by SIGKILL: likely the kernel's OOM killer (host "
+            "RAM; fewer or lighter workers)",
+            [log.plain[loader[-1]]],
+        )
     killed, kernel = log.hits("sigkill"), log.hits("kernel_oom")
     root, code = root_cause(log)
     if code is not None and code != -9:
@@ -287,8 +320,13 @@ def _host_oom(log: Log, ctx: Context) -> Finding | None:
     ev = ev or [log.plain[i] for i in (log.hits("launcher_exit") + log.hits("srun_task_exit"))[:1]]  # a launcher's
     if kernel:
         return Finding("HOST_OOM", f"{where.strip()} was killed by SIGKILL: confirmed by the kernel log", ev, rank)
-    return Finding("HOST_OOM", f"{where.strip()} was killed by SIGKILL: likely the kernel's OOM killer (host RAM)", ev,
-                   rank, advice=SIGKILL_ADVICE)  # fmt: skip
+    return Finding(
+        "HOST_OOM",
+        f"{where.strip()} was killed by SIGKILL: likely the kernel's OOM killer (host RAM)",
+        ev,
+        rank,
+        advice=SIGKILL_ADVICE,
+    )
 
 
 def _memory_monitor(log: Log) -> Finding | None:
@@ -300,21 +338,30 @@ def _memory_monitor(log: Log) -> Finding | None:
         return None
     first, name = monitored[0]
     is_monitor = [s.pattern for s in SIGNATURES if s.name in MEMORY_MONITORS]
-    if any(not tb.consequence and tb.at < first and not any(p.search(tb.exception) for p in is_monitor)
-           for tb in tracebacks(log)):  # fmt: skip
+    if any(
+        not tb.consequence and tb.at < first and not any(p.search(tb.exception) for p in is_monitor)
+        for tb in tracebacks(log)
+    ):
         return None
     target = _killed(log, monitored)
     detail = [ln for ln in log.plain[first + 1 : first + 3] if ln.startswith(("Memory on the node", "sending SIG"))]
     ev = [ln.strip() for ln in (log.plain[first], *detail[:1], *(log.plain[i] for i, _ in monitored[1:2]))]
     who, why = MEMORY_MONITORS[name]
     rank = target if target and target[:4] == "rank" else None
-    return Finding("HOST_OOM", f"{who} killed {target or 'a process'}: {why} (confirmed by {who})",
-                   list(dict.fromkeys(ev)), rank, advice=SIG[name].advice)  # fmt: skip
+    return Finding(
+        "HOST_OOM",
+        f"{who} killed {target or 'a process'}: {why} (confirmed by {who})",
+        list(dict.fromkeys(ev)),
+        rank,
+        advice=SIG[name].advice,
+    )
 
 
-KILLED_NAMED = (re.compile(r'sending SIG\w+ to process (\d+) (?:uid \d+ )?"([^"]*)"'),  # earlyoom: "python3" (pid N)
-                re.compile(r"Killed (\S+) due to memory"),  # systemd-oomd: the unit's cgroup
-                re.compile(r"^(\S+)\s+\d+/\d+\s+OOMKilled\b"))  # kubectl get pods: the pod  # fmt: skip
+KILLED_NAMED = (
+    re.compile(r'sending SIG\w+ to process (\d+) (?:uid \d+ )?"([^"]*)"'),  # earlyoom: "python3" (pid N)
+    re.compile(r"Killed (\S+) due to memory"),  # systemd-oomd: the unit's cgroup
+    re.compile(r"^(\S+)\s+\d+/\d+\s+OOMKilled\b"),
+)  # kubectl get pods: the pod
 
 
 def _killed(log: Log, monitored: list[tuple[int, str]]) -> str | None:
@@ -367,8 +414,12 @@ def _config(log: Log, ctx: Context) -> Finding | None:
     setup = log.hits("setup_error")
     if setup and not _trained(log):
         what = SIG["setup_error"].pattern.search(log.plain[setup[-1]])[1]
-        return Finding("CONFIG_ERROR", f"this machine cannot run the job: {what}; a restart repeats it",
-                       [log.plain[setup[-1]]], early=True)  # fmt: skip
+        return Finding(
+            "CONFIG_ERROR",
+            f"this machine cannot run the job: {what}; a restart repeats it",
+            [log.plain[setup[-1]]],
+            early=True,
+        )
     return None
 
 
@@ -391,24 +442,37 @@ def _crashed(log: Log, ctx: Context) -> Finding | None:
             rank = log.streams[i]
             what = SIG["cuda_error"].pattern.search(log.plain[i]) or SIG["fatal_signal"].pattern.search(log.plain[i])
             what = what[1]
-            return Finding("CRASHED", f"{what}{f' on {rank}' if rank else ''}", [log.plain[j] for j in native[:2]],
-                           rank)  # fmt: skip
+            return Finding(
+                "CRASHED", f"{what}{f' on {rank}' if rank else ''}", [log.plain[j] for j in native[:2]], rank
+            )
         tasks = log.hits("srun_task_exit")
         if tasks and not collective:
             m = SIG["srun_task_exit"].pattern.search(log.plain[tasks[0]])
-            return Finding("CRASHED", f"task {m[2]} on {m[1]} exited with exit code {m[3]}",
-                           [log.plain[i] for i in tasks[:2]], f"rank{re.split('[,-]', m[2])[0]}")  # fmt: skip
+            return Finding(
+                "CRASHED",
+                f"task {m[2]} on {m[1]} exited with exit code {m[3]}",
+                [log.plain[i] for i in tasks[:2]],
+                f"rank{re.split('[,-]', m[2])[0]}",
+            )
         exits = [(i, *launcher_exit(log, i)) for i in log.hits("launcher_exit")]
         exits = [(i, who, code) for i, who, code in exits if code and code not in (-9, -15)]
         if exits and not collective_cause(log):
             i, who, code = exits[0]
             how = f"was ended by {signal_name(code)}" if code < 0 else f"exited with code {code}"
-            return Finding("CRASHED", f"{who or 'a process'} {how} (the launcher's word; no error of its own in the "
-                           "log)", [log.plain[i]], who)  # fmt: skip
+            return Finding(
+                "CRASHED",
+                f"{who or 'a process'} {how} (the launcher's word; no error of its own in the log)",
+                [log.plain[i]],
+                who,
+            )
         died = log.hits("ray_worker_died")
         if died and not collective and not tbs:
-            return Finding("CRASHED", "Ray says a worker died or the run failed (Ray's word; its cause is not in the "
-                           "log)", [log.plain[died[0]]], log.rank_only(died))  # fmt: skip
+            return Finding(
+                "CRASHED",
+                "Ray says a worker died or the run failed (Ray's word; its cause is not in the log)",
+                [log.plain[died[0]]],
+                log.rank_only(died),
+            )
         if collective or not tbs:
             return None
     tb = (own or tbs)[0]
@@ -443,8 +507,9 @@ def _network(log: Log, ctx: Context) -> Finding | None:
     what = what[1].strip()
     ev = list(dict.fromkeys([log.plain[first].strip(), log.plain[net[-1]].strip()]))
     ev += [log.plain[i] for i in log.hits("nccl_timeout")[:1]]
-    return Finding("NCCL_ERROR", f"the connection between ranks broke{where}: {what[:120]}{_aborts(log)}", ev,
-                   log.streams[first])  # fmt: skip
+    return Finding(
+        "NCCL_ERROR", f"the connection between ranks broke{where}: {what[:120]}{_aborts(log)}", ev, log.streams[first]
+    )
 
 
 def _nccl(log: Log, ctx: Context) -> Finding | None:
@@ -456,12 +521,28 @@ def _nccl(log: Log, ctx: Context) -> Finding | None:
 
 
 # The rules in root-cause order: the first that finds something names the failure
-RULES = (gpu_fault, _dense_guard, _diverged, _disk_full, _memory, _recompile, _scheduler_end, _host_oom, _config,
-         _crashed, _network, _nccl)  # fmt: skip
+RULES = (
+    gpu_fault,
+    _dense_guard,
+    _diverged,
+    _disk_full,
+    _memory,
+    _recompile,
+    _scheduler_end,
+    _host_oom,
+    _config,
+    _crashed,
+    _network,
+    _nccl,
+)
 
 
-def classify_log(text: str | list[str], gpu_total_gib: float | None = None, disk_free_gib: float | None = None,
-                 checkpoint_gib: float | None = None) -> Finding | None:  # fmt: skip
+def classify_log(
+    text: str | list[str],
+    gpu_total_gib: float | None = None,
+    disk_free_gib: float | None = None,
+    checkpoint_gib: float | None = None,
+) -> Finding | None:
     """The most specific failure the log shows, or None. A root cause outranks its consequences (`RULES`' order
     follows the signatures' ranks)."""
     log = Log.of(text)

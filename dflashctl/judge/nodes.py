@@ -54,8 +54,13 @@ def combine(nodes: list[Node], bad_since: dict, now: float) -> Verdict:
             seen = min(bad_since[i] for i, _ in bad)
             if waiting and now - seen < PEER_GRACE_S:
                 lost = ", ".join(names[i] for i, _ in bad)
-                return Verdict("RUNNING", f"node {lost} lost a peer; waiting for {', '.join(waiting)} to say why",
-                               others, None, verdicts[0].step)  # fmt: skip
+                return Verdict(
+                    "RUNNING",
+                    f"node {lost} lost a peer; waiting for {', '.join(waiting)} to say why",
+                    others,
+                    None,
+                    verdicts[0].step,
+                )
         i, v = min(bad, key=first)
         return Verdict(v.state, f"node {names[i]}: {v.reason}", [*v.evidence, *others], v.advice, v.step)
     head = verdicts[0]
@@ -64,6 +69,5 @@ def combine(nodes: list[Node], bad_since: dict, now: float) -> Verdict:
     if head.state == "FINISHED":
         running = [names[i] for i, v in reachable if v.state != "FINISHED"]
         if running:
-            return Verdict("RUNNING", f"the head finished; waiting for {', '.join(running)}", others, None,
-                           head.step)  # fmt: skip
+            return Verdict("RUNNING", f"the head finished; waiting for {', '.join(running)}", others, None, head.step)
     return Verdict(head.state, head.reason, [*head.evidence, *others[1:]], head.advice, head.step)

@@ -81,17 +81,37 @@ class Message:
         nid = data.get("id") if isinstance(data.get("id"), str) and ID_RE.match(data["id"]) else ""
         advice = data.get("advice") if isinstance(data.get("advice"), str) else None
         return cls(
-            job=text["job"][:TEXT_MAX], host=text["host"][:TEXT_MAX], state=text["state"][:40],
+            job=text["job"][:TEXT_MAX],
+            host=text["host"][:TEXT_MAX],
+            state=text["state"][:40],
             reason=text["reason"][:TEXT_MAX],
             evidence=[str(e)[:TEXT_MAX] for e in evidence[:EVIDENCE_LINES] if isinstance(e, str)],
-            advice=advice[:TEXT_MAX] if advice else None, restarts=max(0, done), time=float(when),
-            failure=data.get("failure") is not False, restarts_left=max(0, left), look=_str(data.get("look")), id=nid,
+            advice=advice[:TEXT_MAX] if advice else None,
+            restarts=max(0, done),
+            time=float(when),
+            failure=data.get("failure") is not False,
+            restarts_left=max(0, left),
+            look=_str(data.get("look")),
+            id=nid,
             action=_str(data.get("action")),
         )
 
 
-FIELDS = ("id", "job", "host", "state", "action", "reason", "evidence", "advice", "restarts", "restarts_left",
-          "time", "failure", "look")  # fmt: skip
+FIELDS = (
+    "id",
+    "job",
+    "host",
+    "state",
+    "action",
+    "reason",
+    "evidence",
+    "advice",
+    "restarts",
+    "restarts_left",
+    "time",
+    "failure",
+    "look",
+)
 
 
 def _number(v) -> bool:

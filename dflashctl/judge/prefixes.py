@@ -87,11 +87,25 @@ STAMP_PREFIXES = (
     re.compile(r"^[\w.-]+\.exe : (?=\S)"),  # Windows PowerShell's ErrorRecord of a native command's stderr line
 )
 # What each stamp can start with, in STAMP_PREFIXES' order: a line is tried only against those its first character fits
-STAMP_FIRST = ("[", "[EWIFD", "[" + DIGITS, "[" + DIGITS, UPPER, UPPER, DIGITS, "DIWEC", "[",
-               UPPER + LOWER + DIGITS + "_.-")  # fmt: skip
-BY_FIRST = {chr(c): (tuple(la for la in LAUNCHERS if chr(c) in la.first),
-                     tuple(p for p, f in zip(STAMP_PREFIXES, STAMP_FIRST) if chr(c) in f))  # noqa: B905 (3.8)
-            for c in range(128)}  # fmt: skip
+STAMP_FIRST = (
+    "[",
+    "[EWIFD",
+    "[" + DIGITS,
+    "[" + DIGITS,
+    UPPER,
+    UPPER,
+    DIGITS,
+    "DIWEC",
+    "[",
+    UPPER + LOWER + DIGITS + "_.-",
+)
+BY_FIRST = {
+    chr(c): (
+        tuple(la for la in LAUNCHERS if chr(c) in la.first),
+        tuple(p for p, f in zip(STAMP_PREFIXES, STAMP_FIRST) if chr(c) in f),  # noqa: B905 (3.8: no strict=)
+    )
+    for c in range(128)
+}
 NONE_FIRST: tuple[tuple, tuple] = ((), ())
 # A tqdm progress bar that the next message was written onto (`Epoch 2: 100%|####| 9/9 [00:01<00:00]Traceback ...`)
 PROGRESS_BAR = re.compile(r"^[^|\r]{0,80}?(?:\d{1,3}%\|[^|]*\|[^\[\]]*|\d+it ?)\[[^\]]*\]\s*(?=\S)")
@@ -155,8 +169,9 @@ def strip_prefix(line: str, learned: Learned | None = None) -> tuple[str | None,
     return rank or node, line
 
 
-def _launcher_match(line: str, launchers: tuple[Launcher, ...], named: str | None) -> tuple[re.Match[str] | None,
-                                                                                             Launcher]:  # fmt: skip
+def _launcher_match(
+    line: str, launchers: tuple[Launcher, ...], named: str | None
+) -> tuple[re.Match[str] | None, Launcher]:
     """The first launcher prefix at the start of the line; pdsh's host only where nothing was named yet."""
     for launcher in launchers:
         if launcher.name == "pdsh" and (named or ": " not in line[:80]):
@@ -203,8 +218,10 @@ FREE = {"D": DATE, "T": TIME}
 CLOSERS = "])>}|:"
 SAMPLE, MIN_LINES, COVERAGE, MAX_SHAPES = 300, 8, 0.6, 4
 # Words a launcher's prefix never holds: a log level, a counter of progress, an exception's name
-NOT_A_PREFIX = re.compile(r"(?i)^(?:info|warn(?:ing)?|error|debug|critical|fatal|notice|trace|loss|step|steps|iter|"
-                          r"iteration|epoch|train|eval|val|batch|\w*(?:error|exception|warning))$")  # fmt: skip
+NOT_A_PREFIX = re.compile(
+    r"(?i)^(?:info|warn(?:ing)?|error|debug|critical|fatal|notice|trace|loss|step|steps|iter|"
+    r"iteration|epoch|train|eval|val|batch|\w*(?:error|exception|warning))$"
+)
 RANK_IN = re.compile(r"(?i)\brank\s*[=:#_ -]?\s*(\d+)\b|\brank(\d+)\b")
 
 

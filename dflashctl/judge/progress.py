@@ -55,39 +55,59 @@ NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan(?:\.0+)?|[-+]?inf(?:ini
 WHOLE_NUMBER = re.compile(rf"^(?:{NUMBER})$", re.I)
 TIME = r"\d{1,9}(?::\d\d){1,2}"
 # tqdm's right part, `N/TOTAL [ELAPSED<LEFT, RATE, POSTFIX]`: whole counts only (a unit-scaled `2.25G` is bytes)
-BAR = re.compile(rf"(?<![\w.])(?P<n>\d{{1,16}})/(?P<total>\d{{1,16}}|\?)\s?\[(?P<elapsed>{TIME})<(?P<left>{TIME}|\?),"
-                 r"\s*(?P<rate>[^,\]]*)(?P<post>(?:,[^\]]*)?)\]")  # fmt: skip
+BAR = re.compile(
+    rf"(?<![\w.])(?P<n>\d{{1,16}})/(?P<total>\d{{1,16}}|\?)\s?\[(?P<elapsed>{TIME})<(?P<left>{TIME}|\?),"
+    r"\s*(?P<rate>[^,\]]*)(?P<post>(?:,[^\]]*)?)\]"
+)
 # with no total: `N UNIT [ELAPSED, RATE, POSTFIX]`
-COUNT = re.compile(rf"(?<![\w.])(?P<n>\d{{1,16}}) ?(?P<unit>[A-Za-z][A-Za-z_ ]{{0,19}}) ?\[(?P<elapsed>{TIME}),"
-                   r"\s*(?P<rate>[^,\]]*)(?P<post>(?:,[^\]]*)?)\]")  # fmt: skip
-RATE = re.compile(r"^\s*(?P<v>\?|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)(?P<si>[kMGTPEZY](?=it/))?\s?"
-                  r"(?P<num>[A-Za-z][A-Za-z_ ]{0,19}?)/(?P<den>[A-Za-z][A-Za-z_ ]{0,19})\s*$")  # fmt: skip
+COUNT = re.compile(
+    rf"(?<![\w.])(?P<n>\d{{1,16}}) ?(?P<unit>[A-Za-z][A-Za-z_ ]{{0,19}}) ?\[(?P<elapsed>{TIME}),"
+    r"\s*(?P<rate>[^,\]]*)(?P<post>(?:,[^\]]*)?)\]"
+)
+RATE = re.compile(
+    r"^\s*(?P<v>\?|\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)(?P<si>[kMGTPEZY](?=it/))?\s?"
+    r"(?P<num>[A-Za-z][A-Za-z_ ]{0,19}?)/(?P<den>[A-Za-z][A-Za-z_ ]{0,19})\s*$"
+)
 SI = {"k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18, "Z": 1e21, "Y": 1e24}
 BYTES = ("b", "ib", "bytes", "byte", "kb", "mb", "gb")
 POSTFIX = re.compile(r"([\w/.\-]+)=([^,]*)")
 LOSS_KEY = re.compile(r"^(?:train[_/])?loss(?:_step)?$", re.I)
 # what a bar's description says it counts
 EVAL_WORDS = re.compile(r"valid|eval|sanity|\btest|predict|inferenc", re.I)
-ASIDE_WORDS = re.compile(r"^\W*(?:load|download|fetch|map\b|filter|generat|token|prepar|process|extract|convert|"
-                         r"resolv|sav|writ|read|upload|comput|shard|build|cach|index|pack|sort|shuffl|encod|decod)",
-                         re.I)  # fmt: skip
+ASIDE_WORDS = re.compile(
+    r"^\W*(?:load|download|fetch|map\b|filter|generat|token|prepar|process|extract|convert|"
+    r"resolv|sav|writ|read|upload|comput|shard|build|cach|index|pack|sort|shuffl|encod|decod)",
+    re.I,
+)
 EPOCH_DESC = re.compile(r"\bepoch\s*(\d{1,9})\b", re.I)
 # Hugging Face Trainer's logged dict: `{'loss': 1.234, 'grad_norm': 0.5, 'learning_rate': 4.8e-05, 'epoch': 0.5}`
 HF_DICT = re.compile(r"\{'(?:loss|eval_\w+|train_runtime|grad_norm|learning_rate|epoch)'\s*:")
 HF_PAIR = re.compile(r"'(\w+)'\s*:\s*'?\s*(" + NUMBER + r")\s*'?\s*(?=[,}])", re.I)
 # a step line: `step 10`, `step: 10`, `iter 100:`, `iteration 100/ 500000`, `global_step=7`, `Step 20/1000`
-STEP = re.compile(r"(?<![\w/.-])(?:global[_ ]step|step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(?P<n>\d{1,16})"
-                  r"(?:\s*/\s*(?P<total>\d{1,16}))?(?![\d.])", re.I)  # fmt: skip
-LOSS = re.compile(r"(?<![\w/.-])(?<!val )(?<!eval )(?<!test )(?<!valid )(?:train[_ /]|lm )?loss\b['\"]?\s*[:=]?\s*"
-                  r"['\"]?(?P<v>" + NUMBER + r")(?![\w.])", re.I)  # fmt: skip
+STEP = re.compile(
+    r"(?<![\w/.-])(?:global[_ ]step|step|iter(?:ation)?)\b\s*[:=#]?\s*\[?\s*(?P<n>\d{1,16})"
+    r"(?:\s*/\s*(?P<total>\d{1,16}))?(?![\d.])",
+    re.I,
+)
+LOSS = re.compile(
+    r"(?<![\w/.-])(?<!val )(?<!eval )(?<!test )(?<!valid )(?:train[_ /]|lm )?loss\b['\"]?\s*[:=]?\s*"
+    r"['\"]?(?P<v>" + NUMBER + r")(?![\w.])",
+    re.I,
+)
 EVAL_BEFORE = re.compile(r"(?:valid\w*|eval\w*|test\w*)\W{0,3}$", re.I)  # `Evaluating step 10/100`
 EPOCH = re.compile(r"(?<![\w/.-])epoch\b['\"]?\s*[:=]?\s*(?P<n>\d{1,9})(?:\s*/\s*\d{1,9})?(?![\d.])", re.I)
 # throughput as a step line states it: the unit is the script's own
-RATE_WORDS = re.compile(r"(?P<v>\d[\d,]*(?:\.\d+)?)\s*(?P<u>tok(?:en)?s?/s(?:ec)?|it/s|steps?/s|samples?/s(?:ec)?|"
-                        r"examples?/s|img/s|images/s|seq/s|s/it|s/step)(?![\w/])", re.I)  # fmt: skip
+RATE_WORDS = re.compile(
+    r"(?P<v>\d[\d,]*(?:\.\d+)?)\s*(?P<u>tok(?:en)?s?/s(?:ec)?|it/s|steps?/s|samples?/s(?:ec)?|"
+    r"examples?/s|img/s|images/s|seq/s|s/it|s/step)(?![\w/])",
+    re.I,
+)
 TPS = re.compile(r"(?<![\w/.-])tps\s*[:=]\s*(?P<v>\d[\d,]*(?:\.\d+)?)", re.I)  # torchtitan: tokens/s per device
-MS_PER_ITER = re.compile(r"(?<![\w/.-])(?:time|step_time|elapsed time per iteration \(ms\))\s*[:=]?\s*"
-                         r"(?P<v>\d+(?:\.\d+)?)\s*(?P<ms>ms)?", re.I)  # fmt: skip
+MS_PER_ITER = re.compile(
+    r"(?<![\w/.-])(?:time|step_time|elapsed time per iteration \(ms\))\s*[:=]?\s*"
+    r"(?P<v>\d+(?:\.\d+)?)\s*(?P<ms>ms)?",
+    re.I,
+)
 
 
 def number(text: str) -> float | None:
@@ -185,8 +205,19 @@ def read_bar(text: str) -> Reading | None:
             loss = number(value)
     key = re.sub(r"\d+", "#", own.lower()) if own else f"#{total}"
     left = seconds(m.groupdict().get("left"))
-    return Reading(_desc_kind(own), n, total, int(epoch[1]) if epoch else None, loss, rate[0], rate[1], rate[2], left,
-                   key, bar=True)  # fmt: skip
+    return Reading(
+        _desc_kind(own),
+        n,
+        total,
+        int(epoch[1]) if epoch else None,
+        loss,
+        rate[0],
+        rate[1],
+        rate[2],
+        left,
+        key,
+        bar=True,
+    )
 
 
 def read_hf_dict(text: str) -> Reading | None:
@@ -242,8 +273,9 @@ def read_step_line(text: str) -> Reading | None:
         total = None
     kind = "eval" if EVAL_BEFORE.search(text[: m.start()]) else "train"
     epoch = EPOCH.search(text)
-    return Reading(kind, step, total, int(epoch["n"]) if epoch else None, number(loss["v"]) if loss else None, rate,
-                   unit, per_s)  # fmt: skip
+    return Reading(
+        kind, step, total, int(epoch["n"]) if epoch else None, number(loss["v"]) if loss else None, rate, unit, per_s
+    )
 
 
 def read_segment(text: str, whole: bool) -> Reading | None:
@@ -321,8 +353,7 @@ class Reader:
                     shown = clean
                 if cut and i == 0 and j == 0:
                     continue  # a fragment: its start is in the bytes skipped
-                if ("[dflashctl]" in clean or "worker group" in clean) and ATTEMPT_START.search(
-                        strip_prefix(clean)[1]):  # fmt: skip
+                if ("[dflashctl]" in clean or "worker group" in clean) and ATTEMPT_START.search(strip_prefix(clean)[1]):
                     self._restart()
                     readings.clear()
                     continue

@@ -16,13 +16,17 @@ from .signatures import CASCADE_SIGS, SIG
 FLEX_FRAME = re.compile(r"flex_attention|_guarded_flex|sdpa_dense|math_attention")
 
 # Exceptions that, raised before the first step, come back identically on every restart (a missing module or file)
-START_ERRORS = re.compile(r"^(ModuleNotFoundError|ImportError|FileNotFoundError|SyntaxError|IsADirectoryError|"
-                          r"PermissionError|NotADirectoryError|IndentationError|OSError)\b")  # fmt: skip
+START_ERRORS = re.compile(
+    r"^(ModuleNotFoundError|ImportError|FileNotFoundError|SyntaxError|IsADirectoryError|"
+    r"PermissionError|NotADirectoryError|IndentationError|OSError)\b"
+)
 # Exceptions that follow from another failure: a wrapper's summary, a signal sent to the survivors, a peer gone
-CONSEQUENCE = re.compile(r"(ChildFailedError|SignalException|got signal: \d+|KeyboardInterrupt|SystemExit|"
-                         r"ProcessExitedException|ProcessRaisedException|process \d+ terminated with signal SIGTERM|"
-                         r"CalledProcessError|TrainingFailedError|RayActorError|ActorDiedError|"
-                         r"WorkerGroupError)")  # fmt: skip
+CONSEQUENCE = re.compile(
+    r"(ChildFailedError|SignalException|got signal: \d+|KeyboardInterrupt|SystemExit|"
+    r"ProcessExitedException|ProcessRaisedException|process \d+ terminated with signal SIGTERM|"
+    r"CalledProcessError|TrainingFailedError|RayActorError|ActorDiedError|"
+    r"WorkerGroupError)"
+)
 # Ray's wrapper of a worker's exception (`ray.exceptions.RayTaskError(RuntimeError): ray::...`): the worker's frames and
 # its own exception line follow it
 RAY_WRAPPER = re.compile(r"^(?:ray\.exceptions\.)?RayTaskError(?:\([\w.]+\))?: (?:\x1b\[\d+m)?ray::")
@@ -39,8 +43,10 @@ ABORT = re.compile(
     r"terminate called after throwing)"
 )
 # ProcessGroupNCCL's watchdog ending its process: the C++ exception it throws, or the what() line under `terminate`
-COLLECTIVE_ABORT = re.compile(r"instance of 'c10::DistBackendError|what\(\):.*(?:[Ww]atchdog|ProcessGroupNCCL|NCCL|"
-                              r"collective)")  # fmt: skip
+COLLECTIVE_ABORT = re.compile(
+    r"instance of 'c10::DistBackendError|what\(\):.*(?:[Ww]atchdog|ProcessGroupNCCL|NCCL|"
+    r"collective)"
+)
 # What ends a rank from outside its own code: a collective timed out, the network broke, a peer or a node was lost
 COLLECTIVE_CAUSES = ("nccl_timeout", "nccl_network", "slurm_node_fail")  # and a lost peer, where the watchdog aborted
 
@@ -150,8 +156,11 @@ class Traceback:
     def consequence(self) -> bool:
         """Raised because something else failed: a wrapper's summary, a signal, a peer gone, a CASCADE line."""
         exc = self.exception
-        return bool(CONSEQUENCE.search(exc) or SIG["nccl_network"].pattern.search(exc)
-                    or any(s.pattern.search(exc) for s in CASCADE_SIGS))  # fmt: skip
+        return bool(
+            CONSEQUENCE.search(exc)
+            or SIG["nccl_network"].pattern.search(exc)
+            or any(s.pattern.search(exc) for s in CASCADE_SIGS)
+        )
 
 
 def tracebacks_of(log: Log, stream: str | None) -> list[Traceback]:
@@ -188,8 +197,9 @@ def tracebacks_of(log: Log, stream: str | None) -> list[Traceback]:
             k += 1
         if exc or (frames and k >= len(idx)):
             named = stream if stream and stream[:4] == "rank" else wrapped or stream
-            tb = Traceback(named or "", exc[0] if exc else "", frames, code, exc[1] if exc else idx[-1],
-                           ignored=ignored)  # fmt: skip
+            tb = Traceback(
+                named or "", exc[0] if exc else "", frames, code, exc[1] if exc else idx[-1], ignored=ignored
+            )
             tb.flex = any(FLEX_FRAME.search(f) for f in frames + code)
             found.append(tb)
     return found
@@ -245,8 +255,9 @@ def launcher_exit(log: Log, i: int) -> tuple[str | None, int | None]:
         code = next((c for c in codes if c not in (0, 137)), 137 if 137 in codes else None)
         return None, -9 if code == 137 else code
     if m := re.search(r"Process name:\s*\[\[\d+,\d+\],(\d+)\]", ln):
-        code = next((int(c[1]) for nxt in log.plain[i + 1 : i + 4] if (c := re.search(r"Exit code:\s*(-?\d+)", nxt))),
-                    None)  # fmt: skip
+        code = next(
+            (int(c[1]) for nxt in log.plain[i + 1 : i + 4] if (c := re.search(r"Exit code:\s*(-?\d+)", nxt))), None
+        )
         return f"rank{m[1]}", code
     return log.streams[i], None
 
@@ -290,8 +301,9 @@ def tracebacks(log: Log) -> list[Traceback]:
     ChildFailedError, a SIGTERM, a peer gone), the root-cause rank torchrun or srun names first, then the earliest.
     A traceback the log ends inside is left out (`cut_traceback`)."""
     if log._tracebacks is None:
-        found = [tb for s in dict.fromkeys(log.streams) for tb in tracebacks_of(log, s)
-                 if tb.exception and not tb.ignored]  # fmt: skip
+        found = [
+            tb for s in dict.fromkeys(log.streams) for tb in tracebacks_of(log, s) if tb.exception and not tb.ignored
+        ]
         root = root_cause(log)[0]
         found.sort(key=lambda tb: (tb.consequence, tb.stream != root if root else False, tb.at))
         log._tracebacks = found

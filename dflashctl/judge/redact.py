@@ -99,8 +99,9 @@ class Redactor:
     """Replaces every secret piece in text by `***`: plain values (a live job's) and fingerprints (an ended one's).
     Callable on a string; `deep` walks JSON-like data (dict values, list items; keys are ours, left as they are)."""
 
-    def __init__(self, values: Iterable[str] = (), salt: str = "", hashed: Iterable[str] = (),
-                 lengths: Iterable[int] = ()) -> None:  # fmt: skip
+    def __init__(
+        self, values: Iterable[str] = (), salt: str = "", hashed: Iterable[str] = (), lengths: Iterable[int] = ()
+    ) -> None:
         found: set[str] = set()
         for v in values:
             found.update(pieces(v))
@@ -114,8 +115,11 @@ class Redactor:
 
     def fingerprints(self, salt: bytes) -> dict:
         """What stays at rest once the plain values are scrubbed: the salt, each piece's fingerprint, their lengths."""
-        return {"salt": salt.hex(), "hashed": sorted({fingerprint(p, salt) for p in self.plain}),
-                "lengths": sorted({len(p) for p in self.plain})}  # fmt: skip
+        return {
+            "salt": salt.hex(),
+            "hashed": sorted({fingerprint(p, salt) for p in self.plain}),
+            "lengths": sorted({len(p) for p in self.plain}),
+        }
 
     def __call__(self, text: str) -> str:
         if not isinstance(text, str) or not text:

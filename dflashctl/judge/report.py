@@ -74,8 +74,13 @@ class Report:
 
     def progress(self) -> dict:
         """What `ls` keeps of a look: step, loss, throughput in its unit, time left."""
-        return {"step": self.step, "loss": self.loss, "throughput": self.throughput,
-                "throughput_unit": self.throughput_unit, "eta_s": self.eta_s}  # fmt: skip
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "throughput": self.throughput,
+            "throughput_unit": self.throughput_unit,
+            "eta_s": self.eta_s,
+        }
 
     @property
     def verdict(self) -> Verdict:
@@ -104,10 +109,21 @@ class _Seen:
 class Judge:
     """What one asker knows of one job, and its one method `take`."""
 
-    def __init__(self, id: str, host: str, thresholds: Thresholds, *, is_trainer: bool = True,
-                 kill_grace_s: float = 40.0, gpus: list | None = None, scheduled: bool = False,
-                 total_steps: int | None = None, max_restarts: int = 0, restarts: int = 0,
-                 last_state: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        id: str,
+        host: str,
+        thresholds: Thresholds,
+        *,
+        is_trainer: bool = True,
+        kill_grace_s: float = 40.0,
+        gpus: list | None = None,
+        scheduled: bool = False,
+        total_steps: int | None = None,
+        max_restarts: int = 0,
+        restarts: int = 0,
+        last_state: str | None = None,
+    ) -> None:
         self.id, self.host, self.th = id, host, thresholds
         self.is_trainer, self.kill_grace_s = is_trainer, kill_grace_s
         self.job = Job([int(g) for g in gpus or []], scheduled)
@@ -137,8 +153,9 @@ class Judge:
         """Fold one snapshot, assess, apply the supervisor's word. `mono_now`: the asker's monotonic clock (None: a
         one-shot asker, with only the remote's stamps). `adopt`: the supervisor's verdict becomes the report's now
         (a job over several hosts adopts it after the node combine: `adopt`)."""
-        out = fold(self.h, snap, self.job, self.tail, self.log_offset, self.metrics_offset,
-                   self.state or self.last_state)  # fmt: skip
+        out = fold(
+            self.h, snap, self.job, self.tail, self.log_offset, self.metrics_offset, self.state or self.last_state
+        )
         self.log_offset, self.metrics_offset = out.log_offset, out.metrics_offset
         self._keep(out)
         if out.restarts is not None:
@@ -148,8 +165,9 @@ class Judge:
         self.supervisor = snap.get("supervisor") if isinstance(snap.get("supervisor"), dict) else None
         report = self._report(assess(self.h, self.th))
         aside = snap.get("set_aside") if isinstance(snap.get("set_aside"), list) else []
-        report.evidence += [f"set aside (the job can write its run dir; this is not a file of ours): {str(a)[:200]}"
-                            for a in aside[:5]]  # fmt: skip
+        report.evidence += [
+            f"set aside (the job can write its run dir; this is not a file of ours): {str(a)[:200]}" for a in aside[:5]
+        ]
         self._apply_supervisor(report, mono_now, adopt)
         if mono_now is not None:
             self.last_look = mono_now
@@ -219,10 +237,25 @@ class Judge:
         log = self.job.log_progress(self.is_trainer)
         tps = h.tokens_per_s[-1] if h.tokens_per_s else None
         return Report(
-            id=self.id, host=self.host, state=v.state, reason=v.reason, evidence=list(v.evidence), advice=v.advice,
-            time=h.now or None, since=self.since, step=h.last_step, epoch=h.epoch, loss=h.loss, tokens_per_s=tps,
-            tau=self.tau, tau_set=self.tau_set, eta_s=self.eta_s(), gpus=list(self.gpus), restarts=self.restarts,
-            max_restarts=self.max_restarts, stop_requested=h.stop_request is not None,
+            id=self.id,
+            host=self.host,
+            state=v.state,
+            reason=v.reason,
+            evidence=list(v.evidence),
+            advice=v.advice,
+            time=h.now or None,
+            since=self.since,
+            step=h.last_step,
+            epoch=h.epoch,
+            loss=h.loss,
+            tokens_per_s=tps,
+            tau=self.tau,
+            tau_set=self.tau_set,
+            eta_s=self.eta_s(),
+            gpus=list(self.gpus),
+            restarts=self.restarts,
+            max_restarts=self.max_restarts,
+            stop_requested=h.stop_request is not None,
             throughput=tps if tps is not None else log.rate,
             throughput_unit="tokens/s" if tps is not None else log.unit,
         )
@@ -248,15 +281,22 @@ class Judge:
         same = said is not None and isinstance(said.get("state"), str) and self._same_attempt(said)
         beat = sup.get("heartbeat") if isinstance(sup.get("heartbeat"), dict) else {}
         remote_age = number(beat.get("age_s"))  # the remote's monotonic now minus its stamp, one machine's clock
-        own_age = self._beat.age(beat.get("beat"), remote_age, mono_now, self.last_look) if mono_now is not None \
-            and beat.get("beat") is not None else None  # fmt: skip
+        own_age = (
+            self._beat.age(beat.get("beat"), remote_age, mono_now, self.last_look)
+            if mono_now is not None and beat.get("beat") is not None
+            else None
+        )
         ages = [a for a in (remote_age, own_age) if a is not None]
         age = max(ages) if ages else None
         alive = sup.get("alive") is True
         answering = alive and age is not None and age <= stale_after_s(interval)
         ended = sup.get("ended") if isinstance(sup.get("ended"), str) else None
-        r.supervisor = {"alive": alive, "answering": answering, "ended": ended,
-                        "heartbeat_age_s": round(age, 1) if age is not None else None}  # fmt: skip
+        r.supervisor = {
+            "alive": alive,
+            "answering": answering,
+            "ended": ended,
+            "heartbeat_age_s": round(age, 1) if age is not None else None,
+        }
         gave_up = said.get("gave_up") if same and isinstance(said.get("gave_up"), str) else None
         with_job = not alive and ended is not None and not ended.startswith(("failed", "told to stop"))
         if same and gave_up:  # its final word on this attempt: everyone's word

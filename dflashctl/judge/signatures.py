@@ -76,10 +76,19 @@ class Signature:
         return self.advice or ADVICE.get(self.state)
 
 
-def _sig(name: str, state: str, rank: int, pattern: str, flags: int = 0, advice: str | None = None,
-         unless: str | None = None, role: str = ROOT) -> Signature:  # fmt: skip
-    return Signature(name, state, re.compile(pattern, flags), rank, advice, re.compile(unless) if unless else None,
-                     role)  # fmt: skip
+def _sig(
+    name: str,
+    state: str,
+    rank: int,
+    pattern: str,
+    flags: int = 0,
+    advice: str | None = None,
+    unless: str | None = None,
+    role: str = ROOT,
+) -> Signature:
+    return Signature(
+        name, state, re.compile(pattern, flags), rank, advice, re.compile(unless) if unless else None, role
+    )
 
 
 # Ranks: hardware 10, the trainer's own stops 20-25, memory 30-41, the scheduler's and the cloud's ends 44-46, start
@@ -274,8 +283,16 @@ MEMORY_MONITORS = {
     "systemd_oomd": ("systemd-oomd", "memory pressure on its slice"),
     "earlyoom": ("earlyoom", "the host ran low on memory"),
 }
-SCHEDULER_ENDS = ("slurm_time_limit", "slurm_preempted", "slurm_node_fail", "slurm_cancelled", "skypilot_preempted",
-                  "gce_preempted", "aws_spot_interruption", "k8s_evicted")  # fmt: skip
+SCHEDULER_ENDS = (
+    "slurm_time_limit",
+    "slurm_preempted",
+    "slurm_node_fail",
+    "slurm_cancelled",
+    "skypilot_preempted",
+    "gce_preempted",
+    "aws_spot_interruption",
+    "k8s_evicted",
+)
 END_REASON = {
     "slurm_time_limit": "Slurm cancelled the job: out of wall time",
     "slurm_preempted": "Slurm preempted the job",

@@ -85,24 +85,34 @@ class WatchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     interval_s: float = Field(60.0, gt=0, le=86400, description="seconds between polls")
-    stall_after_s: float = Field(JUDGED.stall_after_s, gt=0, le=604800,
-                                 description="no step progress this long while alive: STALLED")
+    stall_after_s: float = Field(
+        JUDGED.stall_after_s, gt=0, le=604800, description="no step progress this long while alive: STALLED"
+    )
     startup_budget_s: float | None = Field(
         None, gt=0, le=604800, description="time allowed before the first step; default: from the trainer's buckets"
     )
-    heartbeat_max_age_s: float = Field(JUDGED.heartbeat_max_age_s, gt=0, le=86400,
-                                       description="an older heartbeat (frozen): STALLED")
-    throughput_floor: float | None = Field(JUDGED.throughput_floor, ge=0,
-                                           description="tokens/s under this for `slow_polls`: STALLED")
-    throughput_drop: float = Field(JUDGED.throughput_drop, gt=0, lt=1,
-                                   description="under this fraction of its rolling median: STALLED")
+    heartbeat_max_age_s: float = Field(
+        JUDGED.heartbeat_max_age_s, gt=0, le=86400, description="an older heartbeat (frozen): STALLED"
+    )
+    throughput_floor: float | None = Field(
+        JUDGED.throughput_floor, ge=0, description="tokens/s under this for `slow_polls`: STALLED"
+    )
+    throughput_drop: float = Field(
+        JUDGED.throughput_drop, gt=0, lt=1, description="under this fraction of its rolling median: STALLED"
+    )
     slow_polls: StrictInt = Field(JUDGED.slow_polls, ge=1, le=1000, description="consecutive slow polls before STALLED")
-    restart_on: list[StrictStr] = Field(default_factory=lambda: list(DEFAULT_RESTART_ON),
-                                        description="the failures a restart is for (the state table's `restart`)")
+    restart_on: list[StrictStr] = Field(
+        default_factory=lambda: list(DEFAULT_RESTART_ON),
+        description="the failures a restart is for (the state table's `restart`)",
+    )
     max_restarts: StrictInt = Field(3, ge=0, le=100)
     backoff_s: float = Field(30.0, ge=0, le=86400, description="wait before the first restart; doubles each time")
-    supervise: bool = Field(True, strict=True, description="a supervisor beside the job on the remote judges and "
-                            "restarts it with no laptop attached (single-host tmux jobs)")
+    supervise: bool = Field(
+        True,
+        strict=True,
+        description="a supervisor beside the job on the remote judges and "
+        "restarts it with no laptop attached (single-host tmux jobs)",
+    )
     notify: NotifyConfig = Field(default_factory=NotifyConfig)
 
     @field_validator("restart_on")
@@ -128,9 +138,12 @@ class NodeSpec(BaseModel):
     host: str = Field(..., description="a host name from dflashctl.yaml / hosts.yaml")
     gpus: list[StrictInt] | StrictInt | None = Field(None, description="this node's GPUs (default: the job's `gpus`)")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for this node only")
-    reach: str | None = Field(None, description="how the head's supervisor reaches this node by ssh: a destination "
-                              "as the head sees it (host, user@host, an alias of the head's ssh config); default: "
-                              "this node's HostName, port and user as resolved here; `none`: never from the head")
+    reach: str | None = Field(
+        None,
+        description="how the head's supervisor reaches this node by ssh: a destination "
+        "as the head sees it (host, user@host, an alias of the head's ssh config); default: "
+        "this node's HostName, port and user as resolved here; `none`: never from the head",
+    )
     reach_ssh_config: str | None = Field(None, description="an ssh config file on the head for that ssh (`ssh -F`)")
 
     @field_validator("reach")
@@ -179,21 +192,33 @@ class JobConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, defer_build=True)  # see NodeSpec
 
     name: str = Field(..., description="job name, [A-Za-z0-9._-]; the job id is name + UTC timestamp")
-    host: str | list[str] = Field("local", description="a host name from dflashctl.yaml / hosts.yaml, or `local`; a "
-                                  "list runs one job over several hosts (the first is the rendezvous head)")
+    host: str | list[str] = Field(
+        "local",
+        description="a host name from dflashctl.yaml / hosts.yaml, or `local`; a "
+        "list runs one job over several hosts (the first is the rendezvous head)",
+    )
     hosts: list[NodeSpec] | None = Field(None, description="several hosts, each with its own gpus/env (not with host)")
-    rdzv_port: StrictInt | None = Field(None, ge=1024, le=65535, description="the head's rendezvous port (multi-node); "
-                                  "default: one derived from the job name, 29500-29899")
+    rdzv_port: StrictInt | None = Field(
+        None,
+        ge=1024,
+        le=65535,
+        description="the head's rendezvous port (multi-node); default: one derived from the job name, 29500-29899",
+    )
     gpus: list[StrictInt] | StrictInt | None = Field(None, description="GPU indices, or a count (0..N-1); none = CPU")
     trainer: dict[str, Any] | str | None = Field(None, description="the bundled trainer's config, inline or a path")
     command: str | None = Field(None, description="any command line, run in the deployed code directory")
-    setup: str | None = Field(None, description="a command run once per release of the code on each host, before the "
-                              "job (`pip install -r requirements.txt`), in the job's environment and release; its "
-                              "output in the run dir's setup.log; a failure is SETUP_FAILED, never restarted")
-    setup_timeout_s: float = Field(3600.0, gt=0, le=7 * 86400, description="a setup still running after this long is "
-                                   "stopped: SETUP_FAILED")
-    nproc_per_node: StrictInt | None = Field(None, ge=1, le=64,
-                                             description="processes (torchrun); default: one per GPU")
+    setup: str | None = Field(
+        None,
+        description="a command run once per release of the code on each host, before the "
+        "job (`pip install -r requirements.txt`), in the job's environment and release; its "
+        "output in the run dir's setup.log; a failure is SETUP_FAILED, never restarted",
+    )
+    setup_timeout_s: float = Field(
+        3600.0, gt=0, le=7 * 86400, description="a setup still running after this long is stopped: SETUP_FAILED"
+    )
+    nproc_per_node: StrictInt | None = Field(
+        None, ge=1, le=64, description="processes (torchrun); default: one per GPU"
+    )
     env: dict[str, str] = Field(default_factory=dict, description="extra environment variables")
     secret_env: list[str] = Field(
         default_factory=list, description="env names shown as *** (besides names holding TOKEN, KEY, SECRET, PASSWORD)"
@@ -307,8 +332,13 @@ def _check_trainer_config(data: dict, source: str, project_root: Path) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(data, f)
     try:
-        proc = subprocess.run([sys.executable, "-m", "trainer.config", f.name], cwd=project_root, capture_output=True,
-                              text=True, timeout=60)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "trainer.config", f.name],
+            cwd=project_root,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     finally:
         Path(f.name).unlink(missing_ok=True)
     if proc.returncode == 0 or "No module named trainer" in proc.stderr:

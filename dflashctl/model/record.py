@@ -98,10 +98,21 @@ class JobRecord(BaseModel):
         """One record per node, each as a single-host job would have it (this record alone for a single host)."""
         if not self.members:
             return [self]
-        return [self.model_copy(update={"host_name": m.host_name, "host": m.host, "run_dir": m.run_dir,
-                                        "session": m.session, "pane_pid": m.pane_pid, "gpus": m.gpus,
-                                        "members": [], "node_tag": node_tag(self.id, m.node) if m.node else None})
-                for m in self.members]  # fmt: skip
+        return [
+            self.model_copy(
+                update={
+                    "host_name": m.host_name,
+                    "host": m.host,
+                    "run_dir": m.run_dir,
+                    "session": m.session,
+                    "pane_pid": m.pane_pid,
+                    "gpus": m.gpus,
+                    "members": [],
+                    "node_tag": node_tag(self.id, m.node) if m.node else None,
+                }
+            )
+            for m in self.members
+        ]
 
     def member(self, node: str) -> JobRecord:
         """The node's record by host name or node number."""
@@ -118,5 +129,3 @@ def state_dir() -> Path:
         return Path(override).expanduser()
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "dflashctl"
-
-

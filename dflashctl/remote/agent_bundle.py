@@ -62,8 +62,16 @@ def boot_argv(python: str, action: str, *args: str) -> list[str]:
 
 def shown_argv(python: str, action: str, *args: str) -> list[str]:
     """boot_argv as a person reads it: the boot line (a screenful) named, not printed."""
-    return [python, *ISOLATED, "-c", f"<dflashctl agent boot line, sha256 {AGENT_SHA[:12]}>", str(len(AGENT)),
-            AGENT_SHA, action, *args]  # fmt: skip
+    return [
+        python,
+        *ISOLATED,
+        "-c",
+        f"<dflashctl agent boot line, sha256 {AGENT_SHA[:12]}>",
+        str(len(AGENT)),
+        AGENT_SHA,
+        action,
+        *args,
+    ]
 
 
 NOISE_SEEN: dict[str, bytes] = {}  # host name -> what its interpreter printed before the agent's answer, this run
@@ -94,5 +102,7 @@ def note_noise(host: str, noise: bytes) -> None:
         return
     NOISE_SEEN[host] = noise
     first = noise.decode("utf-8", "replace").strip().splitlines()[0][:120] if noise.strip() else "blank lines"
-    sys.stderr.write(f"dflashctl: warning: {host}: its Python printed {len(noise)} bytes on stdout before the "
-                     f"agent's answer (skipped): {first!r}; make the host's `python:` print nothing\n")  # fmt: skip
+    sys.stderr.write(
+        f"dflashctl: warning: {host}: its Python printed {len(noise)} bytes on stdout before the "
+        f"agent's answer (skipped): {first!r}; make the host's `python:` print nothing\n"
+    )

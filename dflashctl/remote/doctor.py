@@ -12,13 +12,21 @@ from dflashctl.remote.transport import WORKDIR_PRELUDE, Runner
 
 MIN_FREE_GIB = 20.0  # checkpoints of an 8B-target drafter run are a few GiB each; keep room for several
 MAX_CLOCK_OFFSET_S = 1.0  # the wall stamps `status` shows from the remote are compared with ours by the reader
-GPU_QUERY = ["nvidia-smi", "--query-gpu=index,name,memory.total,ecc.errors.uncorrected.volatile.total",
-             "--format=csv,noheader,nounits"]  # fmt: skip
+GPU_QUERY = [
+    "nvidia-smi",
+    "--query-gpu=index,name,memory.total,ecc.errors.uncorrected.volatile.total",
+    "--format=csv,noheader,nounits",
+]
 # nvidia-smi absent is told apart from one that ran and found nothing by our own status, whatever the layer between
 # (ssh, `pct exec`, `docker exec`) makes of a missing executable
 NO_NVIDIA_SMI = 127
-GPU_QUERY_ARGV = ["sh", "-c", f'command -v nvidia-smi >/dev/null 2>&1 || exit {NO_NVIDIA_SMI}; exec "$@"', "gpu-query",
-                  *GPU_QUERY]  # fmt: skip
+GPU_QUERY_ARGV = [
+    "sh",
+    "-c",
+    f'command -v nvidia-smi >/dev/null 2>&1 || exit {NO_NVIDIA_SMI}; exec "$@"',
+    "gpu-query",
+    *GPU_QUERY,
+]
 
 # Prints key=value lines; each probe tolerates the tool being absent (a missing line reads as an empty fact). $1 is
 # the workdir, $2 the Python: one interpreter says its version, then torch's and NCCL's (torch imported once: seconds
@@ -75,8 +83,11 @@ def no_gpu_detail(code: int, said: str, host: HostConfig) -> str:
     """Why doctor sees no GPU, in words that lead to the fix: nvidia-smi not installed (where it was looked for),
     nvidia-smi failing (its own last line: a driver not loaded, a container without the devices), or nvidia-smi
     running and finding none."""
-    where = "on the container's host" if host.gpu_query == "host" and host.container else (
-        "in the container" if host.container else f"on {host.name}")  # fmt: skip
+    where = (
+        "on the container's host"
+        if host.gpu_query == "host" and host.container
+        else ("in the container" if host.container else f"on {host.name}")
+    )
     last = (said.strip().splitlines() or [""])[-1][:200]
     if code == NO_NVIDIA_SMI:
         return f"nvidia-smi is not installed {where}: no GPU can be seen (CPU-only jobs still run)"
@@ -93,8 +104,9 @@ def parse_gpu_csv(text: str) -> list[dict]:
         parts = [p.strip() for p in line.split(",")]
         if len(parts) >= 3 and parts[0].isdigit():
             ecc = int(parts[3]) if len(parts) > 3 and parts[3].isdigit() else None
-            gpus.append({"index": int(parts[0]), "name": parts[1], "memory_mib": int(float(parts[2])),
-                         "ecc_uncorrected": ecc})  # fmt: skip
+            gpus.append(
+                {"index": int(parts[0]), "name": parts[1], "memory_mib": int(float(parts[2])), "ecc_uncorrected": ecc}
+            )
     return gpus
 
 
@@ -143,8 +155,10 @@ def run_doctor(runner: Runner) -> DoctorReport:
         checks.append(Check("gpus", "ok", f"{len(gpus)} ({names})"))
         for g in gpus:
             if g["ecc_uncorrected"]:
-                why = (f"{g['ecc_uncorrected']} uncorrectable ECC errors: launch refuses this GPU (--force "
-                       "overrides); have it checked or reset")
+                why = (
+                    f"{g['ecc_uncorrected']} uncorrectable ECC errors: launch refuses this GPU (--force "
+                    "overrides); have it checked or reset"
+                )
                 checks.append(Check(f"gpu {g['index']}", "fail", why))
     else:
         checks.append(Check("gpus", "warn", no_gpu_detail(gpu_res.returncode, gpu_res.out + gpu_res.err, host)))
@@ -187,8 +201,12 @@ def agent_check(runner: Runner) -> Check:
     noise = NOISE_SEEN.get(runner.host.name)
     if noise:
         first = noise.decode("utf-8", "replace").strip().splitlines()[:1] or ["blank lines"]
-        return Check("agent", "warn", f"runs under {where}, but its Python printed {len(noise)} bytes on stdout first "
-                     f"(skipped): {first[0][:80]!r}")  # fmt: skip
+        return Check(
+            "agent",
+            "warn",
+            f"runs under {where}, but its Python printed {len(noise)} bytes on stdout first "
+            f"(skipped): {first[0][:80]!r}",
+        )
     return Check("agent", "ok", f"runs under {where}", required=True)
 
 
@@ -230,16 +248,23 @@ CONNECT = (
 )
 
 
-def node_checks(reports: list[DoctorReport], runners: list[Runner], head_addr: str, port: int,
-                listen_s: float = 8.0) -> DoctorReport:  # fmt: skip
+def node_checks(
+    reports: list[DoctorReport], runners: list[Runner], head_addr: str, port: int, listen_s: float = 8.0
+) -> DoctorReport:
     """What only a multi-node job needs: every node reaches the head's rendezvous port, and the nodes run the same
     torch and NCCL (a mismatch hangs or crashes the first collective)."""
     checks = []
     for fact, what in (("torch", "torch"), ("nccl", "NCCL")):
         seen = {r.host: (r.facts.get(fact) or "").split(" ")[0] or "none" for r in reports}
         same = len(set(seen.values())) == 1
-        checks.append(Check(f"{what} versions", "ok" if same else "fail",
-                            ", ".join(f"{h} {v}" for h, v in seen.items()), required=fact == "torch"))  # fmt: skip
+        checks.append(
+            Check(
+                f"{what} versions",
+                "ok" if same else "fail",
+                ", ".join(f"{h} {v}" for h, v in seen.items()),
+                required=fact == "torch",
+            )
+        )
     head = runners[0]
     answer: dict = {}
 
@@ -257,8 +282,9 @@ def node_checks(reports: list[DoctorReport], runners: list[Runner], head_addr: s
     t.join()
     said = answer["res"].out.strip().splitlines()
     if said and said[0].startswith("busy"):
-        checks.append(Check("rendezvous port", "fail", f"{port} is in use on {reports[0].host}: {said[0][5:]}",
-                            required=True))  # fmt: skip
+        checks.append(
+            Check("rendezvous port", "fail", f"{port} is in use on {reports[0].host}: {said[0][5:]}", required=True)
+        )
     return DoctorReport("job", checks)
 
 

@@ -47,7 +47,7 @@ echo "time=$(date +%s.%N)"
 # On one compute node: is the login node's workdir there, and which torch does the job's Python import?
 NODE_SCRIPT = (
     'echo "node=$(hostname)"; [ -d "$1" ] && echo seen=1 || echo seen=0; '
-    '"$2" -c "import torch; print(\'torch=\' + torch.__version__, \'cuda=\' + str(torch.cuda.is_available()))" '
+    "\"$2\" -c \"import torch; print('torch=' + torch.__version__, 'cuda=' + str(torch.cuda.is_available()))\" "
     "2>/dev/null || echo torch=none"
 )
 
@@ -58,8 +58,9 @@ def run_slurm_doctor(runner: Runner) -> DoctorReport:
     assert cluster is not None
     checks: list[Check] = []
     t0 = time.time()
-    res = runner.run_script(FACTS_SCRIPT, host.workdir, host.python, cluster.partition or "", cluster.account or "",
-                            timeout=120)  # fmt: skip
+    res = runner.run_script(
+        FACTS_SCRIPT, host.workdir, host.python, cluster.partition or "", cluster.account or "", timeout=120
+    )
     t1 = time.time()
     checks.append(Check("reachable", "ok", f"login node {host.ssh or 'this machine'}", required=True))
     if res.returncode != 0:
@@ -69,8 +70,14 @@ def run_slurm_doctor(runner: Runner) -> DoctorReport:
 
     py = facts.get("python", "")
     ok = bool(py) and _version_tuple(py) >= (3, 8)
-    checks.append(Check("python", "ok" if ok else "fail", f"{host.python} {py}" if py else f"{host.python} not found "
-                        "(the agent runs on the login node)", required=True))  # fmt: skip
+    checks.append(
+        Check(
+            "python",
+            "ok" if ok else "fail",
+            f"{host.python} {py}" if py else f"{host.python} not found (the agent runs on the login node)",
+            required=True,
+        )
+    )
 
     missing = [t for t in REQUIRED_TOOLS if facts.get(f"tool_{t}") != "1"]
     absent = [t for t in OPTIONAL_TOOLS if facts.get(f"tool_{t}") != "1"]
@@ -83,8 +90,15 @@ def run_slurm_doctor(runner: Runner) -> DoctorReport:
 
     said = facts.get("controller", "")
     if "UP" not in said and "is up" not in said.lower():  # `Slurmctld(primary) at host is UP`, else DOWN or an error
-        checks.append(Check("controller", "fail", f"slurmctld does not answer the login node: {said[:160] or 'no word'}"
-                            " (the partition and account cannot be checked)", required=True))  # fmt: skip
+        checks.append(
+            Check(
+                "controller",
+                "fail",
+                f"slurmctld does not answer the login node: {said[:160] or 'no word'}"
+                " (the partition and account cannot be checked)",
+                required=True,
+            )
+        )
         return DoctorReport(host.name, checks, facts)
     checks.append(Check("controller", "ok", said[:160]))
     part = facts.get("partition", "").split("|")
@@ -93,16 +107,23 @@ def run_slurm_doctor(runner: Runner) -> DoctorReport:
         checks.append(Check("partition", "fail", f"{name}: sinfo does not know it", required=True))
     else:
         up = part[1] == "up"
-        checks.append(Check("partition", "ok" if up else "fail", f"{part[0].rstrip('*')}: {part[1]}, "
-                            f"{part[2] if len(part) > 2 else '?'} nodes", required=True))  # fmt: skip
+        checks.append(
+            Check(
+                "partition",
+                "ok" if up else "fail",
+                f"{part[0].rstrip('*')}: {part[1]}, {part[2] if len(part) > 2 else '?'} nodes",
+                required=True,
+            )
+        )
 
     if cluster.account:
         said = facts.get("account", "")
         if facts.get("account_rc") == "0" and said.strip() == cluster.account:
             checks.append(Check("account", "ok", f"{cluster.account}: an association of this user"))
         elif facts.get("account_rc") == "0" and not said.strip():
-            checks.append(Check("account", "fail", f"{cluster.account}: no association for this user (sacctmgr)",
-                                required=True))  # fmt: skip
+            checks.append(
+                Check("account", "fail", f"{cluster.account}: no association for this user (sacctmgr)", required=True)
+            )
         else:
             checks.append(Check("account", "warn", f"{cluster.account}: cannot be checked here ({said[:120]})"))
 
@@ -128,10 +149,24 @@ def _compute_node(runner: Runner, workdir: str) -> Check:
     torch with the host's Python."""
     host = runner.host
     cluster = host.slurm
-    argv = ["srun", "--nodes=1", "--ntasks=1", f"--immediate={SRUN_WAIT_S}", "--time=2", "--job-name=dflashctl-doctor",
-            *([f"--partition={cluster.partition}"] if cluster.partition else []),
-            *([f"--account={cluster.account}"] if cluster.account else []),
-            "bash", "--noprofile", "--norc", "-c", NODE_SCRIPT, "doctor", workdir, host.python]  # fmt: skip
+    argv = [
+        "srun",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--immediate={SRUN_WAIT_S}",
+        "--time=2",
+        "--job-name=dflashctl-doctor",
+        *([f"--partition={cluster.partition}"] if cluster.partition else []),
+        *([f"--account={cluster.account}"] if cluster.account else []),
+        "bash",
+        "--noprofile",
+        "--norc",
+        "-c",
+        NODE_SCRIPT,
+        "doctor",
+        workdir,
+        host.python,
+    ]
     res = runner.run(["bash", "--noprofile", "--norc", "-c", shlex.join(argv)], timeout=SRUN_WAIT_S + 90)
     facts = parse_facts(res.out)
     if res.returncode != 0 and not facts.get("node"):
@@ -139,8 +174,15 @@ def _compute_node(runner: Runner, workdir: str) -> Check:
         return Check("compute node", "fail", f"srun could not run a task: {why}", required=True)
     seen = facts.get("seen") == "1"
     torch = facts.get("torch", "none")
-    detail = (f"{facts.get('node')}: " + ("sees the workdir" if seen else f"does not see {workdir}: the run dirs must "
-              "be on a file system the compute nodes share") + f", torch {torch}"
-              + (f" (CUDA {facts['cuda']})" if facts.get("cuda") else ""))  # fmt: skip
+    detail = (
+        f"{facts.get('node')}: "
+        + (
+            "sees the workdir"
+            if seen
+            else f"does not see {workdir}: the run dirs must be on a file system the compute nodes share"
+        )
+        + f", torch {torch}"
+        + (f" (CUDA {facts['cuda']})" if facts.get("cuda") else "")
+    )
     ok = seen and torch != "none"
     return Check("compute node", "ok" if ok else "fail", detail, required=True)

@@ -74,8 +74,10 @@ def safe_local(root: Path, rel: str) -> Path:
 
 def _full(dest: Path, size: int) -> DiskFullError:
     free = shutil.disk_usage(dest.parent).free
-    return DiskFullError(f"the disk is full at {dest.parent}: {free:,} B free, {size:,} B needed for {dest.name} "
-                         "(what arrived is kept as .part; pull again once there is room)")  # fmt: skip
+    return DiskFullError(
+        f"the disk is full at {dest.parent}: {free:,} B free, {size:,} B needed for {dest.name} "
+        "(what arrived is kept as .part; pull again once there is room)"
+    )
 
 
 def redacted_job_json(data: bytes) -> bytes:
@@ -179,8 +181,9 @@ def one_pull_at_a_time(root: Path):
         os.close(fd)
 
 
-def pull(job: JobRecord, to: Path, select: dict, chunk: int, accept_new: bool, start_bar,
-         project: Path = Path(".")) -> PullReport:  # fmt: skip
+def pull(
+    job: JobRecord, to: Path, select: dict, chunk: int, accept_new: bool, start_bar, project: Path = Path(".")
+) -> PullReport:
     """Pull what `select` names ({"export", "checkpoint", "metrics"}; empty: the export, else the newest checkpoint)
     into `to/<job id>/`, mirroring the run dir's layout."""
     root = to / job.id
@@ -196,8 +199,9 @@ def pull(job: JobRecord, to: Path, select: dict, chunk: int, accept_new: bool, s
     # only the job's own folder is dflashctl's output: `--to mylib` leaves the user's other files in mylib theirs
     keep_out_of_git(root, project)
     with one_pull_at_a_time(root), open_runner(job.host, accept_new) as runner:
-        listing = session.call_agent(runner, {"action": "files", "run_dir": job.run_dir, "gpus": False, **select},
-                                     timeout=600)  # fmt: skip
+        listing = session.call_agent(
+            runner, {"action": "files", "run_dir": job.run_dir, "gpus": False, **select}, timeout=600
+        )
         if "error" in listing:
             raise RefusedError(f"{job.id}: {listing['error']}")
         report = PullReport(job.id, str(root), list(listing.get("chose") or []))

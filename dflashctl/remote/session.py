@@ -36,9 +36,7 @@ MAX_REQUEST_BYTES = 100_000  # one argv string: the kernel's limit is 128 KiB
 # container exec + python + request.
 HOST_GPU_SCRIPT = (
     "g=$(nvidia-smi --query-gpu=" + ",".join(gpus.GPU_FIELDS) + " --format=csv,noheader,nounits 2>/dev/null)\n"
-    "a=$(nvidia-smi --query-compute-apps="
-    + ",".join(gpus.APP_FIELDS)
-    + " --format=csv,noheader,nounits 2>/dev/null)\n"
+    "a=$(nvidia-smi --query-compute-apps=" + ",".join(gpus.APP_FIELDS) + " --format=csv,noheader,nounits 2>/dev/null)\n"
     'exec "$@" "$g" "$a"\n'
 )
 
@@ -85,12 +83,16 @@ def trainer_command(job: JobConfig, python: str, node: NodePlace | None = None, 
     q = shlex.quote(python)
     args = '-m trainer.train --config "$RUN/trainer.yaml" --run-dir "$RUN" "$@"'
     if slurm and job.slurm is not None and job.slurm.nodes > 1:
-        return (f'{q} -m torch.distributed.run --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" '
-                f'--nproc-per-node {job.nproc} --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" {args}')
+        return (
+            f'{q} -m torch.distributed.run --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" '
+            f'--nproc-per-node {job.nproc} --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" {args}'
+        )
     if node is not None:
         head = f"--master-addr {shlex.quote(node.head_addr)} --master-port {node.port}"
-        return (f"{q} -m torch.distributed.run --nnodes {node.count} --node-rank {node.rank} --nproc-per-node "
-                f"{job.nproc} {head} {args}")  # fmt: skip
+        return (
+            f"{q} -m torch.distributed.run --nnodes {node.count} --node-rank {node.rank} --nproc-per-node "
+            f"{job.nproc} {head} {args}"
+        )
     if job.nproc > 1:
         return f"{q} -m torch.distributed.run --standalone --nproc-per-node {job.nproc} {args}"
     return f"{q} {args}"
@@ -102,8 +104,12 @@ def job_env(job: JobConfig, job_id: str, node: NodePlace | None = None, slurm: b
     asked = not slurm and (job.gpus is not None or (node is not None and bool(node.gpus)))
     place = {}
     if node is not None:  # a `command:` job over several nodes starts its own torchrun from these
-        place = {"NNODES": str(node.count), "NODE_RANK": str(node.rank), "MASTER_ADDR": node.head_addr,
-                 "MASTER_PORT": str(node.port)}  # fmt: skip
+        place = {
+            "NNODES": str(node.count),
+            "NODE_RANK": str(node.rank),
+            "MASTER_ADDR": node.head_addr,
+            "MASTER_PORT": str(node.port),
+        }
     tag = node_tag(job_id, node.rank if node is not None else 0)
     return {
         "DFLASHCTL_JOB_ID": tag,
@@ -126,9 +132,12 @@ def run_env(job: JobConfig, job_id: str, run_dir: str, node: NodePlace | None = 
     """The job's whole environment as its processes see it: where it runs (RUN, DFLASHCTL_RUN_DIR), its caches, and
     job_env's variables."""
     cache = "inductor-cache" if job.inductor_cache == "clear" else "../../inductor-cache"
-    where = {"RUN": run_dir, "DFLASHCTL_RUN_DIR": run_dir,
-             "TORCHINDUCTOR_CACHE_DIR": posixpath.normpath(f"{run_dir}/{cache}"),
-             "DFLASHCTL_KERNEL_CACHE": posixpath.normpath(f"{run_dir}/../../kernel-cache")}  # fmt: skip
+    where = {
+        "RUN": run_dir,
+        "DFLASHCTL_RUN_DIR": run_dir,
+        "TORCHINDUCTOR_CACHE_DIR": posixpath.normpath(f"{run_dir}/{cache}"),
+        "DFLASHCTL_KERNEL_CACHE": posixpath.normpath(f"{run_dir}/../../kernel-cache"),
+    }
     return {**where, **job_env(job, job_id, node, slurm)}
 
 
@@ -197,8 +206,14 @@ def sbatch_options(job: JobConfig, job_id: str, cluster: SlurmHost) -> list[str]
     dflashctl's rules; so the job ends NODE_FAIL (or PREEMPTED) and the watcher resubmits it with --resume, the
     failed node excluded, within max_restarts and never after a kill. An extra `--requeue` gives that back to Slurm."""
     spec = job.slurm
-    opts = [f"--job-name={job_id}", f"--nodes={spec.nodes if spec else 1}", "--ntasks-per-node=1",
-            "--output=slurm-%j.out", "--open-mode=append", "--no-requeue"]  # fmt: skip
+    opts = [
+        f"--job-name={job_id}",
+        f"--nodes={spec.nodes if spec else 1}",
+        "--ntasks-per-node=1",
+        "--output=slurm-%j.out",
+        "--open-mode=append",
+        "--no-requeue",
+    ]
     if job.gpu_indices:
         opts.append(f"--gpus-per-node={len(job.gpu_indices)}")
     if job.nproc > 1 or job.gpu_indices:
@@ -249,10 +264,19 @@ exit "$rc"
 
 
 def run_files(
-    job: JobConfig, job_id: str, python: str, trainer_cfg: dict | None, release: str, redact: bool = False,
-    node: NodePlace | None = None, cluster: SlurmHost | None = None, project: str | None = None,
-    run_dir: str | None = None, members: list[dict] | None = None, overridden: dict | None = None,
-) -> dict[str, str]:  # fmt: skip
+    job: JobConfig,
+    job_id: str,
+    python: str,
+    trainer_cfg: dict | None,
+    release: str,
+    redact: bool = False,
+    node: NodePlace | None = None,
+    cluster: SlurmHost | None = None,
+    project: str | None = None,
+    run_dir: str | None = None,
+    members: list[dict] | None = None,
+    overridden: dict | None = None,
+) -> dict[str, str]:
     """The files of a run dir, as written at launch; restarts reuse them (the job file is snapshotted here, with what
     `launch`'s options overrode: `overridden`, secrets as ***). A Slurm job has `sbatch.sh` where a tmux job has
     `run.sh` and `tmux.conf`; both have job.env, written for `run_dir`: the environment that run.sh or sbatch.sh,
@@ -268,11 +292,21 @@ def run_files(
         where = {"node_rank": node.rank, "nodes": node.count, "head": f"{node.head_addr}:{node.port}"} if node else {}
     files = {
         "command.sh": f"# the job's command ({job.name})\n{command}\n",
-        "job.json": json.dumps({"id": job_id, "name": job.name, "session": node_session(job_id, node),
-                                "release": release, "gpus": gpus, **where, "secret_names": secrets,
-                                **({"project": project} if project else {}),
-                                **({"overridden": overridden} if overridden else {}),
-                                "job": snapshot}, indent=1),  # fmt: skip
+        "job.json": json.dumps(
+            {
+                "id": job_id,
+                "name": job.name,
+                "session": node_session(job_id, node),
+                "release": release,
+                "gpus": gpus,
+                **where,
+                "secret_names": secrets,
+                **({"project": project} if project else {}),
+                **({"overridden": overridden} if overridden else {}),
+                "job": snapshot,
+            },
+            indent=1,
+        ),
     }
     if job.setup is not None and not scheduled:
         # the same header for every job: the setup's record of success is keyed by this file's hash
@@ -308,24 +342,41 @@ def project_key(root) -> str:
     return hashlib.sha256(f"{socket.gethostname()}\0{os.path.abspath(root)}".encode()).hexdigest()[:16]
 
 
-def supervise_spec(job: JobConfig, job_id: str, gpus: list[int], scheduled: bool = False,
-                   members: list[dict] | None = None) -> dict:  # fmt: skip
+def supervise_spec(
+    job: JobConfig, job_id: str, gpus: list[int], scheduled: bool = False, members: list[dict] | None = None
+) -> dict:
     """What the job's supervisor (agent/supervise.py) needs: where the job runs, how to restart it, its policy. A
     Slurm job's supervisor runs on the login node (the batch script's processes end with the allocation: they could
     not resubmit it). A job over several hosts: the head's, with `members` (member_spec) it probes and restarts."""
     many = {"members": members} if members else {}
-    return {"session": node_session(job_id, None), "job_id": node_tag(job_id, 0), "tmux_socket": tmux_socket(),
-            "host": job.nodes[0].host, **many,
-            **({"scheduler": "slurm"} if scheduled else {}),
-            "grace_s": job.kill_grace_s, "args": ["--resume"] if job.trainer is not None else [],
-            "is_trainer": job.trainer is not None, "gpus": gpus,
-            "watch": job.watch.model_dump(mode="json", exclude={"notify"}),
-            "notify": job.watch.notify.model_dump(mode="json")}  # fmt: skip (0600: the supervisor pages the user)
+    return {
+        "session": node_session(job_id, None),
+        "job_id": node_tag(job_id, 0),
+        "tmux_socket": tmux_socket(),
+        "host": job.nodes[0].host,
+        **many,
+        **({"scheduler": "slurm"} if scheduled else {}),
+        "grace_s": job.kill_grace_s,
+        "args": ["--resume"] if job.trainer is not None else [],
+        "is_trainer": job.trainer is not None,
+        "gpus": gpus,
+        "watch": job.watch.model_dump(mode="json", exclude={"notify"}),
+        "notify": job.watch.notify.model_dump(mode="json"),
+    }  # 0600: the supervisor pages the user
 
 
 # the head's ssh to a member: never a prompt (BatchMode), never a host key taken on trust, a dead link seen in 30 s
-HEAD_SSH = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", "ServerAliveInterval=15",
-            "-o", "ServerAliveCountMax=2"]  # fmt: skip
+HEAD_SSH = [
+    "ssh",
+    "-o",
+    "BatchMode=yes",
+    "-o",
+    "StrictHostKeyChecking=yes",
+    "-o",
+    "ServerAliveInterval=15",
+    "-o",
+    "ServerAliveCountMax=2",
+]
 
 
 def member_spec(job_id: str, place: NodePlace, host: HostConfig, node, head: HostConfig, run_dir: str) -> dict:
@@ -333,11 +384,23 @@ def member_spec(job_id: str, place: NodePlace, host: HostConfig, node, head: Hos
     tag, Python, container prefix, and `reach`, the argv that runs a command there from the head (null: it cannot,
     with `why_not`). By default the node's HostName, port and user as this machine resolves them: the head's own
     ssh config, keys and known_hosts must allow it; `reach:` names the destination as the head sees it."""
-    spec = {"node": place.rank, "host": host.name, "run_dir": run_dir, "session": node_session(job_id, place),
-            "job_id": node_tag(job_id, place.rank), "python": host.python, "tmux_socket": tmux_socket(),
-            "prefix": container_prefix(host), "gpus": list(place.gpus)}  # fmt: skip
-    ssh = [*HEAD_SSH, "-o", f"ConnectTimeout={max(1, round(host.connect_timeout))}",
-           *(["-F", node.reach_ssh_config] if node.reach_ssh_config else [])]  # fmt: skip
+    spec = {
+        "node": place.rank,
+        "host": host.name,
+        "run_dir": run_dir,
+        "session": node_session(job_id, place),
+        "job_id": node_tag(job_id, place.rank),
+        "python": host.python,
+        "tmux_socket": tmux_socket(),
+        "prefix": container_prefix(host),
+        "gpus": list(place.gpus),
+    }
+    ssh = [
+        *HEAD_SSH,
+        "-o",
+        f"ConnectTimeout={max(1, round(host.connect_timeout))}",
+        *(["-F", node.reach_ssh_config] if node.reach_ssh_config else []),
+    ]
     if node.reach == "none":
         return {**spec, "reach": None, "why_not": "`reach: none` in the job file: not probed from the head"}
     if node.reach:
@@ -351,9 +414,7 @@ def member_spec(job_id: str, place: NodePlace, host: HostConfig, node, head: Hos
     return {**spec, "reach": [*ssh, "-p", str(t.port), "-l", t.user, "--", t.hostname]}
 
 
-def call_agent(
-    runner: Runner, request: dict, payload: bytes = b"", timeout: float = 60, on_host: bool = False
-) -> dict:
+def call_agent(runner: Runner, request: dict, payload: bytes = b"", timeout: float = 60, on_host: bool = False) -> dict:
     """One remote command: the probe (inside the container) runs one action, with host-side GPU readings when the
     host is configured so; with `on_host`, the probe runs on the container's host itself (its python3). A host that
     answers but whose probe fails raises ProbeFailedError with its stderr."""

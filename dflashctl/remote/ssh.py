@@ -322,8 +322,10 @@ class SshRunner(Runner):
         server_key = transport.get_remote_server_key()
         if server_key.get_base64() in revoked:
             client.close()
-            raise HostKeyError(f"host key of {where} ({fingerprint(server_key)}) is marked @revoked in "
-                               f"{target.known_hosts}: refusing it")  # fmt: skip
+            raise HostKeyError(
+                f"host key of {where} ({fingerprint(server_key)}) is marked @revoked in "
+                f"{target.known_hosts}: refusing it"
+            )
         transport.set_keepalive(SSH_KEEPALIVE_S)
         SshRunner.connections_opened += 1
         self._client = client

@@ -163,8 +163,12 @@ def list_files(root: Path) -> list[str]:
             continue
         if stat.S_ISLNK(mode):
             if not _inside(root, Path(path)):
-                raise ConfigError(path, None, f"symlink to {os.readlink(path)!r} leads outside the project; "
-                                  "deploy refuses to send what it points to")  # fmt: skip
+                raise ConfigError(
+                    path,
+                    None,
+                    f"symlink to {os.readlink(path)!r} leads outside the project; "
+                    "deploy refuses to send what it points to",
+                )
             files.add(rel)
         elif stat.S_ISREG(mode):  # a submodule (a directory) is not sent
             files.add(rel)
@@ -253,8 +257,11 @@ def parse_remote_manifest(text: str) -> Manifest:
         files = json.loads(text)["files"]
         if not isinstance(files, dict):
             return {}
-        return {k: Entry(str(v[0]), int(v[1]), int(v[2])) for k, v in files.items()
-                if _safe_relpath(k) and isinstance(v, list) and len(v) == 3}  # fmt: skip
+        return {
+            k: Entry(str(v[0]), int(v[1]), int(v[2]))
+            for k, v in files.items()
+            if _safe_relpath(k) and isinstance(v, list) and len(v) == 3
+        }
     except (ValueError, KeyError, TypeError, IndexError):
         return {}
 
@@ -350,8 +357,9 @@ class TarPipe:
         except BrokenPipeError:
             pass  # the command stopped reading: its own answer says why
         except OSError as e:  # a file gone or unreadable since it was hashed
-            self.error = DflashError(f"{e.filename or root}: {e.strerror or e}: changed while deploying; nothing was "
-                                     "switched, deploy again")  # fmt: skip
+            self.error = DflashError(
+                f"{e.filename or root}: {e.strerror or e}: changed while deploying; nothing was switched, deploy again"
+            )
         except BaseException as e:  # noqa: BLE001 - raised by close(), in the caller's thread
             self.error = e
 
@@ -399,8 +407,12 @@ class LastDeploy:
         return None
 
     def write(self, abs_wd: str, version: str, manifest: Manifest, python: str | None = None) -> None:
-        body = {"workdir": abs_wd, "version": version, "python": python,
-                "files": {k: v.to_json() for k, v in manifest.items()}}  # fmt: skip
+        body = {
+            "workdir": abs_wd,
+            "version": version,
+            "python": python,
+            "files": {k: v.to_json() for k, v in manifest.items()},
+        }
         write_private_json(self.path, body)  # unwritten: the next deploy reads the remote state instead
 
 
@@ -433,11 +445,28 @@ def deploy(
     if known is not None and known[1] != version:  # one remote command: the changes against what we last deployed
         abs_wd, base, base_files, _ = known
         plan = plan_changes(local, base_files)
-        report = DeployReport(host=runner.host.name, code_dir=f"{abs_wd}/code", version=version,
-                              files_sent=len(plan.send), files_deleted=len(plan.delete), sent=plan.send,
-                              deleted=plan.delete)  # fmt: skip
-        sent = _send_release(runner, root, local, plan.send, abs_wd, version, base, report=report, progress=progress,
-                             agent=agent, fallback=False)  # fmt: skip
+        report = DeployReport(
+            host=runner.host.name,
+            code_dir=f"{abs_wd}/code",
+            version=version,
+            files_sent=len(plan.send),
+            files_deleted=len(plan.delete),
+            sent=plan.send,
+            deleted=plan.delete,
+        )
+        sent = _send_release(
+            runner,
+            root,
+            local,
+            plan.send,
+            abs_wd,
+            version,
+            base,
+            report=report,
+            progress=progress,
+            agent=agent,
+            fallback=False,
+        )
         if not sent:
             report, travelled = None, report.bytes_sent  # the base is gone from the remote: read its state, plan again
     if report is None and not dry_run and (known is None or known[1] != version):  # no usable record: one command
@@ -446,12 +475,31 @@ def deploy(
     if report is None:
         abs_wd, current, remote = read_remote_state(runner, workdir)
         plan = plan_changes(local, remote) if current != version else Plan([], [])
-        report = DeployReport(host=runner.host.name, code_dir=f"{abs_wd}/code", version=version,
-                              files_sent=len(plan.send), files_deleted=len(plan.delete), dry_run=dry_run,
-                              sent=plan.send, deleted=plan.delete, bytes_sent=travelled)  # fmt: skip
+        report = DeployReport(
+            host=runner.host.name,
+            code_dir=f"{abs_wd}/code",
+            version=version,
+            files_sent=len(plan.send),
+            files_deleted=len(plan.delete),
+            dry_run=dry_run,
+            sent=plan.send,
+            deleted=plan.delete,
+            bytes_sent=travelled,
+        )
         if not dry_run and current != version:
-            _send_release(runner, root, local, plan.send, abs_wd, version, current, report=report, progress=progress,
-                          agent=agent, fallback=True)  # fmt: skip
+            _send_release(
+                runner,
+                root,
+                local,
+                plan.send,
+                abs_wd,
+                version,
+                current,
+                report=report,
+                progress=progress,
+                agent=agent,
+                fallback=True,
+            )
     if not dry_run:
         last.write(report.code_dir.removesuffix("/code"), version, local, agent.resolved)
         remember_python(runner.host, agent.resolved)
@@ -461,9 +509,19 @@ def deploy(
 
 
 def _send_release(
-    runner: Runner, root: Path, local: Manifest, send: list[str], abs_wd: str, version: str, base: str | None,
-    *, report: DeployReport, progress: ProgressFactory | None, agent: AgentPython, fallback: bool,
-) -> bool:  # fmt: skip
+    runner: Runner,
+    root: Path,
+    local: Manifest,
+    send: list[str],
+    abs_wd: str,
+    version: str,
+    base: str | None,
+    *,
+    report: DeployReport,
+    progress: ProgressFactory | None,
+    agent: AgentPython,
+    fallback: bool,
+) -> bool:
     """The agent's `release` with these files and `base` to link the rest from. When the base cannot serve (gone
     from the remote): with `fallback`, everything travels once more; without, False (the caller plans again)."""
     for _ in range(2):  # the second time, everything travels: the base release was not usable
@@ -473,8 +531,9 @@ def _send_release(
         def attempt(python: str, req=req, send=send, tick=tick) -> Result:
             stream = TarPipe(root, send, local)
             try:
-                return runner.run(boot_argv(python, "release", req), stdin=_Concat(AGENT, stream), progress=tick,
-                                  timeout=3600)  # fmt: skip
+                return runner.run(
+                    boot_argv(python, "release", req), stdin=_Concat(AGENT, stream), progress=tick, timeout=3600
+                )
             finally:
                 stream.close()
                 report.bytes_sent += stream.sent
@@ -492,8 +551,9 @@ def _send_release(
             agent.ran(ans.get("python"))
             return True
         if "need_full" not in str(ans.get("error")) or base is None:
-            raise RemoteCommandError(f"deploy to {runner.host.name} failed, the previous release stays current: "
-                                     f"{ans.get('error')}")  # fmt: skip
+            raise RemoteCommandError(
+                f"deploy to {runner.host.name} failed, the previous release stays current: {ans.get('error')}"
+            )
         if not fallback:
             return False
         send, base = sorted(local), None
@@ -501,9 +561,14 @@ def _send_release(
 
 
 def _plan_and_send(
-    runner: Runner, root: Path, local: Manifest, workdir: str, version: str, progress: ProgressFactory | None,
+    runner: Runner,
+    root: Path,
+    local: Manifest,
+    workdir: str,
+    version: str,
+    progress: ProgressFactory | None,
     agent: AgentPython,
-) -> DeployReport:  # fmt: skip
+) -> DeployReport:
     """One command for a host this machine has no record of: the agent tells its current release (the plan step),
     this side answers on the same channel with the tar of what differs (or nothing: the tree is already current),
     and the agent links the rest from that release, verifies and switches, all under one hold of the deploy lock."""
@@ -514,8 +579,13 @@ def _plan_and_send(
         talk = _PlanTalk(root, local, version, progress)
         talks.append(talk)
         try:
-            return runner.run(boot_argv(python, "release", req), stdin=_Concat(AGENT, talk), progress=talk.sent,
-                              heard=talk.hear, timeout=3600)  # fmt: skip
+            return runner.run(
+                boot_argv(python, "release", req),
+                stdin=_Concat(AGENT, talk),
+                progress=talk.sent,
+                heard=talk.hear,
+                timeout=3600,
+            )
         finally:
             talk.close()
 
@@ -531,17 +601,36 @@ def _plan_and_send(
         detail = (res.err or res.out).strip()[-300:] or f"exit status {res.returncode}"
         raise RemoteCommandError(f"deploy to {runner.host.name} failed: {detail}")
     abs_wd = str(head["workdir"])
-    report = DeployReport(host=runner.host.name, code_dir=f"{abs_wd}/code", version=version,
-                          files_sent=len(plan.send), files_deleted=len(plan.delete), sent=plan.send,
-                          deleted=plan.delete, bytes_sent=talk.pipe.sent if talk.pipe else 0)  # fmt: skip
+    report = DeployReport(
+        host=runner.host.name,
+        code_dir=f"{abs_wd}/code",
+        version=version,
+        files_sent=len(plan.send),
+        files_deleted=len(plan.delete),
+        sent=plan.send,
+        deleted=plan.delete,
+        bytes_sent=talk.pipe.sent if talk.pipe else 0,
+    )
     if ans.get("ok"):
         agent.ran(ans.get("python"))
         return report
     if "need_full" not in str(ans.get("error")):
-        raise RemoteCommandError(f"deploy to {runner.host.name} failed, the previous release stays current: "
-                                 f"{ans.get('error')}")  # fmt: skip
-    _send_release(runner, root, local, plan.send, abs_wd, version, None, report=report, progress=progress, agent=agent,
-                  fallback=True)
+        raise RemoteCommandError(
+            f"deploy to {runner.host.name} failed, the previous release stays current: {ans.get('error')}"
+        )
+    _send_release(
+        runner,
+        root,
+        local,
+        plan.send,
+        abs_wd,
+        version,
+        None,
+        report=report,
+        progress=progress,
+        agent=agent,
+        fallback=True,
+    )
     return report
 
 

@@ -94,8 +94,9 @@ class UserStdin:
         self._stopped = False
 
     def start(self, write: Callable[[bytes], object], close: Callable[[], object], progress: Progress | None) -> None:
-        self._thread = threading.Thread(target=self._pump, args=(write, close, progress), daemon=True,
-                                        name="dflashctl-stdin")  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._pump, args=(write, close, progress), daemon=True, name="dflashctl-stdin"
+        )
         self._thread.start()
 
     def stop(self) -> None:

@@ -43,8 +43,7 @@ def remote_address(job: JobRecord, runner: Runner | None) -> str:
     if host.container_kind == "pct":
         res = runner.run(["pct", "exec", str(host.container_id), "--", "hostname", "-I"], on_host=True, timeout=30)
     else:
-        res = runner.run(["docker", "inspect", "-f", DOCKER_ADDRESS, str(host.container_id)], on_host=True,
-                         timeout=30)  # fmt: skip
+        res = runner.run(["docker", "inspect", "-f", DOCKER_ADDRESS, str(host.container_id)], on_host=True, timeout=30)
     address = first_address(res.check(f"finding the address of container {host.container}").out)
     if address is None:
         raise RemoteCommandError(f"container {host.container} on {host.name} has no IPv4 address")
@@ -55,10 +54,21 @@ def ssh_argv(job: JobRecord, local_port: int, address: str, port: int) -> list[s
     from dflashctl.remote.ssh import client_options
 
     host = job.host
-    return ["ssh", *client_options(host), "-N", "-o", "ExitOnForwardFailure=yes", "-o", "ServerAliveInterval=30",
-            "-L", f"127.0.0.1:{local_port}:{address}:{port}",
-            *(["-p", str(host.port)] if host.port else []), *(["-l", host.user] if host.user else []),
-            *(["-i", host.identity_file] if host.identity_file else []), host.ssh or ""]  # fmt: skip
+    return [
+        "ssh",
+        *client_options(host),
+        "-N",
+        "-o",
+        "ExitOnForwardFailure=yes",
+        "-o",
+        "ServerAliveInterval=30",
+        "-L",
+        f"127.0.0.1:{local_port}:{address}:{port}",
+        *(["-p", str(host.port)] if host.port else []),
+        *(["-l", host.user] if host.user else []),
+        *(["-i", host.identity_file] if host.identity_file else []),
+        host.ssh or "",
+    ]
 
 
 def local_port_free(port: int) -> None:
@@ -67,8 +77,9 @@ def local_port_free(port: int) -> None:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            raise ConfigError("--local-port", None, f"127.0.0.1:{port} is already in use here: pick another with "
-                              "--local-port") from None  # fmt: skip
+            raise ConfigError(
+                "--local-port", None, f"127.0.0.1:{port} is already in use here: pick another with --local-port"
+            ) from None
 
 
 WAIT_LISTENING = (  # $1 python, $2 address, $3 port: is something listening there within 30 s?
@@ -81,36 +92,54 @@ def start_tensorboard(job: JobRecord, runner: Runner, port: int) -> str:
     """TensorBoard on the job's run dir, in a window of its tmux session (the job must be alive: a job that ended has
     no session to add a window to); verified listening before it is said to run. Returns where it runs."""
     bind = "0.0.0.0" if job.host.container else "127.0.0.1"  # a container is reached from its host
-    tb = [job.host.python, "-m", "tensorboard.main", "--logdir", f"{job.run_dir}/tensorboard", "--port", str(port),
-          "--host", bind]  # fmt: skip
+    tb = [
+        job.host.python,
+        "-m",
+        "tensorboard.main",
+        "--logdir",
+        f"{job.run_dir}/tensorboard",
+        "--port",
+        str(port),
+        "--host",
+        bind,
+    ]
     tmux = ["tmux", "-L", job.tmux_socket]
     script = (
         'if "${@:1:3}" has-session -t "=$4" 2>/dev/null; then "${@:1:3}" new-window -d -t "=$4:" -n tensorboard "$5";'
         ' else echo "the job\'s tmux session $4 is gone" >&2; exit 3; fi'
     )
-    res = runner.run(["bash", "--noprofile", "--norc", "-c", script, "dflashctl", *tmux, job.session,
-                      shlex.join(tb)], timeout=30)  # fmt: skip
+    res = runner.run(
+        ["bash", "--noprofile", "--norc", "-c", script, "dflashctl", *tmux, job.session, shlex.join(tb)], timeout=30
+    )
     res.check("starting tensorboard")
     probe_at = "127.0.0.1"
-    up = runner.run(["bash", "--noprofile", "--norc", "-c", WAIT_LISTENING, "dflashctl", job.host.python, probe_at,
-                     str(port)], timeout=60)  # fmt: skip
+    up = runner.run(
+        ["bash", "--noprofile", "--norc", "-c", WAIT_LISTENING, "dflashctl", job.host.python, probe_at, str(port)],
+        timeout=60,
+    )
     if up.returncode != 0:
-        raise RemoteCommandError(f"TensorBoard did not start listening on port {port} on {job.host_name} within "
-                                 "30 s (a busy port? tensorboard not installed there?): see its window in the job's "
-                                 "session (dflashctl attach)")  # fmt: skip
+        raise RemoteCommandError(
+            f"TensorBoard did not start listening on port {port} on {job.host_name} within "
+            "30 s (a busy port? tensorboard not installed there?): see its window in the job's "
+            "session (dflashctl attach)"
+        )
     return shlex.join(tb)
 
 
 def event_files_written(job: JobRecord, runner: Runner) -> bool:
     """Whether the job has written any TensorBoard event file under RUN/tensorboard (a board without one is empty)."""
-    res = runner.run(["find", f"{job.run_dir}/tensorboard", "-maxdepth", "4", "-name", "events.out.tfevents.*",
-                      "-print", "-quit"], timeout=30)  # fmt: skip
+    res = runner.run(
+        ["find", f"{job.run_dir}/tensorboard", "-maxdepth", "4", "-name", "events.out.tfevents.*", "-print", "-quit"],
+        timeout=30,
+    )
     return res.returncode == 0 and bool(res.out.strip())
 
 
-NO_EVENTS = ("warning: {job} has written no TensorBoard event files under {run}/tensorboard: the board stays empty "
-             "until it does (a trainer job writes them with `metrics: {{tensorboard: true}}`; a command job must "
-             "write them there itself)")  # fmt: skip
+NO_EVENTS = (
+    "warning: {job} has written no TensorBoard event files under {run}/tensorboard: the board stays empty "
+    "until it does (a trainer job writes them with `metrics: {{tensorboard: true}}`; a command job must "
+    "write them there itself)"
+)
 
 
 def _die_with_parent() -> None:
@@ -137,8 +166,12 @@ class JobEnd:
         self.had_session = bool(first and (first.get("session") or {}).get("exists"))
 
     def _look(self) -> dict | None:
-        req = {**self.session.probe_request(self.job, capture_lines=0), "gpus": False, "max_log_bytes": 0,
-               "max_metrics_bytes": 0}  # fmt: skip
+        req = {
+            **self.session.probe_request(self.job, capture_lines=0),
+            "gpus": False,
+            "max_log_bytes": 0,
+            "max_metrics_bytes": 0,
+        }
         try:
             return self.session.call_agent(self.runner, req, timeout=30)
         except Exception:  # a check that cannot be made ends nothing: ssh's own end says if the host went
@@ -162,8 +195,16 @@ class JobEnd:
         return None
 
 
-def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_run: bool, accept_new: bool,
-            say: Callable[[str], None], show: Callable[[str], None]) -> int:  # fmt: skip
+def forward(
+    job: JobRecord,
+    port: int,
+    local_port: int,
+    tensorboard: bool,
+    dry_run: bool,
+    accept_new: bool,
+    say: Callable[[str], None],
+    show: Callable[[str], None],
+) -> int:
     """Resolve where the port lives, optionally start TensorBoard there, then hold the forward until Ctrl-C (exit
     0) or ssh's own end (its exit status). `dry_run` shows the ssh command and starts nothing."""
     import subprocess
@@ -171,11 +212,14 @@ def forward(job: JobRecord, port: int, local_port: int, tensorboard: bool, dry_r
     from dflashctl.remote.connect import open_runner
 
     if job.host.slurm is not None:  # the port is on a compute node the scheduler chose, behind the login node
-        raise RefusedError(f"{job.id} runs on a Slurm cluster: its ports are on a compute node, which tunnel does not "
-                           "reach yet (`ssh -L PORT:NODE:PORT LOGIN`, NODE from `squeue -j ID -o %N`)")  # fmt: skip
+        raise RefusedError(
+            f"{job.id} runs on a Slurm cluster: its ports are on a compute node, which tunnel does not "
+            "reach yet (`ssh -L PORT:NODE:PORT LOGIN`, NODE from `squeue -j ID -o %N`)"
+        )
     if not job.live:
-        raise RefusedError(f"{job.id} is {job.state}, not running: nothing to tunnel to (`dflashctl status` looks "
-                           "again)")  # fmt: skip
+        raise RefusedError(
+            f"{job.id} is {job.state}, not running: nothing to tunnel to (`dflashctl status` looks again)"
+        )
     if not job.host.is_local and not dry_run:
         local_port_free(local_port)
     with open_runner(job.host, accept_new) as runner:

@@ -20,9 +20,12 @@ def render(log: dict) -> None:
         return
     for n in items:
         head = f"{n['state']}, {n['action']}" if n.get("action") else n["state"]
-        out.print(f"{_when(n.get('created'))} {n['id']}: {head} [{n['status']}, {n['posts']} of {n['max_posts']} "
-                  f"POSTs]", markup=False)  # fmt: skip
+        out.print(
+            f"{_when(n.get('created'))} {n['id']}: {head} [{n['status']}, {n['posts']} of {n['max_posts']} POSTs]",
+            markup=False,
+        )
         for e in n.get("log") or []:
             took = f" in {e['ms']} ms" if isinstance(e.get("ms"), int) else ""
-            out.print(f"    {_when(e.get('time'))} by {e.get('by')}: {neutralise(str(e.get('result')))}{took}",
-                      markup=False)  # fmt: skip
+            out.print(
+                f"    {_when(e.get('time'))} by {e.get('by')}: {neutralise(str(e.get('result')))}{took}", markup=False
+            )

@@ -13,8 +13,14 @@ from pathlib import Path
 
 from dflashctl.show.report import RunSeries, smooth
 
-STEP_PANELS = [("loss", "loss"), ("acc", "accuracy"), ("tokens_per_s", "tokens/s"), ("tau", "tau"), ("lr", "lr"),
-               ("grad_norm", "grad norm")]  # fmt: skip
+STEP_PANELS = [
+    ("loss", "loss"),
+    ("acc", "accuracy"),
+    ("tokens_per_s", "tokens/s"),
+    ("tau", "tau"),
+    ("lr", "lr"),
+    ("grad_norm", "grad norm"),
+]
 TIME_PANELS = [("util", "GPU util %"), ("mem_gib", "GPU memory GiB"), ("power_w", "GPU power W")]
 
 
@@ -58,8 +64,15 @@ def figure(runs: list[RunSeries]):
             ax.set_title(title)
             ax.set_xlabel("minutes")
             if not has_gpu:  # a CPU run: say so, rather than empty panels shaded as preflight
-                ax.text(0.5, 0.5, "no GPU history\n(a CPU run, or no NVML where it ran)", ha="center", va="center",
-                        transform=ax.transAxes, alpha=0.6)  # fmt: skip
+                ax.text(
+                    0.5,
+                    0.5,
+                    "no GPU history\n(a CPU run, or no NVML where it ran)",
+                    ha="center",
+                    va="center",
+                    transform=ax.transAxes,
+                    alpha=0.6,
+                )
                 continue
             for index, g in sorted(run.gpu.items()):
                 xs, ys = _pairs([t / 60 for t in g["time"]], g[key])
@@ -68,8 +81,9 @@ def figure(runs: list[RunSeries]):
                 ax.axvspan(a / 60, b / 60, color=c, alpha=0.12, label=f"{run.job} preflight")
             for m in run.markers:
                 style = "--" if m.kind == "restart" else ":"
-                ax.axvline(m.time / 60, color="red" if m.kind == "verdict" else c, linestyle=style, linewidth=1,
-                           label=m.label)  # fmt: skip
+                ax.axvline(
+                    m.time / 60, color="red" if m.kind == "verdict" else c, linestyle=style, linewidth=1, label=m.label
+                )
     for i, ax in enumerate(flat):  # overlaid runs of other lengths: labels never collide; a step is whole
         ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=i < len(STEP_PANELS)))
         handles, labels = ax.get_legend_handles_labels()
@@ -99,8 +113,9 @@ def write_html(runs: list[RunSeries], summaries: list[dict], path: Path) -> None
     _close(fig)
     keys = list(summaries[0]) if summaries else []
     head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
-    rows = "".join("<tr>" + "".join(f"<td>{html.escape(str(s.get(k)))}</td>" for k in keys) + "</tr>"
-                   for s in summaries)  # fmt: skip
+    rows = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(str(s.get(k)))}</td>" for k in keys) + "</tr>" for s in summaries
+    )
     svg = buf.getvalue()
     svg = svg[svg.find("<svg") :]
     title = html.escape(" vs ".join(r.job for r in runs))

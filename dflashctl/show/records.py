@@ -24,14 +24,34 @@ def state_cell(j: JobRecord, now: float) -> str:
 
 def rows(jobs: list[JobRecord], now: float | None = None) -> list[tuple[str, ...]]:
     now = time.time() if now is None else now
-    return [(j.id, j.host_name, state_cell(j, now), progress_line(j.progress),
-             ago(now - j.checked_at) if j.checked_at else "-",
-             time.strftime("%Y-%m-%d %H:%M", time.localtime(j.launched_at)), ",".join(map(str, j.gpus)) or "-",
-             j.run_dir) for j in jobs]  # fmt: skip
+    return [
+        (
+            j.id,
+            j.host_name,
+            state_cell(j, now),
+            progress_line(j.progress),
+            ago(now - j.checked_at) if j.checked_at else "-",
+            time.strftime("%Y-%m-%d %H:%M", time.localtime(j.launched_at)),
+            ",".join(map(str, j.gpus)) or "-",
+            j.run_dir,
+        )
+        for j in jobs
+    ]
 
 
 def as_json(j: JobRecord) -> dict:
     """One record in `ls --json` (docs/cli-json.md)."""
-    return {"id": j.id, "host": j.host_name, "state": j.state, "reason": j.reason, "checked_at": j.checked_at,
-            "launched_at": j.launched_at, "run_dir": j.run_dir, "gpus": j.gpus, "slurm_job": j.slurm_job,
-            "removed_at": j.removed_at, "removed_by": j.removed_by, "progress": j.progress}  # fmt: skip
+    return {
+        "id": j.id,
+        "host": j.host_name,
+        "state": j.state,
+        "reason": j.reason,
+        "checked_at": j.checked_at,
+        "launched_at": j.launched_at,
+        "run_dir": j.run_dir,
+        "gpus": j.gpus,
+        "slurm_job": j.slurm_job,
+        "removed_at": j.removed_at,
+        "removed_by": j.removed_by,
+        "progress": j.progress,
+    }

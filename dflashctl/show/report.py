@@ -23,8 +23,11 @@ def check_out_file(path) -> None:
 
     path = Path(path)
     if path.is_symlink():
-        raise ConfigError(str(path), "--out", "is a symlink: refusing to write through it (its target may be "
-                          "someone's file); give the real path")  # fmt: skip
+        raise ConfigError(
+            str(path),
+            "--out",
+            "is a symlink: refusing to write through it (its target may be someone's file); give the real path",
+        )
     if path.is_dir():
         raise ConfigError(str(path), "--out", "is a folder: give FILE.png or FILE.html")
     parent = path.parent if str(path.parent) else Path(".")
@@ -108,18 +111,27 @@ def series(job: str, hist: dict) -> RunSeries:
     t0 = min(times) if times else 0.0  # the run's first start: a stray record's odd time cannot shift the axes
     s = RunSeries(job, malformed=sum(int(hist.get(k) or 0) for k in ("metrics_malformed", "gpu_malformed")))
     candidates = [r for r in recs if "event" not in r]
-    steps = sorted((r for r in candidates if isinstance(r.get("step"), int) and not isinstance(r["step"], bool)
-                    and 0 <= r["step"] < MAX_STEP and _num(r.get("time")) is not None
-                    and not any(_extreme(r.get(k)) for k in ("loss", "acc", "tokens_per_s", "lr", "grad_norm"))),
-                   key=lambda r: r["time"])  # fmt: skip
+    steps = sorted(
+        (
+            r
+            for r in candidates
+            if isinstance(r.get("step"), int)
+            and not isinstance(r["step"], bool)
+            and 0 <= r["step"] < MAX_STEP
+            and _num(r.get("time")) is not None
+            and not any(_extreme(r.get(k)) for k in ("loss", "acc", "tokens_per_s", "lr", "grad_norm"))
+        ),
+        key=lambda r: r["time"],
+    )
     s.malformed += len(candidates) - len(steps)  # no step, no time, or a value past drawing: skipped and counted
     for r in steps:
         s.steps.append(r["step"])
         s.step_time.append(r["time"] - t0)
         for name in ("loss", "acc", "tokens_per_s", "lr", "grad_norm"):
             getattr(s, name).append(_num(r.get(name)))
-        if r.get("skipped") is True or any(isinstance(r.get(k), float) and not math.isfinite(r[k])
-                                           for k in ("loss", "grad_norm")):  # fmt: skip
+        if r.get("skipped") is True or any(
+            isinstance(r.get(k), float) and not math.isfinite(r[k]) for k in ("loss", "grad_norm")
+        ):
             s.nonfinite_steps.append(r["step"])
     if s.nonfinite_steps:
         first = s.nonfinite_steps[0]

@@ -44,18 +44,26 @@ def render(look: StatusLook, given: bool) -> None:
         out.print("nodes: " + ", ".join(f"{n['host']} {n['state']}" for n in look.nodes), markup=False)
     up = f"up {look.uptime_s:.0f} s" if look.uptime_s is not None else "ended"
     code = f"exit code {look.exit_code}" if look.exit_code is not None else "no exit code yet"
-    out.print(f"[bold]{r.id}[/] on {r.host}: session {look.session}, {code}, {up}, {look.processes} processes, "
-              f"restarts {r.restarts}")  # fmt: skip
+    out.print(
+        f"[bold]{r.id}[/] on {r.host}: session {look.session}, {code}, {up}, {look.processes} processes, "
+        f"restarts {r.restarts}"
+    )
     step = step_line(look)
     if step:
         out.print(step)
     ev = look.last_event
     if ev:
-        fields = ", ".join(f"{k} {v}" for k, v in ev.items() if k not in ("event", "time", "config") and
-                           isinstance(v, (int, float, str)))  # fmt: skip
+        fields = ", ".join(
+            f"{k} {v}"
+            for k, v in ev.items()
+            if k not in ("event", "time", "config") and isinstance(v, (int, float, str))
+        )
         out.print(f"last event: {ev.get('event')}{': ' + fields if fields else ''}", markup=False)
     box = look.notices or {}
     if box.get("waiting") or box.get("failed"):
-        out.print(f"notices: {box.get('waiting', 0)} waiting, {box.get('failed', 0)} failed to deliver "
-                  f"(`dflashctl notices {r.id}`)", markup=False)  # fmt: skip
+        out.print(
+            f"notices: {box.get('waiting', 0)} waiting, {box.get('failed', 0)} failed to deliver "
+            f"(`dflashctl notices {r.id}`)",
+            markup=False,
+        )
     out.print(f"run dir: {look.run_dir}")

@@ -128,8 +128,14 @@ def render(w: Watcher, v: Report, next_poll_s: float | None = None, log_lines: i
         for g in w.gpus:
             mem = f"{(g.get('mem_used_mib') or 0) / 1024:.1f}/{(g.get('mem_total_mib') or 0) / 1024:.0f} GiB"
             name = f"{neutralise(g['node'])}:{g.get('index')}" if g.get("node") else str(g.get("index"))
-            gpus.add_row(name, f"{g.get('util_pct')}%", mem, f"{g.get('power_w')} W",
-                         f"{g.get('temp_c')} C", str(g.get("sm_mhz")))  # fmt: skip
+            gpus.add_row(
+                name,
+                f"{g.get('util_pct')}%",
+                mem,
+                f"{g.get('power_w')} W",
+                f"{g.get('temp_c')} C",
+                str(g.get("sm_mhz")),
+            )
         parts.append(gpus)
     tail = [ln for ln in (h.log_tail or h.pane_lines) if ln.strip()][-log_lines:]
     if tail:

@@ -149,9 +149,14 @@ def greedy_samples(n: int, lengths: list[int], seed: int, generate: Generate, al
 
 
 def make_dataset(
-    cfg: DataConfig, vocab: int, block_size: int, seed: int, tok=None, source: str = "<config>",
+    cfg: DataConfig,
+    vocab: int,
+    block_size: int,
+    seed: int,
+    tok=None,
+    source: str = "<config>",
     generate: Generate | None = None,
-) -> Dataset:  # fmt: skip
+) -> Dataset:
     """Read or synthesise samples, truncate what is longer than the largest bucket, drop what cannot make one block,
     hold out `cfg.holdout`.
 

@@ -121,8 +121,9 @@ class Progress:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self.lock)
-            raise ConfigError(str(output), None, "another regenerate is writing this output: wait for it or choose "
-                              "another --output") from None  # fmt: skip
+            raise ConfigError(
+                str(output), None, "another regenerate is writing this output: wait for it or choose another --output"
+            ) from None
         try:
             self._open(key)
         except BaseException:
@@ -137,8 +138,9 @@ class Progress:
             except ValueError:
                 header = None
             if header != key:
-                raise ConfigError(str(self.path), None, "left by a run with other input or settings; delete it "
-                                  "to start over")  # fmt: skip
+                raise ConfigError(
+                    str(self.path), None, "left by a run with other input or settings; delete it to start over"
+                )
             for line in lines[1:]:
                 try:
                     r = json.loads(line)
@@ -210,8 +212,11 @@ def _generate_all(args, cfg, tok, items: list, progress: Progress, output: Path,
     bar = tqdm(total=total, initial=len(progress.done), unit="turn", file=sys.stderr, disable=args.quiet)
     engine, decoder, tokens, seconds, decoded = engine_of(args), None, 0, 0.0, 0
     for round_ in range(max(len(it.turns) for it in items)):  # turn k of every record needs turn k-1 rewritten
-        todo = [(r, it.turns[round_]) for r, it in enumerate(items)
-                if round_ < len(it.turns) and it.turns[round_] not in it.new]  # fmt: skip
+        todo = [
+            (r, it.turns[round_])
+            for r, it in enumerate(items)
+            if round_ < len(it.turns) and it.turns[round_] not in it.new
+        ]
         prompts = {rt: prompt_ids(items[rt[0]], rt[1], tok, thinking) for rt in todo}
         todo.sort(key=lambda rt: len(prompts[rt]))  # similar lengths share a batch
         longest = max((len(p) for p in prompts.values()), default=0)
@@ -224,8 +229,9 @@ def _generate_all(args, cfg, tok, items: list, progress: Progress, output: Path,
             if decoder is not None:
                 outs = decoder.generate([prompts[rt] for rt in chunk])
             else:
-                outs = generate(model, [prompts[rt] for rt in chunk], args.max_new_tokens, args.temperature,
-                                args.top_p, pad, ends)  # fmt: skip
+                outs = generate(
+                    model, [prompts[rt] for rt in chunk], args.max_new_tokens, args.temperature, args.top_p, pad, ends
+                )
             seconds += time.perf_counter() - t0  # the lists above are on the host: the GPU work is done
             tokens, decoded = tokens + sum(len(o) for o in outs), decoded + len(chunk)
             rows = []
@@ -244,8 +250,14 @@ def _generate_all(args, cfg, tok, items: list, progress: Progress, output: Path,
         os.fsync(f.fileno())
     os.replace(tmp, output)
     progress.finish()
-    return {"engine": engine, "batch_size": args.batch_size, "turns": decoded, "tokens": tokens,
-            "decode_s": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1) if seconds else None}  # fmt: skip
+    return {
+        "engine": engine,
+        "batch_size": args.batch_size,
+        "turns": decoded,
+        "tokens": tokens,
+        "decode_s": round(seconds, 2),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,14 +266,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input", required=True, help="JSONL to read")
     ap.add_argument("--output", required=True, help="JSONL to write (whole, at the end)")
     ap.add_argument("--max-new-tokens", type=int, default=4096)
-    ap.add_argument("--thinking", choices=["on", "off"], default="off",
-                    help="the chat template's enable_thinking (the public Qwen3-8B drafter is non-thinking)")
+    ap.add_argument(
+        "--thinking",
+        choices=["on", "off"],
+        default="off",
+        help="the chat template's enable_thinking (the public Qwen3-8B drafter is non-thinking)",
+    )
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--engine", choices=["auto", "static", "hf"], default="auto",
-                    help="static: greedy on a static KV cache with CUDA graphs (auto when --temperature 0); hf: "
-                    "model.generate (sampling)")  # fmt: skip
+    ap.add_argument(
+        "--engine",
+        choices=["auto", "static", "hf"],
+        default="auto",
+        help="static: greedy on a static KV cache with CUDA graphs (auto when --temperature 0); hf: "
+        "model.generate (sampling)",
+    )
     ap.add_argument("--stats", default=None, help="also write the decoding's counts (tokens, seconds) as JSON here")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -289,12 +309,20 @@ def main(argv: list[str] | None = None) -> int:
                     raise ConfigError(f"{args.input}:{n}", None, str(e) or "malformed record") from None
         from trainer.model.target import resolve_device
 
-        key = {"input_sha256": hashlib.sha256(raw).hexdigest(), "max_new_tokens": args.max_new_tokens,
-               "thinking": args.thinking, "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed,
-               "batch_size": args.batch_size, "engine": engine_of(args),
-               "target": cfg.target.path or cfg.target.random_preset,
-               "target_files": target_identity(cfg.target.path), "dtype": cfg.target.dtype,
-               "device": resolve_device(cfg.device).type}  # every setting that changes what is generated  # fmt: skip
+        key = {
+            "input_sha256": hashlib.sha256(raw).hexdigest(),
+            "max_new_tokens": args.max_new_tokens,
+            "thinking": args.thinking,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "seed": args.seed,
+            "batch_size": args.batch_size,
+            "engine": engine_of(args),
+            "target": cfg.target.path or cfg.target.random_preset,
+            "target_files": target_identity(cfg.target.path),
+            "dtype": cfg.target.dtype,
+            "device": resolve_device(cfg.device).type,
+        }  # every setting that changes what is generated
         progress = Progress(output, key)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

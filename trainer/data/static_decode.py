@@ -49,8 +49,9 @@ def rope(x_BHLD: torch.Tensor, cos_BLD: torch.Tensor, sin_BLD: torch.Tensor) -> 
 class StaticDecoder:
     """Decodes batches of up to `rows` prompts of at most `max_prompt` tokens for `max_new` new tokens each."""
 
-    def __init__(self, model, rows: int, max_prompt: int, max_new: int, eos: set[int], pad: int,
-                 graphs: bool | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, model, rows: int, max_prompt: int, max_new: int, eos: set[int], pad: int, graphs: bool | None = None
+    ) -> None:
         self.model, self.base = model, model.model
         self.layers = list(self.base.layers)
         self.s = shapes_of(model)
@@ -76,8 +77,9 @@ class StaticDecoder:
 
     # --- one decode step over the first `span` cache slots ----------------------------------------------------------
 
-    def _attend(self, i: int, x_BC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, span: int,
-                mask_B11L: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def _attend(
+        self, i: int, x_BC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, span: int, mask_B11L: torch.Tensor
+    ) -> torch.Tensor:
         attn, s, B = self.layers[i].self_attn, self.s, x_BC.shape[0]
         q = attn.q_proj(x_BC).view(B, 1, s.heads, s.head_dim)  # [B, 1, H, D]
         k = attn.k_proj(x_BC).view(B, 1, s.kv_heads, s.head_dim)
@@ -90,8 +92,13 @@ class StaticDecoder:
         self.v[i].index_copy_(2, self.t.view(1), v.transpose(1, 2))
         g = s.heads // s.kv_heads  # query heads per key/value head: head h reads kv head h // g
         q_BKGD = q.reshape(B, s.kv_heads, g, s.head_dim)  # the g heads of one kv head as g query rows
-        o = F.scaled_dot_product_attention(q_BKGD, self.k[i][:, :, :span], self.v[i][:, :, :span], attn_mask=mask_B11L,
-                                           scale=attn.scaling if hasattr(attn, "scaling") else None)  # fmt: skip
+        o = F.scaled_dot_product_attention(
+            q_BKGD,
+            self.k[i][:, :, :span],
+            self.v[i][:, :, :span],
+            attn_mask=mask_B11L,
+            scale=attn.scaling if hasattr(attn, "scaling") else None,
+        )
         return attn.o_proj(o.reshape(B, s.heads * s.head_dim))  # [B, C]
 
     def _step(self, span: int) -> None:
@@ -120,8 +127,10 @@ class StaticDecoder:
             try:
                 graph = self._capture(span)
             except RuntimeError as e:  # a model whose step cannot be captured still decodes, eagerly
-                print(f"static_decode: CUDA graph capture failed, decoding eagerly: {str(e).splitlines()[0]}",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"static_decode: CUDA graph capture failed, decoding eagerly: {str(e).splitlines()[0]}",
+                    file=sys.stderr,
+                )
                 self.graphs = False
                 torch.cuda.synchronize()
                 self._step(span)

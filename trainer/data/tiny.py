@@ -33,7 +33,11 @@ def build_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<|im_end|>", bos_token=None,
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        bos_token=None,
         mask_token=MASK,
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -67,11 +71,21 @@ def write_tiny_target(out: Path, seed: int = 0) -> Path:
 
     tok = build_tokenizer()
     config = AutoConfig.for_model(
-        model_type="qwen3", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        tie_word_embeddings=False, initializer_range=0.3, pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id, bos_token_id=None,
-    )  # fmt: skip
+        model_type="qwen3",
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)

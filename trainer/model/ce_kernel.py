@@ -37,8 +37,9 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _ce_rows(logits_ptr, stride, labels_ptr, w_ptr, loss_ptr, correct_ptr, V, BLOCK: tl.constexpr,
-                 GRAD: tl.constexpr):  # fmt: skip
+    def _ce_rows(
+        logits_ptr, stride, labels_ptr, w_ptr, loss_ptr, correct_ptr, V, BLOCK: tl.constexpr, GRAD: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride
         label = tl.load(labels_ptr + row).to(tl.int64)
@@ -75,8 +76,9 @@ def _rows(logits: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, grad: boo
     n, V = logits.shape
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     correct = torch.empty(n, dtype=torch.float32, device=logits.device)
-    _ce_rows[(n,)](logits, logits.stride(0), labels, w, loss, correct, V, BLOCK=min(BLOCK_V, triton.next_power_of_2(V)),
-                   GRAD=grad)  # fmt: skip
+    _ce_rows[(n,)](
+        logits, logits.stride(0), labels, w, loss, correct, V, BLOCK=min(BLOCK_V, triton.next_power_of_2(V)), GRAD=grad
+    )
     return loss, correct
 
 
@@ -93,8 +95,9 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         for i in range(0, N, chunk):
             h = h_NC[i : i + chunk].to(weight_VC.dtype)
             logits = h @ weight_VC.t()  # [n, V] in the head's dtype, as the plain path
-            loss, correct = _rows(logits, labels_N[i : i + chunk].contiguous(), w_N[i : i + chunk].float().contiguous(),
-                                  need_grad)  # fmt: skip
+            loss, correct = _rows(
+                logits, labels_N[i : i + chunk].contiguous(), w_N[i : i + chunk].float().contiguous(), need_grad
+            )
             losses.append(loss)
             corrects.append(correct)
             if need_grad:
@@ -113,7 +116,8 @@ class FusedLinearCrossEntropy(torch.autograd.Function):
         return (grad_h * grad_loss.to(grad_h.dtype)).to(ctx.h_dtype), None, None, None, None
 
 
-def fused_linear_cross_entropy(h_NC: torch.Tensor, weight_VC: torch.Tensor, labels_N: torch.Tensor, w_N: torch.Tensor,
-                               chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def fused_linear_cross_entropy(
+    h_NC: torch.Tensor, weight_VC: torch.Tensor, labels_N: torch.Tensor, w_N: torch.Tensor, chunk: int = CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of w * CE, sum of w * correct) for hidden states h through the frozen head weight, by the fused kernel."""
     return FusedLinearCrossEntropy.apply(h_NC, weight_VC, labels_N, w_N, chunk)

@@ -24,8 +24,11 @@ from trainer.model.export_dir import DTYPE_NAMES, check_out
 
 # trainer name -> public name: whole prefixes, then parts inside a layer's names
 PREFIXES = {"ctx_norm.": "hidden_norm.", "final_norm.": "norm."}
-INFIXES = {".input_norm.": ".input_layernorm.", ".post_attn_norm.": ".post_attention_layernorm.",
-           ".attn.": ".self_attn."}  # fmt: skip
+INFIXES = {
+    ".input_norm.": ".input_layernorm.",
+    ".post_attn_norm.": ".post_attention_layernorm.",
+    ".attn.": ".self_attn.",
+}
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
@@ -69,13 +72,17 @@ def draft_config(dims, block_size: int, layer_ids: list[int], mask_token_id: int
         "tie_word_embeddings": False,
         "block_size": block_size,
         "num_target_layers": int(tc.num_hidden_layers),
-        "dflash_config": {"block_size": block_size, "target_layer_ids": list(layer_ids),
-                          "mask_token_id": int(mask_token_id)},  # fmt: skip
+        "dflash_config": {
+            "block_size": block_size,
+            "target_layer_ids": list(layer_ids),
+            "mask_token_id": int(mask_token_id),
+        },
     }
 
 
-def write_export(out: Path, state: dict[str, torch.Tensor], config: dict, dtype: str = "bfloat16",
-                 run_dir: Path | None = None) -> Path:  # fmt: skip
+def write_export(
+    out: Path, state: dict[str, torch.Tensor], config: dict, dtype: str = "bfloat16", run_dir: Path | None = None
+) -> Path:
     """Write config.json and model.safetensors into `out` atomically (a temporary sibling, then renames). `out` must
     pass `check_out`; weights with NaN or inf are refused (NonFiniteWeightsError) and nothing is written."""
     out = check_out(out, run_dir)
@@ -117,12 +124,22 @@ def read_export(path: Path, source: str = "<config>") -> tuple[dict, dict[str, t
 
 def check_matches(config: dict, expected: dict, source: str) -> None:
     """A drafter loaded from an export must have the shape the run builds: name the first field that differs."""
-    keys = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "block_size"]  # fmt: skip
+    keys = [
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "block_size",
+    ]
     for key in keys:
         if config.get(key) != expected.get(key):
-            raise ConfigError(source, "drafter.init_from", f"{key} is {config.get(key)} in the export, this run builds "
-                              f"{expected.get(key)}")  # fmt: skip
+            raise ConfigError(
+                source,
+                "drafter.init_from",
+                f"{key} is {config.get(key)} in the export, this run builds {expected.get(key)}",
+            )
     got = (config.get("dflash_config") or {}).get("target_layer_ids")
     want = expected["dflash_config"]["target_layer_ids"]
     if got != want:

@@ -41,5 +41,6 @@ def check_out(out: Path, run_dir: Path | None = None, source: str = "--out") -> 
         if "DFlashDraftModel" in arch:
             return full
     shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
-    raise ConfigError(source, None, f"{out} holds other files ({shown}): give an empty or new folder, or an earlier "
-                      "export")  # fmt: skip
+    raise ConfigError(
+        source, None, f"{out} holds other files ({shown}): give an empty or new folder, or an earlier export"
+    )

@@ -37,8 +37,10 @@ def flash_unsupported(device: torch.device) -> str | None:
         return f"torch {torch.__version__} has no flex FLASH lowering"
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
-        return (f"compute capability {major}.{minor}: FLASH is built here for Hopper (9.x) only; Blackwell's kernels "
-                "need 256-row query tiles")  # fmt: skip
+        return (
+            f"compute capability {major}.{minor}: FLASH is built here for Hopper (9.x) only; Blackwell's kernels "
+            "need 256-row query tiles"
+        )
     return None
 
 
@@ -81,8 +83,12 @@ def patch_torch() -> list[str]:
 
         if isinstance(expr, (int, sympy.Integer)):
             return ops.constant(int(expr), dtype)
-        var = V.kernel.cse.generate(V.kernel.body, V.kernel.kexpr(V.kernel.rename_indexing(expr)),
-                                    bounds=get_bounds_index_expr(expr), dtype=dtype)  # fmt: skip
+        var = V.kernel.cse.generate(
+            V.kernel.body,
+            V.kernel.kexpr(V.kernel.rename_indexing(expr)),
+            bounds=get_bounds_index_expr(expr),
+            dtype=dtype,
+        )
         var.is_scalar_expr = True
         var.index_expr = V.graph.sizevars.simplify(expr)
         return var

@@ -82,23 +82,39 @@ def build_parts(target: str, drafter: str, limit: int, device: str, dtype: str, 
     config = config if config is not None else read_draft_config(drafter)
     dc = config.get("dflash_config") or {}
     buckets = sorted({*range(512, limit, 512), limit})
-    cfg = from_dict({
-        "target": {"path": target, "dtype": dtype, "layer_ids": dc.get("target_layer_ids"), "compile": "off"},
-        "drafter": {"num_layers": config.get("num_hidden_layers"),
-                    "block_size": config.get("block_size") or dc.get("block_size"),  # the reference's place first
-                    "mask_token_id": dc.get("mask_token_id"), "intermediate_size": config.get("intermediate_size"),
-                    "num_heads": config.get("num_attention_heads"), "num_kv_heads": config.get("num_key_value_heads"),
-                    "head_dim": config.get("head_dim"), "init_from": drafter},
-        "attention": {"backend": "dense", "dense_max_gib": 64.0},
-        "data": {"seq_buckets": buckets},
-        "device": device,
-    }, f"{drafter}/config.json")  # fmt: skip
+    cfg = from_dict(
+        {
+            "target": {"path": target, "dtype": dtype, "layer_ids": dc.get("target_layer_ids"), "compile": "off"},
+            "drafter": {
+                "num_layers": config.get("num_hidden_layers"),
+                "block_size": config.get("block_size") or dc.get("block_size"),  # the reference's place first
+                "mask_token_id": dc.get("mask_token_id"),
+                "intermediate_size": config.get("intermediate_size"),
+                "num_heads": config.get("num_attention_heads"),
+                "num_kv_heads": config.get("num_key_value_heads"),
+                "head_dim": config.get("head_dim"),
+                "init_from": drafter,
+            },
+            "attention": {"backend": "dense", "dense_max_gib": 64.0},
+            "data": {"seq_buckets": buckets},
+            "device": device,
+        },
+        f"{drafter}/config.json",
+    )
     return build(cfg, f"{drafter}/config.json", for_training=False)
 
 
-def decode_conversations(parts, tok, convs: list[Conversation], max_new_tokens: int, thinking: bool, limit: int,
-                         cap: int | None = None, batch_size: int = DEFAULT_BATCH,
-                         progress=None) -> list[tuple[list[int], int] | None]:  # fmt: skip
+def decode_conversations(
+    parts,
+    tok,
+    convs: list[Conversation],
+    max_new_tokens: int,
+    thinking: bool,
+    limit: int,
+    cap: int | None = None,
+    batch_size: int = DEFAULT_BATCH,
+    progress=None,
+) -> list[tuple[list[int], int] | None]:
     """Per conversation: (tokens gained per drafting step over every turn, turns answered), or None when a turn's
     prompt does not fit. Turn k of every conversation is decoded in one batched pass, after turn k-1 of all: each
     turn's prompt holds the answers generated before it."""
@@ -130,8 +146,9 @@ def decode_conversations(parts, tok, convs: list[Conversation], max_new_tokens: 
     return [(g, len(c.turns)) if g is not None else None for g, c in zip(gained, convs, strict=True)]
 
 
-def decode_conversation(parts, tok, conv: Conversation, max_new_tokens: int, thinking: bool, limit: int,
-                        cap: int | None = None):  # fmt: skip
+def decode_conversation(
+    parts, tok, conv: Conversation, max_new_tokens: int, thinking: bool, limit: int, cap: int | None = None
+):
     """One conversation alone (decode_conversations' batch of one)."""
     return decode_conversations(parts, tok, [conv], max_new_tokens, thinking, limit, cap, 1)[0]
 
@@ -143,9 +160,17 @@ def bench_set(parts, tok, name: str, convs: list[Conversation], args, limit: int
     per_prompt, tokens, steps, skipped = [], 0, 0, 0
     turns = sum(len(c.turns) for c in convs)
     with tqdm(total=turns, desc=name, unit="turn", file=sys.stderr, disable=args.quiet) as bar:
-        decoded = decode_conversations(parts, tok, convs, args.max_new_tokens, args.thinking == "on", limit,
-                                       getattr(args, "prompt_cap", None), getattr(args, "batch_size", DEFAULT_BATCH),
-                                       bar.update)  # fmt: skip
+        decoded = decode_conversations(
+            parts,
+            tok,
+            convs,
+            args.max_new_tokens,
+            args.thinking == "on",
+            limit,
+            getattr(args, "prompt_cap", None),
+            getattr(args, "batch_size", DEFAULT_BATCH),
+            bar.update,
+        )
     for i, one in enumerate(decoded):
         if one is None:
             skipped += 1
@@ -158,9 +183,16 @@ def bench_set(parts, tok, name: str, convs: list[Conversation], args, limit: int
             tau = round(sum(gained) / len(gained), 4) if gained else None
             row = {"prompt_set": name, "index": i, "turns": turns, "tokens": sum(gained), "draft_steps": len(gained)}
             out_file.write(json.dumps({**row, "tau": tau}) + "\n")
-    return SetResult(name, len(convs) - skipped, skipped, round(sum(per_prompt) / len(per_prompt), 4) if per_prompt
-                     else 0.0, round(tokens / steps, 4) if steps else 0.0, tokens, steps,
-                     round(time.perf_counter() - t0, 2))  # fmt: skip
+    return SetResult(
+        name,
+        len(convs) - skipped,
+        skipped,
+        round(sum(per_prompt) / len(per_prompt), 4) if per_prompt else 0.0,
+        round(tokens / steps, 4) if steps else 0.0,
+        tokens,
+        steps,
+        round(time.perf_counter() - t0, 2),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,22 +203,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=2048)
     ap.add_argument("--thinking", choices=["on", "off"], default="off", help="the chat template's enable_thinking")
     ap.add_argument("--limit", type=int, default=None, help="the first N prompts of each set")
-    ap.add_argument("--max-prompt-tokens", type=int, default=None,
-                    help="a longer prompt is skipped and counted, never decoded (default: the target's context less "
-                    f"--max-new-tokens, at most {DEFAULT_MAX_PROMPT})")
-    ap.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
-                    help=f"prompts decoded at once, grouped by length (default {DEFAULT_BATCH}; 1: one at a time, the "
-                    "same tau)")
+    ap.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="a longer prompt is skipped and counted, never decoded (default: the target's context less "
+        f"--max-new-tokens, at most {DEFAULT_MAX_PROMPT})",
+    )
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH,
+        help=f"prompts decoded at once, grouped by length (default {DEFAULT_BATCH}; 1: one at a time, the same tau)",
+    )
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     ap.add_argument("--out", default=None, help="also write one line per prompt to this JSONL")
     ap.add_argument("--json", action="store_true", help="print the results as one JSON object")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
-    if args.max_new_tokens < 1 or args.batch_size < 1 or (args.limit is not None and args.limit < 1) or (
-            args.max_prompt_tokens is not None and args.max_prompt_tokens < 1):  # fmt: skip
-        print("config error: --max-new-tokens, --batch-size, --limit and --max-prompt-tokens must be at least 1",
-              file=sys.stderr)  # fmt: skip
+    if (
+        args.max_new_tokens < 1
+        or args.batch_size < 1
+        or (args.limit is not None and args.limit < 1)
+        or (args.max_prompt_tokens is not None and args.max_prompt_tokens < 1)
+    ):
+        print(
+            "config error: --max-new-tokens, --batch-size, --limit and --max-prompt-tokens must be at least 1",
+            file=sys.stderr,
+        )
         return EXIT_CONFIG
     try:
         from trainer.data.dataset import load_tokenizer
@@ -196,8 +241,11 @@ def main(argv: list[str] | None = None) -> int:
         tok = load_tokenizer(args.target, "--target")
         config = read_draft_config(args.drafter)
         bs = int((config.get("dflash_config") or {}).get("block_size") or config.get("block_size") or 16)
-        firsts = [len(render(tok, c.history + [{"role": "user", "content": c.turns[0]}], args.thinking == "on"))
-                  for _, convs in sets for c in convs]  # fmt: skip
+        firsts = [
+            len(render(tok, c.history + [{"role": "user", "content": c.turns[0]}], args.thinking == "on"))
+            for _, convs in sets
+            for c in convs
+        ]
         cap = args.prompt_cap = prompt_cap(args.target, args.max_new_tokens, args.max_prompt_tokens)
         firsts = [n for n in firsts if n <= cap] or [min(firsts + [cap])]  # the limit fits the prompts decoded
         turns = max(len(c.turns) for _, convs in sets for c in convs)
@@ -219,20 +267,29 @@ def main(argv: list[str] | None = None) -> int:
     empty = [r for r in results if r.draft_steps == 0]
     if empty:  # a tau of nothing is no measurement: never printed as 0.000 with exit 0
         for r in empty:
-            print(f"config error: {r.prompt_set}: nothing to measure: {r.prompts + r.skipped} prompts, {r.skipped} "
-                  "skipped as too long for --max-prompt-tokens or the target's context, none drafted",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"config error: {r.prompt_set}: nothing to measure: {r.prompts + r.skipped} prompts, {r.skipped} "
+                "skipped as too long for --max-prompt-tokens or the target's context, none drafted",
+                file=sys.stderr,
+            )
         return EXIT_CONFIG
-    summary = {"drafter": args.drafter, "target": args.target, "max_new_tokens": args.max_new_tokens,
-               "thinking": args.thinking, "block_size": parts.cfg.drafter.block_size,
-               "sets": [asdict(r) for r in results]}  # fmt: skip
+    summary = {
+        "drafter": args.drafter,
+        "target": args.target,
+        "max_new_tokens": args.max_new_tokens,
+        "thinking": args.thinking,
+        "block_size": parts.cfg.drafter.block_size,
+        "sets": [asdict(r) for r in results],
+    }
     if args.json:
         print(json.dumps(summary))
     else:
         for r in results:
-            print(f"{r.prompt_set}: tau {r.tau_prompt_mean:.3f} (mean of per-prompt means), pooled {r.tau_pooled:.3f}"
-                  f"; {r.prompts} prompts, {r.skipped} skipped as too long, {r.tokens} tokens in {r.draft_steps} "
-                  f"draft steps, {r.seconds:.1f} s")  # fmt: skip
+            print(
+                f"{r.prompt_set}: tau {r.tau_prompt_mean:.3f} (mean of per-prompt means), pooled {r.tau_pooled:.3f}"
+                f"; {r.prompts} prompts, {r.skipped} skipped as too long, {r.tokens} tokens in {r.draft_steps} "
+                f"draft steps, {r.seconds:.1f} s"
+            )
     return 0
 
 
