@@ -289,7 +289,13 @@ def attach_argv(job: JobRecord, write: bool = False, prefix: str = VIEW_PREFIXES
     `sattach`."""
     from dflashctl.remote.transport import container_prefix
 
+    # the view is nested on purpose (its own prefix inside the user's tmux): tmux's own nesting check compares this
+    # terminal with every pane our server ever had, and a dead pane's old tty name, reused by the user's new pane,
+    # made it refuse ("sessions should be nested with care"); the view's client does not inherit $TMUX
     tmux = [
+        "env",
+        "-u",
+        "TMUX",
         "tmux",
         "-L",
         job.tmux_socket,

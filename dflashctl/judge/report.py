@@ -342,6 +342,12 @@ class Judge:
             return r
         state = said["state"][:40]
         ago = max(0.0, self.h.now - (number(said.get("time")) or self.h.now))
+        silent = (self.h.scheduler or {}).get("state") == "NO_ANSWER"
+        if silent and state != r.state:  # the scheduler is silent now, on the supervisor's own login node: its word
+            r.decided_by = HERE  # came before that silence, and this look's UNREACHABLE is the fresher fact
+            r.decided_why = f"the scheduler did not answer this look: the job's supervisor said {state} {ago:.0f} s ago"
+            r.evidence.append(r.decided_why[:400])
+            return r
         if state == r.state:  # the same word: this look's evidence is the fresher
             r.evidence.append(f"the job's supervisor agrees ({ago:.0f} s ago)")
             return r

@@ -246,3 +246,30 @@ def test_attach_inside_tmux_gets_a_prefix_of_its_own_and_detaches_the_view_not_t
     finally:
         subprocess.run([*outer, "kill-server"], capture_output=True)
         run_cli("kill", job_id)
+
+
+def test_attach_from_a_pane_of_our_own_tmux_server_is_not_refused_as_nesting(local):
+    """tmux refuses a client whose terminal is one of the server's own panes ("sessions should be nested with care"),
+    and compares against every pane it ever kept, dead ones too: a user pane whose tty name a dead pane once had was
+    refused at random in loaded suite runs. Here the terminal IS a pane of the job's own server, so tmux's check is
+    certain to fire unless the view's client runs without $TMUX; it attaches (read-only), and detaches."""
+    from tests.conftest import TEST_TMUX_SOCKET
+
+    job_id, _ = launch(local, "nested", "sleep 300", "watch: {supervise: false}\n")
+    ours = ["tmux", "-L", TEST_TMUX_SOCKET]
+    host = f"host-{os.getpid()}"
+    cmd = f"{sys.executable} -m dflashctl attach {job_id}; echo DETACHED:$?; sleep 300"
+    try:
+        subprocess.run([*ours, "new-session", "-d", "-s", host, "-x", "150", "-y", "30", cmd], check=True)
+        clients = [*ours, "list-clients", "-F", "#{session_name}"]
+        pane = [*ours, "capture-pane", "-p", "-t", f"={host}:"]
+        try:
+            wait_until(lambda: job_id in subprocess.run(clients, capture_output=True, text=True).stdout, timeout=60)
+        except AssertionError:
+            shown = subprocess.run(pane, capture_output=True, text=True).stdout
+            raise AssertionError(f"no view attached; the pane shows:\n{shown}") from None
+        subprocess.run([*ours, "detach-client", "-s", f"={job_id}"], check=True)
+        wait_until(lambda: "DETACHED:0" in subprocess.run(pane, capture_output=True, text=True).stdout, timeout=60)
+    finally:
+        subprocess.run([*ours, "kill-session", "-t", f"={host}"], capture_output=True)
+        run_cli("kill", job_id)

@@ -122,6 +122,8 @@ def test_a_clock_stepped_back_an_hour_during_the_backoff_delays_the_restart_by_n
         shift.write_text("-3600")
         # the backoff is 6 s: waited on state, with room for a busy machine, and far less than the hour
         wait_until(lambda: (run / "restarts").exists() and (run / "restarts").read_text().strip() == "1", 90)
+        # the restart's event is appended after the restart is done (the count first): waited on, not raced
+        wait_until(lambda: any(e.get("decision") == "restart" for e in events(run)), 30)
         assert [e["by"] for e in events(run) if e.get("decision") == "restart"] == ["supervisor"]
         wait_until(lambda: sup.poll() is not None, 60)  # the second attempt crashes too: the budget is spent
         said = (verdict(run), supervisor(run), events(run)[-4:])  # what it said, should it fail

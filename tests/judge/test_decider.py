@@ -212,3 +212,28 @@ def test_two_nodes_the_first_to_fail_is_named_and_one_node_not_reached_hands_ove
     turn = lost.take([Look(snap(T0 + 1, dead=1, log=CRASH_LOG)), Look(None, False, "ssh: no route")], 1.0)
     assert lost.unreached == ["b: ssh: no route"]
     assert turn.move.kind in (WAIT, HAND_OVER) and turn.restart is None, "it cannot restart what it cannot reach"
+
+
+def test_a_silent_scheduler_is_unreachable_whatever_the_answering_supervisor_said_before():
+    """A Slurm job: the controller does not answer this look (on the login node the supervisor asks too). The
+    supervisor answers, but its verdict (RUNNING) predates the silence: the look's UNREACHABLE stands, decided here,
+    with the supervisor's last word in the evidence. Once the supervisor says UNREACHABLE too, it agrees."""
+    judge = Judge("job-1", "gpu", Thresholds(stall_after_s=60.0), is_trainer=True, max_restarts=2, scheduled=True)
+    d = Decider([judge], ["gpu"], Policy(("CRASHED",), 2, 0.0), "status", "job-1", "gpu")
+    verdict = {
+        "state": "RUNNING",
+        "reason": "alive",
+        "evidence": [],
+        "restarts": 0,
+        "attempt_start": T0 - 10,
+        "time": T0,
+    }
+    sup = {"alive": True, "interval_s": 1.0, "heartbeat": {"beat": 3, "age_s": 0.1}, "verdict": verdict}
+    look = snap(T0 + 2, supervisor=sup)
+    look["session"]["slurm"] = {"id": "18", "state": "NO_ANSWER", "reason": "slurm_load_jobs error: timed out"}
+    r = d.take([Look(look)], 0.0).report
+    assert r.state == "UNREACHABLE" and r.decided_by == "here", r
+    assert any("the job's supervisor said RUNNING 2 s ago" in e for e in r.evidence), r.evidence
+    verdict["state"] = "UNREACHABLE"
+    r = Decider([judge], ["gpu"], Policy(("CRASHED",), 2, 0.0), "status", "job-1", "gpu").take([Look(look)], 1.0).report
+    assert r.state == "UNREACHABLE" and r.decided_by == SUPERVISOR and any("agrees" in e for e in r.evidence), r
