@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -258,7 +259,14 @@ def test_attach_from_a_pane_of_our_own_tmux_server_is_not_refused_as_nesting(loc
     job_id, _ = launch(local, "nested", "sleep 300", "watch: {supervise: false}\n")
     ours = ["tmux", "-L", TEST_TMUX_SOCKET]
     host = f"host-{os.getpid()}"
-    cmd = f"{sys.executable} -m dflashctl attach {job_id}; echo DETACHED:$?; sleep 300"
+    # the pane is the shared server's: its environment is the server's, not this test's (its home, records, project)
+    env = " ".join(
+        shlex.quote(f"{k}={os.environ[k]}") for k in ("HOME", "PATH", "DFLASHCTL_STATE_DIR", "DFLASHCTL_TMUX_SOCKET")
+    )
+    cmd = (
+        f"cd {shlex.quote(os.getcwd())} && env -u DFLASHCTL_HOSTS -u XDG_CONFIG_HOME -u XDG_STATE_HOME {env} "
+        f"{sys.executable} -m dflashctl attach {job_id}; echo DETACHED:$?; sleep 300"
+    )
     try:
         subprocess.run([*ours, "new-session", "-d", "-s", host, "-x", "150", "-y", "30", cmd], check=True)
         clients = [*ours, "list-clients", "-F", "#{session_name}"]
