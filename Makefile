@@ -57,9 +57,10 @@ lint: venv
 	$(VENV)/bin/ruff check dflashctl trainer tests bench
 	$(VENV)/bin/ruff format --check dflashctl trainer tests bench
 
-# Two workers, one test module at a time each: the end-to-end tests spend much of their time waiting on processes,
-# so two run side by side on a 2-core machine (about 1.5 cores busy on average).
-PYTEST_WORKERS ?= 2
+# Three workers, one test module at a time each: the end-to-end tests spend much of their time waiting on processes
+# (a job's interval, a stall threshold, a backoff). With two on a 2-core machine the cores stood idle a fifth of the
+# suite (947 s); with three, under a tenth (docs/benchmarks.md, "The suite's time").
+PYTEST_WORKERS ?= 3
 PYTEST_ARGS ?= --durations=30
 
 # Bytecode must exist before the suite: where PYTHONDONTWRITEBYTECODE is set (CI sets it) nothing is cached at

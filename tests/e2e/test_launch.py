@@ -68,13 +68,17 @@ def status_json(job_id: str, cwd: Path | None = None) -> dict:
 
 
 def wait_until(fn, timeout: float = 60.0):
+    """Polls `fn` until it is true. A look that costs more than the 0.3 s between looks (a CLI start, an ssh call,
+    the agent) waits as long again: a poll keeps at most half a core busy, and on a 2-core machine the job it waits
+    on, and the other worker's tests, keep the rest."""
     deadline = time.monotonic() + timeout
     while True:
+        t0 = time.monotonic()
         value = fn()
         if value:
             return value
         assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.3)
+        time.sleep(min(2.0, max(0.3, time.monotonic() - t0)))
 
 
 def alive(pid: int) -> bool:

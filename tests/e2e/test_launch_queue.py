@@ -5,13 +5,14 @@ leave the queue in the order they joined it, and a kill takes a queued job out b
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 
 from dflashctl.agent import procs
-from tests.conftest import run_cli
+from tests.conftest import FAKES, TEST_TMUX_SOCKET, run_cli
 from tests.e2e.test_kill_watch_launch_under_faults import job_file, proj  # noqa: F401 - the fixture
 from tests.e2e.test_launch import cli_json, status_json, wait_until
 
@@ -24,6 +25,12 @@ def free_gpu(sshd):
     apps = sshd.dir / "nvidia-apps.csv"
     recorded = apps.read_text()
     apps.write_text("")
+    # a queued pane reads the GPUs with the tmux server's environment, set by whichever test started this worker's
+    # server (the Slurm tests' login sshd, with GPU processes recorded in its own fake): pointed at this sshd's fake
+    env = {"PATH": f"{FAKES}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+    env |= {"FAKE_NVIDIA_SMI_APPS": str(apps), "FAKE_NVIDIA_SMI_GPUS": str(sshd.dir / "nvidia-gpus.csv")}
+    for k, v in env.items():  # no server yet: the first launch here starts it with this sshd's environment
+        subprocess.run(["tmux", "-L", TEST_TMUX_SOCKET, "set-environment", "-g", k, v], capture_output=True)
     yield
     apps.write_text(recorded)
 
