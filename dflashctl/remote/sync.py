@@ -105,6 +105,20 @@ class DeployReport:
     sent: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
 
+    @classmethod
+    def of(cls, host: str, abs_wd: str, version: str, plan: Plan, **more) -> DeployReport:
+        """The report of `plan` (what is sent and deleted) for the release `version` under the workdir `abs_wd`."""
+        return cls(
+            host=host,
+            code_dir=f"{abs_wd}/code",
+            version=version,
+            files_sent=len(plan.send),
+            files_deleted=len(plan.delete),
+            sent=plan.send,
+            deleted=plan.delete,
+            **more,
+        )
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -445,15 +459,7 @@ def deploy(
     if known is not None and known[1] != version:  # one remote command: the changes against what we last deployed
         abs_wd, base, base_files, _ = known
         plan = plan_changes(local, base_files)
-        report = DeployReport(
-            host=runner.host.name,
-            code_dir=f"{abs_wd}/code",
-            version=version,
-            files_sent=len(plan.send),
-            files_deleted=len(plan.delete),
-            sent=plan.send,
-            deleted=plan.delete,
-        )
+        report = DeployReport.of(runner.host.name, abs_wd, version, plan)
         sent = _send_release(
             runner,
             root,
@@ -475,17 +481,7 @@ def deploy(
     if report is None:
         abs_wd, current, remote = read_remote_state(runner, workdir)
         plan = plan_changes(local, remote) if current != version else Plan([], [])
-        report = DeployReport(
-            host=runner.host.name,
-            code_dir=f"{abs_wd}/code",
-            version=version,
-            files_sent=len(plan.send),
-            files_deleted=len(plan.delete),
-            dry_run=dry_run,
-            sent=plan.send,
-            deleted=plan.delete,
-            bytes_sent=travelled,
-        )
+        report = DeployReport.of(runner.host.name, abs_wd, version, plan, dry_run=dry_run, bytes_sent=travelled)
         if not dry_run and current != version:
             _send_release(
                 runner,
@@ -601,16 +597,7 @@ def _plan_and_send(
         detail = (res.err or res.out).strip()[-300:] or f"exit status {res.returncode}"
         raise RemoteCommandError(f"deploy to {runner.host.name} failed: {detail}")
     abs_wd = str(head["workdir"])
-    report = DeployReport(
-        host=runner.host.name,
-        code_dir=f"{abs_wd}/code",
-        version=version,
-        files_sent=len(plan.send),
-        files_deleted=len(plan.delete),
-        sent=plan.send,
-        deleted=plan.delete,
-        bytes_sent=talk.pipe.sent if talk.pipe else 0,
-    )
+    report = DeployReport.of(runner.host.name, abs_wd, version, plan, bytes_sent=talk.pipe.sent if talk.pipe else 0)
     if ans.get("ok"):
         agent.ran(ans.get("python"))
         return report
