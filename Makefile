@@ -59,7 +59,7 @@ lint: venv
 
 # Three workers, one test module at a time each: the end-to-end tests spend much of their time waiting on processes
 # (a job's interval, a stall threshold, a backoff). With two on a 2-core machine the cores stood idle a fifth of the
-# suite (947 s); with three, under a tenth (docs/benchmarks.md, "The suite's time").
+# suite (947 s); with three, under a tenth (docs/benchmarks.md, "Round 15: the suite's time, two workers or three").
 PYTEST_WORKERS ?= 3
 PYTEST_ARGS ?= --durations=30
 
