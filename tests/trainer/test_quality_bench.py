@@ -36,6 +36,33 @@ class Box{n}:
 '''
 
 
+def tiny_target_argv(src: Path, heldout_prompts: int) -> list[str]:
+    """make_target's arguments for a tiny target trained on CPU from the files under `src` (also the real pass's
+    target phase at tiny size, tests/trainer/test_quality_pass.py)."""
+    return [
+        "--size",
+        "tiny",
+        "--roots",
+        str(src),
+        "--steps",
+        "2",
+        "--batch",
+        "2",
+        "--seq",
+        "32",
+        "--heldout-percent",
+        "20",
+        "--eval-tokens",
+        "256",
+        "--device",
+        "cpu",
+        "--train-prompts",
+        "20",
+        "--heldout-prompts",
+        str(heldout_prompts),
+    ]
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """A tiny target made twice from the same seed over 40 small files (hermetic: not the stdlib)."""
@@ -45,30 +72,7 @@ def made(tmp_path_factory):
     outs = []
     for name in ("a", "b"):
         out = tmp_path_factory.mktemp(name)
-        argv = [
-            "--out",
-            str(out),
-            "--size",
-            "tiny",
-            "--roots",
-            str(src),
-            "--steps",
-            "2",
-            "--batch",
-            "2",
-            "--seq",
-            "32",
-            "--heldout-percent",
-            "20",
-            "--eval-tokens",
-            "256",
-            "--device",
-            "cpu",
-            "--train-prompts",
-            "20",
-            "--heldout-prompts",
-            "5",
-        ]
+        argv = ["--out", str(out), *tiny_target_argv(src, heldout_prompts=5)]
         assert make_target.main(argv) == 0
         outs.append(out)
     return outs

@@ -17,6 +17,8 @@ sys.path.insert(0, str(ROOT / "bench" / "quality"))
 import collect_real  # noqa: E402
 import run_quality  # noqa: E402
 
+from tests.trainer.test_quality_bench import tiny_target_argv  # noqa: E402
+
 SOURCE = '''
 def area{n}(w, h):
     """The area of a w by h box, in square units, for box number {n}."""
@@ -34,28 +36,7 @@ def work(tmp_path_factory):
     for n in range(30):
         (src / f"mod{n:02d}.py").write_text(SOURCE.format(n=n) * 2)
     work = tmp_path_factory.mktemp("work")
-    target = [
-        "--size",
-        "tiny",
-        "--roots",
-        str(src),
-        "--steps",
-        "2",
-        "--batch",
-        "2",
-        "--seq",
-        "32",
-        "--heldout-percent",
-        "20",
-        "--eval-tokens",
-        "256",
-        "--device",
-        "cpu",
-        "--train-prompts",
-        "20",
-        "--heldout-prompts",
-        "4",
-    ]
+    target = tiny_target_argv(src, heldout_prompts=4)
 
     def q(*args: str) -> None:
         argv = [
