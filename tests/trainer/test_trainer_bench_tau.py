@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -62,19 +63,11 @@ def prompt_files(tmp_path):
     return paths
 
 
-def run(capsys, *argv) -> tuple[int, str, str]:
-    code = bench_tau.main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_every_format_is_measured_and_both_taus_are_named(capsys, tiny_dir, drafter_dir, prompt_files, tmp_path):
-    per_prompt = tmp_path / "per_prompt.jsonl"
-    args = [
+def cpu_args(tiny_dir: Path, *more: str) -> list[str]:
+    """bench_tau's arguments for the tiny target on the CPU in float32, quiet, the summary as JSON; then `more`."""
+    return [
         "--target",
         str(tiny_dir / "target"),
-        "--drafter",
-        str(drafter_dir),
         "--max-new-tokens",
         str(MAX_NEW),
         "--dtype",
@@ -83,9 +76,19 @@ def test_every_format_is_measured_and_both_taus_are_named(capsys, tiny_dir, draf
         "cpu",
         "--quiet",
         "--json",
-        "--out",
-        str(per_prompt),
+        *more,
     ]
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = bench_tau.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_every_format_is_measured_and_both_taus_are_named(capsys, tiny_dir, drafter_dir, prompt_files, tmp_path):
+    per_prompt = tmp_path / "per_prompt.jsonl"
+    args = cpu_args(tiny_dir, "--drafter", str(drafter_dir), "--out", str(per_prompt))
     for p in prompt_files.values():
         args += ["--prompts", str(p)]
     code, out, _ = run(capsys, *args)
@@ -163,22 +166,7 @@ def test_one_huge_prompt_is_skipped_and_does_not_set_the_length_limit(capsys, ti
     p = tmp_path / "huge.jsonl"
     lines = [{"question": "count after two ."}, {"question": "count " * 30000}]
     p.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    args = [
-        "--target",
-        str(tiny_dir / "target"),
-        "--drafter",
-        str(drafter_dir),
-        "--max-new-tokens",
-        str(MAX_NEW),
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--quiet",
-        "--json",
-        "--prompts",
-        str(p),
-    ]
+    args = cpu_args(tiny_dir, "--drafter", str(drafter_dir), "--prompts", str(p))
     code, out, _ = run(capsys, *args)
     assert code == 0
     (s,) = json.loads(out)["sets"]
@@ -198,20 +186,7 @@ def test_the_reference_placement_of_block_size_is_read(capsys, tmp_path, tiny_di
     assert config["block_size"] == 8
     (moved / "config.json").write_text(json.dumps(config))
     (moved / "model.safetensors").symlink_to(drafter_dir / "model.safetensors")
-    args = [
-        "--target",
-        str(tiny_dir / "target"),
-        "--max-new-tokens",
-        str(MAX_NEW),
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--quiet",
-        "--json",
-        "--prompts",
-        str(prompt_files["gsm8k"]),
-    ]
+    args = cpu_args(tiny_dir, "--prompts", str(prompt_files["gsm8k"]))
     code, out, err = run(capsys, *args, "--drafter", str(moved))
     assert code == 0, err
     assert json.loads(out)["block_size"] == 8
