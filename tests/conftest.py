@@ -216,6 +216,19 @@ def client(tmp_path, monkeypatch, sshd) -> Client:
     return Client(home, known, hosts, project)
 
 
+def run_two_ranks(script: Path, *args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --standalone --nproc-per-node 2 SCRIPT ARGS...`: two real ranks on gloo, one
+    thread each (two cores), their output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *args],
+        cwd=cwd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def run_trainer_cli(
     config: Path, *args: str, env: dict | None = None, unset: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:

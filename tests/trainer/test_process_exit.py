@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import run_two_ranks
+
 ROOT = Path(__file__).resolve().parents[2]
 
 WORKER = """
@@ -29,23 +31,7 @@ end_process(3)
 def test_a_rank_ends_flushed_with_its_code_and_without_the_teardown(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(script),
-            str(ROOT),
-        ],
-        cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_two_ranks(script, str(ROOT), cwd=tmp_path, timeout=300)
     assert "rank 0 sum 2" in proc.stdout and "rank 1 sum 2" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     assert "teardown ran" not in proc.stdout
     assert proc.returncode != 0 and "exitcode  : 3" in proc.stderr, proc.stderr[-2000:]  # torchrun's report per rank

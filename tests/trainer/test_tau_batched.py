@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from tests.conftest import run_two_ranks
 from trainer.config import from_dict
 from trainer.model.mask import bucket_for, build_blocks
 from trainer.run import eval as spec
@@ -291,32 +292,12 @@ end_process(0)
 def test_a_sharded_target_decodes_the_same_batches_on_every_rank(tmp_path):
     """Tensor-parallel (DTensor, local KV heads in the cache) and FSDP2 targets, two ranks on gloo: every rank's
     batched answer equals the replicated target's."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     script = tmp_path / "worker.py"
     script.write_text(f"json_cfg = {json.dumps(CONFIG)}\n" + WORKER)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(script),
-            str(tmp_path),
-            str(root),
-        ],
-        cwd=root,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_two_ranks(script, str(tmp_path), str(root), cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = torch.load(tmp_path / "replicate-0.pt")
     assert any(len(g) for _, g in want)

@@ -5,7 +5,6 @@ anything loads."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import run_two_ranks
 from trainer.config import from_dict
 from trainer.errors import ConfigError
 
@@ -22,27 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("parallel")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(ROOT / "tests" / "parallel_worker.py"),
-            str(out),
-            "replicate",
-            "tensor",
-            "fsdp",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_two_ranks(ROOT / "tests" / "parallel_worker.py", str(out), "replicate", "tensor", "fsdp", cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 

@@ -5,9 +5,6 @@ one-device model, and the recompile limit in the thread that runs backward."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -15,6 +12,7 @@ import pytest
 import torch
 import torch._dynamo
 
+from tests.conftest import run_two_ranks
 from trainer.config import from_dict
 from trainer.data.dataset import make_dataset
 from trainer.model.compile_policy import apply_compile_policy
@@ -40,24 +38,7 @@ def tiny(**drafter) -> dict:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("parallelize")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(ROOT / "tests" / "parallelize_worker.py"),
-            str(out),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_two_ranks(ROOT / "tests" / "parallelize_worker.py", str(out), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
