@@ -190,9 +190,9 @@ class Supervisor:
         if turn.notices:
             self.sender.poke()
 
-    def write_verdict(self, r, gave_up: str | None = None) -> None:
-        multi = {"nodes": self.decider.node_states, "unreached": self.decider.unreached} if self.members else {}
-        body = {
+    def said(self, r) -> dict:
+        """The supervisor's word on this attempt, as verdict.json and the final record both carry it."""
+        return {
             "time": r.time,
             "state": r.state,
             "reason": r.reason,
@@ -202,10 +202,11 @@ class Supervisor:
             "restarts": self.decider.restarts,
             "attempt_start": self.h.started_at,
             "by": "supervisor",
-            "pid": os.getpid(),
-            **({"gave_up": gave_up} if gave_up else {}),
-            **multi,
         }
+
+    def write_verdict(self, r, gave_up: str | None = None) -> None:
+        multi = {"nodes": self.decider.node_states, "unreached": self.decider.unreached} if self.members else {}
+        body = {**self.said(r), "pid": os.getpid(), **({"gave_up": gave_up} if gave_up else {}), **multi}
         with contextlib.suppress(OSError):
             write_atomic(os.path.join(self.run, VERDICT), json.dumps(body, separators=(",", ":")).encode())
 
@@ -215,22 +216,7 @@ class Supervisor:
         self.write_verdict(r, why)
         ended = f"{r.state}: {why}"
         with contextlib.suppress(OSError):  # in place, into space taken at the start: it holds on a full disk
-            write_final(
-                self.run,
-                {
-                    "time": r.time,
-                    "state": r.state,
-                    "reason": r.reason,
-                    "evidence": r.evidence[:12],
-                    "advice": r.advice,
-                    "step": r.step,
-                    "restarts": self.decider.restarts,
-                    "attempt_start": self.h.started_at,
-                    "by": "supervisor",
-                    "gave_up": why,
-                    "ended": ended,
-                },
-            )
+            write_final(self.run, {**self.said(r), "gave_up": why, "ended": ended})
         return ended
 
     def restart(self, ask: dict):

@@ -184,26 +184,21 @@ def launch(
     report.queued = ans.get("queued") if isinstance(ans.get("queued"), dict) else None
     waits = (report.queued or {}).get("waiting_for") or ["its GPUs"]
     registry.record(
-        JobRecord(
-            id=job_id,
-            name=job.name,
-            project=str(root),
-            job_file=str(job_path.resolve()),
-            host_name=host.name,
-            host=host,
+        _job_record(
+            job,
+            job_id,
+            root,
+            job_path,
+            host,
+            report,
+            command,
+            socket,
+            trainer_cfg,
             release=report.release,
-            command=command,
             run_dir=report.run_dir,
             session=report.session,
             pane_pid=report.pane_pid,
             gpus=job.gpu_indices,
-            launched_at=time.time(),
-            kill_grace_s=job.kill_grace_s,
-            is_trainer=job.trainer is not None,
-            overrides=report.overrides,
-            tmux_socket=socket,
-            watch=job.watch.model_copy(update={"startup_budget_s": job.startup_budget(trainer_cfg)}),
-            steps=(trainer_cfg or {}).get("steps"),
             slurm_job=report.slurm_job,
             **(
                 {
@@ -216,6 +211,28 @@ def launch(
         )
     )
     return report
+
+
+def _job_record(job, job_id: str, root, job_path, host, report, command, socket, trainer_cfg, **where) -> JobRecord:
+    """The laptop's record of a job just started (one host or several): what every launch records, and `where` it
+    runs (release, run dir, session, pane, GPUs; a Slurm id or the nodes)."""
+    return JobRecord(
+        id=job_id,
+        name=job.name,
+        project=str(root),
+        job_file=str(job_path.resolve()),
+        host_name=host.name,
+        host=host,
+        command=command,
+        launched_at=time.time(),
+        kill_grace_s=job.kill_grace_s,
+        is_trainer=job.trainer is not None,
+        overrides=report.overrides,
+        tmux_socket=socket,
+        watch=job.watch.model_copy(update={"startup_budget_s": job.startup_budget(trainer_cfg)}),
+        steps=(trainer_cfg or {}).get("steps"),
+        **where,
+    )
 
 
 def _deployed(rep: DeployReport) -> dict:
@@ -451,26 +468,21 @@ def launch_nodes(
     for node, m in zip(report.nodes, members, strict=True):
         node.update(run_dir=m.run_dir, pane_pid=m.pane_pid)
     registry.record(
-        JobRecord(
-            id=job_id,
-            name=job.name,
-            project=str(root),
-            job_file=str(job_path.resolve()),
-            host_name=hosts[0].name,
-            host=hosts[0],
+        _job_record(
+            job,
+            job_id,
+            root,
+            job_path,
+            hosts[0],
+            report,
+            command,
+            socket,
+            trainer_cfg,
             release=version,
-            command=command,
             run_dir=members[0].run_dir,
             session=sess,
             pane_pid=members[0].pane_pid,
             gpus=members[0].gpus,
-            launched_at=time.time(),
-            kill_grace_s=job.kill_grace_s,
-            is_trainer=job.trainer is not None,
-            overrides=report.overrides,
-            tmux_socket=socket,
-            watch=job.watch.model_copy(update={"startup_budget_s": job.startup_budget(trainer_cfg)}),
-            steps=(trainer_cfg or {}).get("steps"),
             members=members,
         )
     )
