@@ -21,6 +21,7 @@ import subprocess
 import time
 
 from .common import LockTimeout, locked, open_regular, read_json, read_regular, write_atomic
+from .files import tail_lines
 
 SCRIPT, STATE, LOG = "setup.sh", "setup.json", "setup.log"  # in the run dir
 DONE_DIR = "setup"  # in the workdir: setup/<release>/<key>.json once the setup ran to success there
@@ -34,18 +35,10 @@ def stamp() -> str:
 
 
 def _tail(run_dir: str) -> list[str]:
-    """The last lines of setup.log (bounded however long they are)."""
-    try:
-        size = os.path.getsize(os.path.join(run_dir, LOG))
-        data = read_regular(os.path.join(run_dir, LOG), 16384, max(0, size - 16384)) or b""
-    except OSError:
-        return []
-    lines = [
-        ln.rstrip()[:300]
-        for ln in data.decode("utf-8", "replace").splitlines()
-        if ln.strip() and not ln.startswith("[dflashctl] ")
-    ]  # the setup's own lines, not ours
-    return lines[-TAIL_LINES:]
+    """The last lines of setup.log (its last 16 KiB, bounded however long they are)."""
+    text = tail_lines(os.path.join(run_dir, LOG), 1 << 20, 16384)["text"]  # every line of those 16 KiB
+    lines = [ln.rstrip()[:300] for ln in text.splitlines() if ln.strip() and not ln.startswith("[dflashctl] ")]
+    return lines[-TAIL_LINES:]  # the setup's own lines, not ours
 
 
 class Step:
