@@ -89,14 +89,19 @@ def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
         raise
 
 
-def append_jsonl(path: str, records: list[dict]) -> None:
-    """One JSON object a line, appended in one write (0600 on creation; never through a symlink in its place, never
-    into a FIFO or anything else the job put there: that raises SetAside, an OSError)."""
+def append_text(path: str, text: str) -> None:
+    """`text` appended in one write (0600 on creation; never through a symlink in its place, never into a FIFO or
+    anything else the job put there: that raises SetAside, an OSError)."""
     fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     if fd is None:  # a dangling path component: nothing to append to
         raise FileNotFoundError(path)
     with os.fdopen(fd, "a") as f:
-        f.write("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
+        f.write(text)
+
+
+def append_jsonl(path: str, records: list[dict]) -> None:
+    """One JSON object a line, appended in one write (append_text)."""
+    append_text(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records))
 
 
 def start_time(pid: int) -> int | None:

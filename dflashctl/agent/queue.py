@@ -22,7 +22,7 @@ import json
 import os
 import time
 
-from .common import STOP_REQUEST, WRAPPER_PID, open_regular, read_int, read_json, write_atomic
+from .common import STOP_REQUEST, WRAPPER_PID, append_text, read_int, read_json, write_atomic
 
 QUEUE = "queue.json"  # in the run dir while the job waits for its GPUs (and, state `starting`, until it runs)
 TICKETS = ".queue-tickets"  # in the workdir: the last ticket handed out, under the host lock
@@ -93,10 +93,7 @@ def say(run_dir: str, line: str) -> None:
     with contextlib.suppress(OSError, ValueError):
         print(text, end="", flush=True)
     with contextlib.suppress(OSError):
-        fd = open_regular(os.path.join(run_dir, "train.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        if fd is not None:
-            with os.fdopen(fd, "a") as f:
-                f.write(text)
+        append_text(os.path.join(run_dir, "train.log"), text)
 
 
 def dequeue(run_dir: str) -> bool:

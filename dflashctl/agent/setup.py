@@ -20,7 +20,7 @@ import signal
 import subprocess
 import time
 
-from .common import LockTimeout, locked, open_regular, read_json, read_regular, write_atomic
+from .common import LockTimeout, append_text, locked, open_regular, read_json, read_regular, write_atomic
 from .files import tail_lines
 
 SCRIPT, STATE, LOG = "setup.sh", "setup.json", "setup.log"  # in the run dir
@@ -71,10 +71,7 @@ def log(run_dir: str, line: str) -> None:
     """A line of ours in setup.log, and on stdout (run.sh copies it into train.log)."""
     print(f"[dflashctl] {stamp()} setup: {line}", flush=True)
     with contextlib.suppress(OSError):
-        fd = open_regular(os.path.join(run_dir, LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
-        if fd is not None:
-            with os.fdopen(fd, "a") as f:
-                f.write(f"[dflashctl] {stamp()} {line}\n")
+        append_text(os.path.join(run_dir, LOG), f"[dflashctl] {stamp()} {line}\n")
 
 
 def done_record(path: str, key: str, release: str) -> dict | None:
